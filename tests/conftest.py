@@ -1,0 +1,103 @@
+"""Shared fixtures: a throwaway PostgreSQL cluster, and store URLs for both dialects."""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _need(what: str, why: str) -> None:
+    """Skip locally, fail in CI: CI must run every service-backed test."""
+    msg = f"{what} unavailable: {why}"
+    if IN_CI:
+        pytest.fail(msg + " (CI requires it)")
+    pytest.skip(msg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pg_bindir() -> str | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    return os.path.dirname(found[-1]) if found else None
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """Start a PostgreSQL cluster as the `postgres` user in a temp dir; yield a SQLAlchemy base URL."""
+    bindir = _pg_bindir()
+    if bindir is None:
+        _need("PostgreSQL", "no /usr/lib/postgresql/*/bin/initdb")
+    try:
+        pw = pwd.getpwnam("postgres")
+    except KeyError:
+        _need("PostgreSQL", "no 'postgres' system user")
+    root = tempfile.mkdtemp(prefix="qualify-pg-")
+    data, sock = os.path.join(root, "data"), os.path.join(root, "sock")
+    os.makedirs(sock)
+    for p in (root, sock):
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    os.chmod(root, 0o755)
+    port = _free_port()
+
+    def as_pg(*cmd: str) -> subprocess.CompletedProcess:
+        run_as = [] if os.getuid() == pw.pw_uid else ["runuser", "-u", "postgres", "--"]
+        return subprocess.run([*run_as, *cmd], capture_output=True, text=True, timeout=120)
+
+    r = as_pg(f"{bindir}/initdb", "-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync")
+    if r.returncode != 0:
+        _need("PostgreSQL", f"initdb failed: {r.stderr.strip()[-300:]}")
+    opts = f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+    r = as_pg(f"{bindir}/pg_ctl", "-D", data, "-o", opts, "-l", os.path.join(root, "log"), "-w", "start")
+    if r.returncode != 0:
+        log = open(os.path.join(root, "log")).read()[-500:] if os.path.exists(os.path.join(root, "log")) else ""
+        _need("PostgreSQL", f"pg_ctl start failed: {r.stderr.strip()[-300:]} {log}")
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
+    finally:
+        as_pg(f"{bindir}/pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_db_counter = 0
+
+
+@pytest.fixture
+def pg_url(postgres_server: str) -> str:
+    """A fresh, empty PostgreSQL database on the throwaway cluster."""
+    global _db_counter
+    _db_counter += 1
+    name = f"t{os.getpid()}_{_db_counter}_{int(time.time() * 1000) % 100000}"
+    import psycopg
+
+    dsn = postgres_server.replace("postgresql+psycopg://", "postgresql://") + "/postgres"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return f"{postgres_server}/{name}"
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'qualify.db'}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request) -> str:
+    """Run a store test against both dialects."""
+    if request.param == "sqlite":
+        return request.getfixturevalue("sqlite_url")
+    return request.getfixturevalue("pg_url")
