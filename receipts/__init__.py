@@ -1,0 +1,1 @@
+"""Signed, tamper-evident qualification receipts: DSSE, in-toto, Merkle log, SQL store."""
