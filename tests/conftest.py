@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +65,8 @@ def postgres_server() -> Iterator[str]:
     opts = f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
     r = as_pg(f"{bindir}/pg_ctl", "-D", data, "-o", opts, "-l", os.path.join(root, "log"), "-w", "start")
     if r.returncode != 0:
-        log = open(os.path.join(root, "log")).read()[-500:] if os.path.exists(os.path.join(root, "log")) else ""
+        logfile = os.path.join(root, "log")
+        log = Path(logfile).read_text()[-500:] if os.path.exists(logfile) else ""
         _need("PostgreSQL", f"pg_ctl start failed: {r.stderr.strip()[-300:]} {log}")
     try:
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
