@@ -1,0 +1,138 @@
+"""`python -m qualify.engine serve ...`: boot the engine, then serve its HTTP API on one worker.
+
+The engine is built before any port is bound, so a bad configuration exits non-zero (2) with one line.
+When ready it prints `QUALIFY_ENGINE_READY url=http://HOST:PORT pid=PID` and writes the same as JSON to
+--ready-file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+EXIT_BAD_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m qualify.engine", description="qualify reference engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="boot the engine and serve the qualify engine protocol over HTTP")
+    s.add_argument("--preset", choices=["tiny", "proxy"], default=None)
+    s.add_argument(
+        "--kda-backend", dest="kda_decode_backend", default=None, help="auto | b12x | triton | torch"
+    )
+    s.add_argument("--num-spec", dest="num_spec", type=int, default=None)
+    s.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    s.add_argument(
+        "--weights", default=None, help="safetensors file (default: seeded weights in the data dir)"
+    )
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--layer-pattern", dest="layer_pattern", default=None, help="e.g. KKKAKKKA")
+    s.add_argument("--block-size", dest="block_size", type=int, default=None)
+    s.add_argument("--dcp-size", dest="dcp_size", type=int, default=None)
+    s.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
+    s.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
+    s.add_argument("--cudagraph", dest="cudagraph_mode", choices=["full", "none"], default=None)
+    s.add_argument("--config", default=None, help="JSON file of EngineConfig fields (flags override it)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    s.add_argument("--ready-file", dest="ready_file", default=None)
+    fault_help = "crash-on:PATH | hang-on:PATH | oom-on:PATH | crash-after-boot:SECONDS (repeatable; env too)"
+    s.add_argument("--fault", action="append", default=[], help=fault_help)
+    return p
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_CONFIG)
+
+
+def _config_fields(args: argparse.Namespace) -> dict:
+    fields: dict = {}
+    if args.config:
+        with open(args.config) as f:
+            fields.update(json.load(f))
+    keys = ("preset", "kda_decode_backend", "num_spec", "device", "dtype", "weights", "seed", "layer_pattern",
+            "block_size", "dcp_size", "max_num_seqs", "max_model_len", "cudagraph_mode")  # fmt: skip
+    fields.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    return fields
+
+
+def serve(args: argparse.Namespace) -> None:
+    # CUDA IPC export of the KV allocations needs plain (non-expandable) segments.
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:True" in alloc_conf:
+        _fail("PYTORCH_CUDA_ALLOC_CONF enables expandable_segments, which breaks CUDA IPC export; unset it")
+    from pydantic import ValidationError
+
+    from .faults import arm_timers, plan_from
+
+    try:
+        faults = plan_from(args.fault)
+    except ValueError as e:
+        _fail(str(e))
+    from .config import EngineConfig
+    from .engine import Engine, EngineConfigError
+
+    try:
+        cfg = EngineConfig(**_config_fields(args))
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        where = f" ({loc})" if loc else ""
+        _fail(f"invalid engine config{where}: {err['msg'].removeprefix('Value error, ')}")
+    except (OSError, json.JSONDecodeError) as e:
+        _fail(f"cannot read --config: {e}")
+    try:
+        engine = Engine(cfg)
+    except EngineConfigError as e:
+        _fail(str(e))
+
+    import uvicorn
+
+    from .server import create_app
+
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        _fail(f"cannot bind {args.host}:{args.port}: {e}")
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, faults), log_level="warning", lifespan="off"))
+
+    def announce() -> None:
+        while not server.started:
+            time.sleep(0.01)
+        url = f"http://{args.host}:{port}"
+        info = {"url": url, "pid": os.getpid(), "port": port, "boot_seconds": engine.boot_seconds}
+        if args.ready_file:
+            tmp = args.ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(info, f)
+            os.replace(tmp, args.ready_file)
+        print(f"QUALIFY_ENGINE_READY url={url} pid={os.getpid()}", flush=True)
+        arm_timers(faults)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""`Engine`: one configured engine on one device — backend resolved once, layout allocated and exported,
+arena, model with its weights, runner, counters — and the verbs the HTTP API exposes."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.kda import BackendUnavailable, get_backend, resolve_backend
+
+from .arena import build_arena
+from .config import EngineConfig
+from .layout import allocate_group, plan_layout, release_group
+from .model import HybridModel
+from .model.attention import AttentionRuntime
+from .model.kda_layer import KdaRuntime
+from .runner import Runner
+from .tokenizer import BOS
+from .weights import default_weights_path, ensure_weights, generate, reload, save, snapshot
+
+ENGINE_NAME = "qualify-reference-engine"
+_ENGINE_DIR = Path(__file__).resolve().parent
+
+
+class EngineConfigError(ValueError):
+    """The engine cannot be constructed as configured (one line: what and what to do)."""
+
+
+@dataclass
+class EngineCounters:
+    requests: int = 0
+    tokens_generated: int = 0
+    cuda_oom: int = 0
+    capacity_refusals: int = 0
+    graph_captures: int = 0
+    graph_replays: int = 0
+    graph_recaptures: int = 0
+    eager_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+
+
+def code_digest() -> str:
+    """sha256 over the engine's source: qualify/engine, qualify/protocol.py and the kernels package."""
+    root = _ENGINE_DIR.parent.parent
+    files = sorted(
+        [*_ENGINE_DIR.rglob("*.py"), root / "qualify" / "protocol.py", *(root / "kernels").rglob("*.py")]
+    )
+    h = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig):
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            self.resolution = resolve_backend(
+                cfg.kda_decode_backend, speculative=cfg.num_spec > 0, device=self.device
+            )
+        except (BackendUnavailable, ValueError) as e:
+            raise EngineConfigError(str(e)) from e
+        self.backend = get_backend(self.resolution.name)
+        self.layout = plan_layout(cfg.layer_pattern, cfg.group_size, cfg.block_size, cfg.dcp_size)
+        self.allocations = [allocate_group(g, cfg, self.device) for g in self.layout.groups]
+        self.arena = build_arena(cfg, self.device)
+        self.model = HybridModel(cfg, self.device)
+        self.kda_rt = KdaRuntime.build(self.backend, cfg, self.arena, self.device)
+        self.attn_rt = AttentionRuntime(cfg, self.device)
+        for alloc in self.allocations:
+            for layer in alloc.group.layers:
+                mixer = self.model.layers[layer].mixer
+                if alloc.group.kind == "kda":
+                    mixer.attach(self.kda_rt, alloc.views[(layer, "state")], alloc.views[(layer, "conv")])
+                else:
+                    mixer.attach(self.attn_rt, alloc.views[(layer, "k")], alloc.views[(layer, "v")])
+        self.weights_path = ensure_weights(self.model, cfg)
+        self.weights_digest = snapshot(self.model).digest
+        self.counters = EngineCounters()
+        self.runner = Runner(cfg, self.model, self.arena, self.device, self.counters)
+        self.boot_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ verbs
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, mode: str = "auto"):
+        self.counters.requests += 1
+        return self.runner.generate(prompts, max_tokens, mode)
+
+    def reload(self, path: str | None = None, seed: int | None = None) -> dict:
+        """In-place reload. seed: generate fresh weights with that seed beside the current file first."""
+        t0 = time.perf_counter()
+        if path is not None and seed is not None:
+            raise ValueError("give either path or seed, not both")
+        arena_before = self.arena.addresses()
+        if seed is not None:
+            target = default_weights_path(self.cfg, seed)
+            if Path(self.weights_path).parent != target.parent:
+                target = Path(self.weights_path).parent / target.name
+            if not target.is_file():
+                save(generate(self.model, seed), target, {"seed": str(seed), "preset": self.cfg.preset})
+        else:
+            target = Path(path) if path is not None else Path(self.weights_path)
+        before, after = reload(self.model, target)
+        self.weights_path = target
+        self.weights_digest = after.digest
+        changed = sorted(n for n in after.checksums if after.checksums[n] != before.checksums[n])
+        return {
+            "census": {
+                "params": len(after.pointers),
+                "addresses_unchanged": before.pointers == after.pointers,
+                "changed": changed,
+                "before_digest": before.digest,
+                "after_digest": after.digest,
+                "arena_addresses_unchanged": arena_before == self.arena.addresses(),
+            },
+            "seconds": time.perf_counter() - t0,
+            "weights_path": str(target),
+        }
+
+    def probe(self) -> dict:
+        """One plain decode step of a throwaway request under the torch profiler: the op/kernel names."""
+        from torch.profiler import ProfilerActivity, profile
+
+        r = self.runner
+        r.check_admission([[BOS, 65]], 2)
+        req = r.admit([BOS, 65], 2)
+        try:
+            toks, gaps = r.pick(r.prefill([req]))
+            r._append(req, toks[0], gaps[0])
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                r.decode_step([req], "eager")
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            names = sorted({e.key for e in prof.key_averages()})
+        finally:
+            r.release(req)
+        return {"kernel_names": names, "backend": self.resolution.name, "device_type": self.device.type}
+
+    def capture(self) -> dict:
+        """FULL CUDA-graph capture lives in graphs.py; without it nothing is captured (and we say why)."""
+        if self.device.type != "cuda":
+            reason = "CUDA graphs need a CUDA device"
+        elif self.cfg.cudagraph_mode == "none":
+            reason = "cudagraph_mode is 'none'"
+        else:
+            reason = "this build has no graph capture (qualify/engine/graphs.py absent)"
+        return {"captured": False, "reason": reason, "sizes": [], "pool_bytes": 0, "seconds": 0.0}
+
+    def close(self) -> None:
+        for a in self.allocations:
+            release_group(a)
+
+    # ------------------------------------------------------------------ describe
+
+    def describe(self) -> dict:
+        cfg = self.cfg
+        return {
+            "engine": {
+                "name": ENGINE_NAME,
+                "version": _qualify_version(),
+                "code_digest": code_digest(),
+                "weights_digest": self.weights_digest,
+            },
+            "config": cfg.public_dict(),
+            "config_digest": cfg.digest(),
+            "backend": {
+                "requested": cfg.kda_decode_backend,
+                "resolved": self.resolution.name,
+                "reason": self.resolution.reason,
+                "prefill_path": "torch chunk reference"
+                if self.backend.name == "torch"
+                else "triton chunked prefill",
+            },
+            "layout": {
+                "spans": self.layout.spans,
+                "chunk": self.layout.chunk,
+                "ratios": self.layout.ratios,
+                "groups": [
+                    {
+                        "name": a.group.name,
+                        "kind": a.group.kind,
+                        "layers": list(a.group.layers),
+                        "span": a.group.span,
+                        "nbytes": a.nbytes,
+                        "alignment": 256,
+                        "handle_kind": a.handle["kind"],
+                    }
+                    for a in self.allocations
+                ],
+            },
+            "dcp_mode": "folded",
+            "arenas": self.arena.describe(),
+            "capacity": {
+                "live_slots": cfg.max_num_seqs,
+                "max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                "graph_max_batch": cfg.graph_max_batch,
+                "num_spec": cfg.num_spec,
+            },
+            "device": device_info(self.device),
+            "versions": versions(),
+            "counters": asdict(self.counters),
+            "cudagraph_mode": cfg.cudagraph_mode,
+        }
+
+
+def _qualify_version() -> str:
+    from qualify import __version__
+
+    return __version__
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"type": "cpu", "name": platform.processor() or platform.machine()}
+    p = torch.cuda.get_device_properties(device)
+    driver = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:  # NVML is optional evidence: record None rather than fail the describe
+        driver = None
+    return {
+        "type": "cuda",
+        "name": p.name,
+        "compute_capability": f"{p.major}.{p.minor}",
+        "driver": driver,
+        "total_memory": p.total_memory,
+    }
+
+
+def versions() -> dict:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:
+        tv = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": tv,
+        "cuda": torch.version.cuda,
+        "qualify": _qualify_version(),
+    }

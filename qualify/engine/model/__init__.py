@@ -1,0 +1,84 @@
+"""The hybrid decoder: embedding -> KDA / attention decoder layers with SwiGLU MLPs -> norm -> LM head,
+plus one MTP draft layer (next-token embedding + hidden -> one block -> the shared head)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .attention import AttentionLayer
+from .context import DecodeContext, PrefillContext
+from .kda_layer import KdaLayer
+from .mlp import SwiGLU
+from .norm import Embedding, Linear, RMSNorm
+
+__all__ = ["DecodeContext", "DecoderLayer", "HybridModel", "MtpHead", "PrefillContext"]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, kind: str, shape, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.kind = kind
+        self.input_norm = RMSNorm(shape.hidden, dtype=dtype, device=device)
+        self.mixer = (KdaLayer if kind == "K" else AttentionLayer)(shape, dtype=dtype, device=device)
+        self.post_norm = RMSNorm(shape.hidden, dtype=dtype, device=device)
+        self.mlp = SwiGLU(shape.hidden, shape.mlp_dim, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor, ctx, decode: bool) -> Tensor:
+        h = self.input_norm(x)
+        h = self.mixer.forward_decode(h, ctx) if decode else self.mixer.forward_prefill(h, ctx)
+        x = x + h
+        return x + self.mlp(self.post_norm(x))
+
+
+class MtpHead(nn.Module):
+    """DeepSeek-style MTP draft: norm(embed(next token)) ++ norm(hidden) -> proj -> one MLP block -> norm.
+
+    Its block has no sequence mixer (the target's hidden state already carries the context), so drafting
+    needs no cache of its own and the registered KV layout is the target's alone."""
+
+    def __init__(self, shape, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.embed_norm = RMSNorm(shape.hidden, dtype=dtype, device=device)
+        self.hidden_norm = RMSNorm(shape.hidden, dtype=dtype, device=device)
+        self.proj = Linear(2 * shape.hidden, shape.hidden, dtype=dtype, device=device)
+        self.mlp_norm = RMSNorm(shape.hidden, dtype=dtype, device=device)
+        self.mlp = SwiGLU(shape.hidden, shape.mlp_dim, dtype=dtype, device=device)
+        self.final_norm = RMSNorm(shape.hidden, dtype=dtype, device=device)
+
+    def forward(self, hidden: Tensor, next_embed: Tensor) -> Tensor:
+        x = self.proj(torch.cat([self.embed_norm(next_embed), self.hidden_norm(hidden)], dim=-1))
+        x = x + self.mlp(self.mlp_norm(x))
+        return self.final_norm(x)
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg, device: torch.device):
+        super().__init__()
+        shape, dtype = cfg.shape, getattr(torch, cfg.dtype)
+        self.shape = shape
+        self.embed = Embedding(shape.vocab, shape.hidden, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(kind, shape, dtype=dtype, device=device) for kind in cfg.layer_pattern
+        )
+        self.norm = RMSNorm(shape.hidden, dtype=dtype, device=device)
+        self.lm_head = Linear(shape.hidden, shape.vocab, dtype=dtype, device=device)
+        self.mtp = MtpHead(shape, dtype=dtype, device=device)
+
+    def forward_hidden(self, input_ids: Tensor, ctx, decode: bool) -> Tensor:
+        """Last hidden state (before the final norm) of every token."""
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx, decode)
+        return x
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    def draft_logits(self, hidden: Tensor, next_ids: Tensor) -> Tensor:
+        """MTP: logits for the token after `next_ids`, from the target's hidden state at that position."""
+        return self.lm_head(self.mtp(hidden, self.embed(next_ids))).float()
+
+    def refresh_derived(self) -> None:
+        """Hook for tensors derived from weights after an in-place reload. This model keeps none: RoPE
+        tables come from the config, and the backend reads A_log, dt_bias and norm weights in place."""

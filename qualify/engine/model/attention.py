@@ -1,0 +1,186 @@
+"""GQA attention over the paged KV cache, with decode-context-parallel sharding folded into one process:
+each of `dcp` shards holds an interleaved share of the tokens, attends on its own (out, lse), and the
+partials are merged by log-sum-exp, exactly as DCP ranks would merge them (dcp_mode "folded").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .norm import Linear, apply_rope
+from .selector import pool_keys, rows_to_key_mask, select_rows
+
+
+@dataclass
+class DcpGeometry:
+    """Where a token lives: block column, shard, and slot within the shard's part of the block.
+
+    A block covers span = block_size * dcp positions; positions are dealt to shards `interleave` at a time.
+    The context tables list, per shard, every local slot a request may hold, in local order.
+    """
+
+    block_size: int
+    dcp: int
+    interleave: int
+    max_model_len: int
+    max_blocks: int
+
+    @property
+    def span(self) -> int:
+        return self.block_size * self.dcp
+
+    def locate(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(block column, offset within the block storage [dcp * block_size]) of each position."""
+        p = positions.long()
+        col, o = p // self.span, p % self.span
+        i, s = self.interleave, self.dcp
+        shard = (o // i) % s
+        local = (o // (i * s)) * i + o % i
+        return col, shard * self.block_size + local
+
+    def context_tables(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """kpos, kcol, koff [dcp, L]: global position, block column, in-block offset of local slot j."""
+        bs, s, i = self.block_size, self.dcp, self.interleave
+        j = torch.arange(self.max_blocks * bs, device=device)
+        col, l = j // bs, j % bs
+        shard = torch.arange(s, device=device)[:, None]
+        pos = col[None] * self.span + (l[None] // i) * (i * s) + shard * i + l[None] % i
+        L = int((pos < self.max_model_len).sum(1).max())
+        pos = pos[:, :L]
+        kcol = col[None, :L].expand(s, L)
+        koff = shard * bs + l[None, :L]
+        return pos.contiguous(), kcol.contiguous(), koff.contiguous()
+
+
+def folded_attention(
+    q: Tensor, qpos: Tensor, kc: Tensor, vc: Tensor, kpos: Tensor, seq_lens: Tensor, key_mask: Tensor | None
+) -> Tensor:
+    """q [R, Tq, Hq, D]; kc, vc [R, S, L, kvh, D]; kpos [S, L]; seq_lens [R]; key_mask [R, Tq, S, L] or None.
+
+    Causal (key position <= query position) and bounded by seq_lens. Returns [R, Tq, Hq, D] in q's dtype;
+    a query with no visible key returns zeros (padding rows).
+    """
+    R, Tq, Hq, D = q.shape
+    kvh = kc.shape[3]
+    qg = q.float().view(R, Tq, kvh, Hq // kvh, D)
+    s = torch.einsum("rtkgd,rslkd->rtkgsl", qg, kc.float()) * D**-0.5
+    mask = (kpos[None, None] <= qpos[..., None, None]) & (kpos[None, None] < seq_lens[:, None, None, None])
+    if key_mask is not None:
+        mask = mask & key_mask
+    s = s.masked_fill(~mask[:, :, None, None], float("-inf"))
+    m = s.amax(-1)  # per shard: [R, Tq, kvh, G, S]
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m_safe[..., None])
+    l = p.sum(-1)
+    o = torch.einsum("rtkgsl,rslkd->rtkgsd", p, vc.float()) / l.clamp(min=1e-30)[..., None]
+    lse = torch.where(l > 0, m_safe + torch.log(l.clamp(min=1e-30)), torch.full_like(l, float("-inf")))
+    return merge_partials(o, lse).reshape(R, Tq, Hq, D).to(q.dtype)
+
+
+def merge_partials(o: Tensor, lse: Tensor) -> Tensor:
+    """Merge per-shard partial outputs o [..., S, D] with their log-sum-exps lse [..., S]."""
+    total = torch.logsumexp(lse, dim=-1, keepdim=True)
+    w = torch.where(torch.isfinite(total), torch.exp(lse - total), torch.zeros_like(lse))
+    w = torch.nan_to_num(w, nan=0.0)
+    return (w[..., None] * o).sum(-2)
+
+
+class AttentionLayer(nn.Module):
+    def __init__(self, shape, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.hq, self.kvh, self.d = shape.attn_q_heads, shape.attn_kv_heads, shape.attn_head_dim
+        self.qkv_proj = Linear(shape.hidden, (self.hq + 2 * self.kvh) * self.d, dtype=dtype, device=device)
+        self.o_proj = Linear(self.hq * self.d, shape.hidden, dtype=dtype, device=device)
+        self.rt = None  # AttentionRuntime, attached once the KV allocation exists
+        self.k_cache: Tensor | None = None
+        self.v_cache: Tensor | None = None
+
+    def attach(self, rt, k_cache: Tensor, v_cache: Tensor) -> None:
+        self.rt, self.k_cache, self.v_cache = rt, k_cache, v_cache
+
+    def _project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q = apply_rope(q.view(n, self.hq, self.d), positions, self.rt.cos, self.rt.sin)
+        k = apply_rope(k.view(n, self.kvh, self.d), positions, self.rt.cos, self.rt.sin)
+        return q, k, v.view(n, self.kvh, self.d)
+
+    def _write_kv(self, k: Tensor, v: Tensor, positions: Tensor, block_rows: Tensor) -> None:
+        """Store each token's K/V at its paged location; block_rows [N, max_blocks] is its request's table."""
+        col, off = self.rt.geometry.locate(positions)
+        blk = block_rows.long().gather(1, col[:, None]).squeeze(1)
+        flat = blk * self.rt.geometry.span + off
+        self.k_cache.view(-1, self.kvh, self.d).index_copy_(0, flat, k.to(self.k_cache.dtype))
+        self.v_cache.view(-1, self.kvh, self.d).index_copy_(0, flat, v.to(self.v_cache.dtype))
+
+    def _gather(self, block_tables: Tensor) -> tuple[Tensor, Tensor]:
+        """Every request's context in shard-local order: [R, S, L, kvh, D], a fixed shape."""
+        rt = self.rt
+        blk = block_tables.long()[:, rt.kcol]  # [R, S, L]
+        flat = blk * rt.geometry.span + rt.koff[None]
+        kc = self.k_cache.view(-1, self.kvh, self.d)[flat]
+        vc = self.v_cache.view(-1, self.kvh, self.d)[flat]
+        return kc, vc
+
+    def _attend(self, q, qpos, block_tables, seq_lens, rows_out: Tensor) -> Tensor:
+        """q [R, Tq, Hq, D] against each request's cached context, through the selector."""
+        rt = self.rt
+        R, Tq = q.shape[:2]
+        kc, vc = self._gather(block_tables)
+        pooled = pool_keys(kc, rt.kpos, seq_lens, rt.pool, rt.num_groups)
+        select_rows(q, qpos, pooled, rt.pool, rt.topk, rows_out)
+        key_mask = rows_to_key_mask(rows_out, rt.kpos, rt.pool, rt.num_groups, R, Tq)
+        return folded_attention(q, qpos, kc, vc, rt.kpos, seq_lens, key_mask)
+
+    def forward_decode(self, x: Tensor, ctx) -> Tensor:
+        n, T = ctx.n, ctx.T
+        q, k, v = self._project(x, ctx.positions)
+        rows = ctx.block_tables[:, None, :].expand(n, T, ctx.block_tables.shape[1]).reshape(n * T, -1)
+        self._write_kv(k, v, ctx.positions, rows)
+        o = self._attend(
+            q.view(n, T, self.hq, self.d),
+            ctx.positions.view(n, T),
+            ctx.block_tables,
+            ctx.seq_lens,
+            ctx.selector_rows,
+        )
+        return self.o_proj(o.reshape(n * T, self.hq * self.d))
+
+    def forward_prefill(self, x: Tensor, ctx) -> Tensor:
+        q, k, v = self._project(x, ctx.positions)
+        rows_of_token = ctx.block_tables.repeat_interleave(ctx.seq_lens_q, dim=0)  # [total, max_blocks]
+        self._write_kv(k, v, ctx.positions, rows_of_token)
+        outs = []
+        for i, (lo, hi) in enumerate(ctx.bounds):
+            # Query chunks bound the [Tq, S, L] score tensor of long prompts (eager path only).
+            for a in range(lo, hi, self.rt.prefill_query_chunk):
+                b = min(hi, a + self.rt.prefill_query_chunk)
+                o = self._attend(
+                    q[a:b][None],
+                    ctx.positions[a:b][None],
+                    ctx.block_tables[i : i + 1],
+                    ctx.seq_lens[i : i + 1],
+                    ctx.selector_rows[a:b],
+                )
+                outs.append(o[0])
+        o = torch.cat(outs, dim=0)
+        return self.o_proj(o.reshape(x.shape[0], self.hq * self.d))
+
+
+class AttentionRuntime:
+    """What every attention layer shares: geometry, static context tables, RoPE tables, selector sizes."""
+
+    def __init__(self, cfg, device: torch.device):
+        from .norm import rope_tables
+
+        self.geometry = DcpGeometry(
+            cfg.block_size, cfg.dcp_size, cfg.interleave, cfg.max_model_len, cfg.max_blocks_per_seq
+        )
+        self.kpos, self.kcol, self.koff = self.geometry.context_tables(device)
+        self.cos, self.sin = rope_tables(cfg.max_model_len, cfg.shape.attn_head_dim, device)
+        self.pool, self.topk = cfg.selector_pool, cfg.selector_topk
+        self.num_groups = -(-cfg.max_model_len // cfg.selector_pool)
+        self.prefill_query_chunk = 256

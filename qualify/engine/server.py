@@ -1,0 +1,172 @@
+"""The engine's HTTP API (DESIGN §5): FastAPI app over one `Engine`, one worker owning the device.
+
+Engine work runs in a thread under one lock; errors answer {"error": {"type", "message"}} with 4xx/5xx.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qualify.protocol import (
+    CAPACITY_ERROR,
+    CaptureResponse,
+    Choice,
+    CompletionRequest,
+    CompletionResponse,
+    Describe,
+    Health,
+    PeerVerifyResponse,
+    ProbeResponse,
+    ReloadRequest,
+    ReloadResponse,
+    Usage,
+)
+
+from .arena import CapacityError
+from .engine import Engine
+from .faults import FaultPlan, trigger
+from .runner import ModeUnavailable
+from .tokenizer import ByteTokenizer
+from .weights import WeightsError
+
+
+def _error(status: int, type_: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"type": type_, "message": message}})
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) + " (see the request schema in qualify.protocol)"
+
+
+def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
+    app = FastAPI(title="qualify reference engine", docs_url=None, redoc_url=None)
+    lock = threading.Lock()
+    tok = ByteTokenizer()
+    plan = faults or FaultPlan()
+
+    def locked(fn, *args):
+        def run():
+            with lock:
+                return fn(*args)
+
+        return run_in_threadpool(run)
+
+    if plan:
+
+        @app.middleware("http")
+        async def inject_faults(request: Request, call_next):
+            trigger(plan, request.url.path)
+            return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return _error(422, "ValidationError", _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, "HTTPError", str(exc.detail))
+
+    @app.exception_handler(CapacityError)
+    async def _capacity(_: Request, exc: CapacityError):
+        engine.counters.capacity_refusals += 1
+        return _error(409, CAPACITY_ERROR, str(exc))
+
+    @app.exception_handler(ModeUnavailable)
+    async def _mode(_: Request, exc: ModeUnavailable):
+        return _error(409, ModeUnavailable.type_name, str(exc))
+
+    @app.exception_handler(WeightsError)
+    async def _weights(_: Request, exc: WeightsError):
+        return _error(400, "WeightsError", str(exc))
+
+    @app.exception_handler(torch.cuda.OutOfMemoryError)
+    async def _oom(_: Request, exc: torch.cuda.OutOfMemoryError):
+        engine.counters.cuda_oom += 1
+        return _error(507, "CudaOutOfMemory", str(exc).splitlines()[0])
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, exc: ValueError):
+        return _error(400, "BadRequest", str(exc))
+
+    @app.get("/health")
+    async def health() -> Health:
+        return Health(status="ok", ready=True, pid=os.getpid())
+
+    @app.get("/v1/describe")
+    async def describe() -> Describe:
+        return Describe.model_validate(await locked(engine.describe))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> CompletionResponse:
+        prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
+        if req.speculative and engine.cfg.num_spec == 0:
+            raise ModeUnavailable("speculative decoding needs an engine started with --num-spec > 0")
+        if req.speculative:
+            raise ModeUnavailable("speculative decoding is not in this build (qualify/engine/spec.py absent)")
+        gens, mode_used = await locked(engine.generate, prompts, req.max_tokens, req.mode)
+        choices = [
+            Choice(
+                index=i,
+                token_ids=g.token_ids,
+                text=tok.decode(g.token_ids),
+                top2_gaps=g.top2_gaps,
+                finish_reason=g.finish_reason,
+            )  # fmt: skip
+            for i, g in enumerate(gens)
+        ]
+        pt = sum(g.prompt_tokens for g in gens)
+        ct = sum(len(g.token_ids) for g in gens)
+        return CompletionResponse(
+            choices=choices,
+            mode_used=mode_used,
+            usage=Usage(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct),
+        )
+
+    @app.post("/qualify/reload")
+    async def reload(req: ReloadRequest) -> ReloadResponse:
+        return ReloadResponse.model_validate(await locked(engine.reload, req.path, req.seed))
+
+    @app.post("/qualify/peer-verify")
+    async def peer_verify() -> PeerVerifyResponse:
+        from .peer import verify_with_peer
+
+        return PeerVerifyResponse.model_validate(await locked(verify_with_peer, engine))
+
+    @app.post("/qualify/capture")
+    async def capture() -> CaptureResponse:
+        return CaptureResponse.model_validate(await locked(engine.capture))
+
+    @app.post("/qualify/probe")
+    async def probe() -> ProbeResponse:
+        return ProbeResponse.model_validate(await locked(engine.probe))
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        lines = []
+        for name, value in vars(engine.counters).items():
+            metric = f"qualify_engine_{name}_total"
+            lines += [
+                f"# HELP {metric} {name.replace('_', ' ')}",
+                f"# TYPE {metric} counter",
+                f"{metric} {value}",
+            ]
+        lines += [
+            "# HELP qualify_engine_boot_seconds time to construct the engine",
+            "# TYPE qualify_engine_boot_seconds gauge",
+            f"qualify_engine_boot_seconds {engine.boot_seconds:.6f}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
