@@ -1,0 +1,382 @@
+"""The read API (`qualify serve`): FastAPI over the store (receipts, envelopes, proofs, checkpoints,
+approvals; every response a pydantic model) and `POST /v1/decisions` (writes), behind a token."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from sqlalchemy.exc import SQLAlchemyError
+
+from qualify import __version__
+from qualify.approve import SUBJECT_DIGEST, Decision, decide, record
+from qualify.policy import Policy, PolicyError, load_policy_data
+from receipts.checkpoint import Checkpoint, format_tlog_proof
+from receipts.errors import NotFound, ReceiptsError, TamperError
+from receipts.keys import SigningKey
+from receipts.records import ApprovalRecord, ReceiptRecord
+from receipts.store import Store
+
+MAX_PAGE = 500
+# Bounds that keep every integer a database can hold; a bigger offset or size is refused as bad input.
+MAX_INDEX = 2**62
+RECEIPT_ID = r"^[0-9a-f]{4,64}$"
+# RFC 3339 date-time (what OpenAPI's "date-time" means): an offset is required, so no time is ambiguous.
+RFC3339 = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})$"
+SUBJECT = SUBJECT_DIGEST.pattern
+
+
+# --------------------------------------------------------------------------- response models
+
+
+class Problem(BaseModel):
+    """Every error: one line saying what is wrong and what to do."""
+
+    detail: str
+
+
+class SubjectOut(BaseModel):
+    name: str
+    digest: str
+
+
+class ReceiptSummary(BaseModel):
+    id: str = Field(description="sha256 hex of the stored envelope bytes")
+    log_index: int
+    verdict: str
+    target: str
+    host: str
+    started_at: datetime
+    finished_at: datetime
+    keyid: str
+    subjects: list[SubjectOut]
+
+
+class ReceiptDetail(ReceiptSummary):
+    predicate: dict[str, Any] = Field(
+        description="the qualification predicate (see `qualify receipts schema`)"
+    )
+
+
+class ReceiptPage(BaseModel):
+    items: list[ReceiptSummary]
+    limit: int
+    offset: int
+    next_offset: int | None = Field(description="offset of the next page; null on the last page")
+
+
+class SignatureOut(BaseModel):
+    keyid: str
+    sig: str = Field(description="base64")
+
+
+class EnvelopeOut(BaseModel):
+    """The DSSE envelope exactly as stored (its RFC 8785 bytes hash to the receipt id)."""
+
+    payloadType: str
+    payload: str = Field(description="base64 of the in-toto statement")
+    signatures: list[SignatureOut]
+
+
+class CheckpointOut(BaseModel):
+    origin: str
+    size: int
+    root_hash: str = Field(description="hex")
+    note: str = Field(description="the C2SP signed note, verbatim")
+
+
+class InclusionProofOut(BaseModel):
+    receipt_id: str
+    log_index: int
+    tree_size: int
+    leaf_hash: str = Field(description="hex")
+    hashes: list[str] = Field(description="hex, the leaf's sibling first (RFC 9162)")
+    root_hash: str
+    checkpoint: str = Field(description="the signed checkpoint of tree_size")
+    tlog_proof: str = Field(description="the same proof as a c2sp.org/tlog-proof@v1 document")
+
+
+class ConsistencyProofOut(BaseModel):
+    first: int
+    second: int
+    first_root: str
+    second_root: str
+    hashes: list[str]
+
+
+class ApprovalOut(BaseModel):
+    id: str
+    log_index: int
+    subject: str
+    decision: str
+    policy_digest: str
+    receipt_ids: list[str]
+    reasons: list[str]
+    keyid: str
+    created_at: datetime
+
+
+class ApprovalPage(BaseModel):
+    items: list[ApprovalOut]
+    limit: int
+    offset: int
+    next_offset: int | None
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+    log_size: int
+    decisions_enabled: bool
+
+
+class DecisionRequest(BaseModel):
+    subject: str = Field(pattern=SUBJECT, description="sha256:<hex> of the engine image or config")
+    policy: Policy
+    record: bool = Field(True, description="append the signed decision to the log")
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def _summary(r: ReceiptRecord) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "log_index": r.log_idx,
+        "verdict": r.verdict,
+        "target": r.target,
+        "host": r.host,
+        "started_at": r.started_at,
+        "finished_at": r.finished_at,
+        "keyid": r.keyid,
+        "subjects": [{"name": s.name, "digest": s.digest} for s in r.subjects],
+    }
+
+
+def _approval(a: ApprovalRecord) -> ApprovalOut:
+    return ApprovalOut(
+        id=a.id,
+        log_index=a.log_idx,
+        subject=a.subject,
+        decision=a.decision,
+        policy_digest=a.policy_digest,
+        receipt_ids=list(a.receipt_ids),
+        reasons=list(a.reasons),
+        keyid=a.keyid,
+        created_at=a.created_at,
+    )
+
+
+def _utc(text: str | None) -> datetime | None:
+    """An RFC 3339 time (the route's pattern matched it) in UTC; 400 for a date that does not exist."""
+    if text is None:
+        return None
+    try:
+        return datetime.fromisoformat(text.upper().replace("Z", "+00:00")).astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise HTTPException(400, f"since {text!r} is not a time that exists in UTC") from None
+
+
+def _checkpoint_out(note: str) -> CheckpointOut:
+    # The note's body is parsed without trusting it; clients verify it with the log's key themselves.
+    body = note[: note.rfind("\n\n") + 1]
+    cp = Checkpoint.parse(body)
+    return CheckpointOut(origin=cp.origin, size=cp.size, root_hash=cp.root.hex(), note=note)
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": Problem, "description": "bad input"},
+    404: {"model": Problem, "description": "not in the store"},
+    409: {"model": Problem, "description": "the stored log contradicts itself (tampering)"},
+    503: {"model": Problem, "description": "the database cannot be reached"},
+}
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(store: Store, *, token: str | None = None, signing_key: SigningKey | None = None) -> FastAPI:
+    """The API over an open store. Decisions need `token` (and `signing_key` to record them)."""
+    app = FastAPI(
+        title="qualify",
+        version=__version__,
+        description="Signed qualification receipts, their Merkle log, and rollout decisions.",
+    )
+
+    @app.exception_handler(NotFound)
+    def _not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": exc.diagnostics()})
+
+    @app.exception_handler(TamperError)
+    def _tampered(_: Request, exc: TamperError) -> JSONResponse:
+        return JSONResponse(status_code=409, content={"detail": exc.diagnostics()})
+
+    @app.exception_handler(ReceiptsError)
+    def _receipts_error(_: Request, exc: ReceiptsError) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"detail": exc.diagnostics()})
+
+    @app.exception_handler(SQLAlchemyError)
+    def _database(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        cause = getattr(exc, "orig", None) or exc
+        line = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+        return JSONResponse(status_code=503, content={"detail": f"database error: {line}"})
+
+    def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
+        if token is None:
+            raise HTTPException(401, "decisions are disabled: start qualify serve with --token-file")
+        scheme, _, given = (authorization or "").partition(" ")
+        # compare_digest: the time taken does not tell how much of a guess was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    def _page(offset: int, limit: int, got: int) -> int | None:
+        return offset + limit if got > limit else None
+
+    @app.get("/health", response_model=Health, tags=["service"])
+    def health() -> Health:
+        return Health(
+            status="ok", version=__version__, log_size=store.size(), decisions_enabled=token is not None
+        )
+
+    @app.get("/v1/receipts", response_model=ReceiptPage, responses=ERRORS, tags=["receipts"])
+    def list_receipts(
+        verdict: Literal["qualified", "rejected", "aborted"] | None = None,
+        subject: Annotated[str | None, Query(pattern=SUBJECT)] = None,
+        since: Annotated[
+            str | None,
+            Query(
+                pattern=RFC3339,
+                description="finished at or after this RFC 3339 time, e.g. 2025-06-01T00:00:00Z",
+                json_schema_extra={"format": "date-time"},
+            ),
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+        offset: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
+    ) -> ReceiptPage:
+        records = store.list_receipts(
+            verdict=verdict, since=_utc(since), subject=subject, limit=limit + 1, offset=offset
+        )
+        return ReceiptPage(
+            items=[ReceiptSummary(**_summary(r)) for r in records[:limit]],
+            limit=limit,
+            offset=offset,
+            next_offset=_page(offset, limit, len(records)),
+        )
+
+    @app.get("/v1/receipts/{receipt_id}", response_model=ReceiptDetail, responses=ERRORS, tags=["receipts"])
+    def show_receipt(receipt_id: Annotated[str, Path(pattern=RECEIPT_ID)]) -> ReceiptDetail:
+        r = store.get_receipt(receipt_id)
+        return ReceiptDetail(**_summary(r), predicate=r.predicate)
+
+    @app.get(
+        "/v1/receipts/{receipt_id}/envelope", response_model=EnvelopeOut, responses=ERRORS, tags=["receipts"]
+    )
+    def receipt_envelope(receipt_id: Annotated[str, Path(pattern=RECEIPT_ID)]) -> EnvelopeOut:
+        r = store.get_receipt(receipt_id)
+        return EnvelopeOut.model_validate(json.loads(store.entry(r.log_idx).envelope))
+
+    @app.get(
+        "/v1/receipts/{receipt_id}/proof",
+        response_model=InclusionProofOut,
+        responses=ERRORS,
+        tags=["receipts"],
+    )
+    def receipt_proof(
+        receipt_id: Annotated[str, Path(pattern=RECEIPT_ID)],
+        size: Annotated[
+            int | None, Query(ge=1, le=MAX_INDEX, description="tree size; default latest")
+        ] = None,
+    ) -> InclusionProofOut:
+        r = store.get_receipt(receipt_id)
+        current = store.size()
+        size = current if size is None else size
+        if size > current or size <= r.log_idx:
+            raise HTTPException(
+                400,
+                f"tree size {size} must be between {r.log_idx + 1} and {current} to include log #{r.log_idx}",
+            )
+        entry = store.entry(r.log_idx)
+        proof = store.inclusion_proof(r.log_idx, size)
+        note = store.checkpoint(size)
+        return InclusionProofOut(
+            receipt_id=r.id,
+            log_index=r.log_idx,
+            tree_size=size,
+            leaf_hash=entry.leaf_hash.hex(),
+            hashes=[h.hex() for h in proof],
+            root_hash=store.root(size).hex(),
+            checkpoint=note,
+            tlog_proof=format_tlog_proof(r.log_idx, proof, note),
+        )
+
+    @app.get("/v1/log/checkpoint", response_model=CheckpointOut, responses=ERRORS, tags=["log"])
+    def latest_checkpoint() -> CheckpointOut:
+        return _checkpoint_out(store.latest_checkpoint())
+
+    @app.get("/v1/log/consistency", response_model=ConsistencyProofOut, responses=ERRORS, tags=["log"])
+    def consistency(
+        first: Annotated[int, Query(ge=1, le=MAX_INDEX, description="the older tree size")],
+        second: Annotated[
+            int | None, Query(ge=1, le=MAX_INDEX, description="the newer size; default latest")
+        ] = None,
+    ) -> ConsistencyProofOut:
+        current = store.size()
+        second = current if second is None else second
+        if not 1 <= first <= second <= current:
+            raise HTTPException(
+                400, f"need 1 <= first ({first}) <= second ({second}) <= log size ({current})"
+            )
+        return ConsistencyProofOut(
+            first=first,
+            second=second,
+            first_root=store.root(first).hex(),
+            second_root=store.root(second).hex(),
+            hashes=[h.hex() for h in store.consistency_proof(first, second)],
+        )
+
+    @app.get("/v1/approvals", response_model=ApprovalPage, responses=ERRORS, tags=["approvals"])
+    def list_approvals(
+        subject: Annotated[str | None, Query(pattern=SUBJECT)] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+        offset: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
+    ) -> ApprovalPage:
+        approvals = store.list_approvals(subject=subject)
+        window = approvals[offset : offset + limit + 1]
+        return ApprovalPage(
+            items=[_approval(a) for a in window[:limit]],
+            limit=limit,
+            offset=offset,
+            next_offset=_page(offset, limit, len(window)),
+        )
+
+    @app.get("/v1/approvals/{approval_id}", response_model=ApprovalOut, responses=ERRORS, tags=["approvals"])
+    def show_approval(approval_id: Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]) -> ApprovalOut:
+        return _approval(store.get_approval(approval_id))
+
+    @app.post(
+        "/v1/decisions",
+        response_model=Decision,
+        responses={**ERRORS, 401: {"model": Problem, "description": "no or wrong bearer token"}},
+        dependencies=[Depends(require_token)],
+        tags=["approvals"],
+    )
+    def post_decision(body: DecisionRequest) -> Decision:
+        try:
+            loaded = load_policy_data(body.policy.model_dump(mode="json"), source="in the request")
+        except PolicyError as exc:
+            raise HTTPException(400, str(exc)) from None
+        decision = decide(store, loaded, body.subject)
+        if body.record:
+            if signing_key is None:
+                raise HTTPException(
+                    400, "this server has no signing key; send record=false or start it with --key"
+                )
+            decision = record(store, decision, loaded, signing_key)
+        return decision
+
+    return app

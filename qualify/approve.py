@@ -1,0 +1,301 @@
+"""Rollout decisions: verify a subject's receipts (`gather`), judge them against a policy (`evaluate`, pure),
+and append the signed decision to the log (`record`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from qualify.errors import UsageError
+from qualify.policy import LoadedPolicy
+from receipts import dsse
+from receipts.canonical import canonical_json
+from receipts.checkpoint import NoteVerifier
+from receipts.errors import VerificationError
+from receipts.keys import SigningKey
+from receipts.statement import STATEMENT_TYPE
+
+if TYPE_CHECKING:
+    from receipts.store import Store
+
+APPROVAL_PREDICATE_TYPE = "https://qualify.dev/approval/v1"
+SUBJECT_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+DecisionValue = Literal["approved", "denied", "warn"]
+
+
+def check_subject(subject: str) -> str:
+    """The subject digest, or UsageError when it is not 'sha256:<64 hex>'."""
+    subject = subject.strip()
+    if not SUBJECT_DIGEST.match(subject):
+        raise UsageError(
+            f"subject {subject!r} is not a digest; "
+            "pass sha256:<64 lower-case hex> (an image or config digest)"
+        )
+    return subject
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A stored receipt about the subject. `predicate` comes from the verified envelope, never the query
+    table; `problem` says why the receipt did not verify (then it counts for nothing)."""
+
+    receipt_id: str
+    log_idx: int
+    keyid: str | None
+    predicate: dict[str, Any] | None
+    problem: str | None = None
+
+    @property
+    def host(self) -> str | None:
+        host = (self.predicate or {}).get("host")
+        return host.get("hostname") if isinstance(host, dict) else None
+
+    @property
+    def finished_at(self) -> datetime | None:
+        value = (self.predicate or {}).get("finished_at")
+        if not isinstance(value, str):
+            return None
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+class ReceiptEvaluation(BaseModel):
+    """How one receipt fared: whether it counts, and every reason it does not."""
+
+    receipt_id: str
+    log_index: int
+    host: str | None
+    verdict: str | None
+    finished_at: datetime | None
+    counted: bool
+    failures: list[str] = Field(default_factory=list)
+
+
+class Decision(BaseModel):
+    """The outcome of a policy for a subject; `approval_id`/`log_index` are set once it is recorded."""
+
+    decision: DecisionValue
+    mode: Literal["enforce", "warn"]
+    subject: str
+    policy_digest: str
+    policy_name: str | None
+    receipt_ids: list[str] = Field(description="the receipts the decision relied on (those that counted)")
+    hosts: list[str] = Field(description="distinct hosts of the receipts that counted")
+    required_hosts: int
+    reasons: list[str] = Field(description="every reason for a denial; notes on receipts that did not count")
+    evaluations: list[ReceiptEvaluation]
+    tree_size: int | None = Field(
+        None, description="size of the signed checkpoint receipts were verified against"
+    )
+    decided_at: datetime
+    approval_id: str | None = None
+    log_index: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0 approved (or warn), 1 denied."""
+        return 1 if self.decision == "denied" else 0
+
+
+def _label(candidate: Candidate) -> str:
+    host = candidate.host or "unknown host"
+    return f"receipt {candidate.receipt_id[:12]} (log #{candidate.log_idx}, {host})"
+
+
+def _failures(loaded: LoadedPolicy, candidate: Candidate, now: datetime) -> list[str]:
+    """Every reason this receipt does not count, in policy order; empty when it counts."""
+    if candidate.problem is not None:
+        return [f"does not verify, so it counts for nothing: {candidate.problem}"]
+    policy = loaded.policy
+    predicate = candidate.predicate or {}
+    failures: list[str] = []
+    if policy.trusted_keyids is not None and candidate.keyid not in policy.trusted_keyids:
+        failures.append(f"signed by key {str(candidate.keyid)[:16]}, which the policy does not trust")
+    verdict = predicate.get("verdict")
+    if verdict != policy.verdict:
+        failures.append(f"verdict is {verdict}, the policy requires {policy.verdict}")
+    max_age = policy.max_age_delta
+    if max_age is not None:
+        finished = candidate.finished_at
+        if finished is None:
+            failures.append("has no finished_at, so its age is unknown")
+        elif now - finished > max_age:
+            age_h = (now - finished).total_seconds() / 3600
+            failures.append(
+                f"expired: finished {finished.isoformat()} ({age_h:.1f} h ago), "
+                f"older than max_age {policy.max_age}"
+            )
+        elif finished - now > max_age:
+            failures.append(
+                f"finished_at {finished.isoformat()} lies in the future; check the signer's clock"
+            )
+    for condition in loaded.conditions:
+        why = condition.evaluate(predicate)
+        if why is not None:
+            failures.append(f"condition {condition.name!r} {why}: {condition.expr}")
+    return failures
+
+
+def evaluate(
+    loaded: LoadedPolicy,
+    subject: str,
+    candidates: list[Candidate],
+    now: datetime | None = None,
+    tree_size: int | None = None,
+) -> Decision:
+    """Judge `candidates` (the subject's receipts) against the policy. Pure: nothing is read or written."""
+    now = now or datetime.now(UTC)
+    policy = loaded.policy
+    evaluations: list[ReceiptEvaluation] = []
+    notes: list[str] = []
+    counted: list[Candidate] = []
+    for candidate in sorted(candidates, key=lambda c: c.log_idx):
+        failures = _failures(loaded, candidate, now)
+        evaluations.append(
+            ReceiptEvaluation(
+                receipt_id=candidate.receipt_id,
+                log_index=candidate.log_idx,
+                host=candidate.host,
+                verdict=(candidate.predicate or {}).get("verdict"),
+                finished_at=candidate.finished_at,
+                counted=not failures,
+                failures=failures,
+            )
+        )
+        if failures:
+            notes.extend(f"{_label(candidate)}: {failure}" for failure in failures)
+        else:
+            counted.append(candidate)
+    hosts = sorted({c.host or "" for c in counted})
+    enough = len(hosts) >= policy.min_hosts
+    reasons: list[str] = []
+    if not enough:
+        if not candidates:
+            reasons.append(f"no receipts about subject {subject} in the log")
+        else:
+            have = ", ".join(h or "(no hostname)" for h in hosts) or "none"
+            reasons.append(
+                f"{len(counted)} qualifying receipt(s) from {len(hosts)} distinct host(s) ({have}); "
+                f"the policy needs {policy.min_hosts}"
+            )
+    reasons.extend(notes)
+    if enough:
+        decision: DecisionValue = "approved"
+    else:
+        decision = "warn" if policy.mode == "warn" else "denied"
+    return Decision(
+        decision=decision,
+        mode=policy.mode,
+        subject=subject,
+        policy_digest=loaded.digest,
+        policy_name=policy.name,
+        receipt_ids=[c.receipt_id for c in counted],
+        hosts=hosts,
+        required_hosts=policy.min_hosts,
+        reasons=reasons,
+        evaluations=evaluations,
+        tree_size=tree_size,
+        decided_at=now,
+    )
+
+
+# --------------------------------------------------------------------------- store side
+
+
+def _signed_predicate(envelope: bytes, subject: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The predicate exactly as signed, or why it cannot be used; the signed subjects must name `subject`
+    (the query tables could be edited to attach a receipt to another build)."""
+    try:
+        statement = json.loads(dsse.parse(envelope).payload)
+    except (VerificationError, ValueError) as exc:
+        return None, f"its envelope does not parse: {exc}"
+    if not isinstance(statement, dict) or not isinstance(statement.get("predicate"), dict):
+        return None, "its statement has no predicate"
+    digests = {
+        f"{algorithm}:{value}"
+        for item in statement.get("subject") or []
+        if isinstance(item, dict)
+        for algorithm, value in (item.get("digest") or {}).items()
+    }
+    if subject not in digests:
+        return None, f"its signed subjects do not include {subject}; the query tables disagree with the log"
+    return statement["predicate"], None
+
+
+def gather(
+    store: Store, subject: str, verifiers: list[NoteVerifier] | None = None
+) -> tuple[list[Candidate], int | None]:
+    """The subject's receipts, each verified (bytes, signature at its log index, inclusion under the latest
+    signed checkpoint); returns them with the checkpoint size they were verified against.
+
+    `verifiers`: the trusted checkpoint keys; default the log key recorded in the store, which whoever
+    rewrote the database could have replaced, so callers holding the real log key pass it."""
+    records = store.list_receipts(subject=subject, limit=None)
+    if not records:
+        return [], None
+    history = store.key_history()
+    verifiers = verifiers or [store.log_verifier()]
+    candidates: list[Candidate] = []
+    tree_size: int | None = None
+    for record in records:
+        report = store.verify_receipt(record.id, verifiers=verifiers, history=history)
+        tree_size = report.checkpoint_size if report.checkpoint_size is not None else tree_size
+        if not report.ok:
+            problem = report.problem or "a check failed: " + ", ".join(
+                k for k, v in report.checks.items() if not v
+            )
+            candidates.append(Candidate(record.id, record.log_idx, record.keyid, None, problem))
+            continue
+        predicate, problem = _signed_predicate(store.entry(record.log_idx).envelope, subject)
+        candidates.append(Candidate(record.id, record.log_idx, report.keyid, predicate, problem))
+    return candidates, tree_size
+
+
+def decide(
+    store: Store,
+    loaded: LoadedPolicy,
+    subject: str,
+    now: datetime | None = None,
+    verifiers: list[NoteVerifier] | None = None,
+) -> Decision:
+    """Verify the subject's receipts in `store` and judge them against the policy (nothing is written)."""
+    subject = check_subject(subject)
+    candidates, tree_size = gather(store, subject, verifiers)
+    return evaluate(loaded, subject, candidates, now=now, tree_size=tree_size)
+
+
+def approval_statement(decision: Decision, loaded: LoadedPolicy) -> dict[str, Any]:
+    """The in-toto statement of a decision: about the subject, carrying the policy and every reason."""
+    algorithm, _, value = decision.subject.partition(":")
+    predicate = decision.model_dump(mode="json", exclude={"approval_id", "log_index"})
+    predicate["policy"] = loaded.policy.model_dump(mode="json")
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": decision.subject, "digest": {algorithm: value}}],
+        "predicateType": APPROVAL_PREDICATE_TYPE,
+        "predicate": predicate,
+    }
+
+
+def record(store: Store, decision: Decision, loaded: LoadedPolicy, key: SigningKey) -> Decision:
+    """Sign the decision and append it to the log; returns the decision with its approval id and index."""
+    payload = canonical_json(approval_statement(decision, loaded))
+    envelope = dsse.sign(dsse.PAYLOAD_TYPE_INTOTO, payload, key)
+    stored = store.append_approval(
+        envelope,
+        subject=decision.subject,
+        decision=decision.decision,
+        policy_digest=decision.policy_digest,
+        receipt_ids=decision.receipt_ids,
+        reasons=decision.reasons,
+    )
+    return decision.model_copy(update={"approval_id": stored.id, "log_index": stored.log_idx})

@@ -1,0 +1,103 @@
+"""What every check gets (the run context) and returns (an outcome); shared prompts and the epsilon."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from qualify.client import EngineClient
+from qualify.launch.base import Launcher
+from qualify.protocol import CompletionRequest, CompletionResponse, Describe, compare_greedy
+from qualify.run.request import RunRequest
+
+# Coherence rule epsilon (logit units): a first difference where the reference's top-2 gap is below this
+# is a near tie, not a disagreement. The receipt records it with the rule.
+EPSILON = 0.05
+PROMPTS = ["The hybrid engine", "Receipts are evidence:", "KDA keeps a recurrent state per head."]
+GEN_TOKENS = 12
+
+
+@dataclass
+class Outcome:
+    status: str  # pass | fail | skip | error
+    evidence: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+
+
+@dataclass
+class Context:
+    """State shared along the run: what the engine said, and facts one check leaves for a later one."""
+
+    request: RunRequest
+    launcher: Launcher
+    client: EngineClient
+    describe: Describe | None = None
+    url: str | None = None
+    target: str = "cpu"
+    captured: bool = False
+    facts: dict[str, Any] = field(default_factory=dict)
+    watchers: list[Any] = field(default_factory=list)
+    xid_events: Callable[[], list[Any]] = list
+    deadline: float = float("inf")  # monotonic: the current check's budget, within the run's
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def generate(
+        self,
+        prompt: Any = None,
+        *,
+        mode: str = "auto",
+        speculative: bool = False,
+        max_tokens: int = GEN_TOKENS,
+    ) -> CompletionResponse:
+        return self.client.complete(
+            CompletionRequest(
+                prompt=PROMPTS if prompt is None else prompt,
+                max_tokens=max_tokens,
+                mode=mode,
+                speculative=speculative,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    run: Callable[[Context], Outcome]
+    timeout_s: float  # per-check budget, bounded further by the run's --timeout
+    needs_engine: bool = True  # False: still runs when the engine stopped answering (faults)
+
+
+def fail_unless(conditions: dict[str, bool], evidence: dict[str, Any]) -> Outcome:
+    """Pass when every named condition holds; else fail naming the ones that did not."""
+    evidence = {**evidence, "conditions": conditions}
+    bad = [name for name, ok in conditions.items() if not ok]
+    if bad:
+        return Outcome("fail", evidence, "not satisfied: " + ", ".join(bad))
+    return Outcome("pass", evidence)
+
+
+def tokens(resp: CompletionResponse) -> list[list[int]]:
+    return [c.token_ids for c in sorted(resp.choices, key=lambda c: c.index)]
+
+
+def gaps(resp: CompletionResponse) -> list[list[float]]:
+    return [c.top2_gaps for c in sorted(resp.choices, key=lambda c: c.index)]
+
+
+def coherence(reference: CompletionResponse, candidate: CompletionResponse) -> dict[str, Any]:
+    """The coherence rule applied prompt by prompt; `agrees` only when every prompt agrees."""
+    reports = []
+    for ref_t, ref_g, cand_t in zip(tokens(reference), gaps(reference), tokens(candidate), strict=False):
+        reports.append(compare_greedy(ref_t, ref_g, cand_t, EPSILON).model_dump(mode="json"))
+    same_batch = len(reference.choices) == len(candidate.choices)
+    return {
+        "agrees": same_batch and all(r["agrees"] for r in reports),
+        "identical": same_batch and tokens(reference) == tokens(candidate),
+        "rule": reports[0]["rule"] if reports else None,
+        "epsilon": EPSILON,
+        "per_prompt": [{k: r[k] for k in ("agrees", "first_divergence", "gap")} for r in reports],
+    }

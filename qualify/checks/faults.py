@@ -1,0 +1,53 @@
+"""faults: no restarts, no fatal Xid, no OOM (container or CUDA), and the engine is not dead: a real
+generation answers at the end."""
+
+from __future__ import annotations
+
+from qualify.checks.base import Check, Context, Outcome, fail_unless
+from qualify.client import EngineError, EngineUnreachable
+from qualify.protocol import CompletionRequest
+
+FINAL_GENERATION_TIMEOUT_S = 30.0  # a live engine answers 4 tokens well within this
+
+
+def run(ctx: Context) -> Outcome:
+    status = ctx.launcher.status()
+    events = ctx.xid_events()
+    fatal = [e for e in events if e.fatal]
+    cuda_oom: int | None = None
+    metrics_oom: float | None = None
+    answer: dict = {}
+    try:
+        resp = ctx.client.complete(
+            CompletionRequest(prompt="Still alive?", max_tokens=4), timeout_s=FINAL_GENERATION_TIMEOUT_S
+        )
+        answer = {"answered": True, "tokens": [c.token_ids for c in resp.choices]}
+        cuda_oom = ctx.client.describe().counters.cuda_oom
+        metrics = ctx.client.metrics()
+        metrics_oom = sum(v for k, v in metrics.items() if "oom" in k.lower())
+    except (EngineUnreachable, EngineError) as exc:
+        answer = {"answered": False, "error": str(exc)[:300]}
+    ctx.facts["cuda_oom"] = cuda_oom or 0
+    ctx.facts["engine_dead"] = not answer.get("answered", False)
+    evidence = {
+        "launcher": status.to_evidence(),
+        "xid_events": [e.to_evidence() for e in events],
+        "fatal_xid": [e.code for e in fatal],
+        "cuda_oom": cuda_oom,
+        "metrics_oom_total": metrics_oom,
+        "final_generation": answer,
+    }
+    return fail_unless(
+        {
+            "no_restarts": status.restart_count == 0,
+            "no_fatal_xid": not fatal,
+            "no_container_oom": not status.oom_killed,
+            "no_cuda_oom": (cuda_oom or 0) == 0 and not metrics_oom,
+            "engine_alive": status.alive,
+            "engine_answers": bool(answer.get("answered")),
+        },
+        evidence,
+    )
+
+
+CHECK = Check("faults", run, timeout_s=60.0, needs_engine=False)

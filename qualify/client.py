@@ -1,0 +1,151 @@
+"""HTTP client for the engine protocol (DESIGN §5): typed requests and replies, one-line errors.
+
+The harness speaks only this to an engine, local or in a container; it never imports the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from qualify.protocol import (
+    CaptureResponse,
+    CompletionRequest,
+    CompletionResponse,
+    Describe,
+    ErrorBody,
+    Health,
+    PeerVerifyResponse,
+    ProbeResponse,
+    ReloadRequest,
+    ReloadResponse,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class EngineError(Exception):
+    """The engine answered with an error body (4xx/5xx): its type and message, and the HTTP status."""
+
+    def __init__(self, status: int, type_: str, message: str, path: str) -> None:
+        super().__init__(f"{path} answered {status} {type_}: {message}")
+        self.status, self.type, self.message, self.path = status, type_, message, path
+
+
+class EngineUnreachable(Exception):
+    """No answer: connection refused or reset (the engine died or restarted), or a timeout."""
+
+    def __init__(self, message: str, path: str, timed_out: bool) -> None:
+        super().__init__(message)
+        self.path, self.timed_out = path, timed_out
+
+
+class EngineClient:
+    """One engine's API. `base_url` is a callable so a restarted container's new port is followed."""
+
+    def __init__(self, base_url: Callable[[], str] | str, timeout_s: float = 30.0) -> None:
+        self._base = base_url if callable(base_url) else (lambda: base_url)
+        self.timeout_s = timeout_s
+        self.deadline: float | None = None  # monotonic; requests never wait past it
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        t = timeout_s if timeout_s is not None else self.timeout_s
+        if self.deadline is not None:
+            t = min(t, max(0.05, self.deadline - time.monotonic()))
+        return t
+
+    def _request(
+        self, method: str, path: str, body: BaseModel | None = None, timeout_s: float | None = None
+    ) -> httpx.Response:
+        t = self._timeout(timeout_s)
+        try:
+            r = self._http.request(
+                method,
+                self._base() + path,
+                json=None if body is None else body.model_dump(mode="json", exclude_none=True),
+                timeout=httpx.Timeout(t, connect=min(t, 5.0)),
+            )
+        except httpx.TimeoutException as exc:
+            raise EngineUnreachable(f"{method} {path} got no answer within {t:.1f} s", path, True) from exc
+        except httpx.TransportError as exc:
+            raise EngineUnreachable(
+                f"{method} {path} failed: {type(exc).__name__}: {exc}", path, False
+            ) from exc
+        if r.status_code >= 400:
+            try:
+                err = ErrorBody.model_validate(r.json()).error
+                raise EngineError(r.status_code, err.type, err.message, path)
+            except (ValueError, ValidationError):
+                raise EngineError(r.status_code, "HTTPError", r.text[:300], path) from None
+        return r
+
+    def _typed(self, model: type[M], r: httpx.Response, path: str) -> M:
+        try:
+            return model.model_validate(r.json())
+        except (ValueError, ValidationError) as exc:
+            raise EngineError(
+                r.status_code,
+                "ProtocolError",
+                f"reply is not a valid {model.__name__}: {str(exc).splitlines()[0]}",
+                path,
+            ) from exc
+
+    def _get(self, model: type[M], path: str, timeout_s: float | None = None) -> M:
+        return self._typed(model, self._request("GET", path, timeout_s=timeout_s), path)
+
+    def _post(
+        self, model: type[M], path: str, body: BaseModel | None = None, timeout_s: float | None = None
+    ) -> M:
+        return self._typed(model, self._request("POST", path, body, timeout_s), path)
+
+    # ------------------------------------------------------------ endpoints
+    def health(self, timeout_s: float | None = 5.0) -> Health:
+        return self._get(Health, "/health", timeout_s)
+
+    def describe(self) -> Describe:
+        return self._get(Describe, "/v1/describe")
+
+    def complete(self, request: CompletionRequest, timeout_s: float | None = None) -> CompletionResponse:
+        return self._post(CompletionResponse, "/v1/completions", request, timeout_s)
+
+    def capture(self, timeout_s: float | None = None) -> CaptureResponse:
+        return self._post(CaptureResponse, "/qualify/capture", None, timeout_s)
+
+    def reload(self, request: ReloadRequest, timeout_s: float | None = None) -> ReloadResponse:
+        return self._post(ReloadResponse, "/qualify/reload", request, timeout_s)
+
+    def probe(self, timeout_s: float | None = None) -> ProbeResponse:
+        return self._post(ProbeResponse, "/qualify/probe", None, timeout_s)
+
+    def peer_verify(self, timeout_s: float | None = None) -> PeerVerifyResponse:
+        return self._post(PeerVerifyResponse, "/qualify/peer-verify", None, timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus text as {name{labels}: value}."""
+        return parse_prometheus(self._request("GET", "/metrics").text)
+
+    def raw(self, method: str, path: str, json: Any = None) -> httpx.Response:
+        """An untyped request (tests, probing refusals)."""
+        return self._http.request(method, self._base() + path, json=json, timeout=self._timeout(None))
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out

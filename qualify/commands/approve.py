@@ -1,0 +1,137 @@
+"""`qualify approve`: decide from stored, verified receipts whether a build may roll out, and append the
+signed decision to the log. Exit 0 approved (or warn), 1 denied (every reason printed), 2 bad input."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from qualify import settings
+from qualify.approve import Decision, check_subject, decide, record
+from qualify.commands._common import (
+    console,
+    db_option,
+    emit,
+    json_option,
+    log_verifiers,
+    open_append,
+    opened,
+    store_errors,
+)
+from qualify.errors import UsageError
+from qualify.policy import load_policy, policy_json_schema
+from receipts.keys import SigningKey
+from receipts.store import Store
+
+STYLE = {"approved": "bold green", "denied": "bold red", "warn": "bold yellow"}
+
+
+def resolve_image(ref: str) -> str:
+    """A local docker image's id (sha256:...), the digest receipts name; UsageError when docker cannot say."""
+    try:
+        from docker.errors import DockerException, ImageNotFound
+
+        import docker
+    except ImportError as exc:  # pragma: no cover - docker is a dependency
+        raise UsageError(
+            "--image needs the docker SDK (pip install docker); pass --subject sha256:... instead"
+        ) from exc
+    try:
+        client = docker.from_env()
+    except DockerException as exc:
+        raise UsageError(
+            f"cannot resolve --image {ref}: docker is not available ({str(exc).splitlines()[0][:120]}); "
+            "pass --subject sha256:... instead"
+        ) from None
+    try:
+        return str(client.images.get(ref).id)
+    except ImageNotFound:
+        raise UsageError(
+            f"image {ref} is not in the local docker engine; docker pull it or pass --subject"
+        ) from None
+    except DockerException as exc:
+        raise UsageError(f"cannot resolve --image {ref}: {str(exc).splitlines()[0][:160]}") from None
+    finally:
+        client.close()
+
+
+def load_signing_key(store: Store, path: str | None) -> SigningKey:
+    """The operator key that signs decisions (default: the one `qualify run` uses); the log must trust it."""
+    key = SigningKey.load(Path(path) if path else settings.default_key_path())
+    if key.keyid not in store.trusted_keys():
+        raise UsageError(
+            f"key {key.keyid[:16]} is not trusted by this log; "
+            "trust it first: qualify keys trust <public key file>"
+        )
+    return key
+
+
+def print_decision(console: Console, decision: Decision) -> None:
+    style = STYLE.get(decision.decision, "bold")
+    name = f" {decision.policy_name!r}" if decision.policy_name else ""
+    console.print(
+        f"[{style}]{decision.decision.upper()}[/] {decision.subject} by policy{name} "
+        f"({decision.policy_digest[:19]}…, mode {decision.mode})",
+        highlight=False,
+    )
+    console.print(
+        f"  {len(decision.receipt_ids)} receipt(s) counted from {len(decision.hosts)} host(s) "
+        f"({', '.join(decision.hosts) or 'none'}); the policy needs {decision.required_hosts}",
+        highlight=False,
+    )
+    for rid in decision.receipt_ids:
+        console.print(f"  relied on receipt {rid}", highlight=False)
+    for reason in decision.reasons:
+        console.print(f"  [red]-[/] {reason}", highlight=False)
+    if decision.approval_id:
+        console.print(
+            f"  recorded as approval {decision.approval_id} at log #{decision.log_index}", highlight=False
+        )
+
+
+@click.command("approve")
+@click.option("--policy", "policy_path", metavar="FILE", help="Policy file (.toml, .yaml or .json).")
+@click.option("--subject", metavar="DIGEST", help="sha256:<hex> of the engine image (or config) to approve.")
+@click.option("--image", metavar="REF", help="A local docker image; its id is the subject.")
+@db_option
+@click.option("--key", "key_path", default=None, metavar="PATH", help="Key that signs the decision.")
+@click.option("--vkey", metavar="VKEY|FILE", help="The log's verifier key (default: the local log key).")
+@json_option
+@click.option("--schema", is_flag=True, help="Print the policy file's JSON Schema and exit.")
+@store_errors
+def approve(
+    policy_path: str | None,
+    subject: str | None,
+    image: str | None,
+    db_url: str | None,
+    vkey: str | None,
+    key_path: str | None,
+    as_json: bool,
+    schema: bool,
+) -> None:
+    """Approve or deny the rollout of a build from its stored receipts, and record the signed decision.
+
+    Exit 0: approved (or denied in warn mode). 1: denied. 2: bad input, nothing written.
+    """
+    if schema:
+        click.echo(json.dumps(policy_json_schema(), indent=2))
+        return
+    if not policy_path:
+        raise UsageError("--policy FILE is required (see qualify approve --schema for its format)")
+    if bool(subject) == bool(image):
+        raise UsageError("give exactly one of --subject sha256:<hex> or --image REF")
+    # Everything that can be refused is checked before the store is written to.
+    loaded = load_policy(policy_path)
+    digest = check_subject(subject) if subject else check_subject(resolve_image(image or ""))
+    # The store must exist: an approval about a log that was never written is a mistake in --db.
+    with opened(open_append(db_url, create=False)) as store:
+        key = load_signing_key(store, key_path)
+        # Checkpoints are checked against the local log key (or --vkey), not the one the database names.
+        verifiers, _ = log_verifiers(store, vkey)
+        decision = record(store, decide(store, loaded, digest, verifiers=verifiers), loaded, key)
+    emit(as_json, decision.model_dump(mode="json"), lambda: print_decision(console, decision))
+    sys.exit(decision.exit_code)

@@ -1,0 +1,65 @@
+"""`qualify serve`: the read API over the store (see qualify.api); POST /v1/decisions needs a bearer token."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from qualify.commands._common import db_option, open_append, open_read, opened, store_errors
+from qualify.errors import UsageError
+
+TOKEN_ENV = "QUALIFY_API_TOKEN"
+MIN_TOKEN_LENGTH = 16
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The API token from --token-file, else $QUALIFY_API_TOKEN, else None (decisions disabled)."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read the token file {token_file}: {exc}") from None
+        source = f"token file {token_file}"
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        if not token:
+            return None
+        source = f"${TOKEN_ENV}"
+    # A short token can be guessed; the route it guards writes to the log.
+    if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
+        raise UsageError(
+            f"the API token from {source} must be at least {MIN_TOKEN_LENGTH} characters without spaces; "
+            "make one with: openssl rand -hex 32"
+        )
+    return token
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Port.")
+@db_option
+@click.option(
+    "--token-file",
+    default=None,
+    metavar="FILE",
+    help=f"Bearer token for POST /v1/decisions (or ${TOKEN_ENV}).",
+)
+@click.option("--key", "key_path", default=None, metavar="PATH", help="Key that signs recorded decisions.")
+@store_errors
+def serve(host: str, port: int, db_url: str | None, token_file: str | None, key_path: str | None) -> None:
+    """Serve receipts, proofs, checkpoints and approvals over HTTP (OpenAPI at /docs and /openapi.json)."""
+    import uvicorn
+
+    from qualify.api import create_app
+    from qualify.commands.approve import load_signing_key
+
+    token = read_token(token_file)
+    # Read-only unless decisions are enabled; then the log key is needed to append them.
+    store = open_append(db_url, create=False) if token is not None else open_read(db_url)
+    with opened(store):
+        key = load_signing_key(store, key_path) if token is not None else None
+        if token is None:
+            click.echo(f"decisions disabled: no --token-file or ${TOKEN_ENV}; serving read-only", err=True)
+        uvicorn.run(create_app(store, token=token, signing_key=key), host=host, port=port, log_level="info")

@@ -1,0 +1,385 @@
+"""Docker launcher (docker SDK 7): the engine in a container: restart policy, memory limit, GPU requests.
+
+It reads RestartCount (a top-level inspect field), the exit code and State.OOMKilled, and also follows the
+daemon's `oom` events for the container: OOMKilled is cleared when the restart policy restarts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from qualify.launch.base import (
+    DEFAULT_MAX_RESTARTS,
+    FAULT_ENV,
+    EngineOptions,
+    Launcher,
+    LaunchError,
+    LaunchStatus,
+    RefusalOutcome,
+)
+
+CONTAINER_PORT = "8000/tcp"
+LABEL = "org.qualify.run"
+STOP_GRACE_S = 5
+# Harness variables that configure the engine under test travel into the container.
+FORWARD_ENV_PREFIX = "QUALIFY_ENGINE_"
+
+
+def _docker():  # imported lazily: the local launcher must work where the SDK cannot reach a daemon
+    import docker
+
+    return docker
+
+
+def connect() -> Any:
+    """A docker client, or LaunchError (one line) when the daemon cannot be reached."""
+    docker = _docker()
+    try:
+        client = docker.from_env(timeout=60)
+        client.ping()
+    except docker.errors.DockerException as exc:
+        raise LaunchError(
+            f"cannot reach the Docker daemon ({str(exc).splitlines()[0][:160]}); "
+            "start dockerd or use --launcher local"
+        ) from exc
+    return client
+
+
+def check_image(ref: str) -> None:
+    """LaunchError (one line) unless the daemon answers and holds `ref` locally (no registry is used)."""
+    client = connect()
+    try:
+        client.images.get(ref)
+    except _docker().errors.ImageNotFound as exc:
+        raise LaunchError(
+            f"image {ref} is not in the local Docker store; build it with docker/build-cpu-image.sh"
+        ) from exc
+    except _docker().errors.APIError as exc:
+        raise LaunchError(f"cannot inspect image {ref}: {_explain(exc)}") from exc
+    finally:
+        client.close()
+
+
+def device_requests(gpus: str | None) -> list[Any]:
+    """`all` -> every GPU; `0,1` -> those indices; None -> no GPU request."""
+    if gpus is None:
+        return []
+    types = _docker().types
+    if gpus == "all":
+        return [types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
+    return [types.DeviceRequest(device_ids=gpus.split(","), capabilities=[["gpu"]])]
+
+
+class DockerLauncher(Launcher):
+    kind = "docker"
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        image: str,
+        run_dir: Path,
+        *,
+        gpus: str | None = None,
+        mem_limit: str | None = None,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.options = options
+        self.image_ref = image
+        self.run_dir = run_dir
+        self.gpus = gpus
+        self.mem_limit = mem_limit
+        self.max_restarts = max_restarts
+        src = os.environ if env is None else env
+        self.env = {k: v for k, v in src.items() if k.startswith(FORWARD_ENV_PREFIX)}
+        self.env["QUALIFY_HOME"] = "/var/lib/qualify"
+        self.log_path = run_dir / "engine.log"
+        self.run_id = uuid.uuid4().hex[:12]
+        self._client: Any = None
+        self._image: Any = None
+        self._container: Any = None
+        self._url: str | None = None
+        self._events: Any = None
+        self._events_thread: threading.Thread | None = None
+        self._oom_events = 0
+        self._die_codes: list[int] = []
+        self._final: LaunchStatus | None = None
+
+    def command(self, kda_backend: str | None = None) -> list[str]:
+        return [
+            "python",
+            "-m",
+            "qualify.engine",
+            *self.options.serve_args(kda_backend),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8000",
+        ]
+
+    # ------------------------------------------------------------ lifecycle
+    def _resolve_image(self) -> Any:
+        docker = _docker()
+        self._client = self._client or connect()
+        try:
+            return self._client.images.get(self.image_ref)
+        except docker.errors.ImageNotFound as exc:
+            raise LaunchError(
+                f"image {self.image_ref} is not in the local Docker store; build it with "
+                "docker/build-cpu-image.sh (no registry is used)"
+            ) from exc
+
+    def start(self, timeout_s: float) -> str:
+        docker = _docker()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._image = self._resolve_image()
+        kwargs: dict[str, Any] = {
+            "command": self.command(),
+            "detach": True,
+            "name": f"qualify-engine-{self.run_id}",
+            "labels": {LABEL: self.run_id},
+            "environment": self.env,
+            "ipc_mode": "host",  # CUDA IPC between the engine and its KV-transfer peer
+            "restart_policy": {"Name": "on-failure", "MaximumRetryCount": self.max_restarts},
+            "ports": {CONTAINER_PORT: ("127.0.0.1", None)},
+            "shm_size": "1g",
+        }
+        if self.mem_limit:
+            kwargs.update(mem_limit=self.mem_limit, memswap_limit=self.mem_limit)
+        if self.gpus:
+            kwargs["device_requests"] = device_requests(self.gpus)
+        since = int(time.time()) - 1
+        try:
+            self._container = self._client.containers.create(self._image.id, **kwargs)
+        except docker.errors.APIError as exc:
+            raise LaunchError(f"docker could not create the engine container: {_explain(exc)}") from exc
+        self._follow_events(since)
+        try:
+            self._container.start()
+        except docker.errors.APIError as exc:
+            # A GPU request without the NVIDIA runtime fails here and leaves a `created` container.
+            self._remove()
+            hint = ""
+            if "device driver" in _explain(exc) or "gpu" in _explain(exc).lower():
+                hint = (
+                    "; this host has no NVIDIA container runtime: drop --gpus or install the NVIDIA "
+                    "container toolkit"
+                )
+            raise LaunchError(f"docker could not start the engine container: {_explain(exc)}{hint}") from exc
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._container.reload()
+            st = self._container.attrs["State"]
+            gave_up = st["Status"] == "exited" or (
+                st["Status"] == "restarting" and self._restarts() >= self.max_restarts
+            )
+            if gave_up and self._wait_exited(5):
+                raise RuntimeError(
+                    f"the engine container exited with code {st.get('ExitCode')} before it was ready "
+                    f"({self._restarts()} restarts): {_last_line(self.logs_tail(5))}"
+                )
+            url = self._read_url()
+            if url and _healthy(url):
+                self._url = url
+                return url
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"the engine container was not ready within {timeout_s:g} s: {_last_line(self.logs_tail(5))}"
+        )
+
+    def _wait_exited(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            self._container.reload()
+            if self._container.attrs["State"]["Status"] == "exited":
+                return True
+            if self._container.attrs["State"]["Status"] == "running":
+                return False
+            time.sleep(0.2)
+        return False
+
+    def _read_url(self) -> str | None:
+        ports = (self._container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
+        binding = ports.get(CONTAINER_PORT)
+        if not binding:
+            return None
+        return f"http://127.0.0.1:{binding[0]['HostPort']}"
+
+    def _restarts(self) -> int:
+        return int(self._container.attrs.get("RestartCount", 0))
+
+    def _follow_events(self, since: int) -> None:
+        try:
+            self._events = self._client.events(
+                since=since, decode=True, filters={"container": self._container.id}
+            )
+        except _docker().errors.APIError:
+            return
+
+        def pump() -> None:
+            with contextlib.suppress(Exception):
+                for ev in self._events:
+                    action = ev.get("Action") or ev.get("status")
+                    if action == "oom":
+                        self._oom_events += 1
+                    elif action == "die":
+                        code = (ev.get("Actor") or {}).get("Attributes", {}).get("exitCode")
+                        if code is not None:
+                            self._die_codes.append(int(code))
+
+        self._events_thread = threading.Thread(target=pump, name="docker-events", daemon=True)
+        self._events_thread.start()
+
+    def url(self, refresh: bool = False) -> str:
+        if refresh and self._container is not None:
+            with contextlib.suppress(Exception):
+                self._container.reload()
+                self._url = self._read_url() or self._url
+        if self._url is None:
+            raise RuntimeError("the engine container has no published address yet")
+        return self._url
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self._container.reload()
+            except Exception:
+                return False
+            st = self._container.attrs["State"]
+            if st["Status"] == "exited":
+                return False
+            url = self._read_url()
+            if st["Status"] == "running" and url and _healthy(url):
+                self._url = url
+                return True
+            time.sleep(0.2)
+        return False
+
+    def status(self) -> LaunchStatus:
+        if self._final is not None:
+            return self._final
+        if self._container is None:
+            return LaunchStatus(alive=False, exit_code=None, restart_count=0)
+        try:
+            self._container.reload()
+        except Exception:
+            return LaunchStatus(alive=False, exit_code=None, restart_count=0, detail={"container": "gone"})
+        st = self._container.attrs["State"]
+        running = st["Status"] == "running"
+        # OOMKilled is reset when the restart policy restarts the container; the `oom` event is not.
+        oom = bool(st.get("OOMKilled")) or self._oom_events > 0
+        return LaunchStatus(
+            alive=running,
+            exit_code=None if running else st.get("ExitCode"),
+            restart_count=self._restarts(),
+            oom_killed=oom,
+            detail={
+                "container": self._container.short_id,
+                "state": st["Status"],
+                "state_oom_killed": bool(st.get("OOMKilled")),
+                "oom_events": self._oom_events,
+                "exit_codes": list(self._die_codes),
+                "image_id": self._image.id if self._image is not None else None,
+                "mem_limit": self.mem_limit,
+                "log": str(self.log_path),
+            },
+        )
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> LaunchStatus:
+        if self._final is not None:
+            return self._final
+        if self._container is None:
+            return self.status()
+        with contextlib.suppress(Exception):
+            # SIGTERM, then SIGKILL after the grace period
+            self._container.stop(timeout=max(1, int(round(grace_s))))
+        time.sleep(0.3)  # let the `die` event arrive
+        final = self.status()
+        final.alive = False
+        with contextlib.suppress(Exception):
+            self.log_path.write_bytes(self._container.logs())
+        if self._events is not None:
+            with contextlib.suppress(Exception):
+                self._events.close()
+        self._remove()
+        self._final = final
+        return final
+
+    def _remove(self) -> None:
+        if self._container is not None:
+            with contextlib.suppress(Exception):
+                self._container.remove(force=True)
+
+    def logs_tail(self, lines: int = 30) -> str:
+        if self._container is not None and self._final is None:
+            with contextlib.suppress(Exception):
+                return self._container.logs(tail=lines).decode(errors="replace").strip()
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def identity(self) -> dict[str, Any]:
+        image = self._image or self._resolve_image()
+        return {
+            "launcher": "docker",
+            "image": self.image_ref,
+            "image_id": image.id,
+            "repo_digests": list(image.attrs.get("RepoDigests") or []),
+        }
+
+    def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
+        docker = _docker()
+        image = self._image or self._resolve_image()
+        cmd = self.command(kda_backend)
+        env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
+        t0 = time.monotonic()
+        c = self._client.containers.create(
+            image.id,
+            command=cmd,
+            environment=env,
+            detach=True,
+            labels={LABEL: self.run_id},
+            name=f"qualify-refusal-{self.run_id}",
+        )
+        try:
+            c.start()
+            try:
+                code: int | None = int(c.wait(timeout=timeout_s)["StatusCode"])
+            except Exception:  # requests' ReadTimeout / ConnectionError: it did not exit in time
+                code = None
+            out = c.logs().decode(errors="replace")
+        except docker.errors.APIError as exc:
+            code, out = None, f"docker error: {_explain(exc)}"
+        finally:
+            with contextlib.suppress(Exception):
+                c.remove(force=True)
+        return RefusalOutcome(cmd, code, time.monotonic() - t0, out)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _explain(exc: Exception) -> str:
+    text = getattr(exc, "explanation", None) or str(exc)
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return str(text).splitlines()[0][:300]
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "(no output)"

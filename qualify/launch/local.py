@@ -1,0 +1,215 @@
+"""Local launcher: the engine as a supervised subprocess with an on-failure restart policy.
+
+The engine's address comes from its ready line; after the first boot its port is pinned, so a restarted
+engine answers at the same URL. Logs of every incarnation go to one file in the run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+from qualify.launch.base import (
+    DEFAULT_MAX_RESTARTS,
+    FAULT_ENV,
+    READY_RE,
+    EngineOptions,
+    Launcher,
+    LaunchStatus,
+    RefusalOutcome,
+)
+
+STOP_GRACE_S = 5.0
+
+
+class LocalLauncher(Launcher):
+    kind = "local"
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        run_dir: Path,
+        *,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.options = options
+        self.run_dir = run_dir
+        self.max_restarts = max_restarts
+        self.python = python
+        self.env = dict(os.environ if env is None else env)
+        self.log_path = run_dir / "engine.log"
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._stopping = False
+        self._proc: subprocess.Popen[str] | None = None
+        self._thread: threading.Thread | None = None
+        self._url: str | None = None
+        self._port: int | None = None
+        self._pid: int | None = None
+        self._exit_code: int | None = None
+        self._exit_codes: list[int] = []
+        self._restarts = 0
+        self._boots = 0
+
+    # ------------------------------------------------------------ commands
+    def command(self, port: int) -> list[str]:
+        return [self.python, "-m", "qualify.engine", *self.options.serve_args(), "--port", str(port)]
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, timeout_s: float) -> str:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._ready.wait(0.05):
+                assert self._url is not None
+                return self._url
+            if self._done.is_set():
+                raise RuntimeError(
+                    f"the engine exited with code {self._exit_code} before it was ready "
+                    f"({self._restarts} restarts); see {self.log_path}"
+                )
+        raise TimeoutError(f"the engine was not ready within {timeout_s:g} s; see {self.log_path}")
+
+    def _supervise(self) -> None:
+        with self.log_path.open("a", buffering=1) as log:
+            while True:
+                port = self._port or 0
+                cmd = self.command(port)
+                log.write(f"# qualify: boot {self._boots + 1}: {' '.join(cmd)}\n")
+                with self._lock:
+                    if self._stopping:
+                        break
+                    # Own session: a terminal's Ctrl-C reaches the harness, which stops the engine itself.
+                    self._proc = subprocess.Popen(
+                        cmd,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=self.env,
+                        text=True,
+                        bufsize=1,
+                        start_new_session=True,
+                    )
+                    self._boots += 1
+                    self._pid = self._proc.pid
+                self._pump(self._proc.stdout, log)
+                rc = self._proc.wait()
+                log.write(f"# qualify: engine exited with code {rc}\n")
+                with self._lock:
+                    self._exit_code = rc
+                    self._exit_codes.append(rc)
+                    self._ready.clear()
+                    if self._stopping or rc == 0 or self._restarts >= self.max_restarts:
+                        break
+                    self._restarts += 1  # on-failure policy: a non-zero exit earns a restart
+                time.sleep(0.2)
+        self._done.set()
+
+    def _pump(self, stream: IO[str] | None, log: IO[str]) -> None:
+        assert stream is not None
+        for line in stream:
+            log.write(line)
+            m = READY_RE.search(line)
+            if m and not self._ready.is_set():
+                url = m.group("url")
+                self._port = urlsplit(url).port
+                self._url = url.rstrip("/")
+                self._ready.set()
+
+    def url(self, refresh: bool = False) -> str:
+        if self._url is None:
+            raise RuntimeError("the engine has not reported an address yet")
+        return self._url
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once the engine (perhaps restarted) has printed its ready line again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._ready.wait(0.05):
+                return True
+            if self._done.is_set():
+                return False
+        return False
+
+    def status(self) -> LaunchStatus:
+        with self._lock:
+            alive = self._proc is not None and self._proc.poll() is None
+            return LaunchStatus(
+                alive=alive,
+                exit_code=None if alive else self._exit_code,
+                restart_count=self._restarts,
+                detail={
+                    "pid": self._pid,
+                    "boots": self._boots,
+                    "exit_codes": list(self._exit_codes),
+                    "log": str(self.log_path),
+                },
+            )
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> LaunchStatus:
+        with self._lock:
+            self._stopping = True
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            _terminate(proc, grace_s)
+        if self._thread is not None:
+            self._thread.join(timeout=grace_s + 5)
+        return self.status()
+
+    def logs_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def identity(self) -> dict[str, Any]:
+        return {"launcher": "local", "python": self.python}
+
+    def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
+        # The fault flag is for the engine under test; the refusal must come from construction alone.
+        env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
+        cmd = [self.python, "-m", "qualify.engine", *self.options.serve_args(kda_backend), "--port", "0"]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            _terminate(proc)
+            out, _ = proc.communicate()
+            code = None
+        return RefusalOutcome(cmd, code, time.monotonic() - t0, out or "")
+
+
+def _terminate(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to the engine's process group, SIGKILL after the grace period."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)

@@ -1,0 +1,1 @@
+"""`qualify run`: validate the request, boot the engine, run the checks, judge, sign and store the receipt."""

@@ -1,0 +1,414 @@
+"""The run: boot the engine, start the watchers, run the checks in order within their time budgets, stop,
+judge, and always write a receipt — also when a check hangs, the engine dies, or SIGINT/SIGTERM arrives."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from qualify import __version__, settings
+from qualify.checks import CHECKS
+from qualify.checks.base import Check, Context, Outcome
+from qualify.client import EngineClient, EngineError, EngineUnreachable
+from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus
+from qualify.run import receipt as rc
+from qualify.run.operator import OperatorKey
+from qualify.run.request import RunRequest
+from qualify.run.verdict import judge
+from qualify.watch.kmsg import KmsgWatcher
+from qualify.watch.nvml import NvmlWatcher
+from qualify.watch.xid import XidEvent, table_evidence
+from receipts.statement import config_digest
+from receipts.store import Store
+
+RECOVERY_WAIT_S = 30.0  # how long to wait for a restarted engine before the next check
+STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL; an engine that stopped answering gets the short one
+STOP_GRACE_UNRESPONSIVE_S = 1.0
+
+
+class Reporter(Protocol):
+    def check_started(self, name: str) -> None: ...
+    def check_finished(self, name: str, status: str, seconds: float, reason: str | None) -> None: ...
+    def note(self, message: str) -> None: ...
+
+
+class RunInterrupted(Exception):
+    """SIGTERM (or SIGINT) arrived: stop, and still write the receipt."""
+
+
+@dataclass
+class RunResult:
+    verdict: str
+    reasons: list[str]
+    target: str
+    checks: list[dict[str, Any]]
+    receipt_id: str
+    log_idx: int
+    subjects: list[dict[str, Any]]
+    faults: dict[str, Any]
+    run_dir: str
+    seconds: float
+    keyid: str
+    started_at: str
+    finished_at: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "receipt_id": self.receipt_id,
+            "log_idx": self.log_idx,
+            "verdict": self.verdict,
+            "reasons": self.reasons,
+            "target": self.target,
+            "checks": [{k: c[k] for k in ("name", "status", "seconds", "reason")} for c in self.checks],
+            "faults": self.faults,
+            "subjects": self.subjects,
+            "keyid": self.keyid,
+            "run_dir": self.run_dir,
+            "seconds": round(self.seconds, 3),
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+        }
+
+
+def make_launcher(req: RunRequest, run_dir: Path) -> Launcher:
+    opts = EngineOptions(preset=req.preset, kda_backend=req.kda_backend, num_spec=req.num_spec)
+    if req.launcher == "docker":
+        from qualify.launch.docker import DockerLauncher
+
+        assert req.image is not None
+        return DockerLauncher(opts, req.image, run_dir, gpus=req.gpus, mem_limit=req.mem_limit)
+    from qualify.launch.local import LocalLauncher
+
+    env = dict(os.environ)
+    if req.gpus and req.gpus != "all":
+        env["CUDA_VISIBLE_DEVICES"] = req.gpus  # the local engine sees only the GPUs asked for
+    return LocalLauncher(opts, run_dir, env=env)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM raises RunInterrupted in the main thread (SIGINT already raises KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise RunInterrupted(f"received {signal.Signals(signum).name}")
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """While the engine stops and the receipt is written, further signals wait: nothing is lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _json_safe(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+class Pipeline:
+    def __init__(
+        self,
+        req: RunRequest,
+        store: Store,
+        key: OperatorKey,
+        reporter: Reporter,
+        launcher: Launcher | None = None,
+    ) -> None:
+        self.req = req
+        self.store = store
+        self.key = key
+        self.reporter = reporter
+        self.started = datetime.now(UTC)
+        stamp = self.started.strftime("%Y%m%dT%H%M%SZ")
+        self.run_dir = settings.data_dir() / "runs" / f"{stamp}-{uuid.uuid4().hex[:6]}"
+        self.launcher = launcher or make_launcher(req, self.run_dir)
+        self.kmsg = KmsgWatcher()
+        self.nvml = NvmlWatcher()
+        self.results: list[dict[str, Any]] = []
+        self.interrupted: str | None = None
+        self.unresponsive = False  # a request timed out: the engine may not honour SIGTERM either
+
+    # ------------------------------------------------------------ the run
+    def run(self) -> RunResult:
+        t0 = time.monotonic()
+        run_deadline = t0 + self.req.timeout_s
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        client = EngineClient(lambda: self.launcher.url())
+        ctx = Context(request=self.req, launcher=self.launcher, client=client, xid_events=self._xid_events)
+        ctx.target = "gpu" if self._host_has_gpu() else "cpu"
+        try:
+            with _signals_raise():
+                self.kmsg.start()
+                self.nvml.start()
+                if self.nvml.status == "watching":
+                    ctx.target = "gpu"
+                self._checks(ctx, run_deadline)
+        except (KeyboardInterrupt, RunInterrupted) as exc:
+            self.interrupted = str(exc) or "interrupted (SIGINT)"
+            if isinstance(exc, KeyboardInterrupt):
+                self.interrupted = "interrupted (SIGINT)"
+        finally:
+            with _signals_deferred():
+                result = self._finish(ctx, client, t0)
+        return result
+
+    def _checks(self, ctx: Context, run_deadline: float) -> None:
+        engine_down: str | None = None
+        for check in CHECKS:
+            now = time.monotonic()
+            if now >= run_deadline:
+                self.interrupted = (
+                    f"run timeout: --timeout {self.req.timeout_s:g} s reached before {check.name}"
+                )
+                return
+            if engine_down and check.needs_engine:
+                self._record(check.name, Outcome("error", {}, engine_down), 0.0)
+                continue
+            ctx.deadline = min(run_deadline, now + check.timeout_s)
+            ctx.client.deadline = ctx.deadline
+            outcome, seconds, trouble = self._one(check, ctx)
+            self._record(check.name, outcome, seconds)
+            if check.name == "boot" and outcome.status != "pass" and ctx.describe is None:
+                return  # nothing to check without an engine; the verdict names the checks not run
+            if trouble is not None:
+                self.unresponsive = self.unresponsive or trouble.timed_out
+                if trouble.timed_out and time.monotonic() >= run_deadline:
+                    self.interrupted = (
+                        f"run timeout: --timeout {self.req.timeout_s:g} s reached during {check.name}"
+                    )
+                    return
+                wait = min(RECOVERY_WAIT_S, max(0.0, run_deadline - time.monotonic()))
+                if not self._recovered(ctx, wait):
+                    engine_down = f"the engine stopped answering during {check.name}: {trouble}"
+
+    def _one(self, check: Check, ctx: Context) -> tuple[Outcome, float, EngineUnreachable | None]:
+        self.reporter.check_started(check.name)
+        t = time.monotonic()
+        trouble: EngineUnreachable | None = None
+        try:
+            outcome = check.run(ctx)
+        except EngineUnreachable as exc:
+            trouble = exc
+            outcome = Outcome("error", {"path": exc.path, "timed_out": exc.timed_out}, str(exc))
+        except EngineError as exc:
+            outcome = Outcome("error", {"path": exc.path, "status": exc.status, "type": exc.type}, str(exc))
+        except LaunchError as exc:
+            outcome = Outcome("error", {}, str(exc))
+        except (KeyboardInterrupt, RunInterrupted) as exc:
+            reason = "interrupted (SIGINT)" if isinstance(exc, KeyboardInterrupt) else str(exc)
+            self._record(check.name, Outcome("error", {}, reason), time.monotonic() - t)
+            raise
+        except Exception as exc:  # a harness or protocol bug must still end in a receipt
+            outcome = Outcome(
+                "error", {"exception": type(exc).__name__}, f"{type(exc).__name__}: {exc}"[:500]
+            )
+        return outcome, time.monotonic() - t, trouble
+
+    def _recovered(self, ctx: Context, wait_s: float) -> bool:
+        """After a lost connection: did the (maybe restarted) engine answer /health within `wait_s`?"""
+        end = time.monotonic() + wait_s
+        waiter = getattr(self.launcher, "wait_ready", None)
+        if waiter is not None and not waiter(wait_s):
+            return False
+        with contextlib.suppress(Exception):
+            self.launcher.url(refresh=True)
+        ctx.client.deadline = None
+        while True:
+            try:
+                ctx.client.health(timeout_s=2.0)
+                return True
+            except (EngineUnreachable, EngineError):
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.2)
+
+    def _record(self, name: str, outcome: Outcome, seconds: float) -> None:
+        if any(r["name"] == name for r in self.results):
+            return
+        self.results.append(
+            {
+                "name": name,
+                "status": outcome.status,
+                "evidence": _json_safe(outcome.evidence),
+                "seconds": round(seconds, 3),
+                "reason": outcome.reason,
+            }
+        )
+        self.reporter.check_finished(name, outcome.status, seconds, outcome.reason)
+
+    # ------------------------------------------------------------ the end
+    def _xid_events(self) -> list[XidEvent]:
+        return self.kmsg.snapshot() + self.nvml.snapshot()
+
+    @staticmethod
+    def _host_has_gpu() -> bool:
+        return any(os.path.exists(p) for p in ("/dev/nvidia0", "/proc/driver/nvidia/version"))
+
+    def _finish(self, ctx: Context, client: EngineClient, t0: float) -> RunResult:
+        pre: LaunchStatus | None = None
+        with contextlib.suppress(Exception):
+            pre = self.launcher.status()
+        final = self.launcher.stop(STOP_GRACE_UNRESPONSIVE_S if self.unresponsive else STOP_GRACE_S)
+        self.kmsg.stop()
+        self.nvml.stop()
+        client.close()
+        finished = datetime.now(UTC)
+        outcomes = [(r["name"], r["status"]) for r in self.results]
+        j = judge(outcomes, ctx.target, self.interrupted)
+        faults = self._faults(ctx, final, pre)
+        engine, weights = self._engine(ctx)
+        d = ctx.describe
+        versions = {k: str(v) for k, v in (d.versions.model_dump() if d else {}).items() if v is not None}
+        versions.update(harness=__version__, xid_table=table_evidence()["version"])
+        predicate = rc.build_predicate(
+            request=self.req.request_info(),
+            engine=engine,
+            backend=ctx.facts.get("backend"),
+            layout=ctx.facts.get("layout"),
+            checks=self.results,
+            faults=faults,
+            verdict=j.verdict,
+            target=ctx.target,
+            gpu=self._gpus(ctx),
+            driver=(d.device.driver if d else None) or self.nvml.driver,
+            versions=versions,
+            started_at=self.started,
+            finished_at=finished,
+        )
+        subjects = rc.subjects(engine, self._identity(), weights)
+        record, _ = rc.sign_and_append(self.store, self.key.key, predicate, subjects)
+        return RunResult(
+            verdict=j.verdict,
+            reasons=j.reasons,
+            target=ctx.target,
+            checks=self.results,
+            receipt_id=record.id,
+            log_idx=record.log_idx,
+            subjects=[{"name": s.name, "digest": s.digest} for s in subjects],
+            faults=predicate.faults.model_dump(mode="json"),
+            run_dir=str(self.run_dir),
+            seconds=time.monotonic() - t0,
+            keyid=self.key.key.keyid,
+            started_at=self.started.isoformat(),
+            finished_at=finished.isoformat(),
+        )
+
+    def _identity(self) -> dict[str, Any]:
+        try:
+            return self.launcher.identity()
+        except Exception:
+            return {"launcher": self.launcher.kind}
+
+    def _engine(self, ctx: Context) -> tuple[dict[str, Any], str | None]:
+        d = ctx.describe
+        ident = self._identity()
+        image = ident.get("image_id")
+        if d is not None:
+            config = _json_safe(d.config)
+            code = d.engine.code_digest
+            code = f"sha256:{rc.bare_hex(code)}" if rc.bare_hex(code) else None
+            return {
+                "name": d.engine.name,
+                "version": d.engine.version,
+                "image_digest": image,
+                "code_digest": code,
+                "config_digest": config_digest(config),
+                "config": config,
+            }, d.engine.weights_digest
+        # The engine never described itself: record what was asked and what the harness can see.
+        config = {
+            "preset": self.req.preset,
+            "kda_decode_backend": self.req.kda_backend,
+            "num_spec": self.req.num_spec,
+            "described": False,
+        }
+        return {
+            "name": "qualify-engine",
+            "version": None,
+            "image_digest": image,
+            "code_digest": None if image else rc.engine_code_digest_on_disk(),
+            "config_digest": config_digest(config),
+            "config": config,
+        }, None
+
+    def _faults(self, ctx: Context, final: LaunchStatus, pre: LaunchStatus | None) -> dict[str, Any]:
+        events = self._xid_events()
+        nv = self.nvml
+        explicit_kmsg = self.kmsg.source is not None and self.kmsg.source.startswith("file:")
+        if nv.status in ("watching", "stopped") and nv.devices:
+            watch, why = "active", None
+        elif explicit_kmsg:
+            watch, why = "active", f"kernel log replayed from {self.kmsg.source}; NVML: {nv.reason}"
+        else:
+            watch = "not_applicable"
+            tail = (
+                f"kernel log {self.kmsg.source} tailed: {self.kmsg.lines_read} lines, {len(events)} Xid"
+                if self.kmsg.source
+                else f"kernel log unavailable: {self.kmsg.reason}"
+            )
+            why = f"{nv.reason}; {tail}"
+        cuda_oom = int(ctx.facts.get("cuda_oom", 0))
+        dead = ctx.facts.get("engine_dead")
+        if dead is None:
+            dead = not (pre.alive if pre is not None else False)
+        return {
+            "restart_count": max(final.restart_count, pre.restart_count if pre else 0),
+            "xid_events": [
+                {
+                    "code": e.code,
+                    "fatal": e.fatal,
+                    "source": e.source,
+                    "line": e.line or e.message or None,
+                    "time": e.seen_at,
+                }
+                for e in events
+            ],
+            "xid_watch": watch,
+            "xid_watch_reason": why,
+            "oom": {
+                "container": bool(final.oom_killed or (pre.oom_killed if pre else False)),
+                "cuda_oom_count": cuda_oom,
+            },
+            "engine_dead": bool(dead),
+        }
+
+    def _gpus(self, ctx: Context) -> list[dict[str, Any]]:
+        if self.nvml.devices:
+            return [{"name": g["name"], "index": g["index"]} for g in self.nvml.devices]
+        d = ctx.describe
+        if d is not None and d.device.type == "cuda":
+            mem = d.device.total_memory
+            return [
+                {
+                    "name": d.device.name,
+                    "compute_capability": d.device.compute_capability,
+                    "memory_mib": mem // (1 << 20) if mem else None,
+                }
+            ]
+        return []

@@ -1,0 +1,127 @@
+"""The receipt of a run: subjects, the qualification predicate, a DSSE signature, and the append.
+
+Parts a run never reached stay null; nothing is invented. A local engine that never described itself is
+identified by the harness's digest of the engine code on disk, and the receipt says that it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import platform
+import socket
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from qualify import __version__
+from receipts import dsse
+from receipts import statement as st
+from receipts.keys import SigningKey
+from receipts.store import Store
+
+_SHA256_HEX = 64
+
+
+def bare_hex(digest: str | None) -> str | None:
+    """`sha256:<hex>` or `<hex>` -> `<hex>` when it is a sha256 digest, else None."""
+    if not digest:
+        return None
+    h = digest.split(":", 1)[1] if digest.startswith("sha256:") else digest
+    h = h.lower()
+    return h if len(h) == _SHA256_HEX and all(c in "0123456789abcdef" for c in h) else None
+
+
+def engine_code_digest_on_disk() -> str:
+    """sha256 over the engine package's source files (relative path and bytes), found without importing it."""
+    spec = importlib.util.find_spec("qualify.engine")
+    if spec is None or not spec.submodule_search_locations:
+        return "sha256:" + hashlib.sha256(b"qualify.engine not installed").hexdigest()
+    root = Path(next(iter(spec.submodule_search_locations)))
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def host_info() -> dict[str, Any]:
+    os_name = platform.system()
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                os_name = line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    return {
+        "hostname": socket.gethostname(),
+        "os": os_name,
+        "kernel": platform.release(),
+        "arch": platform.machine(),
+    }
+
+
+def subjects(
+    engine: dict[str, Any], identity: dict[str, Any], weights_digest: str | None
+) -> list[st.Subject]:
+    """docker: the image digest; local: the engine code and weights digests; both: the config digest."""
+    out: list[st.Subject] = []
+    if engine.get("image_digest"):
+        name = identity.get("image") or "engine-image"
+        out.append(st.Subject(name=str(name), digest={"sha256": bare_hex(engine["image_digest"])}))
+    if engine.get("code_digest") and not engine.get("image_digest"):
+        out.append(
+            st.Subject(name=f"{engine['name']}-code", digest={"sha256": bare_hex(engine["code_digest"])})
+        )
+        if bare_hex(weights_digest):
+            out.append(
+                st.Subject(name=f"{engine['name']}-weights", digest={"sha256": bare_hex(weights_digest)})
+            )
+    out.append(
+        st.Subject(name=f"{engine['name']}-config", digest={"sha256": bare_hex(engine["config_digest"])})
+    )
+    return out
+
+
+def build_predicate(
+    *,
+    request: dict[str, Any],
+    engine: dict[str, Any],
+    backend: dict[str, Any] | None,
+    layout: dict[str, Any] | None,
+    checks: list[dict[str, Any]],
+    faults: dict[str, Any],
+    verdict: str,
+    target: str,
+    gpu: list[dict[str, Any]],
+    driver: str | None,
+    versions: dict[str, str],
+    started_at: datetime,
+    finished_at: datetime,
+) -> st.QualificationPredicate:
+    return st.QualificationPredicate(
+        request=st.RequestInfo(**request),
+        engine=st.EngineInfo(**engine),
+        backend=st.BackendInfo(**backend) if backend else None,
+        layout=st.LayoutInfo(**layout) if layout else None,
+        checks=[st.CheckResult(**c) for c in checks],
+        faults=st.Faults(**faults),
+        verdict=verdict,  # type: ignore[arg-type]
+        target=target,  # type: ignore[arg-type]
+        host=st.HostInfo(**host_info()),
+        gpu=[st.GpuInfo(**g) for g in gpu],
+        driver=driver,
+        versions=versions,
+        started_at=started_at,
+        finished_at=finished_at,
+        qualify_version=__version__,
+    )
+
+
+def sign_and_append(
+    store: Store, key: SigningKey, predicate: st.QualificationPredicate, subj: list[st.Subject]
+) -> tuple[Any, dict[str, Any]]:
+    """Sign the statement (DSSE, in-toto payload) with the operator key and append it in one transaction."""
+    statement = st.build_statement(predicate, subj)
+    envelope = dsse.sign(dsse.PAYLOAD_TYPE_INTOTO, st.statement_bytes(statement), key)
+    record = store.append_receipt(envelope)
+    return record, envelope

@@ -1,0 +1,1 @@
+"""Watchers that run for the whole of `qualify run`: kernel-log and NVML Xid events, one table."""

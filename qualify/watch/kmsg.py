@@ -1,0 +1,186 @@
+"""Kernel-log Xid watcher: parses `NVRM: Xid (PCI:...): NN, ...` lines and tails the kernel log during a run.
+
+Sources, first that applies: $QUALIFY_KMSG_SOURCE (a file, read from its start and followed: tests and
+replays of recorded logs), /dev/kmsg (only records written after the watcher started), `dmesg --follow-new`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import select
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from qualify.watch.xid import XidEvent, classify
+
+KMSG_SOURCE_ENV = "QUALIFY_KMSG_SOURCE"
+
+# Accepts the forms the driver and log tools write: /dev/kmsg records ("6,1234,5678,-;NVRM: ..."),
+# dmesg ("[  12.3] NVRM: ..."), syslog/journal ("May 18 19:02:39 host kernel: NVRM: ..."), and both
+# "(PCI:0000:3b:00)" and the older "(0000:3b:00)" device forms.
+_XID_RE = re.compile(
+    r"NVRM: Xid \((?:PCI:)?(?P<device>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?)\): "
+    r"(?P<code>\d+)(?:,\s*(?P<rest>.*))?$"
+)
+
+
+def parse_line(line: str, source: str = "kmsg") -> XidEvent | None:
+    """The classified Xid event of one kernel-log line, or None when the line is not an Xid report."""
+    m = _XID_RE.search(line.rstrip("\r\n"))
+    if m is None:
+        return None
+    rest = (m.group("rest") or "").strip()
+    return classify(
+        int(m.group("code")), source=source, device=m.group("device"), message=rest, line=line.strip()
+    )
+
+
+class KmsgWatcher:
+    """Collects Xid events from the kernel log on a background thread until `stop()`."""
+
+    def __init__(self, source: str | os.PathLike[str] | None = None, poll_s: float = 0.2) -> None:
+        self._explicit = str(source) if source is not None else os.environ.get(KMSG_SOURCE_ENV)
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+        self.events: list[XidEvent] = []
+        self.lines_read = 0
+        self.source: str | None = None
+        self.status = "not_started"  # watching | unavailable | stopped
+        self.reason: str | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> KmsgWatcher:
+        target = self._open()
+        if target is not None:
+            self.status = "watching"
+            self._thread = threading.Thread(target=target, name="kmsg-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop tailing; lines already written to a file source are read to its end first."""
+        self._stop.set()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._proc is not None:
+            with contextlib.suppress(Exception):
+                self._proc.wait(timeout=2)
+        if self.status == "watching":
+            self.status = "stopped"
+
+    def snapshot(self) -> list[XidEvent]:
+        with self._lock:
+            return list(self.events)
+
+    def evidence(self) -> dict:
+        events = self.snapshot()
+        return {
+            "status": self.status,
+            "source": self.source,
+            "reason": self.reason,
+            "lines_read": self.lines_read,
+            "events": [e.to_evidence() for e in events],
+        }
+
+    # ------------------------------------------------------------ sources
+    def _open(self):
+        if self._explicit:
+            path = Path(self._explicit)
+            if not path.is_file():
+                self.status, self.reason = "unavailable", f"{KMSG_SOURCE_ENV}={path} is not a readable file"
+                return None
+            self.source = f"file:{path}"
+            return lambda: self._follow_file(path)
+        try:
+            fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            kmsg_reason = f"/dev/kmsg: {exc.strerror}"
+        else:
+            # Seek to the end: only records written during this run count, not old boots' history.
+            os.lseek(fd, 0, os.SEEK_END)
+            self.source = "/dev/kmsg"
+            return lambda: self._follow_kmsg(fd)
+        dmesg = shutil.which("dmesg")
+        if dmesg:
+            try:
+                self._proc = subprocess.Popen(
+                    [dmesg, "--follow-new", "--nopager"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            except OSError as exc:
+                self.status, self.reason = "unavailable", f"{kmsg_reason}; dmesg: {exc.strerror}"
+                return None
+            time.sleep(0.05)
+            if self._proc.poll() is not None:
+                self.status = "unavailable"
+                self.reason = f"{kmsg_reason}; dmesg --follow-new exited {self._proc.returncode}"
+                return None
+            self.source = "dmesg --follow-new"
+            return self._follow_proc
+        self.status, self.reason = "unavailable", f"{kmsg_reason}; no dmesg on PATH"
+        return None
+
+    def _record(self, line: str) -> None:
+        self.lines_read += 1
+        ev = parse_line(line, source="kmsg")
+        if ev is not None:
+            with self._lock:
+                self.events.append(ev)
+
+    def _follow_file(self, path: Path) -> None:
+        with path.open("r", errors="replace") as fh:
+            pending = ""
+            while True:
+                chunk = fh.readline()
+                if chunk:
+                    pending += chunk
+                    if pending.endswith("\n"):
+                        self._record(pending)
+                        pending = ""
+                    continue
+                if self._stop.is_set():
+                    if pending:
+                        self._record(pending)
+                    return
+                self._stop.wait(self._poll_s)
+
+    def _follow_kmsg(self, fd: int) -> None:
+        try:
+            while not self._stop.is_set():
+                ready, _, _ = select.select([fd], [], [], self._poll_s)
+                if not ready:
+                    continue
+                try:
+                    data = os.read(fd, 8192)  # one record per read
+                except OSError as exc:
+                    if exc.errno == errno.EAGAIN:
+                        continue
+                    if exc.errno == errno.EPIPE:  # records overwritten before we read them: go on
+                        continue
+                    self.reason = f"/dev/kmsg read failed: {exc.strerror}"
+                    return
+                # Record: "prio,seq,usec,flags;message\n continuation lines"
+                text = data.decode("utf-8", "replace")
+                self._record(text.split("\n", 1)[0])
+        finally:
+            os.close(fd)
+
+    def _follow_proc(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self._record(line)
+            if self._stop.is_set():
+                break

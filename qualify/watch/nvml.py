@@ -1,0 +1,133 @@
+"""NVML Xid watcher (nvidia-ml-py): critical-Xid events of every GPU for the whole run.
+
+Without an NVIDIA driver or GPU it reports `not_applicable` with the reason, explicitly, never silence.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from qualify.watch.xid import XidEvent, classify
+
+_WAIT_MS = 500
+
+
+class NvmlWatcher:
+    def __init__(self) -> None:
+        self.status = "not_started"  # watching | not_applicable | error | stopped
+        self.reason: str | None = None
+        self.devices: list[dict[str, Any]] = []
+        self.driver: str | None = None
+        self.events: list[XidEvent] = []
+        self._nvml: Any = None
+        self._set: Any = None
+        self._handles: dict[Any, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> NvmlWatcher:
+        try:
+            import pynvml
+        except ImportError as exc:  # nvidia-ml-py is a dependency; say so rather than pass silently
+            self.status, self.reason = "error", f"nvidia-ml-py is not installed ({exc})"
+            return self
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            # LibraryNotFound / DriverNotLoaded / NoPermission: no NVIDIA GPU we can watch on this machine.
+            self.status = "not_applicable"
+            self.reason = f"no NVIDIA driver or GPU: NVML init failed ({exc})"
+            return self
+        self._nvml = pynvml
+        try:
+            self.driver = _text(pynvml.nvmlSystemGetDriverVersion())
+            count = pynvml.nvmlDeviceGetCount()
+            if count == 0:
+                self.status, self.reason = "not_applicable", "NVML sees no GPU"
+                pynvml.nvmlShutdown()
+                self._nvml = None
+                return self
+            self._set = pynvml.nvmlEventSetCreate()
+            for i in range(count):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                pci = _text(pynvml.nvmlDeviceGetPciInfo(h).busId)
+                info = {"index": i, "name": _text(pynvml.nvmlDeviceGetName(h)), "pci": pci}
+                try:
+                    pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self._set)
+                    info["xid_events"] = "registered"
+                except pynvml.NVMLError as exc:
+                    info["xid_events"] = f"not supported: {exc}"
+                self._handles[_addr(h)] = pci
+                self.devices.append(info)
+        except pynvml.NVMLError as exc:
+            self.status, self.reason = "error", f"NVML setup failed: {exc}"
+            self._shutdown()
+            return self
+        self.status = "watching"
+        self._thread = threading.Thread(target=self._loop, name="nvml-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        pynvml = self._nvml
+        while not self._stop.is_set():
+            try:
+                data = pynvml.nvmlEventSetWait_v2(self._set, _WAIT_MS)
+            except pynvml.NVMLError_Timeout:
+                continue
+            except pynvml.NVMLError as exc:
+                self.status, self.reason = "error", f"NVML event wait failed: {exc}"
+                return
+            if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                ev = classify(
+                    int(data.eventData), source="nvml", device=self._handles.get(_addr(data.device))
+                )
+                with self._lock:
+                    self.events.append(ev)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        self._shutdown()
+        if self.status == "watching":
+            self.status = "stopped"
+
+    def _shutdown(self) -> None:
+        if self._nvml is None:
+            return
+        try:
+            if self._set is not None:
+                self._nvml.nvmlEventSetFree(self._set)
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
+            pass
+        self._nvml = None
+
+    def snapshot(self) -> list[XidEvent]:
+        with self._lock:
+            return list(self.events)
+
+    def evidence(self) -> dict:
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "driver": self.driver,
+            "devices": self.devices,
+            "events": [e.to_evidence() for e in self.snapshot()],
+        }
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _addr(handle: Any) -> int | None:
+    """A device handle's pointer value: the key that ties an event back to its GPU."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None

@@ -1,0 +1,88 @@
+"""Fixtures for the approval, API and report tests: a SQLite store with a trusted operator key, and a way
+to append real signed receipts (realistic predicates from approve_predicates) about a subject."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from approve_predicates import CONFIG, predicate
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from receipts import dsse, keys
+from receipts.canonical import canonical_json
+from receipts.checkpoint import NoteSigner
+from receipts.statement import PREDICATE_TYPE, STATEMENT_TYPE, config_digest
+from receipts.store import Store
+
+SUBJECT = "sha256:" + hashlib.sha256(b"engine build 1").hexdigest()
+OTHER_SUBJECT = "sha256:" + hashlib.sha256(b"engine build 2").hexdigest()
+
+
+def statement(subject: str, pred: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [
+            {"name": "engine-image", "digest": {"sha256": subject.removeprefix("sha256:")}},
+            {"name": "engine-config", "digest": {"sha256": config_digest(CONFIG).removeprefix("sha256:")}},
+        ],
+        "predicateType": PREDICATE_TYPE,
+        "predicate": pred,
+    }
+
+
+@dataclass
+class Log:
+    """A store under test, its file, the operator key it trusts and a receipt appender."""
+
+    store: Store
+    url: str
+    path: Path
+    key: keys.SigningKey
+    key_path: Path
+
+    def add(self, subject: str = SUBJECT, key: keys.SigningKey | None = None, **kwargs: Any) -> str:
+        """Append a signed receipt about `subject`; kwargs go to approve_predicates.predicate()."""
+        payload = canonical_json(statement(subject, predicate(**kwargs)))
+        envelope = dsse.sign(dsse.PAYLOAD_TYPE_INTOTO, payload, key or self.key)
+        return self.store.append_receipt(envelope).id
+
+    def raw(self, sql: str, *params: Any) -> None:
+        """Run SQL as an attacker with file access would, triggers dropped first (they forbid it)."""
+        con = sqlite3.connect(self.path)
+        try:
+            for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type='trigger'").fetchall():
+                con.execute(f"DROP TRIGGER {name}")
+            con.execute(sql, params)
+            con.commit()
+        finally:
+            con.close()
+
+
+@pytest.fixture
+def make_log(tmp_path: Path) -> Iterator[Callable[[], Log]]:
+    opened: list[Store] = []
+
+    def make() -> Log:
+        path = tmp_path / f"store{len(opened)}.db"
+        url = f"sqlite:///{path}"
+        store = Store.open(url, log_signer=NoteSigner("qualify.test/log", Ed25519PrivateKey.generate()))
+        opened.append(store)
+        key = keys.generate()
+        key_path = key.save(tmp_path / f"operator{len(opened)}.key")
+        store.trust_key(key.public_key(), "operator")
+        return Log(store=store, url=url, path=path, key=key, key_path=key_path)
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def log(make_log: Callable[[], Log]) -> Log:
+    return make_log()

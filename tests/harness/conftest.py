@@ -1,0 +1,131 @@
+"""Fixtures for the harness tests: a temp QUALIFY_HOME per test, `qualify` as a real subprocess, the store's
+receipts, and (Docker tests) the CPU engine image built once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE_KMSG = ROOT / "tests" / "data" / "kmsg-xid-sample.txt"
+LAYOUT = "2304,2304,2304,9216"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker") or "docker")
+
+
+@dataclass
+class Ran:
+    code: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        return json.loads(self.stdout)
+
+
+@dataclass
+class Home:
+    """A QUALIFY_HOME of its own: the default SQLite store and the keys live there."""
+
+    path: Path
+
+    @property
+    def db(self) -> Path:
+        return self.path / "qualify.db"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_")}
+        env.update(QUALIFY_HOME=str(self.path), **extra)
+        return env
+
+    def qualify(self, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> Ran:
+        t0 = time.monotonic()
+        p = subprocess.run(
+            [sys.executable, "-m", "qualify.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env or self.env(),
+            cwd=ROOT,
+        )
+        return Ran(p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
+
+    def predicates(self) -> list[dict[str, Any]]:
+        """Every stored receipt's predicate, oldest first (read straight from the query table)."""
+        with sqlite3.connect(self.db) as db:
+            rows = db.execute("SELECT predicate FROM receipts ORDER BY log_idx").fetchall()
+        return [json.loads(r[0]) if isinstance(r[0], str) else r[0] for r in rows]
+
+    def verify_all(self) -> Ran:
+        return self.qualify("receipts", "verify", "--all", "--db", f"sqlite:///{self.db}")
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Home:
+    h = tmp_path / "qhome"
+    h.mkdir()
+    return Home(h)
+
+
+def check(summary_or_predicate: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in summary_or_predicate["checks"] if c["name"] == name)
+
+
+# ---------------------------------------------------------------- docker
+
+
+def _docker_unavailable() -> str | None:
+    if not Path(DOCKER).exists() and shutil.which(DOCKER) is None:
+        return "no docker client"
+    r = subprocess.run([DOCKER, "info"], capture_output=True, text=True, timeout=30)
+    return None if r.returncode == 0 else f"docker info failed: {r.stderr.strip()[-200:]}"
+
+
+@pytest.fixture(scope="session")
+def docker_available() -> None:
+    why = _docker_unavailable()
+    if why:
+        if IN_CI:
+            pytest.fail(f"Docker unavailable: {why} (CI requires it)")
+        pytest.skip(f"Docker unavailable: {why}")
+
+
+@pytest.fixture(scope="session")
+def engine_image(docker_available: None) -> str:
+    """The CPU engine image, built once per session (skipped when `docker image inspect` finds it)."""
+    r = subprocess.run(
+        ["bash", str(ROOT / "docker" / "build-cpu-image.sh")], capture_output=True, text=True, timeout=900
+    )
+    if r.returncode != 0:
+        pytest.fail(f"building the engine image failed: {r.stderr[-1500:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+def _labelled_containers() -> set[str]:
+    r = subprocess.run(
+        [DOCKER, "ps", "-a", "--filter", "label=org.qualify.run", "--format", "{{.ID}}"],
+        capture_output=True,
+        text=True,
+    )
+    return set(r.stdout.split())
+
+
+@pytest.fixture
+def no_leftover_containers(docker_available: None) -> Iterator[None]:
+    """The test leaves no container of its own behind (engine or refusal probe), whatever the verdict."""
+    before = _labelled_containers()
+    yield
+    left = _labelled_containers() - before
+    assert not left, f"containers left behind: {sorted(left)}"

@@ -1,0 +1,53 @@
+"""Every bad input exits 2 with one line, before anything boots, and writes nothing (no store, no key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qualify.cli import main
+
+CASES = [
+    ["--layout", "2304,,9216"],
+    ["--layout", "-1"],
+    ["--layout", "0"],
+    ["--layout", "abc"],
+    ["--layout", ""],
+    ["--layout", "2304,2304,2304,9216,2304"],
+    ["--spec", "mtp:0"],
+    ["--spec", "eagle"],
+    ["--gpus", "zero", "--launcher", "docker", "--image", "x"],
+    ["--timeout", "-1"],
+    ["--timeout", "0"],
+    ["--timeout", "abc"],
+    ["--kda-backend", "bogus"],
+    ["--preset", "huge"],
+    ["--launcher", "docker"],
+    ["--launcher", "docker", "--image", "qualify-engine:does-not-exist"],
+    ["--db", "postgresql+psycopg://nobody@127.0.0.1:1/none"],
+    ["--db", "mysql://nowhere/x"],
+    ["--key", "/nonexistent/operator.key"],
+    ["--mem-limit", "2g"],
+    ["--gpus", "0,0"],
+    ["--launcher", "docker", "--image", "x", "--mem-limit", "lots"],
+    ["--image", "qualify-engine:cpu"],
+]
+
+
+@pytest.mark.parametrize("args", CASES, ids=lambda a: " ".join(a) or "empty")
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(
+    args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("QUALIFY_HOME", str(home))
+    monkeypatch.delenv("QUALIFY_DB_URL", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", *args])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert out == ""
+    # Nothing written: no data dir, so no store file, no key, no run directory.
+    assert not home.exists() or not any(home.rglob("*")), sorted(home.rglob("*"))

@@ -1,0 +1,63 @@
+"""`qualify run` with the Docker launcher against the CPU engine image built with no registry: a qualified
+run, a container killed by its memory limit, and a GPU request on a host without the NVIDIA runtime."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import DOCKER, LAYOUT, Home, check
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.usefixtures("no_leftover_containers")]
+
+
+def test_docker_run_qualifies_and_names_the_image_digest(home: Home, engine_image: str) -> None:
+    ran = home.qualify("run", "--launcher", "docker", "--image", engine_image, "--layout", LAYOUT, "--json")
+    assert ran.code == 0, ran.stderr[-2000:]
+    s = ran.summary()
+    assert s["verdict"] == "qualified" and s["target"] == "cpu"
+    image_id = subprocess.run(
+        [DOCKER, "image", "inspect", "--format", "{{.Id}}", engine_image], capture_output=True, text=True
+    ).stdout.strip()
+    assert {"name": engine_image, "digest": {"sha256": image_id.removeprefix("sha256:")}} in s["subjects"]
+    (p,) = home.predicates()
+    assert p["engine"]["image_digest"] == image_id
+    assert p["request"]["launcher"] == "docker" and p["request"]["image"] == engine_image
+    assert check(p, "faults")["evidence"]["launcher"]["restart_count"] == 0
+    assert home.verify_all().code == 0
+
+
+def test_container_killed_by_its_memory_limit_records_the_oom(home: Home, engine_image: str) -> None:
+    env = home.env(QUALIFY_ENGINE_FAULT="oom-on:/qualify/reload")
+    ran = home.qualify(
+        "run", "--launcher", "docker", "--image", engine_image, "--mem-limit", "700m", "--json", env=env
+    )
+    assert ran.code == 1, ran.stderr[-2000:]
+    s = ran.summary()
+    assert s["verdict"] == "rejected"
+    assert s["faults"]["oom"]["container"] is True
+    assert s["faults"]["restart_count"] >= 1
+    assert check(s, "reload")["status"] == "error"
+    faults = check(s, "faults")
+    assert faults["status"] == "fail" and "no_container_oom" in faults["reason"]
+    assert home.verify_all().code == 0
+
+
+def _has_nvidia_runtime() -> bool:
+    info = subprocess.run([DOCKER, "info", "--format", "{{json .Runtimes}}"], capture_output=True, text=True)
+    return "nvidia" in json.dumps(info.stdout)
+
+
+def test_gpu_request_without_nvidia_runtime_fails_clearly_and_leaves_no_container(
+    home: Home, engine_image: str
+) -> None:
+    if _has_nvidia_runtime():
+        pytest.skip("this Docker host has the NVIDIA runtime")
+    ran = home.qualify("run", "--launcher", "docker", "--image", engine_image, "--gpus", "all", "--json")
+    assert ran.code == 1, ran.stderr[-2000:]
+    s = ran.summary()
+    boot = check(s, "boot")
+    assert s["verdict"] == "rejected" and boot["status"] == "error"
+    assert "NVIDIA container" in boot["reason"] and "\n" not in boot["reason"]
+    assert home.verify_all().code == 0

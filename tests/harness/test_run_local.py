@@ -1,0 +1,162 @@
+"""`qualify run` end to end with the local launcher on CPU: a real engine subprocess (tiny preset), real
+checks, a signed receipt in a real store — for a good engine and for crashing, hanging and Xid faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import LAYOUT, ROOT, SAMPLE_KMSG, Home, check
+
+pytestmark = pytest.mark.slow
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie still answers kill(0); it no longer runs.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_local_run_qualifies_on_cpu_and_signs_a_verifiable_receipt(home: Home) -> None:
+    ran = home.qualify("run", "--layout", LAYOUT, "--json")
+    assert ran.code == 0, ran.stderr[-2000:]
+    s = ran.summary()
+    assert s["verdict"] == "qualified" and s["target"] == "cpu"
+    assert [c["name"] for c in s["checks"]] == [
+        "boot", "backend", "layout", "arenas", "capture", "reload", "generation", "faults",
+    ]  # fmt: skip
+    assert check(s, "capture")["status"] == "skip" and "CUDA" in check(s, "capture")["reason"]
+    assert all(c["status"] == "pass" for c in s["checks"] if c["name"] != "capture")
+    assert "created signing key" in ran.stderr and "trusted it in the store" in ran.stderr
+
+    (p,) = home.predicates()
+    assert p["verdict"] == "qualified" and p["target"] == "cpu"
+    assert p["layout"]["spans"] == [2304, 2304, 2304, 9216] and p["layout"]["peer_verified"]
+    assert p["layout"]["chunk"] == 9216 and p["layout"]["ratios"] == [4, 4, 4, 1]
+    assert p["backend"]["resolved"] == "torch" and "kda::torch" in p["backend"]["kernel_names"]
+    backend = check(p, "backend")["evidence"]
+    assert backend["bogus_refusal"]["exit_code"] not in (None, 0)
+    assert "bogus" in backend["bogus_refusal"]["error_line"]
+    arenas = check(p, "arenas")["evidence"]
+    assert arenas["over_capacity"]["status"] == 409 and arenas["moved"] == []
+    assert p["faults"]["xid_watch"] in ("not_applicable", "active")
+    if p["faults"]["xid_watch"] == "not_applicable":
+        assert "NVML" in p["faults"]["xid_watch_reason"]
+    assert p["faults"]["restart_count"] == 0 and not p["faults"]["engine_dead"]
+    assert p["engine"]["code_digest"].startswith("sha256:")
+    names = [sub["name"] for sub in s["subjects"]]
+    assert any(n.endswith("-code") for n in names) and any(n.endswith("-weights") for n in names)
+    assert any(n.endswith("-config") for n in names)
+
+    # A second run (speculative this time) reuses the key, says nothing about creating one, and appends
+    # after the first; its generation check compares speculative with plain decoding.
+    again = home.qualify("run", "--spec", "mtp:2", "--json")
+    assert again.code == 0, again.stderr[-2000:]
+    assert "created signing key" not in again.stderr
+    assert again.summary()["log_idx"] > s["log_idx"]
+    spec = check(home.predicates()[-1], "generation")["evidence"]["comparisons"]["speculative_vs_plain"]
+    assert spec["agrees"] and spec["epsilon"] > 0 and "near tie" in spec["rule"]
+    assert home.predicates()[-1]["request"]["spec"] == "mtp:2"
+    assert home.verify_all().code == 0
+
+
+def test_engine_crash_during_a_check_rejects_naming_the_check(home: Home) -> None:
+    env = home.env(QUALIFY_ENGINE_FAULT="crash-on:/qualify/reload")
+    ran = home.qualify("run", "--layout", LAYOUT, "--json", env=env)
+    assert ran.code == 1, ran.stderr[-2000:]
+    s = ran.summary()
+    assert s["verdict"] == "rejected"
+    reload = check(s, "reload")
+    assert reload["status"] == "error" and "/qualify/reload" in reload["reason"]
+    assert s["faults"]["restart_count"] >= 1
+    assert "reload: error" in s["reasons"]
+    (p,) = home.predicates()
+    assert p["faults"]["restart_count"] >= 1
+    assert home.verify_all().code == 0
+
+
+def test_hung_engine_is_bounded_by_the_run_timeout(home: Home) -> None:
+    # The peer-verify endpoint hangs the whole server (the fault blocks its event loop), so the layout
+    # check, and every check after it, would wait forever without the run's time limit.
+    env = home.env(QUALIFY_ENGINE_FAULT="hang-on:/qualify/peer-verify")
+    timeout = 18
+    ran = home.qualify("run", "--json", "--timeout", str(timeout), env=env, timeout=timeout + 60)
+    assert ran.code == 1, ran.stderr[-2000:]
+    s = ran.summary()
+    assert s["verdict"] in ("aborted", "rejected")
+    assert check(s, "layout")["status"] == "error" and "no answer" in check(s, "layout")["reason"]
+    # Bounded: the run limit plus a short stop (SIGTERM, 1 s, SIGKILL), the receipt and interpreter start.
+    assert ran.seconds < timeout + 10
+    pid = check(home.predicates()[0], "boot")["evidence"]["pid"]
+    assert _gone(pid)
+    assert home.verify_all().code == 0
+
+
+def test_fatal_xid_in_the_kernel_log_fails_the_run(home: Home) -> None:
+    env = home.env(QUALIFY_KMSG_SOURCE=str(SAMPLE_KMSG))
+    ran = home.qualify("run", "--json", env=env)
+    assert ran.code == 1, ran.stderr[-2000:]
+    s = ran.summary()
+    assert s["verdict"] == "rejected"
+    faults = check(s, "faults")
+    assert faults["status"] == "fail" and "no_fatal_xid" in faults["reason"]
+    codes = [(e["code"], e["fatal"]) for e in s["faults"]["xid_events"]]
+    assert codes == [(13, False), (43, False), (31, False), (63, False), (94, False), (79, True), (48, True)]
+    assert s["faults"]["xid_watch"] == "active"
+    assert home.verify_all().code == 0
+
+
+def test_sigterm_mid_run_stops_the_engine_and_stores_an_aborted_receipt(home: Home) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qualify.cli", "run", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=home.env(),
+        cwd=ROOT,
+    )
+    # Wait until the engine has booted (its run dir has a log with the ready line), then interrupt.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        logs = list(home.path.glob("runs/*/engine.log"))
+        if logs and "QUALIFY_ENGINE_READY" in logs[0].read_text():
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err[-2000:]
+    import json
+
+    s = json.loads(out)
+    assert s["verdict"] == "aborted" and "SIGTERM" in s["reasons"][0]
+    (p,) = home.predicates()
+    assert p["verdict"] == "aborted"
+    pid = check(p, "boot")["evidence"]["pid"]
+    assert _gone(pid)
+    assert home.verify_all().code == 0
+
+
+@pytest.mark.gpu
+def test_proxy_preset_qualifies_on_a_gpu_with_full_capture_and_reload(home: Home) -> None:
+    ran = home.qualify("run", "--layout", LAYOUT, "--preset", "proxy", "--json", timeout=600)
+    assert ran.code == 0, ran.stderr[-3000:]
+    s = ran.summary()
+    assert s["verdict"] == "qualified" and s["target"] == "gpu"
+    assert all(c["status"] == "pass" for c in s["checks"]), s["checks"]
+    p = home.predicates()[0]
+    assert check(p, "capture")["evidence"]["replay_vs_eager"]["agrees"]
+    assert check(p, "reload")["evidence"]["output_changed_with_other_weights"]
+    print("GPU qualify run:", {c["name"]: c["seconds"] for c in s["checks"]}, "total", s["seconds"])
+    assert s["seconds"] < 120
