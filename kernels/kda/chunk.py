@@ -1,0 +1,441 @@
+"""Varlen chunked KDA prefill in Triton (KDA.md §4), its host-side chunk metadata, and the torch reference."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kda.chunk_ref import chunk_reference
+from kernels.kda.chunk_solve import _chunk_bounds, intra_kernel, wu_kernel
+
+__all__ = ["build_chunk_metadata", "chunk_reference", "prefill", "prefill_scratch_specs"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_SUB = 16  # sub-chunk: the span over which one exp factor may grow (≤ e^{5·8} with the middle reference)
+# Launch shapes and operand types, measured best on an H200 (module constants so a tuning run can
+# override them): W and U by a separate whole-chunk kernel with X through scratch (SPLIT_WU; False does
+# them per 16-row block inside the solve kernel), bf16 operands for the A/P and W/U products (fp32
+# accumulation; fp32 A/P operands run as tf32 and made the prefill 1.5x slower). The interpreter uses fp32.
+_GATE_BK, _GATE_WARPS, _INTRA_WARPS, _SOLVE_UNROLL, _STATE_BV, _STATE_WARPS = 32, 4, 4, False, 32, 4
+_SPLIT_WU, _WU_WARPS, _WU_DT, _AP_DT = True, 4, tl.bfloat16, tl.bfloat16
+
+
+def build_chunk_metadata(
+    cu_seqlens: Sequence[int],
+    chunk_size: int,
+    chunk_indices_out: torch.Tensor,
+    chunk_offsets_out: torch.Tensor,
+) -> int:
+    """Write the chunk list ([n, 2] int32: sequence, chunk within it) and per-sequence chunk offsets
+    (cumulative, [N + 1]) into the caller's buffers; return the number of chunks.
+
+    Fails closed: if either buffer is too small, raise ValueError and write nothing.
+    """
+    seqlens = [int(b) - int(a) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+    if any(s < 0 for s in seqlens):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(cu_seqlens)}")
+    per_seq = [(s + chunk_size - 1) // chunk_size for s in seqlens]
+    num_chunks = sum(per_seq)
+    if chunk_indices_out.shape[0] < num_chunks:
+        raise ValueError(
+            f"chunk_indices buffer holds {chunk_indices_out.shape[0]} chunks, the batch needs {num_chunks}: "
+            "raise the arena's max_chunks"
+        )
+    if chunk_offsets_out.shape[0] < len(seqlens) + 1:
+        raise ValueError(
+            f"chunk_offsets buffer holds {chunk_offsets_out.shape[0]} entries but the batch needs "
+            f"{len(seqlens) + 1} ({len(seqlens)} sequences + 1); raise the arena's max_seqs"
+        )
+    rows = [(i, c) for i, m in enumerate(per_seq) for c in range(m)]
+    offsets = [0]
+    for m in per_seq:
+        offsets.append(offsets[-1] + m)
+    if rows:
+        chunk_indices_out[:num_chunks].copy_(torch.tensor(rows, dtype=torch.int32))
+    chunk_offsets_out[: len(offsets)].copy_(torch.tensor(offsets, dtype=torch.int32))
+    return num_chunks
+
+
+def prefill_scratch_specs(
+    max_tokens: int, H: int, K: int, V: int, chunk_size: int = 64
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Scratch the prefill needs for up to `max_tokens` packed tokens: name -> (shape, dtype).
+
+    All are indexed by token row, so they serve any varlen split of the same token capacity.
+    """
+    return {
+        "gcum": ((max_tokens, H, K), torch.float32),  # Γ, within-chunk cumulative log decay
+        "q_tilde": ((max_tokens, H, K), torch.bfloat16),  # q̂·exp(Γ)
+        "k_bar": ((max_tokens, H, K), torch.bfloat16),  # k̂·exp(Γ_C − Γ)
+        "w": ((max_tokens, H, K), torch.bfloat16),  # T·K̃
+        "u": ((max_tokens, H, V), torch.bfloat16),  # T·V
+        "p": ((max_tokens, H, chunk_size), torch.bfloat16),  # row r of P for the chunk holding r
+        "x": ((max_tokens, H, chunk_size), torch.float32),  # row r of (I + A)^{-1} for its chunk
+    }
+
+
+@triton.jit
+def _gate_kernel(
+    a,
+    A_log,
+    dt_bias,
+    gcum,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    lower_bound,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+):
+    """Per (chunk, head, K-block): bounded gate and Γ = its within-chunk cumsum (channels are independent)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kb = tl.program_id(2)
+    if DEVICE_COUNT:
+        n_chunks = tl.load(n_chunks_ptr)
+    if c >= n_chunks:
+        return
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
+    r = tl.arange(0, BT)
+    d = kb * BK + tl.arange(0, BK)
+    m = (r < n)[:, None]
+    off = ((t0 + r) * H + h)[:, None] * K + d[None, :]
+    x = (
+        tl.load(a + off, mask=m, other=0.0).to(tl.float32)
+        + tl.load(dt_bias + h * K + d).to(tl.float32)[None, :]
+    )
+    g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * x)
+    g = tl.where(m, g, 0.0)
+    tl.store(gcum + off, tl.cumsum(g, axis=0), mask=m)
+
+
+@triton.jit
+def _chunk_step(
+    S,
+    cc,
+    bos,
+    eos,
+    h,
+    d,
+    e,
+    r,
+    gcum,
+    q_tilde,
+    k_bar,
+    w,
+    u,
+    p,
+    out,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    t0 = bos + cc * BT
+    n = tl.minimum(BT, eos - t0)
+    mr = (r < n)[:, None]
+    rows = (t0 + r) * H + h
+    offk = rows[:, None] * K + d[None, :]
+    offv = rows[:, None] * V + e[None, :]
+    Sb = S.to(DT)
+    wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
+    delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
+    db = delta.to(DT)
+    qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
+    pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0).to(DT)
+    o = tl.dot(qc, Sb) + tl.dot(pc, db)
+    tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr)
+    g_last = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
+    kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
+    S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
+    return S
+
+
+@triton.jit
+def _state_kernel(
+    gcum,
+    q_tilde,
+    k_bar,
+    w,
+    u,
+    p,
+    out,
+    state,
+    cu_seqlens,
+    chunk_offsets,
+    slots,
+    has_initial,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
+    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    bos = tl.load(cu_seqlens + i)
+    eos = tl.load(cu_seqlens + i + 1)
+    if eos <= bos:
+        return  # an empty (padding) sequence touches nothing
+    c0 = tl.load(chunk_offsets + i)
+    nc = tl.load(chunk_offsets + i + 1) - c0
+    slot = tl.load(slots + i).to(tl.int64)
+    d = tl.arange(0, K)
+    e = vb * BV + tl.arange(0, BV)
+    r = tl.arange(0, BT)
+    # S is held K-first [K, BV]; the pool is V-first [V, K].
+    s_ptr = state + (slot * H + h) * V * K + e[None, :] * K + d[:, None]
+    S = tl.zeros([K, BV], dtype=tl.float32)
+    if tl.load(has_initial + i) != 0:
+        S = tl.load(s_ptr)
+    if WHILE_LOOP:
+        # The interpreter cannot index a range by a loaded scalar; compiled code keeps the for loop.
+        cc = 0
+        while cc < nc:
+            S = _chunk_step(S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT)
+            cc += 1
+    else:
+        for cc in range(nc):
+            S = _chunk_step(S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT)
+    tl.store(s_ptr, S)
+
+
+@triton.jit
+def _gated_norm_kernel(
+    out,
+    z,
+    weight,
+    cu_seqlens,
+    n_seqs,
+    eps,
+    rows_cap,
+    H: tl.constexpr,
+    V: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """out ← RMSNorm(out)·weight·sigmoid(z), in place, for the valid token rows only."""
+    pid = tl.program_id(0)
+    total = tl.load(cu_seqlens + n_seqs)
+    rr = pid * ROWS + tl.arange(0, ROWS)
+    e = tl.arange(0, V)
+    m = ((rr < rows_cap) & (rr < total * H))[:, None]
+    off = rr[:, None] * V + e[None, :]
+    o = tl.load(out + off, mask=m, other=0.0).to(tl.float32)
+    zz = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / V + eps)
+    y = o * rstd[:, None] * tl.load(weight + e).to(tl.float32)[None, :] * tl.sigmoid(zz)
+    tl.store(out + off, y.to(out.dtype.element_ty), mask=m)
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"kernels.kda.prefill: {what}")
+
+
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+    num_chunks: int | torch.Tensor,
+    out: torch.Tensor,
+    *,
+    lower_bound: float = -5.0,
+    norm_eps: float = 1e-5,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    scratch: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Varlen chunked KDA prefill with the bounded gate, β = sigmoid(b) and gated RMSNorm, into `out`.
+
+    q, k, a [total, H, K]; v, z, out [total, H, V]; b [total, H]; state pool fp32 [slots, H, V, K],
+    read from slots[i] when has_initial_state[i] (else zeros) and overwritten with the final state.
+    `num_chunks` is a host int (grid sized exactly) or an int32 device scalar (grid sized at the
+    chunk_indices capacity, surplus programs exit): the latter needs no host sync, so it captures.
+    `scratch` is caller-owned (see `prefill_scratch_specs`); if None it is allocated here (eager only).
+    Empty sequences read and write nothing. The core output is rounded to bf16 in `out` before the norm.
+    """
+    total, H, K = q.shape
+    V = v.shape[-1]
+    N = cu_seqlens.shape[0] - 1
+    BT = chunk_size
+    _check(
+        k.shape == q.shape and a.shape == q.shape,
+        f"q, k, a must share shape [total, H, K], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(a.shape)}",
+    )
+    _check(
+        v.shape == (total, H, V) and z.shape == v.shape and out.shape == v.shape,
+        "v, z, out must be [total, H, V]",
+    )
+    _check(b.shape == (total, H), f"b must be [total, H] = {(total, H)}, got {tuple(b.shape)}")
+    _check(
+        state.dtype == torch.float32 and state.shape[1:] == (H, V, K), "state must be fp32 [slots, H, V, K]"
+    )
+    _check(BT in (16, 32, 64) and BT % _SUB == 0, f"chunk_size must be 16, 32 or 64, got {BT}")
+    _check(
+        K & (K - 1) == 0 and V & (V - 1) == 0 and K >= 16 and V >= 16, "K and V must be powers of two ≥ 16"
+    )
+    _check(
+        slots.shape[0] >= N and has_initial_state.shape[0] >= N, "slots and has_initial_state need N entries"
+    )
+    for name, t in (
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("a", a),
+        ("b", b),
+        ("z", z),
+        ("out", out),
+        ("state", state),
+    ):
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    if scale is None:
+        scale = K**-0.5
+    if scratch is None:
+        scratch = {
+            n: torch.empty(s, dtype=dt, device=q.device)
+            for n, (s, dt) in prefill_scratch_specs(total, H, K, V, BT).items()
+        }
+    for n, (s, dt) in prefill_scratch_specs(total, H, K, V, BT).items():
+        t = scratch[n]
+        _check(
+            t.dtype == dt and t.shape[1:] == s[1:] and t.shape[0] >= total and t.is_contiguous(),
+            f"scratch[{n!r}] must be contiguous {dt} [≥{total}, {', '.join(map(str, s[1:]))}]",
+        )
+    if isinstance(num_chunks, torch.Tensor):
+        grid_chunks, n_ptr, n_host, dev = chunk_indices.shape[0], num_chunks, 0, True
+    else:
+        grid_chunks, n_ptr, n_host, dev = int(num_chunks), cu_seqlens, int(num_chunks), False
+    has_init = (
+        has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
+    )
+    if grid_chunks > 0:
+        BK = min(K, _GATE_BK)
+        _gate_kernel[(grid_chunks, H, K // BK)](
+            a,
+            A_log,
+            dt_bias,
+            scratch["gcum"],
+            cu_seqlens,
+            chunk_indices,
+            n_ptr,
+            n_host,
+            lower_bound,
+            H=H,
+            K=K,
+            BK=BK,
+            BT=BT,
+            DEVICE_COUNT=dev,
+            num_warps=_GATE_WARPS,
+        )
+        intra_kernel[(grid_chunks, H)](
+            q,
+            k,
+            v,
+            b,
+            scratch["gcum"],
+            scratch["q_tilde"],
+            scratch["k_bar"],
+            scratch["w"],
+            scratch["u"],
+            scratch["p"],
+            scratch["x"],
+            cu_seqlens,
+            chunk_indices,
+            n_ptr,
+            n_host,
+            scale,
+            H=H,
+            K=K,
+            V=V,
+            BT=BT,
+            BC=_SUB,
+            DEVICE_COUNT=dev,
+            SOLVE_UNROLL=_SOLVE_UNROLL,
+            SPLIT_WU=_SPLIT_WU,
+            AP_DT=tl.float32 if _INTERPRET else _AP_DT,
+            num_warps=_INTRA_WARPS,
+        )
+        if _SPLIT_WU:
+            wu_kernel[(grid_chunks, H)](
+                k,
+                v,
+                b,
+                scratch["gcum"],
+                scratch["x"],
+                scratch["w"],
+                scratch["u"],
+                cu_seqlens,
+                chunk_indices,
+                n_ptr,
+                n_host,
+                H=H,
+                K=K,
+                V=V,
+                BT=BT,
+                DEVICE_COUNT=dev,
+                DT=tl.float32 if _INTERPRET else _WU_DT,
+                num_warps=_WU_WARPS,
+            )
+    BV = min(V, _STATE_BV)
+    if N > 0:
+        _state_kernel[(N, H, V // BV)](
+            scratch["gcum"],
+            scratch["q_tilde"],
+            scratch["k_bar"],
+            scratch["w"],
+            scratch["u"],
+            scratch["p"],
+            out,
+            state,
+            cu_seqlens,
+            chunk_offsets,
+            slots,
+            has_init,
+            H=H,
+            K=K,
+            V=V,
+            BT=BT,
+            BV=BV,
+            WHILE_LOOP=_INTERPRET,
+            DT=tl.float32 if _INTERPRET else tl.bfloat16,
+            num_warps=_STATE_WARPS,
+        )
+    rows = 16
+    _gated_norm_kernel[(triton.cdiv(total * H, rows),)](
+        out,
+        z,
+        norm_weight,
+        cu_seqlens,
+        N,
+        norm_eps,
+        total * H,
+        H=H,
+        V=V,
+        ROWS=rows,
+    )

@@ -1,0 +1,308 @@
+"""Chunked KDA: chunk reference vs the recurrence, chunk metadata, the Triton prefill (interpreter)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.kda import (
+    bounded_gate,
+    build_chunk_metadata,
+    chunk_reference,
+    gated_rmsnorm,
+    naive_recurrent,
+    prefill,
+)
+from kernels.kda.chunk import prefill_scratch_specs
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="interpreter tests; the GPU path is covered by test_gpu_prefill.py",
+)
+
+
+def _qkvb(B: int, T: int, H: int, K: int, V: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    return q, k, v, beta, gen
+
+
+@pytest.mark.parametrize("T", [1, 37, 64, 150])
+def test_chunk_reference_matches_recurrence_with_random_bounded_gates(T: int) -> None:
+    q, k, v, beta, gen = _qkvb(2, T, 2, 16, 32)
+    g = bounded_gate(torch.randn(2, T, 2, 16, generator=gen) * 2, torch.randn(2) * 0.5, torch.randn(32))
+    s0 = torch.randn(2, 2, 32, 16, generator=gen)
+    o_ref, s_ref = naive_recurrent(q, k, v, g, beta, initial_state=s0)
+    o, s = chunk_reference(q, k, v, g, beta, initial_state=s0)
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-4)
+
+
+def test_chunk_reference_stays_finite_and_exact_at_the_decay_lower_bound() -> None:
+    # g = -5 on half the channels: Γ reaches -320 inside a 64-token chunk, where exp(-Γ) overflows fp32.
+    q, k, v, beta, gen = _qkvb(1, 130, 2, 32, 16, seed=1)
+    g = torch.full((1, 130, 2, 32), -5.0)
+    g[..., 1::2] = -1e-3
+    s0 = torch.randn(1, 2, 16, 32, generator=gen)
+    o_ref, s_ref = naive_recurrent(q, k, v, g, beta, initial_state=s0)
+    o, s = chunk_reference(q, k, v, g, beta, initial_state=s0)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-4)
+
+
+def test_chunk_reference_without_initial_state_and_with_small_chunks() -> None:
+    q, k, v, beta, gen = _qkvb(1, 45, 1, 16, 16, seed=2)
+    g = -5.0 * torch.rand(1, 45, 1, 16, generator=gen)
+    o_ref, s_ref = naive_recurrent(q, k, v, g, beta)
+    o, s = chunk_reference(q, k, v, g, beta, chunk_size=32, sub_chunk=8)
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-4)
+
+
+def test_chunk_metadata_lists_every_chunk_and_cumulative_offsets() -> None:
+    idx = torch.full((10, 2), -7, dtype=torch.int32)
+    offs = torch.full((6,), -7, dtype=torch.int32)
+    n = build_chunk_metadata([0, 5, 5, 21, 54], 16, idx, offs)
+    assert n == 5
+    assert idx[:n].tolist() == [[0, 0], [2, 0], [3, 0], [3, 1], [3, 2]]
+    assert offs[:5].tolist() == [0, 1, 1, 2, 5]
+    assert (idx[n:] == -7).all() and offs[5] == -7  # nothing past the demand is touched
+
+
+@pytest.mark.parametrize(
+    ("idx_rows", "off_rows", "needle"),
+    [
+        (3, 6, "chunk_indices buffer holds 3 chunks, the batch needs 5"),
+        (10, 4, "chunk_offsets buffer holds 4"),
+    ],
+)
+def test_chunk_metadata_overflow_is_refused_without_writing(
+    idx_rows: int, off_rows: int, needle: str
+) -> None:
+    idx = torch.full((idx_rows, 2), -7, dtype=torch.int32)
+    offs = torch.full((off_rows,), -7, dtype=torch.int32)
+    with pytest.raises(ValueError, match=needle):
+        build_chunk_metadata([0, 5, 5, 21, 54], 16, idx, offs)
+    assert (idx == -7).all() and (offs == -7).all()
+
+
+def _oracle(q, k, v, a, b, A_log, dt_bias, z, w, pool0, cu, slots, has_init):
+    """Per sequence: bounded gate, sigmoid β, the recurrence, gated RMSNorm — all fp32."""
+    outs, states = [], {}
+    for i in range(len(cu) - 1):
+        s, e = cu[i], cu[i + 1]
+        if e == s:
+            continue
+        g = bounded_gate(a[s:e].float(), A_log, dt_bias)
+        init = pool0[slots[i]][None] if has_init[i] else None
+        o, st = naive_recurrent(
+            q[s:e][None].float(),
+            k[s:e][None].float(),
+            v[s:e][None].float(),
+            g[None],
+            torch.sigmoid(b[s:e].float())[None],
+            initial_state=init,
+        )
+        outs.append(gated_rmsnorm(o[0], z[s:e].float(), w))
+        states[int(slots[i])] = st[0]
+    return torch.cat(outs), states
+
+
+def _run_prefill(lens, slots, has_init, *, H=2, K=16, V=32, chunk=16, device_count=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    tot, bf = cu[-1], torch.bfloat16
+    q, k = torch.randn(tot, H, K, generator=gen).to(bf), torch.randn(tot, H, K, generator=gen).to(bf)
+    v, z = torch.randn(tot, H, V, generator=gen).to(bf), torch.randn(tot, H, V, generator=gen).to(bf)
+    a, b = (torch.randn(tot, H, K, generator=gen) * 2).to(bf), torch.randn(tot, H, generator=gen).to(bf)
+    A_log, dt_bias, w = (
+        torch.randn(H, generator=gen) * 0.5,
+        torch.randn(H * K, generator=gen),
+        torch.rand(V) + 0.5,
+    )
+    pool = torch.randn(6, H, V, K, generator=gen)
+    pool0 = pool.clone()
+    idx, offs = torch.zeros(32, 2, dtype=torch.int32), torch.zeros(len(lens) + 1, dtype=torch.int32)
+    n = build_chunk_metadata(cu, chunk, idx, offs)
+    num_chunks = torch.tensor([n], dtype=torch.int32) if device_count else n
+    out = torch.zeros(tot, H, V, dtype=bf)
+    slots_t, init_t = torch.tensor(slots, dtype=torch.int32), torch.tensor(has_init)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    prefill(
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        z,
+        w,
+        pool,
+        cu_t,
+        slots_t,
+        init_t,
+        idx,
+        offs,
+        num_chunks,
+        out,
+        chunk_size=chunk,
+    )
+    o_ref, states = _oracle(q, k, v, a, b, A_log, dt_bias, z, w, pool0, cu, slots, has_init)
+    return out, o_ref, pool, pool0, states
+
+
+# bf16 path: inputs, W/U/Q̃/K̄/P and the state operand of each dot are bf16, accumulation fp32; the
+# gated-norm output is compared in bf16 (values up to ~4, so 1-2 ulp is ~3e-2).
+OUT_TOL = {"atol": 4e-2, "rtol": 3e-2}
+STATE_TOL = {"atol": 2e-2, "rtol": 2e-2}
+
+
+def test_prefill_matches_recurrence_across_chunk_boundaries_with_mixed_initial_states() -> None:
+    lens, slots, has_init = [5, 19, 33, 1], [4, 1, 3, 2], [True, False, True, False]
+    out, o_ref, pool, pool0, states = _run_prefill(lens, slots, has_init)
+    torch.testing.assert_close(out.float(), o_ref.float(), **OUT_TOL)
+    for slot, st in states.items():
+        torch.testing.assert_close(pool[slot], st, **STATE_TOL)
+    # Only the sequences' slots are written: the rest of the pool is byte-identical.
+    for untouched in (0, 5):
+        assert torch.equal(pool[untouched], pool0[untouched])
+
+
+def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
+    # A device-scalar count launches at the chunk_indices capacity; surplus programs must do nothing.
+    lens, slots, has_init = [70, 3, 129], [2, 5, 1], [True, True, False]
+    out, o_ref, pool, pool0, states = _run_prefill(
+        lens, slots, has_init, K=32, V=16, chunk=64, device_count=True, seed=3
+    )
+    torch.testing.assert_close(out.float(), o_ref.float(), **OUT_TOL)
+    for slot, st in states.items():
+        torch.testing.assert_close(pool[slot], st, **STATE_TOL)
+    for untouched in (0, 3, 4):
+        assert torch.equal(pool[untouched], pool0[untouched])
+
+
+def test_empty_padding_sequence_reads_and_writes_nothing() -> None:
+    lens, slots, has_init = [17, 0, 9], [1, 0, 2], [False, True, True]
+    out, o_ref, pool, pool0, states = _run_prefill(lens, slots, has_init, seed=4)
+    torch.testing.assert_close(out.float(), o_ref.float(), **OUT_TOL)
+    assert torch.equal(pool[0], pool0[0])
+    assert set(states) == {1, 2}
+
+
+def test_prefill_scratch_specs_cover_every_intermediate() -> None:
+    specs = prefill_scratch_specs(100, 2, 16, 32, 64)
+    assert specs["u"] == ((100, 2, 32), torch.bfloat16)
+    assert specs["gcum"] == ((100, 2, 16), torch.float32)
+    assert specs["p"] == ((100, 2, 64), torch.bfloat16)
+
+
+def test_prefill_refuses_a_scratch_buffer_of_the_wrong_dtype() -> None:
+    H, K, V, tot = 2, 16, 16, 8
+    bf = torch.bfloat16
+    scratch = {n: torch.empty(s, dtype=dt) for n, (s, dt) in prefill_scratch_specs(tot, H, K, V, 16).items()}
+    scratch["w"] = scratch["w"].float()
+    qk = torch.zeros(tot, H, K, dtype=bf)
+    vz = torch.zeros(tot, H, V, dtype=bf)
+    with pytest.raises(ValueError, match=r"scratch\['w'\]"):
+        prefill(
+            qk,
+            qk,
+            vz,
+            qk,
+            torch.zeros(tot, H, dtype=bf),
+            torch.zeros(H),
+            torch.zeros(H * K),
+            vz,
+            torch.ones(V),
+            torch.zeros(2, H, V, K),
+            torch.tensor([0, tot], dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32),
+            torch.tensor([False]),
+            torch.zeros(4, 2, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32),
+            1,
+            vz.clone(),
+            chunk_size=16,
+            scratch=scratch,
+        )
+
+
+def _intermediates_reference(q, k, v, g, beta, chunk: int):
+    """W, U and P of one chunk-aligned sequence, from the reference's own formulas (fp32)."""
+    from kernels.kda.chunk_ref import _decay_products
+    from kernels.kda.naive import l2norm
+
+    T, H, K = q.shape
+    n = T // chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [H, n, C, d]
+        return x.reshape(n, chunk, H, -1).permute(2, 0, 1, 3)
+
+    kc, vc, qc = chunks(l2norm(k.float())), chunks(v.float()), chunks(l2norm(q.float()) * K**-0.5)
+    gam = chunks(g).cumsum(-2)
+    bc = beta.reshape(n, chunk, H).permute(2, 0, 1)
+    A = _decay_products(kc, kc, gam, 16).tril(-1) * bc.unsqueeze(-1)
+    Tm = torch.linalg.solve_triangular(
+        torch.eye(chunk) + A, torch.diag_embed(bc), upper=False, unitriangular=True
+    )
+
+    def back(x: torch.Tensor) -> torch.Tensor:  # [H, n, C, d] -> [T, H, d]
+        return x.permute(1, 2, 0, 3).reshape(T, H, -1)
+
+    return back(Tm @ (kc * torch.exp(gam))), back(Tm @ vc), back(_decay_products(qc, kc, gam, 16))
+
+
+def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys() -> None:
+    # Keys share a dominant direction, β is near 1 and the decay is slow, so (I + A) is far from the
+    # identity in every 16x16 block, including the cross-sub-chunk ones the blockwise inverse assembles.
+    T, H, K, V, C = 128, 2, 32, 16, 64
+    gen = torch.Generator().manual_seed(11)
+    common = torch.randn(1, H, K, generator=gen)
+    k = (common + 0.3 * torch.randn(T, H, K, generator=gen)).to(torch.bfloat16)
+    q = torch.randn(T, H, K, generator=gen).to(torch.bfloat16)
+    v = torch.randn(T, H, V, generator=gen).to(torch.bfloat16)
+    a = (torch.randn(T, H, K, generator=gen) * 0.5).to(torch.bfloat16)
+    b = (torch.rand(T, H, generator=gen) * 2 + 3).to(torch.bfloat16)  # β = sigmoid(b) ∈ (0.95, 0.99)
+    A_log, dt_bias = torch.zeros(H), torch.randn(H * K, generator=gen) - 7.0  # g ≈ −5·sigmoid(−7)
+    idx, offs = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    n = build_chunk_metadata([0, T], C, idx, offs)
+    scratch = {m: torch.zeros(s, dtype=d) for m, (s, d) in prefill_scratch_specs(T, H, K, V, C).items()}
+    prefill(
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        torch.zeros(T, H, V, dtype=torch.bfloat16),
+        torch.ones(V),
+        torch.zeros(2, H, V, K),
+        torch.tensor([0, T], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([False]),
+        idx,
+        offs,
+        n,
+        torch.zeros(T, H, V, dtype=torch.bfloat16),
+        chunk_size=C,
+        scratch=scratch,
+    )
+    g = bounded_gate(a.float(), A_log, dt_bias)
+    w_ref, u_ref, p_ref = _intermediates_reference(q, k, v, g, torch.sigmoid(b.float()), C)
+    # The solve is far from trivial: U differs from Diag(β)·V by as much as V itself.
+    assert (u_ref - torch.sigmoid(b.float())[..., None] * v.float()).abs().max() > v.float().abs().max() / 2
+    tol = {"atol": 2e-2, "rtol": 2e-2}  # W, U, P are stored in bf16
+    torch.testing.assert_close(scratch["w"].float(), w_ref, **tol)
+    torch.testing.assert_close(scratch["u"].float(), u_ref, **tol)
+    torch.testing.assert_close(scratch["p"].float(), p_ref, **tol)

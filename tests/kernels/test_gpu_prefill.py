@@ -1,0 +1,136 @@
+"""Triton varlen KDA prefill on a GPU at real shapes (H=32, K=V=128, bf16) vs the fp32 chunk reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.kda import bounded_gate, build_chunk_metadata, chunk_reference, gated_rmsnorm, prefill
+from kernels.kda.chunk import prefill_scratch_specs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+H, K, V = 32, 128, 128
+
+
+def _case(lens: list[int], has_init: list[bool], *, device_count: bool, seed: int):
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    tot = cu[-1]
+
+    def rnd(*shape: int, s: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=dev) * s).to(bf)
+
+    q, k, v, z = rnd(tot, H, K), rnd(tot, H, K), rnd(tot, H, V), rnd(tot, H, V)
+    a, b = rnd(tot, H, K, s=2.0), rnd(tot, H)
+    A_log = torch.randn(H, generator=gen, device=dev) * 0.5
+    dt_bias = torch.randn(H * K, generator=gen, device=dev)
+    w = torch.rand(V, generator=gen, device=dev) + 0.5
+    slots = list(range(1, len(lens) + 1))
+    pool = torch.randn(len(lens) + 2, H, V, K, generator=gen, device=dev) * 0.1
+    pool0 = pool.clone()
+    idx = torch.zeros(tot // 64 + len(lens) + 4, 2, dtype=torch.int32)
+    offs = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    n = build_chunk_metadata(cu, 64, idx, offs)
+    idx, offs = idx.to(dev), offs.to(dev)
+    num_chunks = torch.tensor([n], dtype=torch.int32, device=dev) if device_count else n
+    out = torch.empty(tot, H, V, dtype=bf, device=dev)
+    scratch = {
+        m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
+    }
+    prefill(
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        z,
+        w,
+        pool,
+        torch.tensor(cu, dtype=torch.int32, device=dev),
+        torch.tensor(slots, dtype=torch.int32, device=dev),
+        torch.tensor(has_init, device=dev),
+        idx,
+        offs,
+        num_chunks,
+        out,
+        scratch=scratch,
+    )
+    torch.cuda.synchronize()
+    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        g = bounded_gate(a[s:e].float(), A_log, dt_bias)
+        init = pool0[slots[i]][None] if has_init[i] else None
+        o_ref, st_ref = chunk_reference(
+            q[s:e][None].float(),
+            k[s:e][None].float(),
+            v[s:e][None].float(),
+            g[None],
+            torch.sigmoid(b[s:e].float())[None],
+            initial_state=init,
+        )
+        y_ref = gated_rmsnorm(o_ref[0], z[s:e].float(), w)
+        # bf16 operands with fp32 accumulation over long sequences: compare in bf16 terms.
+        torch.testing.assert_close(out[s:e].float(), y_ref, atol=6e-2, rtol=5e-2)
+        torch.testing.assert_close(pool[slots[i]], st_ref[0], atol=3e-2, rtol=3e-2)
+    assert torch.equal(pool[0], pool0[0]) and torch.equal(pool[-1], pool0[-1])
+
+
+@pytest.mark.parametrize(
+    ("lens", "has_init"),
+    [([1000, 17, 64, 300], [True, False, True, False]), ([4096], [True]), ([1, 129, 63, 65], [False] * 4)],
+)
+def test_prefill_matches_chunk_reference_at_production_shapes(lens: list[int], has_init: list[bool]) -> None:
+    _case(lens, has_init, device_count=True, seed=len(lens))
+
+
+def test_prefill_with_w_and_u_inside_the_solve_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The alternative launch shape (W, U per 16-row block in the solve kernel, no X scratch round trip).
+    import kernels.kda.chunk as chunk
+
+    monkeypatch.setattr(chunk, "_SPLIT_WU", not chunk._SPLIT_WU)
+    _case([1000, 17, 64, 300], [True, False, True, False], device_count=True, seed=5)
+
+
+def test_prefill_with_host_chunk_count() -> None:
+    _case([333, 700], [True, True], device_count=False, seed=7)
+
+
+def test_prefill_replays_under_cuda_graph_capture() -> None:
+    dev, bf, tot = torch.device("cuda"), torch.bfloat16, 512
+    x = {n: torch.randn(tot, H, K, device=dev).to(bf) for n in ("q", "k", "a")}
+    v, z = torch.randn(tot, H, V, device=dev).to(bf), torch.randn(tot, H, V, device=dev).to(bf)
+    b = torch.randn(tot, H, device=dev).to(bf)
+    A_log, dt_bias, w = torch.zeros(H, device=dev), torch.zeros(H * K, device=dev), torch.ones(V, device=dev)
+    pool = torch.randn(4, H, V, K, device=dev) * 0.1
+    cu = torch.tensor([0, 200, 512], dtype=torch.int32, device=dev)
+    idx, offs = torch.zeros(16, 2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    n = build_chunk_metadata([0, 200, 512], 64, idx, offs)
+    idx, offs, nc = idx.to(dev), offs.to(dev), torch.tensor([n], dtype=torch.int32, device=dev)
+    slots, has = torch.tensor([1, 2], dtype=torch.int32, device=dev), torch.tensor([True, True], device=dev)
+    scratch = {
+        m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
+    }
+    out = torch.empty(tot, H, V, dtype=bf, device=dev)
+    args = (x["q"], x["k"], v, x["a"], b, A_log, dt_bias, z, w)
+
+    def step(p: torch.Tensor) -> None:
+        prefill(*args, p, cu, slots, has, idx, offs, nc, out, scratch=scratch)
+
+    eager_pool = pool.clone()
+    step(eager_pool)  # warm-up compiles outside the graph
+    eager_out = out.clone()
+    graph_pool = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(graph_pool)
+    graph_pool.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out) and torch.equal(graph_pool, eager_pool)
