@@ -1,0 +1,1 @@
+"""GPU kernels for the engine's linear-attention layers; knows nothing of qualify."""

@@ -1,0 +1,295 @@
+"""KDA decode/verify benchmark: ours vs fla-core 0.6.0 and b12x 1.5.1 side by side in one process (KDA.md §6).
+
+Every timing is a CUDA-graph replay (warmed up; median of many replays). Prints JSON and writes it to --out.
+Peers are optional: a peer that cannot run is recorded as "unavailable: <reason>".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+H, K, V = 32, 128, 128
+DECODE_BATCHES = (1, 8, 64, 256, 1024)
+VERIFY_BATCHES = (1, 64, 256)
+VERIFY_T = 4
+
+
+def time_graph(fn: Callable[[], None], *, replays: int = 200, warmup: int = 20) -> dict[str, float]:
+    """Capture fn in a CUDA graph; return median µs per replay (timed singly) and per replay back to back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    single = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        single.append(s.elapsed_time(e) * 1e3)
+    streamed = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(10):
+            graph.replay()
+        e.record()
+        e.synchronize()
+        streamed.append(s.elapsed_time(e) * 1e3 / 10)
+    return {"us": round(statistics.median(single), 2), "us_streamed": round(statistics.median(streamed), 2)}
+
+
+def copy_bandwidth() -> dict[str, float]:
+    """Device copy bandwidth (read + write) in TB/s at a few sizes, timed like the kernels (graph, median)."""
+    result = {}
+    for mib in (256, 1024):
+        nbytes = mib << 20
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+        dst = torch.empty_like(src)
+        t = time_graph(lambda src=src, dst=dst: dst.copy_(src), replays=30)
+        result[f"{mib}MiB"] = round(2 * nbytes / (t["us_streamed"] * 1e-6) / 1e12, 3)
+        del src, dst
+    result["max"] = max(result.values())
+    return result
+
+
+def make_inputs(n: int, T: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One decode/verify step at H=32, K=V=128; q/k/v are views of one packed row (b12x's mixed_qkv)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = n * T
+
+    def rnd(*shape: int, s: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * s).to(dtype)
+
+    mixed = rnd(rows, 3 * H * K)
+    slots = rows + 1
+    acc = torch.randint(1, T + 1, (n,), generator=g, device="cuda", dtype=torch.int32)
+    return {
+        "q": mixed[:, : H * K].view(rows, H, K),
+        "k": mixed[:, H * K : 2 * H * K].view(rows, H, K),
+        "v": mixed[:, 2 * H * K :].view(rows, H, V),
+        "a": rnd(rows, H, K),
+        "b": rnd(rows, H),
+        "A_log": rnd(H, s=0.5, dtype=torch.float32),
+        "dt_bias": rnd(H * K, s=0.5, dtype=torch.float32),
+        "z": rnd(rows, H, V),
+        "norm_weight": rnd(V, s=0.1, dtype=torch.float32) + 1,
+        "state": rnd(slots, H, V, K, s=0.05, dtype=torch.float32),
+        "state_indices": torch.arange(1, slots, device="cuda", dtype=torch.int32).view(n, T),
+        "num_accepted": acc,
+        "num_live": torch.tensor([n], device="cuda", dtype=torch.int32),
+        "out": torch.empty(rows, H, V, device="cuda", dtype=torch.bfloat16),
+    }
+
+
+def ours(
+    t: dict[str, torch.Tensor], *, block_v: int | None = None, num_warps: int | None = None
+) -> Callable[[], None]:
+    from kernels.kda.backend import DECODE_TENSORS
+    from kernels.kda.decode import check_decode_args, launch_decode
+
+    args = [t[name] for name in DECODE_TENSORS]
+    check_decode_args(*args)
+    return lambda: launch_decode(
+        *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps
+    )
+
+
+def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """The same in-place gated RMSNorm kernel our split-V path uses, for like-for-like peer timing."""
+    from kernels.kda.decode import _gated_rmsnorm_kernel
+
+    out, z, w = t["out"], t["z"], t["norm_weight"]
+    rows = out.shape[0]
+    return lambda: _gated_rmsnorm_kernel[(rows * H,)](
+        out, z, w, out.stride(0), out.stride(1), z.stride(0), z.stride(1), 1e-5, H=H, V=V, num_warps=1
+    )
+
+
+def fla(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    common = dict(
+        A_log=t["A_log"], dt_bias=t["dt_bias"], initial_state=t["state"], inplace_final_state=True,
+        state_v_first=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
+    )  # fmt: skip
+    # fla's kernel ignores strides (assumes contiguous q/k/v), so it gets contiguous copies made once here.
+    t = {**t, "q": t["q"].contiguous(), "k": t["k"].contiguous(), "v": t["v"].contiguous()}
+    if T == 1:
+        shaped = {x: t[x].view(n, 1, *t[x].shape[1:]) for x in ("q", "k", "v", "a", "b", "out")}
+        extra = dict(ssm_state_indices=t["state_indices"].view(n))
+    else:
+        shaped = {x: t[x].view(1, n * T, *t[x].shape[1:]) for x in ("q", "k", "v", "a", "b", "out")}
+        cu = torch.arange(0, (n + 1) * T, T, device="cuda", dtype=torch.int32)
+        extra = dict(
+            cu_seqlens=cu, ssm_state_indices=t["state_indices"], num_accepted_tokens=t["num_accepted"]
+        )
+    s = shaped
+    return lambda: fused_recurrent_kda_fwd(
+        s["q"], s["k"], s["v"], s["a"], s["b"], out=s["out"], **common, **extra
+    )
+
+
+def b12x(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:
+    from kernels.kda.b12x import B12xBackend, b12x_status
+    from kernels.kda.backend import Caps
+
+    ok, why = b12x_status("cuda")
+    if not ok:
+        raise RuntimeError(why)
+    be = B12xBackend()
+    plan = be.plan(Caps(H, K, V, n, T, t["state"].shape[0], device="cuda"))
+    scratch = {
+        m: torch.zeros(s.shape, dtype=s.dtype, device="cuda") for m, s in be.scratch_specs(plan).items()
+    }
+    binding = be.bind(plan, scratch=scratch, **t)
+    if binding.native[2]:
+        raise RuntimeError("q/k/v were not packed adjacently; b12x would pay an extra copy")
+    return lambda: be.run(binding)
+
+
+def state_tbps(n: int, T: int, us: float) -> float:
+    return round(n * H * K * V * 4 * (1 + T) / (us * 1e-6) / 1e12, 3)
+
+
+def measure(label: str, build: Callable[[], Callable[[], None]], n: int, T: int) -> dict[str, object]:
+    try:
+        t = time_graph(build())
+    except Exception as e:
+        return {"unavailable": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    return {
+        **t,
+        "state_TBps": state_tbps(n, T, t["us"]),
+        "state_TBps_streamed": state_tbps(n, T, t["us_streamed"]),
+    }
+
+
+def bench_decode(batches: tuple[int, ...], T: int, *, peers: bool = True, sweep: bool = False) -> list[dict]:
+    rows = []
+    for n in batches:
+        t = make_inputs(n, T)
+        row: dict[str, object] = {"batch": n, "T": T}
+        row["ours"] = measure("ours", lambda t=t: ours(t), n, T)
+        if sweep:
+            for bv, nw in ((128, 4), (64, 2), (32, 1), (32, 2), (16, 1), (16, 2), (8, 1)):
+                row[f"ours_bv{bv}_w{nw}"] = measure(
+                    "sweep", lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw), n, T
+                )
+        if peers:
+            row["fla"] = measure("fla", lambda t=t, n=n: fla(t, n, T), n, T)
+
+            def fla_norm(t=t, n=n):
+                f, g = fla(t, n, T), gated_norm(t)
+                return lambda: (f(), g())
+
+            row["fla+norm"] = measure("fla+norm", fla_norm, n, T)
+            row["b12x"] = measure("b12x", lambda t=t, n=n: b12x(t, n, T), n, T)
+        for peer in ("fla+norm", "fla", "b12x"):
+            if "us" in row.get(peer, {}) and "us" in row["ours"]:
+                row[f"speedup_vs_{peer}"] = round(row[peer]["us"] / row["ours"]["us"], 3)
+        rows.append(row)
+        del t
+        torch.cuda.empty_cache()
+    return rows
+
+
+def check_agreement(n: int = 8, T: int = VERIFY_T) -> dict[str, float]:
+    """Ours vs fla+norm on one verify step from identical inputs: the comparison is like for like."""
+    out = {}
+    try:
+        a, b = make_inputs(n, T, seed=1), make_inputs(n, T, seed=1)
+        ours(a)()
+        f, g = fla(b, n, T), gated_norm(b)
+        f()
+        g()
+        out["out_max_abs_diff_vs_fla+norm"] = (a["out"].float() - b["out"].float()).abs().max().item()
+        out["state_max_abs_diff_vs_fla"] = (a["state"] - b["state"]).abs().max().item()
+    except Exception as e:
+        out["unavailable"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return out
+
+
+def run_prefill() -> object:
+    for mod in ("bench.kda_prefill", "kda_prefill"):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        if hasattr(m, "bench_prefill"):
+            try:
+                return m.bench_prefill()
+            except Exception as e:
+                return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+    return "skipped: bench/kda_prefill.py with bench_prefill() not found"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 64 only, no prefill")
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time our kernel at several (block_v, num_warps)"
+    )
+    ap.add_argument("--no-prefill", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kda.py needs a CUDA device")
+    import triton
+
+    decode_batches = (1, 64) if args.quick else DECODE_BATCHES
+    verify_batches = (1, 64) if args.quick else VERIFY_BATCHES
+    result: dict[str, object] = {
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "shape": {"H": H, "K": K, "V": V},
+        "state_TBps_definition": "batch*H*K*V*4 bytes*(1 read + T writes) / time",
+        "timing": "CUDA graph of one call; us: median single replay; us_streamed: 10 replays in a row / 10",
+        "copy_TBps": copy_bandwidth(),
+    }
+    for name in ("fla", "b12x"):
+        try:
+            result[f"{name}_version"] = importlib.metadata.version("fla-core" if name == "fla" else "b12x")
+        except Exception as e:
+            result[f"{name}_version"] = f"unavailable: {e}"
+    result["decode"] = bench_decode(decode_batches, 1, sweep=args.sweep)
+    result["verify"] = bench_decode(verify_batches, VERIFY_T, sweep=args.sweep)
+    result["agreement"] = check_agreement()
+    if not (args.quick or args.no_prefill):
+        result["prefill"] = run_prefill()
+    text = json.dumps(result, indent=1, default=str)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Triton decode/verify (interpreted on CPU, compiled on a GPU) against the torch backend and references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, decode_step
+
+from kernels.kda import Caps, bounded_gate, gated_rmsnorm, get_backend, naive_recurrent
+from kernels.kda.backend import DECODE_TENSORS
+from kernels.kda.decode import decode, launch_decode
+
+OUT_ATOL = 2e-2  # bf16 output (one rounding of the core output, one of the normed output)
+STATE_ATOL = 1e-5
+
+
+def run(backend: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    t = {name: x.clone() for name, x in t.items()}
+    n, T = t["state_indices"].shape
+    H, K, V = t["q"].shape[1], t["q"].shape[2], t["v"].shape[2]
+    be = get_backend(backend)
+    plan = be.plan(Caps(H, K, V, n, T, t["state"].shape[0], device=DEVICE))
+    be.run(be.bind(plan, scratch={}, **t))
+    return t
+
+
+def assert_same_step(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    torch.testing.assert_close(a["out"].float(), b["out"].float(), atol=OUT_ATOL, rtol=0)
+    torch.testing.assert_close(a["state"], b["state"], atol=STATE_ATOL, rtol=0)
+
+
+def test_decode_matches_the_torch_backend():
+    t = decode_step(4, 1)
+    assert_same_step(run("triton", t), run("torch", t))
+
+
+def test_verify_with_mixed_accepted_counts_matches_the_torch_backend():
+    t = decode_step(3, 4, seed=1)
+    t["num_accepted"] = torch.tensor([1, 3, 4], dtype=torch.int32, device=DEVICE)
+    assert_same_step(run("triton", t), run("torch", t))
+
+
+def test_verify_reads_column_accepted_minus_one_and_writes_every_column():
+    # Independent of the torch backend: gates + naive_recurrent + gated norm for one request.
+    t = decode_step(1, 4, seed=2)
+    t["num_accepted"][0] = 3
+    got = run("triton", t)
+    src = int(t["state_indices"][0, 2])
+    g = bounded_gate(t["a"], t["A_log"], t["dt_bias"])[None]
+    beta = torch.sigmoid(t["b"].float())[None]
+    f = [t[x].float()[None] for x in ("q", "k", "v")]
+    for j in range(4):
+        o, S = naive_recurrent(
+            f[0][:, : j + 1], f[1][:, : j + 1], f[2][:, : j + 1], g[:, : j + 1], beta[:, : j + 1],
+            initial_state=t["state"][src][None],
+        )  # fmt: skip
+        torch.testing.assert_close(got["state"][int(t["state_indices"][0, j])], S[0], atol=STATE_ATOL, rtol=0)
+    want = gated_rmsnorm(o[0], t["z"], t["norm_weight"])
+    torch.testing.assert_close(got["out"].float(), want.bfloat16().float(), atol=OUT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_null_slot_rows_output_zero_and_touch_no_state(backend):
+    t = decode_step(3, 2, seed=3)
+    t["state_indices"][1] = 0  # a padding request
+    got = run(backend, t)
+    assert torch.equal(got["out"][2:4].float(), torch.zeros_like(got["out"][2:4].float()))
+    written = {int(s) for s in t["state_indices"].flatten()} - {0}
+    untouched = [s for s in range(t["state"].shape[0]) if s not in written]
+    assert torch.equal(got["state"][untouched], t["state"][untouched])  # slot 0 included
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_null_destination_column_is_not_written(backend):
+    t = decode_step(2, 3, seed=4)
+    t["state_indices"][0, 1] = 0
+    got = run(backend, t)
+    assert torch.equal(got["state"][0], t["state"][0])
+    assert not torch.equal(
+        got["state"][int(t["state_indices"][0, 2])], t["state"][int(t["state_indices"][0, 2])]
+    )
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rows_at_or_beyond_num_live_output_zero_and_touch_no_state(backend):
+    t = decode_step(4, 2, seed=5)
+    t["num_live"][0] = 2
+    got = run(backend, t)
+    assert torch.equal(got["out"][4:].float(), torch.zeros(4, *got["out"].shape[1:]))
+    dead = t["state_indices"][2:].flatten().tolist()
+    assert torch.equal(got["state"][dead], t["state"][dead])
+    assert not torch.equal(got["state"][t["state_indices"][:2].flatten().tolist()], t["state"][[1, 2, 3, 4]])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_verify_equals_the_same_tokens_one_at_a_time_byte_for_byte(backend):
+    n, T = 2, 4
+    t = decode_step(n, T, seed=6)
+    t["num_accepted"] = torch.tensor([2, 1], dtype=torch.int32, device=DEVICE)
+    together = run(backend, t)
+    state = t["state"].clone()
+    outs = []
+    for j in range(T):
+        one = {name: t[name] for name in ("A_log", "dt_bias", "norm_weight", "num_live")}
+        for name in ("q", "k", "v", "a", "b", "z"):
+            one[name] = t[name].view(n, T, *t[name].shape[1:])[:, j].contiguous()
+        read = (
+            t["state_indices"][torch.arange(n), t["num_accepted"] - 1]
+            if j == 0
+            else t["state_indices"][:, j - 1]
+        )
+        state[t["state_indices"][:, j].long()] = state[read.long()]  # carry the running state into column j
+        one.update(
+            state=state, state_indices=t["state_indices"][:, j : j + 1].contiguous(),
+            num_accepted=torch.ones(n, dtype=torch.int32, device=DEVICE), out=torch.empty_like(one["z"]),
+        )  # fmt: skip
+        one = run(backend, one)
+        state = one["state"]
+        outs.append(one["out"])
+    assert torch.equal(together["out"].view(n, T, *together["out"].shape[1:]), torch.stack(outs, 1))
+    cols = t["state_indices"].flatten().tolist()
+    assert torch.equal(together["state"][cols], state[cols])
+
+
+def test_fused_norm_path_matches_the_split_path():
+    t = decode_step(2, 2, seed=7)
+    fused, split = ({k: x.clone() for k, x in t.items()} for _ in range(2))
+    for d, bv in ((fused, 32), (split, 16)):
+        launch_decode(
+            *(d[x] for x in DECODE_TENSORS), lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=bv
+        )
+    assert_same_step(fused, split)
+    assert_same_step(fused, run("torch", t))
+
+
+def test_strided_token_rows_are_honoured():
+    t = decode_step(2, 1, seed=8)
+    rows, H, K = t["q"].shape
+    packed = torch.zeros(rows, 3, H, K, dtype=t["q"].dtype, device=DEVICE)
+    packed[:, 0], packed[:, 1] = t["q"], t["k"]
+    strided = dict(t, q=packed[:, 0], k=packed[:, 1])
+    assert not strided["q"].is_contiguous()
+    assert_same_step(run("triton", strided), run("torch", t))
+
+
+BAD = [
+    ("q", lambda t: t["q"].double(), "q must be torch.bfloat16"),
+    ("k", lambda t: t["k"][:, :, :8], "k must have shape"),
+    ("b", lambda t: t["b"][:, :1], "b must have shape"),
+    ("dt_bias", lambda t: t["dt_bias"].view(2, -1), "dt_bias must have shape"),
+    (
+        "state",
+        lambda t: t["state"].transpose(-1, -2).contiguous().transpose(-1, -2),
+        "state must be contiguous within",
+    ),
+    ("state", lambda t: t["state"].bfloat16(), "state must be torch.float32"),
+    ("state_indices", lambda t: t["state_indices"].long(), "state_indices must be int32"),
+    ("num_live", lambda t: t["num_live"].repeat(2), "num_live must have shape"),
+    (
+        "v",
+        lambda t: t["v"].transpose(-1, -2).contiguous().transpose(-1, -2),
+        "v must be contiguous in its last",
+    ),
+    (
+        "z",
+        lambda t: torch.empty_strided(t["z"].shape, (64, 1, 2), dtype=t["z"].dtype),
+        "z must be contiguous",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_inputs_are_refused_with_a_clear_error(name, mutate, message):
+    t = decode_step(2, 2)
+    t[name] = mutate(t)
+    for call in (lambda: decode(**t), lambda: run("triton", t)):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_bind_refuses_tensors_that_disagree_with_the_plan():
+    t = decode_step(2, 2)
+    be = get_backend("triton")
+    plan = be.plan(Caps(2, 16, 32, 3, 2, t["state"].shape[0], device=DEVICE))
+    with pytest.raises(ValueError, match="max_requests=2 but the plan was made for 3"):
+        be.bind(plan, scratch={}, **t)
+    plan = be.plan(Caps(2, 16, 32, 2, 2, t["state"].shape[0], device=DEVICE))
+    with pytest.raises(ValueError, match="missing tensors"):
+        be.bind(plan, scratch={}, **{k: x for k, x in t.items() if k != "z"})
+    with pytest.raises(ValueError, match="scratch must hold exactly"):
+        be.bind(plan, scratch={"x": t["b"]}, **t)
