@@ -1,0 +1,244 @@
+"""Shared CLI pieces: the --db and --json options, opening the store (with the log's checkpoint key for
+appends), reading input files, and printing results for people or as JSON."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import json
+import os
+import re
+import socket
+import stat
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import sqlalchemy.exc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+from rich.console import Console
+
+from qualify import settings
+from qualify.errors import UsageError
+from receipts.checkpoint import NoteSigner, NoteVerifier
+from receipts.db import MissingStore
+from receipts.errors import KeyFileError, ReceiptsError, StoreError
+from receipts.store import Store
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+console = Console(highlight=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------- options
+
+
+def db_option(fn: F) -> F:
+    return click.option(
+        "--db",
+        "db_url",
+        default=None,
+        metavar="URL",
+        help="Store URL (default: $QUALIFY_DB_URL, else SQLite in the data dir).",
+    )(fn)
+
+
+def json_option(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")(fn)
+
+
+def resolve_db(value: str | None) -> str:
+    return value or settings.default_db_url()
+
+
+def store_errors(fn: F) -> F:
+    """Database errors that escape the store (a lost connection, a locked file) become one line, exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except sqlalchemy.exc.SQLAlchemyError as error:
+            cause = getattr(error, "orig", None) or error
+            line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            raise StoreError(f"database error: {line}; check --db / QUALIFY_DB_URL") from error
+
+    return wrapper  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def emit(as_json: bool, data: Any, human: Callable[[], None]) -> None:
+    """JSON on stdout for machines, or whatever `human` prints for people."""
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=False))
+    else:
+        human()
+
+
+def short(hex_id: str, n: int = 16) -> str:
+    return hex_id[:n]
+
+
+# ---------------------------------------------------------------------------- the log's checkpoint key
+
+
+def default_origin() -> str:
+    """The log's name on its checkpoints when a data dir starts a new log: qualify.local/<hostname>."""
+    host = re.sub(r"[\s+]", "-", socket.gethostname() or "log")
+    return f"qualify.local/{host}"
+
+
+def _skey(signer: NoteSigner) -> str:
+    """`PRIVATE+KEY+<name>+<hash>+<base64(0x01 || seed)>` (golang.org/x/mod/sumdb/note signer key)."""
+    seed = signer.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    blob = base64.b64encode(bytes([1]) + seed).decode()
+    return f"PRIVATE+KEY+{signer.name}+{signer.key_hash.hex()}+{blob}"
+
+
+def read_private_text(path: Path, what: str) -> str:
+    """A private key file's text, refusing one that group or others can read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as error:
+        raise KeyFileError(f"{what} {path} does not exist") from error
+    except OSError as error:
+        raise KeyFileError(f"cannot read {what} {path}: {error.strerror}") from error
+    with os.fdopen(fd, "rb") as fh:
+        mode = stat.S_IMODE(os.fstat(fh.fileno()).st_mode)
+        if mode & 0o077:
+            raise KeyFileError(
+                f"{what} {path} is readable by group/others (mode {mode:04o}); run: chmod 600 {path}"
+            )
+        try:
+            return fh.read().decode("ascii").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise KeyFileError(f"cannot read {what} {path}: {error}") from error
+
+
+def load_log_signer(*, create: bool) -> NoteSigner | None:
+    """The log's checkpoint key at settings.log_key_path(); created (0600) on first use when `create`."""
+    path = settings.log_key_path()
+    if not path.exists():
+        if not create:
+            return None
+        signer = NoteSigner(default_origin(), Ed25519PrivateKey.generate())
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(_skey(signer) + "\n")
+        except FileExistsError:
+            return load_log_signer(create=False)  # another process made it meanwhile
+        except OSError as error:
+            raise KeyFileError(f"cannot create the log key {path}: {error.strerror}") from error
+        return signer
+    text = read_private_text(path, "log key file")
+    try:
+        return NoteSigner.from_skey(text)
+    except ReceiptsError as error:
+        raise KeyFileError(f"log key file {path} is not a note signer key: {error}") from error
+
+
+def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerifier], str]:
+    """Trusted checkpoint keys and where they came from: --vkey (text or a file holding it), else the
+    local log key, else (weakest) the key recorded in the store itself."""
+    if vkey:
+        path = Path(vkey)
+        text = path.read_text().strip() if path.is_file() else vkey.strip()
+        return [NoteVerifier.from_vkey(text)], "--vkey"
+    signer = load_log_signer(create=False)
+    if signer is not None:
+        return [signer.verifier()], f"the local log key {settings.log_key_path()}"
+    return [store.log_verifier()], "the log key recorded in the store (pass --vkey to trust your own copy)"
+
+
+# ---------------------------------------------------------------------------- opening the store
+
+
+def open_read(url: str | None) -> Store:
+    """An existing store for reading; StoreError when there is none (nothing is created)."""
+    return Store.open(resolve_db(url), create=False)
+
+
+def open_read_or_none(url: str | None) -> Store | None:
+    """Like open_read, but None when the store does not exist yet (for listings: nothing to list)."""
+    try:
+        return open_read(url)
+    except MissingStore:
+        return None
+
+
+def open_append(url: str | None, *, create: bool = True) -> Store:
+    """The store for appending, created on first use (unless `create` is off), with the log's checkpoint
+    key (also created on first use, and only once the database has answered)."""
+    store = Store.open(resolve_db(url), create=create)
+    try:
+        signer = load_log_signer(create=True)
+        assert signer is not None
+        store.set_log_signer(signer)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+@contextlib.contextmanager
+def opened(store: Store) -> Iterator[Store]:
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------- input
+
+
+def read_json_documents(path: str) -> list[Any]:
+    """One JSON document, or JSON Lines (one per non-empty line); UsageError for anything else."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
+    try:
+        return [json.loads(text)]
+    except json.JSONDecodeError:
+        pass
+    documents = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            documents.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise UsageError(
+                f"{path} line {number} is not JSON ({error.msg}); expected a DSSE envelope"
+            ) from None
+    if not documents:
+        raise UsageError(f"{path} is empty; expected a DSSE envelope (JSON) or JSON Lines of them")
+    return documents
+
+
+_RELATIVE = re.compile(r"^(\d+)([smhdw])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_since(value: str | None) -> datetime | None:
+    """`7d`, `24h`, `30m` (ago), or an ISO 8601 date/time (UTC unless it says otherwise)."""
+    if value is None:
+        return None
+    match = _RELATIVE.match(value.strip())
+    if match:
+        return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise UsageError(f"--since {value!r} is neither a duration like 7d / 24h nor an ISO date") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

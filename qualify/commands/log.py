@@ -1,0 +1,130 @@
+"""`qualify log`: export the latest signed checkpoint, print the log's verifier key, and verify the whole
+log (optionally against a checkpoint kept outside the database).
+
+Exit codes: 0 verified, 1 verification found tampering, 2 bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from qualify.commands._common import (
+    console,
+    db_option,
+    emit,
+    json_option,
+    load_log_signer,
+    log_verifiers,
+    open_read,
+    opened,
+    store_errors,
+)
+from qualify.errors import UsageError
+from receipts.checkpoint import Checkpoint, open_checkpoint
+from receipts.errors import TamperError
+from receipts.verify import LogReport, verify_log
+
+
+@click.group("log")
+def log() -> None:
+    """The Merkle log: checkpoints and whole-log verification."""
+
+
+@log.command("checkpoint")
+@click.option(
+    "--out", type=click.Path(dir_okay=False), help="Write the signed checkpoint here (keep it safe)."
+)
+@db_option
+@json_option
+@store_errors
+def checkpoint(out: str | None, db_url: str | None, as_json: bool) -> None:
+    """The latest signed checkpoint (C2SP signed note): keep a copy outside the database."""
+    with opened(open_read(db_url)) as store:
+        note = store.latest_checkpoint()
+        vkey = store.log_verifier().vkey()
+    cp = Checkpoint.parse(note[: note.rfind("\n\n") + 1])
+    if out:
+        Path(out).write_text(note)
+    data = {"origin": cp.origin, "size": cp.size, "root": cp.root.hex(), "vkey": vkey, "note": note}
+
+    def human() -> None:
+        if out:
+            console.print(f"wrote checkpoint of size {cp.size} to {out}")
+        else:
+            click.echo(note, nl=False)
+
+    emit(as_json, data, human)
+
+
+@log.command("vkey")
+@db_option
+@store_errors
+def vkey(db_url: str | None) -> None:
+    """The log's checkpoint verifier key, for auditors (`log verify --vkey`)."""
+    signer = load_log_signer(create=False)
+    if signer is not None:
+        click.echo(signer.vkey())
+        return
+    with opened(open_read(db_url)) as store:
+        click.echo(store.log_verifier().vkey())
+
+
+def _summary(report: LogReport) -> str:
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(report.kinds.items())) or "no entries"
+    text = (
+        f"log OK: {report.size} entries ({kinds}), root {report.root.hex()[:16]}…, "
+        f"{report.checkpoints} signed checkpoints and {report.subtrees} subtrees match, {report.seconds:.2f}s"
+    )
+    if report.external is not None:
+        text += f"; consistent with the external checkpoint of size {report.external.size}"
+    return text
+
+
+@log.command("verify")
+@click.option(
+    "--checkpoint", "checkpoint_file", type=click.Path(dir_okay=False), help="A checkpoint kept elsewhere."
+)
+@click.option("--vkey", metavar="VKEY|FILE", help="The log's verifier key (default: the local log key).")
+@click.option(
+    "--workers", type=click.IntRange(min=0), help="Worker processes (default: one per CPU when large)."
+)
+@db_option
+@json_option
+@store_errors
+@click.pass_context
+def verify(
+    ctx: click.Context,
+    checkpoint_file: str | None,
+    vkey: str | None,
+    workers: int | None,
+    db_url: str | None,
+    as_json: bool,
+) -> None:
+    """Recompute every leaf and the tree from the stored bytes; check every signature, stored checkpoint
+    and subtree; with --checkpoint, prove the log still extends that older checkpoint."""
+    text = None
+    if checkpoint_file:
+        try:
+            text = Path(checkpoint_file).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"cannot read checkpoint {checkpoint_file}: {error}") from None
+    with opened(open_read(db_url)) as store:
+        verifiers, source = log_verifiers(store, vkey)
+        if text is not None:
+            open_checkpoint(text, verifiers)  # a checkpoint that does not verify is bad input: exit 2
+        signer = load_log_signer(create=False)
+        try:
+            report = verify_log(
+                store, checkpoint_text=text, verifiers=verifiers, log_signer=signer, workers=workers
+            )
+        except TamperError as error:
+            report = error.report  # type: ignore[attr-defined]
+            if as_json:
+                emit(True, report.to_json(), lambda: None)
+            else:
+                click.echo(f"error: {error}", err=True)
+                for problem in report.problems[1:10]:
+                    click.echo(f"  also: {problem}", err=True)
+            ctx.exit(1)
+    emit(as_json, {**report.to_json(), "trusted_log_key": source}, lambda: console.print(_summary(report)))

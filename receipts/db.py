@@ -1,0 +1,171 @@
+"""Connecting to the store's database: engines per dialect, the single-writer lock, and migrations
+applied to head on first use (Alembic, configured in code)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+
+from receipts.errors import StoreError
+from receipts.models import SCHEMA_REVISION
+
+# pg_advisory_xact_lock key of the log's single writer ("qualify" in ASCII).
+PG_WRITER_LOCK = 0x7175616C696679
+
+_HINT = "check --db / QUALIFY_DB_URL"
+
+
+class MissingStore(StoreError):
+    """No store exists at the URL yet, and the caller asked not to create one."""
+
+
+def shown(url: URL) -> str:
+    """The URL as it may be printed: never with its password."""
+    return url.render_as_string(hide_password=True)
+
+
+def _first_line(error: BaseException) -> str:
+    cause = getattr(error, "orig", None) or error
+    text = str(cause).strip().splitlines()
+    return text[0] if text else type(cause).__name__
+
+
+def parse_url(url: str) -> URL:
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError as error:
+        raise StoreError(f"not a database URL: {url!r}; {_HINT}") from error
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise StoreError(
+            f"unsupported database {parsed.get_backend_name()!r} in {shown(parsed)}; use sqlite or postgresql"
+        )
+    return parsed
+
+
+def sqlite_path(url: URL) -> Path | None:
+    """The database file of a SQLite URL; None for an in-memory database."""
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    return Path(url.database)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        # Take transaction control from the driver so that we choose BEGIN IMMEDIATE for writes.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        # WAL: readers never block the writer; synchronous=NORMAL in WAL keeps the database consistent
+        # after a crash (the last commits may be lost on power failure, never half-applied).
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # A write transaction takes the database write lock at BEGIN, before it reads the next index.
+        write = conn.get_execution_options().get("qualify_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def create_engine(url: URL, *, create: bool) -> Engine:
+    """An engine for `url`; for SQLite the parent directory is created only when `create` is set."""
+    path = sqlite_path(url)
+    if path is not None:
+        if not path.exists() and not create:
+            raise MissingStore(f"no store at {path}: nothing has been recorded there yet; {_HINT}")
+        if create:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise StoreError(
+                    f"cannot create the store directory {path.parent}: {error.strerror}; {_HINT}"
+                ) from error
+    try:
+        if url.get_backend_name() == "sqlite":
+            engine = sa.create_engine(url, connect_args={"timeout": 30})
+            _configure_sqlite(engine)
+        else:
+            engine = sa.create_engine(url, connect_args={"connect_timeout": 10}, pool_pre_ping=True)
+    except (exc.ArgumentError, exc.NoSuchModuleError, ImportError) as error:
+        raise StoreError(f"cannot use DB URL {shown(url)}: {_first_line(error)}; {_HINT}") from error
+    return engine
+
+
+def writer(engine: Engine) -> Engine:
+    """The same engine (same pool) marked so that its transactions begin as writes."""
+    return engine.execution_options(qualify_write=True)
+
+
+@contextlib.contextmanager
+def write_transaction(engine: Engine) -> Iterator[Connection]:
+    """One write transaction holding the log's single-writer lock; commits on success, else rolls back.
+
+    Pass `writer(engine)` (kept, since making it costs more than a small append)."""
+    if not engine.get_execution_options().get("qualify_write"):
+        engine = writer(engine)
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_WRITER_LOCK})
+        yield conn
+
+
+def current_revision(conn: Connection) -> str | None:
+    """The schema revision recorded in the database, None for an empty database."""
+    if not sa.inspect(conn).has_table("alembic_version"):
+        return None
+    return conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+
+
+def _alembic_config(conn: Connection | None = None):  # type: ignore[no-untyped-def]
+    from alembic.config import Config
+
+    import migrations
+
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    if conn is not None:
+        config.attributes["connection"] = conn
+    return config
+
+
+def head_revision() -> str:
+    """The head of migrations/versions (what `upgrade` brings the database to)."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def check_connection(engine: Engine) -> str | None:
+    """Connect once and return the database's revision; StoreError (one line) when it cannot connect."""
+    try:
+        with engine.connect() as conn:
+            return current_revision(conn)
+    except exc.DBAPIError as error:
+        raise StoreError(
+            f"cannot connect to DB URL {shown(engine.url)}: {_first_line(error)}; {_HINT}"
+        ) from error
+
+
+def upgrade(engine: Engine) -> str:
+    """Apply migrations to head under the writer lock (concurrent first uses migrate once)."""
+    from alembic import command
+
+    try:
+        with write_transaction(engine) as conn:
+            if current_revision(conn) != SCHEMA_REVISION:
+                command.upgrade(_alembic_config(conn), "head")
+            revision = current_revision(conn)
+    except exc.DBAPIError as error:
+        raise StoreError(f"cannot migrate the store at {shown(engine.url)}: {_first_line(error)}") from error
+    assert revision is not None
+    return revision

@@ -1,0 +1,381 @@
+"""Reading the store: the log's identity and head, entries, Merkle roots and proofs from the stored
+subtrees, checkpoints, keys, receipts and approvals, and verifying one receipt end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from receipts import dsse, merkle
+from receipts.checkpoint import NoteVerifier, open_checkpoint
+from receipts.errors import NotFound, StoreError, TamperError, VerificationError
+from receipts.keylog import KeyHistory
+from receipts.keys import VerifyingKey
+from receipts.models import (
+    APPEND_ONLY_TABLES,
+    ApprovalRow,
+    CheckpointRow,
+    KeyRevocation,
+    LogEntry,
+    LogMeta,
+    ReceiptRow,
+    ReceiptSubject,
+    SignerKey,
+)
+from receipts.records import ApprovalRecord, Entry, KeyInfo, ReceiptRecord, ReceiptReport, Subject
+from receipts.subtrees import SqlSubtrees
+
+ENTRIES = LogEntry.__table__
+RECEIPTS = ReceiptRow.__table__
+SUBJECTS = ReceiptSubject.__table__
+APPROVALS = ApprovalRow.__table__
+_HEX = re.compile(r"[0-9a-f]+")
+
+# (highest index, key-table marks, latest checkpoint root) in one round trip; built once, as the append
+# path runs it thousands of times a second.
+_HEAD = sa.select(
+    sa.select(sa.func.max(LogEntry.idx)).scalar_subquery(),
+    sa.select(sa.func.max(SignerKey.trusted_at_idx)).scalar_subquery(),
+    sa.select(sa.func.max(KeyRevocation.revoked_at_idx)).scalar_subquery(),
+    sa.select(CheckpointRow.root).order_by(CheckpointRow.size.desc()).limit(1).scalar_subquery(),
+)
+
+
+class LogReader:
+    """Read access to a store's database; the Store adds appending."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._meta: tuple[str, str] | None = None
+
+    # ------------------------------------------------------------------ the log's identity
+
+    def meta(self, refresh: bool = False) -> tuple[str, str] | None:
+        """(origin, checkpoint verifier key) once the first entry was appended, else None. Cached, as it
+        never changes; `refresh` reads it again (verification trusts nothing it read before)."""
+        if self._meta is None or refresh:
+            with self.engine.connect() as conn:
+                row = conn.execute(sa.select(LogMeta.origin, LogMeta.vkey)).first()
+            if row is not None:
+                self._meta = (row.origin, row.vkey)
+        return self._meta
+
+    @property
+    def origin(self) -> str | None:
+        meta = self.meta()
+        return meta[0] if meta else None
+
+    def log_verifier(self) -> NoteVerifier:
+        """The checkpoint verifier recorded in the store (trust it only as far as you trust the DB)."""
+        meta = self.meta()
+        if meta is None:
+            raise NotFound("the log is empty: it has no checkpoint signer yet")
+        return NoteVerifier.from_vkey(meta[1])
+
+    # ------------------------------------------------------------------ the head
+
+    def _head(self, conn: Connection) -> tuple[int, tuple[Any, Any], bytes | None]:
+        """(next index, key-table marks, latest checkpoint root)."""
+        last, trusted, revoked, root = conn.execute(_HEAD).one()
+        return (0 if last is None else last + 1), (trusted, revoked), None if root is None else bytes(root)
+
+    # ------------------------------------------------------------------ reading
+
+    def size(self) -> int:
+        with self.engine.connect() as conn:
+            return self._head(conn)[0]
+
+    def entry(self, idx: int) -> Entry:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(ENTRIES).where(ENTRIES.c.idx == idx)).first()
+        if row is None:
+            raise NotFound(f"no log entry at index {idx}")
+        return Entry(row.idx, row.kind, bytes(row.envelope), bytes(row.leaf_hash), row.created_at)
+
+    def iter_entries(self, kind: str | None = None, batch: int = 5000) -> Iterator[Entry]:
+        """Every entry in index order (optionally of one kind), read in batches."""
+        start = 0
+        while True:
+            query = sa.select(ENTRIES).where(ENTRIES.c.idx >= start).order_by(ENTRIES.c.idx).limit(batch)
+            if kind is not None:
+                query = query.where(ENTRIES.c.kind == kind)
+            with self.engine.connect() as conn:
+                rows = conn.execute(query).all()
+            for row in rows:
+                yield Entry(row.idx, row.kind, bytes(row.envelope), bytes(row.leaf_hash), row.created_at)
+            if len(rows) < batch:
+                return
+            start = rows[-1].idx + 1
+
+    def _size_arg(self, conn: Connection, size: int | None) -> int:
+        current = self._head(conn)[0]
+        if size is None:
+            return current
+        if not 0 <= size <= current:
+            raise NotFound(f"the log has {current} entries; there is no tree of size {size}")
+        return size
+
+    def root(self, size: int | None = None) -> bytes:
+        with self.engine.connect() as conn:
+            n = self._size_arg(conn, size)
+            return SqlSubtrees(conn).run(lambda r: merkle.root_from(r, n))
+
+    def inclusion_proof(self, idx: int, size: int | None = None) -> list[bytes]:
+        with self.engine.connect() as conn:
+            n = self._size_arg(conn, size)
+            if not 0 <= idx < n:
+                raise NotFound(f"no log entry at index {idx} in a tree of size {n}")
+            return SqlSubtrees(conn).run(lambda r: merkle.inclusion_proof_from(r, idx, n))
+
+    def consistency_proof(self, size1: int, size2: int | None = None) -> list[bytes]:
+        with self.engine.connect() as conn:
+            n2 = self._size_arg(conn, size2)
+            if not 0 <= size1 <= n2:
+                raise NotFound(f"cannot prove consistency from size {size1} to {n2}; pick size1 <= size2")
+            return SqlSubtrees(conn).run(lambda r: merkle.consistency_proof_from(r, size1, n2))
+
+    def checkpoint(self, size: int | None = None) -> str:
+        """The stored signed checkpoint for `size` (default: the latest)."""
+        query = sa.select(CheckpointRow.note)
+        query = (
+            query.order_by(CheckpointRow.size.desc()).limit(1)
+            if size is None
+            else query.where(CheckpointRow.size == size)
+        )
+        with self.engine.connect() as conn:
+            note = conn.execute(query).scalar()
+        if note is None:
+            raise NotFound(
+                "the log is empty: there is no checkpoint yet"
+                if size is None
+                else f"no checkpoint of size {size}"
+            )
+        return note
+
+    def latest_checkpoint(self) -> str:
+        return self.checkpoint()
+
+    def iter_checkpoints(self, batch: int = 5000) -> Iterator[tuple[int, bytes, str]]:
+        """(size, root, note) of every stored checkpoint, by size."""
+        start = 0
+        table = CheckpointRow.__table__
+        while True:
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    sa.select(table.c.size, table.c.root, table.c.note)
+                    .where(table.c.size >= start)
+                    .order_by(table.c.size)
+                    .limit(batch)
+                ).all()
+            for size, root, note in rows:
+                yield size, bytes(root), note
+            if len(rows) < batch:
+                return
+            start = rows[-1][0] + 1
+
+    # keys
+
+    def signer_keys(self) -> list[KeyInfo]:
+        """Every signer key ever trusted, in log order, with its revocation if any."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(
+                    SignerKey.keyid,
+                    SignerKey.algorithm,
+                    SignerKey.public_pem,
+                    SignerKey.note,
+                    SignerKey.trusted_at_idx,
+                    KeyRevocation.revoked_at_idx,
+                    KeyRevocation.reason,
+                )
+                .outerjoin(KeyRevocation, KeyRevocation.keyid == SignerKey.keyid)
+                .order_by(SignerKey.trusted_at_idx)
+            ).all()
+        return [KeyInfo(*row[:6], reason=row[6] or "") for row in rows]
+
+    def key(self, keyid_or_prefix: str) -> KeyInfo:
+        """One key by full id or unique prefix (NotFound / StoreError when unknown / ambiguous)."""
+        prefix = keyid_or_prefix.strip().lower()
+        matches = [k for k in self.signer_keys() if k.keyid.startswith(prefix)] if prefix else []
+        if not matches:
+            raise NotFound(f"no key {keyid_or_prefix!r} in the log; list keys with: qualify keys list")
+        if len(matches) > 1:
+            raise StoreError(
+                f"key prefix {keyid_or_prefix!r} is ambiguous ({len(matches)} keys); give more of it"
+            )
+        return matches[0]
+
+    def trusted_keys(self, at_idx: int | None = None) -> dict[str, VerifyingKey]:
+        """Keys that may sign the entry at `at_idx` (default: the next entry), from the log's key entries."""
+        return self.key_history().valid_at(self.size() if at_idx is None else at_idx)
+
+    def key_history(self) -> KeyHistory:
+        """Key history replayed from the log's own key entries (not from the query tables)."""
+        history = KeyHistory()
+        query = (
+            sa.select(ENTRIES.c.idx, ENTRIES.c.envelope)
+            .where(ENTRIES.c.kind.in_(("key-trust", "key-revoke")))
+            .order_by(ENTRIES.c.idx)
+        )
+        with self.engine.connect() as conn:
+            for idx, data in conn.execute(query):
+                history.apply(idx, bytes(data))
+        return history
+
+    # receipts
+
+    def _records(self, conn: Connection, rows: Sequence[Any], envelopes: bool = False) -> list[ReceiptRecord]:
+        if not rows:
+            return []
+        ids = [r.id for r in rows]
+        subjects: dict[str, list[Subject]] = {i: [] for i in ids}
+        for rid, digest, name in conn.execute(
+            sa.select(SUBJECTS.c.receipt_id, SUBJECTS.c.digest, SUBJECTS.c.name).where(
+                SUBJECTS.c.receipt_id.in_(ids)
+            )
+        ):
+            subjects[rid].append(Subject(name=name, digest=digest))
+        data: dict[int, bytes] = {}
+        if envelopes:
+            idxs = [r.log_idx for r in rows]
+            data = {
+                i: bytes(e)
+                for i, e in conn.execute(
+                    sa.select(ENTRIES.c.idx, ENTRIES.c.envelope).where(ENTRIES.c.idx.in_(idxs))
+                )
+            }
+        return [
+            ReceiptRecord(
+                id=r.id,
+                log_idx=r.log_idx,
+                verdict=r.verdict,
+                target=r.target,
+                host=r.host,
+                started_at=r.started_at,
+                finished_at=r.finished_at,
+                keyid=r.keyid,
+                subjects=tuple(sorted(subjects[r.id], key=lambda s: s.digest)),
+                predicate=r.predicate,
+                envelope=data.get(r.log_idx),
+            )
+            for r in rows
+        ]
+
+    def list_receipts(
+        self,
+        verdict: str | None = None,
+        since: datetime | None = None,
+        subject: str | None = None,
+        limit: int | None = 100,
+        offset: int = 0,
+    ) -> list[ReceiptRecord]:
+        """Receipts in log order, filtered by verdict, finish time (>= since) and subject digest."""
+        query = sa.select(RECEIPTS).order_by(RECEIPTS.c.log_idx)
+        if verdict is not None:
+            query = query.where(RECEIPTS.c.verdict == verdict)
+        if since is not None:
+            query = query.where(RECEIPTS.c.finished_at >= since)
+        if subject is not None:
+            digest = subject if ":" in subject else f"sha256:{subject}"
+            query = query.where(
+                RECEIPTS.c.id.in_(sa.select(SUBJECTS.c.receipt_id).where(SUBJECTS.c.digest == digest))
+            )
+        query = query.offset(offset)
+        if limit is not None:
+            query = query.limit(limit)
+        with self.engine.connect() as conn:
+            return self._records(conn, conn.execute(query).all())
+
+    def get_receipt(self, id_or_prefix: str) -> ReceiptRecord:
+        """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits)."""
+        prefix = id_or_prefix.strip().lower()
+        if prefix.startswith("sha256:"):
+            prefix = prefix[len("sha256:") :]
+        if len(prefix) < 4 or len(prefix) > 64 or not _HEX.fullmatch(prefix):
+            raise NotFound(f"{id_or_prefix!r} is not a receipt id; give at least 4 hex digits of one")
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(RECEIPTS).where(RECEIPTS.c.id.like(prefix + "%")).limit(2)).all()
+            if not rows:
+                raise NotFound(
+                    f"no receipt {id_or_prefix!r} in the store; list them with: qualify receipts list"
+                )
+            if len(rows) > 1:
+                raise StoreError(f"receipt id prefix {id_or_prefix!r} is ambiguous; give more digits")
+            return self._records(conn, rows, envelopes=True)[0]
+
+    def get_approval(self, approval_id: str) -> ApprovalRecord:
+        found = self._approvals(APPROVALS.c.id == approval_id)
+        if not found:
+            raise NotFound(f"no approval {approval_id!r} in the store")
+        return found[0]
+
+    def list_approvals(self, subject: str | None = None) -> list[ApprovalRecord]:
+        """Rollout decisions in log order, optionally about one subject."""
+        return self._approvals(None if subject is None else APPROVALS.c.subject == subject)
+
+    def _approvals(self, condition: Any) -> list[ApprovalRecord]:
+        query = sa.select(APPROVALS).order_by(APPROVALS.c.log_idx)
+        if condition is not None:
+            query = query.where(condition)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [
+            ApprovalRecord(
+                r.id,
+                r.log_idx,
+                r.subject,
+                r.decision,
+                r.policy_digest,
+                r.receipt_ids,
+                r.reasons,
+                r.keyid,
+                r.created_at,
+            )
+            for r in rows
+        ]
+
+    def counts(self) -> dict[str, int]:
+        """Rows per table (for status output and for tests that check nothing was written)."""
+        with self.engine.connect() as conn:
+            return {
+                t: conn.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar_one() for t in APPEND_ONLY_TABLES
+            }
+
+    # ------------------------------------------------------------------ verifying one receipt
+
+    def verify_receipt(
+        self,
+        id_or_prefix: str,
+        verifiers: Sequence[NoteVerifier] | None = None,
+        history: KeyHistory | None = None,
+    ) -> ReceiptReport:
+        """Check one receipt end to end: its bytes and id, its signature against the key history at its
+        index, and its inclusion under the latest checkpoint (signature checked with `verifiers`,
+        default: the log key recorded in the store)."""
+        record = self.get_receipt(id_or_prefix)
+        report = ReceiptReport(id=record.id, log_idx=record.log_idx)
+        try:
+            entry = self.entry(record.log_idx)
+            report.checks["id_matches_bytes"] = hashlib.sha256(entry.envelope).hexdigest() == record.id
+            report.checks["leaf_hash"] = merkle.leaf_hash(entry.envelope) == entry.leaf_hash
+            if not all(report.checks.values()):
+                raise TamperError(f"receipt {record.id[:16]}: stored bytes do not match its id or leaf hash")
+            history = history if history is not None else self.key_history()
+            parsed = dsse.parse(entry.envelope)
+            report.keyid = history.signers(parsed, entry.idx, "receipt")[0]
+            report.checks["signature"] = True
+            cp = open_checkpoint(self.checkpoint(), list(verifiers) if verifiers else [self.log_verifier()])
+            report.checkpoint_size = cp.size
+            report.checks["checkpoint_signature"] = True
+            proof = self.inclusion_proof(entry.idx, cp.size)
+            merkle.verify_inclusion(entry.idx, cp.size, entry.leaf_hash, proof, cp.root)
+            report.checks["inclusion"] = True
+        except (VerificationError, TamperError, merkle.ProofError, NotFound) as error:
+            report.problem = str(error)
+        return report

@@ -1,0 +1,376 @@
+"""The store: an append-only RFC 9162 Merkle log of signed entries in SQL, with a signed checkpoint after
+every append and query tables for receipts/approvals/keys (reading lives in receipts.reader).
+
+Every append is one transaction under the single-writer lock: the log entry, the Merkle subtrees it
+completes, its query rows and the new signed checkpoint are written together or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from receipts import dsse, merkle
+from receipts.checkpoint import Checkpoint, NoteSigner, sign_checkpoint
+from receipts.db import (
+    MissingStore,
+    check_connection,
+    create_engine,
+    parse_url,
+    shown,
+    upgrade,
+    write_transaction,
+    writer,
+)
+from receipts.errors import NotFound, StoreError
+from receipts.keylog import KeyHistory, revoke_record, trust_record
+from receipts.keys import VerifyingKey
+from receipts.models import (
+    SCHEMA_REVISION,
+    ApprovalRow,
+    CheckpointRow,
+    KeyRevocation,
+    LogMeta,
+    MerkleNode,
+    ReceiptRow,
+    SignerKey,
+)
+from receipts.reader import APPROVALS, ENTRIES, RECEIPTS, SUBJECTS, LogReader
+from receipts.receipt import ParsedReceipt, parse_receipt
+from receipts.records import (
+    Appended,
+    ApprovalRecord,
+    KeyInfo,
+    ReceiptRecord,
+)
+from receipts.subtrees import SqlSubtrees, frontier
+
+# Statements built once (the append path runs them thousands of times a second).
+_RECEIPT_AT = sa.select(ReceiptRow.log_idx).where(ReceiptRow.id == sa.bindparam("id"))
+_META = sa.select(LogMeta.origin, LogMeta.vkey)
+_INSERT_ENTRY = sa.insert(ENTRIES)
+_INSERT_NODES = sa.insert(MerkleNode.__table__)
+_INSERT_CHECKPOINT = sa.insert(CheckpointRow.__table__)
+
+# Builds an entry's query rows once the index is known and the lock is held; raises to refuse it.
+RowsFn = Callable[[Connection, int, KeyHistory], list[tuple[sa.Table, list[dict[str, Any]]]]]
+
+
+_INSERTS: dict[str, sa.Insert] = {}
+
+
+def _inserts(table: sa.Table) -> sa.Insert:
+    if table.name not in _INSERTS:
+        _INSERTS[table.name] = sa.insert(table)
+    return _INSERTS[table.name]
+
+
+@dataclass(frozen=True)
+class _Pending:
+    kind: str
+    data: bytes
+    rows: RowsFn
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Store(LogReader):
+    """An open store. Reads need nothing more; appends need the log's checkpoint signer."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self._writer = writer(engine)
+        # (size, root, frontier subtrees) after this process's last append: the next append reuses
+        # them when the log's head is still that size and root, instead of reading merkle_nodes.
+        self._frontier: tuple[int, bytes, dict[tuple[int, int], bytes]] | None = None
+        self._signer: NoteSigner | None = None
+        self._origin: str | None = None
+        self._keys_cache: tuple[tuple[Any, Any], KeyHistory] | None = None
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        log_signer: NoteSigner | None = None,
+        origin: str | None = None,
+        create: bool = True,
+    ) -> Store:
+        """Connect and bring the schema to head. With `create=False`, a store that does not exist yet is
+        a StoreError instead of being created (for read-only commands)."""
+        parsed = parse_url(url)
+        engine = create_engine(parsed, create=create)
+        try:
+            revision = check_connection(engine)
+            if revision is None and not create:
+                raise MissingStore(
+                    f"no qualify store in {shown(parsed)} yet: nothing has been recorded there"
+                )
+            if revision != SCHEMA_REVISION:
+                upgrade(engine)
+        except BaseException:
+            engine.dispose()
+            raise
+        store = cls(engine)
+        if log_signer is not None:
+            store.set_log_signer(log_signer, origin)
+        return store
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return shown(self.engine.url)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def revision(self) -> str | None:
+        return check_connection(self.engine)
+
+    def set_log_signer(self, signer: NoteSigner, origin: str | None = None) -> None:
+        """Use `signer` for checkpoints; refused if the store was started with another log key."""
+        meta = self.meta()
+        if meta is not None:
+            if signer.vkey() != meta[1]:
+                raise StoreError(
+                    f"the log key ({signer.vkey()}) is not this store's log key ({meta[1]}); "
+                    "use the log key the store was created with"
+                )
+            if origin is not None and origin != meta[0]:
+                raise StoreError(f"this store's log origin is {meta[0]!r}, not {origin!r}")
+        self._signer, self._origin = signer, origin or (meta[0] if meta else signer.name)
+
+    # ------------------------------------------------------------------ appending
+
+    def _history(self, conn: Connection, marks: tuple[Any, Any]) -> KeyHistory:
+        """Key history from the query tables, cached until a key entry is appended."""
+        if self._keys_cache is not None and self._keys_cache[0] == marks:
+            return self._keys_cache[1]
+        history = KeyHistory()
+        for keyid, pem, note, at in conn.execute(
+            sa.select(
+                SignerKey.keyid, SignerKey.public_pem, SignerKey.note, SignerKey.trusted_at_idx
+            ).order_by(SignerKey.trusted_at_idx)
+        ):
+            key = VerifyingKey.from_pem(pem.encode("ascii"), source=f"stored key {keyid}")
+            history.trust(at, key, note)
+        for keyid, at, reason in conn.execute(
+            sa.select(KeyRevocation.keyid, KeyRevocation.revoked_at_idx, KeyRevocation.reason)
+        ):
+            history.revoke(at, keyid, reason)
+        self._keys_cache = (marks, history)
+        return history
+
+    def _ensure_meta(self, conn: Connection, signer: NoteSigner) -> str:
+        row = conn.execute(_META).first()
+        if row is None:
+            origin = self._origin or signer.name
+            conn.execute(
+                sa.insert(LogMeta), {"id": 1, "origin": origin, "vkey": signer.vkey(), "created_at": _now()}
+            )
+            return origin
+        if row.vkey != signer.vkey():
+            raise StoreError(f"the log key is not this store's log key ({row.vkey}); use the store's log key")
+        return row.origin
+
+    def _append(self, pending: Sequence[_Pending]) -> list[Appended]:
+        """Append entries in one transaction: all of them, or none."""
+        signer = self._signer
+        if signer is None:
+            raise StoreError("appending needs the log's checkpoint key; open the store with log_signer=")
+        out: list[Appended] = []
+        with write_transaction(self._writer) as conn:
+            origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
+            idx, marks, head_root = self._head(conn)
+            history = self._history(conn, marks)
+            reader = SqlSubtrees(conn)
+            cached = self._frontier
+            if cached is not None and cached[0] == idx and cached[1] == head_root:
+                reader.cache.update(cached[2])
+            else:
+                reader.fetch(frontier(idx))
+            root = head_root
+            for item in pending:
+                rows = item.rows(conn, idx, history)
+                leaf = merkle.leaf_hash(item.data)
+                nodes = merkle.new_subtrees(idx, leaf, reader)
+                reader.add(nodes)
+                size = idx + 1
+                root = merkle.root_from(reader, size)
+                note = sign_checkpoint(Checkpoint(origin, size, root), signer)
+                now = _now()
+                conn.execute(
+                    _INSERT_ENTRY,
+                    {
+                        "idx": idx,
+                        "kind": item.kind,
+                        "envelope": item.data,
+                        "leaf_hash": leaf,
+                        "created_at": now,
+                    },
+                )
+                conn.execute(
+                    _INSERT_NODES, [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
+                )
+                for table, values in rows:
+                    if values:
+                        conn.execute(_inserts(table), values)
+                conn.execute(
+                    _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
+                )
+                out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
+                idx = size
+            assert root is not None
+            tip = {key: reader.cache[key] for key in frontier(idx)}
+        # Only after the commit: a rolled-back append must not leave a frontier that never existed.
+        self._frontier = (idx, root, tip)
+        if self._meta is None:
+            self.meta()
+        return out
+
+    def _receipt_pending(self, receipt: ParsedReceipt) -> tuple[_Pending, Callable[[], ReceiptRecord]]:
+        appended: dict[str, Any] = {}  # index and signer, once the append has placed the receipt
+
+        def rows(
+            conn: Connection, idx: int, history: KeyHistory
+        ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
+            keyid = history.signers(receipt.envelope, idx, "receipt")[0]
+            dup = conn.execute(_RECEIPT_AT, {"id": receipt.id}).scalar()
+            if dup is not None:
+                raise StoreError(
+                    f"receipt {receipt.id[:16]} is already in the log at index {dup}; nothing appended"
+                )
+            appended.update(idx=idx, keyid=keyid)
+            subject_rows = [
+                {"receipt_id": receipt.id, "digest": s.digest, "name": s.name} for s in receipt.subjects
+            ]
+            return [(RECEIPTS, [receipt.row(idx, keyid)]), (SUBJECTS, subject_rows)]
+
+        return _Pending("receipt", receipt.data, rows), lambda: receipt.record(
+            appended["idx"], appended["keyid"]
+        )
+
+    def append_receipt(self, envelope: dsse.EnvelopeInput | ParsedReceipt) -> ReceiptRecord:
+        """Append a signed receipt: its signature must verify with a key valid at its log index."""
+        receipt = envelope if isinstance(envelope, ParsedReceipt) else parse_receipt(envelope)
+        pending, record = self._receipt_pending(receipt)
+        self._append([pending])
+        return record()
+
+    def append_receipts(self, envelopes: Sequence[dsse.EnvelopeInput | ParsedReceipt]) -> list[ReceiptRecord]:
+        """Append several receipts in one transaction (all or none), e.g. an import from another node."""
+        receipts = [e if isinstance(e, ParsedReceipt) else parse_receipt(e) for e in envelopes]
+        if len({r.id for r in receipts}) != len(receipts):
+            raise StoreError("the same receipt appears twice in the batch; nothing appended")
+        prepared = [self._receipt_pending(r) for r in receipts]
+        self._append([pending for pending, _ in prepared])
+        return [record() for _, record in prepared]
+
+    def append_approval(
+        self,
+        envelope: dsse.EnvelopeInput,
+        *,
+        subject: str,
+        decision: str,
+        policy_digest: str,
+        receipt_ids: Sequence[str],
+        reasons: Sequence[str] = (),
+    ) -> ApprovalRecord:
+        """Append a signed rollout decision about `subject`, based on receipts already in the log."""
+        data = dsse.envelope_bytes(envelope)
+        parsed = dsse.parse(data)
+        aid = hashlib.sha256(data).hexdigest()
+
+        def rows(
+            conn: Connection, idx: int, history: KeyHistory
+        ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
+            keyids = history.signers(parsed, idx, "approval")
+            if receipt_ids:
+                found = set(
+                    conn.execute(
+                        sa.select(ReceiptRow.id).where(ReceiptRow.id.in_(list(receipt_ids)))
+                    ).scalars()
+                )
+                missing = [r for r in receipt_ids if r not in found]
+                if missing:
+                    raise NotFound(f"approval refers to receipt {missing[0][:16]} which is not in the log")
+            if conn.execute(sa.select(APPROVALS.c.log_idx).where(APPROVALS.c.id == aid)).scalar() is not None:
+                raise StoreError(f"approval {aid[:16]} is already in the log; nothing appended")
+            row = {
+                "id": aid,
+                "log_idx": idx,
+                "subject": subject,
+                "decision": decision,
+                "policy_digest": policy_digest,
+                "receipt_ids": list(receipt_ids),
+                "reasons": list(reasons),
+                "keyid": keyids[0],
+                "created_at": _now(),
+            }
+            return [(ApprovalRow.__table__, [row])]
+
+        self._append([_Pending("approval", data, rows)])
+        return self.get_approval(aid)
+
+    def trust_key(self, key: VerifyingKey, note: str = "") -> KeyInfo:
+        """Append a key-trust entry: `key` signs for every entry after it until revoked."""
+        data = trust_record(key, note, _now())
+
+        def rows(
+            conn: Connection, idx: int, history: KeyHistory
+        ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
+            state = history.keys.get(key.keyid)
+            if state is not None:
+                if state.revoked_at is not None:
+                    raise StoreError(
+                        f"key {key.keyid[:16]} was revoked at log index {state.revoked_at}; make a new key"
+                    )
+                raise StoreError(f"key {key.keyid[:16]} is already trusted (log index {state.trusted_at})")
+            row = {
+                "keyid": key.keyid,
+                "algorithm": key.algorithm,
+                "public_pem": key.public_pem().decode("ascii"),
+                "note": note,
+                "trusted_at_idx": idx,
+            }
+            return [(SignerKey.__table__, [row])]
+
+        self._append([_Pending("key-trust", data, rows)])
+        return self.key(key.keyid)
+
+    def revoke_key(self, keyid: str, reason: str = "") -> KeyInfo:
+        """Append a key-revoke entry: from here on the key signs nothing; earlier entries stay valid."""
+        full = self.key(keyid).keyid
+        data = revoke_record(full, reason, _now())
+
+        def rows(
+            conn: Connection, idx: int, history: KeyHistory
+        ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
+            state = history.keys.get(full)
+            if state is None:
+                raise NotFound(f"key {full[:16]} is not trusted in this log; nothing to revoke")
+            if state.revoked_at is not None:
+                raise StoreError(f"key {full[:16]} is already revoked (log index {state.revoked_at})")
+            return [(KeyRevocation.__table__, [{"keyid": full, "revoked_at_idx": idx, "reason": reason}])]
+
+        self._append([_Pending("key-revoke", data, rows)])
+        return self.key(full)

@@ -1,0 +1,381 @@
+"""Whole-log verification: recompute every leaf and the tree from the stored bytes alone, check every
+signature against the key history, every stored checkpoint and subtree, the query tables, and
+consistency with a checkpoint kept outside the database. Any discrepancy is a TamperError naming the
+first bad index.
+
+Slices of the log are checked in parallel (receipts.logscan); this module rebuilds the tree from the
+slices' leaf hashes, in order, and compares it with the signed checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+from receipts import logscan, merkle
+from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint
+from receipts.errors import ReceiptsError, TamperError
+from receipts.keylog import KeyHistory
+from receipts.models import ApprovalRow, MerkleNode, ReceiptRow
+
+if TYPE_CHECKING:
+    from receipts.store import Store
+
+MAX_PROBLEMS = 50
+
+_COUNT_AND_MAX = sa.text("SELECT count(*), max(idx) FROM log_entries")
+_END = "(SELECT count(*) FROM log_entries)"  # the end of a gapless log (gaps are reported separately)
+_ORPHANS = sa.text(
+    f"SELECT (SELECT count(*) FROM checkpoints WHERE size > {_END} OR size < 1), "
+    f"(SELECT count(*) FROM merkle_nodes WHERE ((node_index + 1) << level) > {_END})"
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    idx: int | None  # the first log index concerned; None for a problem of the log as a whole
+    message: str
+
+    def __str__(self) -> str:
+        return self.message if self.idx is None else f"index {self.idx}: {self.message}"
+
+
+@dataclass
+class LogReport:
+    size: int = 0
+    root: bytes = merkle.EMPTY_ROOT
+    kinds: dict[str, int] = field(default_factory=dict)
+    checkpoints: int = 0
+    subtrees: int = 0
+    external: Checkpoint | None = None
+    problems: list[Problem] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def first_problem(self) -> Problem | None:
+        indexed = [p for p in self.problems if p.idx is not None]
+        if indexed:
+            return min(indexed, key=lambda p: p.idx or 0)
+        return self.problems[0] if self.problems else None
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first_problem()
+        external = self.external
+        return {
+            "ok": self.ok,
+            "size": self.size,
+            "root": self.root.hex(),
+            "entries": self.kinds,
+            "checkpoints_checked": self.checkpoints,
+            "subtrees_checked": self.subtrees,
+            "external_checkpoint": None
+            if external is None
+            else {"origin": external.origin, "size": external.size, "root": external.root.hex()},
+            "first_bad_index": None if first is None else first.idx,
+            "problems": [str(p) for p in self.problems],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+class Rebuilt:
+    """The tree recomputed from leaf hashes: every complete subtree, level by level."""
+
+    def __init__(self) -> None:
+        self.levels: list[list[bytes]] = [[]]
+
+    @property
+    def size(self) -> int:
+        return len(self.levels[0])
+
+    def append(self, leaf: bytes) -> None:
+        levels, node_hash = self.levels, merkle.node_hash
+        levels[0].append(leaf)
+        digest, level, index = leaf, 0, len(levels[0]) - 1
+        while index & 1:
+            digest = node_hash(levels[level][index - 1], digest)
+            level, index = level + 1, index >> 1
+            if level == len(levels):
+                levels.append([])
+            levels[level].append(digest)
+
+    def root(self, size: int) -> bytes:
+        """RFC 9162 root of the first `size` leaves: fold the complete subtrees of `size` from the right."""
+        if size == 0:
+            return merkle.EMPTY_ROOT
+        parts, begin = [], 0
+        for level in range(size.bit_length() - 1, -1, -1):
+            if size >> level & 1:
+                parts.append(self.levels[level][begin >> level])
+                begin += 1 << level
+        digest = parts[-1]
+        for left in reversed(parts[:-1]):
+            digest = merkle.node_hash(left, digest)
+        return digest
+
+    def subtree(self, level: int, index: int) -> bytes:
+        try:
+            return self.levels[level][index]
+        except IndexError:
+            raise merkle.ProofError(f"no complete subtree at level {level}, index {index}") from None
+
+
+class _Verifier:
+    def __init__(
+        self,
+        store: Store,
+        verifiers: Sequence[NoteVerifier] | None,
+        log_signer: NoteSigner | None,
+        workers: int | None,
+    ) -> None:
+        self.store = store
+        self.report = LogReport()
+        self.tree = Rebuilt()
+        self.meta = store.meta(refresh=True)
+        self.verifiers = list(verifiers) if verifiers else ([store.log_verifier()] if self.meta else [])
+        self.log_signer = log_signer
+        self.workers = workers
+        self.envelope_ids: dict[int, tuple[str, str]] = {}
+
+    def problem(self, idx: int | None, message: str) -> None:
+        if len(self.report.problems) < MAX_PROBLEMS:
+            self.report.problems.append(Problem(idx, message))
+
+    def _log_keys(self) -> logscan.LogKeys:
+        vkeys = tuple(v.vkey() for v in self.verifiers)
+        origin = self.meta[0] if self.meta else None
+        signer = self.log_signer
+        if signer is None or signer.vkey() not in vkeys:
+            return logscan.LogKeys(vkeys, origin)
+        seed = signer.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        return logscan.LogKeys(vkeys, origin, signer.name, seed)
+
+    def run(self, checkpoint_text: str | None) -> LogReport:
+        started = time.perf_counter()
+        size = self._size()
+        self.report.size = size
+        if self.meta is not None and self.meta[1] not in {v.vkey() for v in self.verifiers}:
+            self.problem(
+                None, f"the log key recorded in the store ({self.meta[1]}) is not the trusted log key"
+            )
+        if size and not self.verifiers:
+            self.problem(None, "the log has entries but no log key is recorded (deleted rows)")
+        history = self._history(size)
+        self._slices(size, history)
+        self._upper_subtrees(size)
+        self._query_tables(size, history)
+        self._orphans()
+        if checkpoint_text is not None:
+            self._external(checkpoint_text, size)
+        self.report.root = self.tree.root(self.tree.size)
+        self.report.seconds = time.perf_counter() - started
+        return self.report
+
+    def _size(self) -> int:
+        """The size to check, fixed up front (entries appended meanwhile are not this check's business).
+        Rows must number exactly highest index + 1; if not, scan only as many as there are, so that a row
+        planted at a huge index cannot make verification walk an empty range."""
+        with self.store.engine.connect() as conn:
+            rows, highest = conn.execute(_COUNT_AND_MAX).one()
+        if rows and rows != highest + 1:
+            # Some index below `rows` is then absent; the slice scan names it.
+            self.problem(
+                None, f"log indexes are not gapless: {rows} entries but the highest index is {highest}"
+            )
+        return min(rows, 0 if highest is None else highest + 1)
+
+    def _orphans(self) -> None:
+        """Checkpoints or subtrees beyond the log's end (read in one statement with the end itself, so
+        concurrent appends, which write all three together, never count)."""
+        with self.store.engine.connect() as conn:
+            checkpoints, subtrees = conn.execute(_ORPHANS).one()
+        if checkpoints:
+            self.problem(None, f"{checkpoints} checkpoint(s) lie beyond the end of the log (planted rows)")
+        if subtrees:
+            self.problem(None, f"{subtrees} Merkle subtree(s) lie beyond the end of the log (planted rows)")
+
+    def _history(self, size: int) -> KeyHistory:
+        """Key history replayed from the log's own key entries (not from the query tables)."""
+        history = KeyHistory()
+        for entry in sorted(
+            [
+                e
+                for kind in ("key-trust", "key-revoke")
+                for e in self.store.iter_entries(kind=kind)
+                if e.idx < size
+            ],
+            key=lambda e: e.idx,
+        ):
+            try:
+                history.apply(entry.idx, entry.envelope)
+            except ReceiptsError as error:
+                self.problem(entry.idx, f"bad {entry.kind} entry: {error}")
+        return history
+
+    def _slices(self, size: int, history: KeyHistory) -> None:
+        states = logscan.key_states(history)
+        keys = self._log_keys()
+        workers = logscan.worker_count(size) if self.workers is None else self.workers
+        # A worker opens its own connection: hand it the URL (with password), never the pooled engine.
+        source: Any = (
+            self.store.engine.url.render_as_string(hide_password=False) if workers else self.store.engine
+        )
+        kinds: Counter[str] = Counter()
+        complete = True
+        with logscan.executor(workers) as pool:
+            futures = [
+                pool.submit(logscan.check_slice, source, lo, min(lo + logscan.SLICE, size), states, keys)
+                for lo in range(0, size, logscan.SLICE)
+            ]
+            for future in futures:
+                result = future.result()
+                for idx, message in result.problems:
+                    self.problem(idx, message)
+                kinds.update(result.kinds)
+                self.envelope_ids.update(result.envelope_ids)
+                self.report.subtrees += result.subtrees
+                if complete:
+                    for leaf in result.leaves:
+                        self.tree.append(leaf)
+                    complete = len(result.leaves) == result.hi - result.lo
+                self._compare_roots(result)
+        self.report.kinds = dict(kinds)
+
+    def _compare_roots(self, result: logscan.SliceResult) -> None:
+        for cp_size in range(result.lo + 1, result.hi + 1):
+            root = result.note_roots.get(cp_size)
+            if root is None:
+                if cp_size not in result.bad_notes:  # a bad one is reported by the slice already
+                    self.problem(cp_size - 1, f"the checkpoint of size {cp_size} is missing (deleted row)")
+                continue
+            self.report.checkpoints += 1
+            if cp_size > self.tree.size:
+                continue  # entries before it are missing; reported already
+            if self.tree.root(cp_size) != root:
+                self.problem(
+                    cp_size - 1,
+                    f"the signed checkpoint of size {cp_size} does not match the tree recomputed from the "
+                    f"stored entries: entry {cp_size - 1} was changed, moved or inserted",
+                )
+
+    def _upper_subtrees(self, size: int) -> None:
+        """Stored subtrees above slice level (the slices check the ones below)."""
+        if self.tree.size != size:
+            return
+        table = MerkleNode.__table__
+        expected = sum(size >> level for level in range(logscan.SLICE_LEVEL + 1, size.bit_length()))
+        seen = 0
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(table.c.level, table.c.node_index, table.c.hash).where(
+                    table.c.level > logscan.SLICE_LEVEL
+                )
+            )
+            for level, index, digest in rows:
+                if (index + 1) << level > size:
+                    continue  # appended after verification started
+                seen += 1
+                try:
+                    ours = self.tree.subtree(level, index)
+                except merkle.ProofError:
+                    ours = None
+                if ours != bytes(digest):
+                    self.problem(
+                        index << level, f"the stored Merkle subtree (level {level}, index {index}) is wrong"
+                    )
+        if seen != expected:
+            self.problem(
+                None, f"merkle_nodes holds {seen} upper subtrees for {size} entries, expected {expected}"
+            )
+        self.report.subtrees += seen
+
+    def _query_tables(self, size: int, history: KeyHistory) -> None:
+        """The receipts/approvals/keys tables agree with the log entries they were derived from."""
+        with self.store.engine.connect() as conn:
+            tables = {
+                "receipt": {
+                    i: rid
+                    for rid, i in conn.execute(sa.select(ReceiptRow.id, ReceiptRow.log_idx))
+                    if i < size
+                },
+                "approval": {
+                    i: aid
+                    for aid, i in conn.execute(sa.select(ApprovalRow.id, ApprovalRow.log_idx))
+                    if i < size
+                },
+            }
+        for kind, rows in tables.items():
+            expected = {i: digest for i, (k, digest) in self.envelope_ids.items() if k == kind}
+            if rows != expected:
+                bad = sorted(set(rows.items()) ^ set(expected.items()))
+                self.problem(bad[0][0], f"the {kind}s table disagrees with the log entries (id or index)")
+        stored = self.store.signer_keys()
+        table_keys = {(k.keyid, k.trusted_at, k.revoked_at) for k in stored if k.trusted_at < size}
+        log_keys = {(k, s.trusted_at, s.revoked_at) for k, s in history.keys.items()}
+        if table_keys != log_keys:
+            bad = sorted(table_keys ^ log_keys, key=lambda t: t[1])
+            self.problem(bad[0][1], "the signer_keys/key_revocations tables disagree with the key entries")
+
+    def _external(self, text: str, size: int) -> None:
+        """A checkpoint kept outside the database: its tree must be a prefix of the recomputed one."""
+        origin = self.meta[0] if self.meta else None
+        try:
+            cp = open_checkpoint(text, self.verifiers, origin)
+        except ReceiptsError as error:
+            self.problem(None, f"the external checkpoint does not verify with the log key: {error}")
+            return
+        self.report.external = cp
+        if cp.size > size:
+            self.problem(
+                size,
+                f"the external checkpoint covers {cp.size} entries but the log holds {size}: "
+                "entries were removed",
+            )
+            return
+        if cp.size > self.tree.size:
+            return  # entries are missing; reported already
+        if self.tree.root(cp.size) != cp.root:
+            self.problem(
+                None,
+                f"the first {cp.size} entries no longer hash to the external checkpoint's root: "
+                "history was rewritten",
+            )
+            return
+        try:
+            proof = merkle.consistency_proof_from(self.tree, cp.size, size)
+            merkle.verify_consistency(cp.size, size, proof, cp.root, self.tree.root(size))
+        except merkle.ProofError as error:
+            self.problem(None, f"the log is not consistent with the external checkpoint: {error}")
+
+
+def verify_log(
+    store: Store,
+    *,
+    checkpoint_text: str | None = None,
+    verifiers: Sequence[NoteVerifier] | None = None,
+    log_signer: NoteSigner | None = None,
+    workers: int | None = None,
+) -> LogReport:
+    """Verify the whole log; TamperError (naming the first bad index; `.report` holds all) on any discrepancy.
+
+    `verifiers`: trusted checkpoint keys (default: the log key recorded in the store, which whoever rewrote
+    the database could have replaced: pass the real one). `log_signer`: the log's own key, if at hand,
+    makes checkpoint checks cheaper (see logscan.LogKeys). `workers`: processes for the slices (default:
+    one per CPU for large logs, none for small ones)."""
+    report = _Verifier(store, verifiers, log_signer, workers).run(checkpoint_text)
+    if not report.ok:
+        first = report.first_problem()
+        more = len(report.problems) - 1
+        suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+        error = TamperError(f"log verification failed at {first}{suffix}")
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+    return report
