@@ -20,6 +20,7 @@ from .model import HybridModel
 from .model.attention import AttentionRuntime
 from .model.kda_layer import KdaRuntime
 from .runner import Runner
+from .spec import spec_rates
 from .tokenizer import BOS
 from .weights import default_weights_path, ensure_weights, generate, reload, save, snapshot
 
@@ -40,6 +41,7 @@ class EngineCounters:
     graph_captures: int = 0
     graph_replays: int = 0
     graph_recaptures: int = 0
+    graph_oversize_eager: int = 0  # steps above the largest captured size: run eagerly (also in eager_steps)
     eager_steps: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
@@ -115,6 +117,8 @@ class Engine:
         self.weights_path = target
         self.weights_digest = after.digest
         changed = sorted(n for n in after.checksums if after.checksums[n] != before.checksums[n])
+        # Captured graphs read every parameter, pool and buffer in place: none may have moved.
+        moved = self.runner.graphs.moved_since_capture() if self.runner.graphs else []
         return {
             "census": {
                 "params": len(after.pointers),
@@ -123,6 +127,7 @@ class Engine:
                 "before_digest": before.digest,
                 "after_digest": after.digest,
                 "arena_addresses_unchanged": arena_before == self.arena.addresses(),
+                "graph_addresses_moved": moved,
             },
             "seconds": time.perf_counter() - t0,
             "weights_path": str(target),
@@ -149,14 +154,10 @@ class Engine:
         return {"kernel_names": names, "backend": self.resolution.name, "device_type": self.device.type}
 
     def capture(self) -> dict:
-        """FULL CUDA-graph capture lives in graphs.py; without it nothing is captured (and we say why)."""
-        if self.device.type != "cuda":
-            reason = "CUDA graphs need a CUDA device"
-        elif self.cfg.cudagraph_mode == "none":
-            reason = "cudagraph_mode is 'none'"
-        else:
-            reason = "this build has no graph capture (qualify/engine/graphs.py absent)"
-        return {"captured": False, "reason": reason, "sizes": [], "pool_bytes": 0, "seconds": 0.0}
+        """FULL CUDA-graph capture of every size (graphs.py); without CUDA nothing is captured, and why."""
+        from .graphs import capture_engine
+
+        return capture_engine(self)
 
     def close(self) -> None:
         for a in self.allocations:
@@ -211,7 +212,7 @@ class Engine:
             },
             "device": device_info(self.device),
             "versions": versions(),
-            "counters": asdict(self.counters),
+            "counters": {**asdict(self.counters), **spec_rates(self.counters)},
             "cudagraph_mode": cfg.cudagraph_mode,
         }
 

@@ -1,8 +1,10 @@
 """FULL CUDA-graph capture and replay of decode / speculative-verify steps over fixed-address buffers.
 
-Capture sizes (tokens, multiples of 1 + num_spec), the inert dummy request that pads a live batch up to a
-captured size, the address record checked before every replay, and `GraphRunner`, which wraps a runner's
-static step (stage -> forward over fixed buffers -> static logits) and counts what it did.
+Capture sizes (tokens, multiples of 1 + num_spec), the address record checked before every replay, and
+`GraphRunner`, which wraps the runner's capture-ready step (stage -> forward over fixed buffers -> static
+logits): it picks the smallest captured size for a batch, the runner pads the rest with the inert dummy
+request (null state slot 0, null block 0, accepted 1, seq_len 0, repeated query start), and it counts
+captures, replays and recaptures into the engine's counters.
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ class CaptureEnvelope:
     max_num_seqs: int  # live requests (state slots)
     num_spec: int
     sizes: tuple[int, ...]  # captured token counts, largest first
-    max_num_batched_tokens: int
 
     @property
     def tokens_per_request(self) -> int:
@@ -76,7 +77,7 @@ class CaptureEnvelope:
     @classmethod
     def from_config(cls, cfg) -> CaptureEnvelope:
         sizes = capture_sizes(cfg.max_num_seqs, cfg.num_spec, cfg.capture_sizes)
-        return cls(cfg.max_num_seqs, cfg.num_spec, tuple(sizes), cfg.max_num_batched_tokens)
+        return cls(cfg.max_num_seqs, cfg.num_spec, tuple(sizes))
 
 
 @dataclass
@@ -84,7 +85,7 @@ class AddressRecord:
     """Every tensor a captured graph touches, with its data pointer at capture time.
 
     `check()` re-reads the pointers of the held tensors (cheap: one tuple compare) and raises when any
-    moved; `rebind(...)` compares a freshly gathered set (catches a tensor *replaced* by a new object).
+    moved; `same_as(...)` compares a freshly gathered set (catches a tensor *replaced* by a new object).
     """
 
     names: tuple[str, ...]
@@ -169,10 +170,9 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.record: AddressRecord | None = None
         self.report: dict | None = None
-        self.oversize = 0  # batches above the largest captured size (they ran eagerly, counted there too)
         self.reason: str | None = None
         if self.device.type != "cuda":
-            self.reason = f"CUDA graphs need a CUDA device; this engine runs on {self.device.type}"
+            self.reason = "CUDA graphs need a CUDA device"
         elif engine.cfg.cudagraph_mode != "full":
             self.reason = f"cudagraph_mode is {engine.cfg.cudagraph_mode!r}"
 
@@ -190,14 +190,14 @@ class GraphRunner:
 
     def padded_size(self, n: int, T: int) -> int | None:
         """Rows of the smallest captured graph for n requests of T tokens; None runs the step eagerly."""
-        if not self.graphs or n < 1:
+        sizes = [m * T for (m, t) in self.graphs if t == T]
+        if not sizes or n < 1:
             return None
-        fits = [m for (m, t) in self.graphs if t == T and m >= n]
-        if not fits:
-            if any(t == T for (_, t) in self.graphs):
-                self.oversize += 1  # visible: the step runs eagerly and counts as an eager step too
+        size = pick_size(n, sizes, T)
+        if size is None:
+            self.counters.graph_oversize_eager += 1  # visible: the step runs eagerly (an eager step too)
             return None
-        return min(fits)
+        return size // T
 
     def replay(self, n_pad: int, T: int) -> Tensor:
         """Replay the captured step over the staged arena; returns the static logits [n_pad*T, vocab]."""
@@ -218,7 +218,6 @@ class GraphRunner:
             return self.report
         runner, dev = self.runner, self.device
         torch.cuda.synchronize(dev)
-        reserved0 = torch.cuda.memory_reserved(dev)
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         try:
@@ -243,7 +242,7 @@ class GraphRunner:
             self.report = _report(False, self.reason, sizes, 0, time.perf_counter() - t0, None)
             return self.report
         self.record = AddressRecord.of(captured_tensors(self.engine))
-        pool_bytes = torch.cuda.memory_reserved(dev) - reserved0
+        pool_bytes = _pool_bytes(pool, dev)
         self.report = _report(True, None, sizes, pool_bytes, time.perf_counter() - t0, self.record.digest())
         self.report["plans"] = [list(p) for p in self.graphs]
         return self.report
@@ -251,6 +250,16 @@ class GraphRunner:
     def moved_since_capture(self) -> list[str]:
         """Names whose address differs from the capture record in a fresh gather (e.g. after a reload)."""
         return [] if self.record is None else self.record.same_as(captured_tensors(self.engine))
+
+
+def _pool_bytes(pool, device: torch.device) -> int:
+    """Bytes of the segments the caching allocator holds for the graphs' private memory pool."""
+    want = tuple(pool)
+    return sum(
+        seg["total_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == want
+    )
 
 
 def _report(captured: bool, reason: str | None, sizes: list[int], pool: int, secs: float, digest) -> dict:

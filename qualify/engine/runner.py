@@ -91,6 +91,7 @@ class Runner:
         )
         self.graphs = None  # set by graphs.py: padded_size(n, T) -> int | None, replay(n_pad, T) -> logits
         self._contexts: dict[tuple[int, int], DecodeContext] = {}
+        self.prefill_hidden: Tensor | None = None
 
     # ------------------------------------------------------------------ admission
 
@@ -190,7 +191,8 @@ class Runner:
         )
         hidden = self.model.forward_hidden(a.view("input_ids", total), ctx, decode=False)
         last = torch.tensor([c - 1 for c in cu[1:]], device=self.device)
-        return self.model.logits(hidden[last])
+        self.prefill_hidden = hidden[last]  # each prompt's last hidden state: what the MTP draft starts from
+        return self.model.logits(self.prefill_hidden)
 
     # ------------------------------------------------------------------ capture-ready decode
 

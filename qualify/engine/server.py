@@ -114,8 +114,11 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
         if req.speculative and engine.cfg.num_spec == 0:
             raise ModeUnavailable("speculative decoding needs an engine started with --num-spec > 0")
         if req.speculative:
-            raise ModeUnavailable("speculative decoding is not in this build (qualify/engine/spec.py absent)")
-        gens, mode_used = await locked(engine.generate, prompts, req.max_tokens, req.mode)
+            from .spec import speculative_generate
+
+            gens, mode_used, _ = await locked(speculative_generate, engine, prompts, req.max_tokens, req.mode)
+        else:
+            gens, mode_used = await locked(engine.generate, prompts, req.max_tokens, req.mode)
         choices = [
             Choice(
                 index=i,
@@ -162,7 +165,11 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
                 f"# TYPE {metric} counter",
                 f"{metric} {value}",
             ]
+        rate = engine.counters.spec_accepted / max(engine.counters.spec_drafted, 1)
         lines += [
+            "# HELP qualify_engine_spec_acceptance_rate accepted / drafted speculative draft tokens",
+            "# TYPE qualify_engine_spec_acceptance_rate gauge",
+            f"qualify_engine_spec_acceptance_rate {rate:.6f}",
             "# HELP qualify_engine_boot_seconds time to construct the engine",
             "# TYPE qualify_engine_boot_seconds gauge",
             f"qualify_engine_boot_seconds {engine.boot_seconds:.6f}",

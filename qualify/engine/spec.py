@@ -1,9 +1,10 @@
 """MTP speculative decoding: draft num_spec tokens, verify 1 + num_spec per request in one step through the
 KDA verify path (per-position state slots), accept the longest greedy-matching prefix plus a bonus token.
 
-Rollback is free: verify writes the state after token j to slot column j, and the next step reads column
-num_accepted - 1 (KDA.md §3). Attention KV of rejected tokens stays in the cache but lies beyond the
-sequence length, and is overwritten by the next step's tokens.
+Rollback is free: verify writes the recurrent state after token j to slot column j, and the next step reads
+column num_accepted - 1 (KDA.md §3). The short-conv state rolls back the same way: it is kept per position
+too (the KDA layer reads column num_accepted - 1 and writes column j), so nothing is recomputed. Attention
+KV of rejected tokens stays in the cache beyond the sequence length, and the next step overwrites it.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def speculative_generate(
         def drafter(_reqs, hidden, last, k):
             return mtp_draft(engine.model, hidden, last, k)
 
+    engine.counters.requests += 1  # like Engine.generate
     stats = SpecCounters()
     # A verify step writes up to num_spec tokens past the last one kept: reserve room for them.
     runner.check_admission(prompts, max_tokens + S)
@@ -185,3 +187,9 @@ def speculative_generate(
     used = "mixed" if len(modes) > 1 else (modes.pop() if modes else "eager")
     gens = [Generation(r.output, r.gaps, r.finish_reason or "length", len(r.prompt)) for r in reqs]
     return gens, used, stats
+
+
+def spec_rates(counters) -> dict[str, float]:
+    """The engine-wide acceptance rate (accepted / drafted draft tokens; 0 before any draft)."""
+    d, a = counters.spec_drafted, counters.spec_accepted
+    return {"spec_acceptance_rate": a / d if d else 0.0}

@@ -73,7 +73,9 @@ class HybridModel(nn.Module):
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+        # fp32 head: bf16 logits are quantized to 1/16-1/8 at their magnitude, coarser than the coherence
+        # rule's epsilon, so the top-2 gap of a near tie would read as a real disagreement.
+        return torch.nn.functional.linear(self.norm(hidden).float(), self.lm_head.weight.float())
 
     def draft_logits(self, hidden: Tensor, next_ids: Tensor) -> Tensor:
         """MTP: logits for the token after `next_ids`, from the target's hidden state at that position."""

@@ -1,0 +1,177 @@
+"""Decode-step latency, eager vs FULL CUDA-graph replay, and tokens/s of plain vs speculative greedy decoding
+(MTP, num_spec 3), proxy preset. Prints JSON and writes it to --out. Target: replay >= 3x eager at batch 1.
+
+A step is timed end to end as the engine runs it: host staging into the arena, the forward (eager launches
+or one replay), and a device sync; the median of many steps. Weights are seeded random, so the MTP drafts
+are rarely accepted; a run with drafts taken from the plain greedy continuation (every draft accepted)
+bounds what speculative decoding can gain from the verify path itself, and is labelled as such (drafts
+from the speculative engine's own plain decode, so only a near tie between the paths rejects one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+NUM_SPEC = 3
+GEN_TOKENS = 64
+EPSILON = 0.05  # the harness's coherence epsilon for bf16 logits
+
+
+def _engine(preset: str, **fields):
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.engine import Engine
+    from qualify.engine.graphs import capture_engine
+
+    e = Engine(EngineConfig(preset=preset, device="cuda", **fields))
+    return e, capture_engine(e)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[256, *f"request {i}: a hybrid engine decodes under graphs".encode()] for i in range(n)]
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def step_latency(engine, batch: int, steps: int) -> dict:
+    """Median ms per decode step of `batch` live requests: eager launches vs one graph replay."""
+    r, g = engine.runner, engine.runner.graphs
+    reqs = [r.admit(p, 8) for p in _prompts(batch)]
+    try:
+        toks, gaps = r.pick(r.prefill(reqs))
+        for q, t, gap in zip(reqs, toks, gaps, strict=True):
+            r._append(q, t, gap)
+        n_pad = g.padded_size(batch, 1)
+
+        def eager() -> None:
+            r.stage_decode(reqs, batch)
+            r.forward_decode_static(batch)
+
+        def replay() -> None:
+            r.stage_decode(reqs, n_pad)
+            g.replay(n_pad, 1)
+
+        out = {"padded_to": n_pad}
+        for name, fn in (("eager", eager), ("replay", replay)):
+            for _ in range(5):
+                fn()
+            _sync()
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                fn()
+                _sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+            out[f"{name}_ms"] = round(statistics.median(times), 4)
+        out["speedup"] = round(out["eager_ms"] / out["replay_ms"], 2)
+        return out
+    finally:
+        for q in reqs:
+            r.release(q)
+
+
+def tokens_per_second(fn, prompts, tokens: int) -> dict:
+    fn(prompts, 8)  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    res = fn(prompts, tokens)
+    _sync()
+    secs = time.perf_counter() - t0
+    gens = res[0]
+    n = sum(len(x.token_ids) for x in gens)
+    out = {"batch": len(prompts), "tokens": n, "seconds": round(secs, 4), "tokens_per_s": round(n / secs, 1)}
+    if len(res) == 3:
+        s = res[2]
+        out.update(drafted=s.drafted, accepted=s.accepted, acceptance_rate=round(s.acceptance_rate, 4))
+    return out, gens
+
+
+def coherence(ref, got) -> list[dict]:
+    """Per request: the coherence rule of the speculative run against the same engine's plain greedy run."""
+    from qualify.protocol import compare_greedy
+
+    pairs = zip(ref, got, strict=True)
+    reports = [compare_greedy(a.token_ids, a.top2_gaps, b.token_ids, EPSILON) for a, b in pairs]
+    return [{"agrees": r.agrees, "first_divergence": r.first_divergence, "gap": r.gap} for r in reports]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=None, help="write the JSON here too")
+    ap.add_argument("--preset", default="proxy")
+    ap.add_argument("--steps", type=int, default=100, help="timed decode steps per point")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/graphs.py needs a CUDA device")
+    from qualify.engine.spec import speculative_generate
+
+    p = torch.cuda.get_device_properties(0)
+    result: dict = {
+        "bench": "graphs",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": {"name": p.name, "capability": f"{p.major}.{p.minor}"},
+        "torch": torch.__version__,
+        "preset": args.preset,
+    }
+    plain, cap = _engine(args.preset)
+    if not cap["captured"]:
+        sys.exit(f"no graphs captured: {cap['reason']}")
+    result["capture"] = {k: cap[k] for k in ("sizes", "pool_bytes", "seconds", "address_digest")}
+    result["backend"] = plain.resolution.name
+    max_batch = plain.cfg.max_num_seqs
+    result["step_latency"] = {str(b): step_latency(plain, b, args.steps) for b in sorted({1, 4, max_batch})}
+    result["target_replay_speedup_at_batch_1"] = 3.0
+    result["target_met"] = result["step_latency"]["1"]["speedup"] >= 3.0
+
+    spec, spec_cap = _engine(args.preset, num_spec=NUM_SPEC)
+    result["spec_backend"] = spec.resolution.name
+    result["spec_capture"] = {k: spec_cap[k] for k in ("sizes", "pool_bytes", "seconds")}
+    tps: dict = {}
+    for batch in (1, 4):
+        prompts = _prompts(batch)
+        tps[f"plain_b{batch}"], _ = tokens_per_second(
+            lambda ps, n: plain.generate(ps, n, "graph"), prompts, GEN_TOKENS
+        )
+        # The speculative engine's own plain decode: same backend, and the continuation the oracle drafts.
+        tps[f"plain_spec_engine_b{batch}"], ref = tokens_per_second(
+            lambda ps, n: spec.generate(ps, n, "graph"), prompts, GEN_TOKENS
+        )
+        tps[f"speculative_mtp_b{batch}"], mtp = tokens_per_second(
+            lambda ps, n: speculative_generate(spec, ps, n, "graph"), prompts, GEN_TOKENS
+        )
+        tps[f"speculative_mtp_b{batch}"]["vs_plain"] = coherence(ref, mtp)
+        cont = {tuple(q): g.token_ids for q, g in zip(prompts, ref, strict=True)}
+
+        def oracle(reqs, hidden, last, k, cont=cont):
+            rows = [(cont[tuple(q.prompt)][len(q.output) :] + [0] * k)[:k] for q in reqs]
+            return torch.tensor(rows, device=last.device)
+
+        key = f"speculative_oracle_drafts_b{batch}"
+        tps[key], orc = tokens_per_second(
+            lambda ps, n, o=oracle: speculative_generate(spec, ps, n, "graph", drafter=o), prompts, GEN_TOKENS
+        )
+        tps[key]["vs_plain"] = coherence(ref, orc)
+    result["tokens_per_s"] = tps
+    result["counters"] = {"plain": vars(plain.counters), "spec": vars(spec.counters)}
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
