@@ -17,6 +17,12 @@ import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# Without an NVIDIA GPU, Triton kernels run under its interpreter. The variable must be set before the
+# first @triton.jit kernel is defined, i.e. before any test module imports kernels.kda; the root conftest
+# is loaded before every other one.
+if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _need(what: str, why: str) -> None:
     """Skip locally, fail in CI: CI must run every service-backed test."""

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conftest import OTHER_SUBJECT, SUBJECT, Log
+from conftest import OTHER_SUBJECT, SUBJECT, Log, statement
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from qualify.approve import APPROVAL_PREDICATE_TYPE, decide, record
@@ -164,7 +164,6 @@ def test_a_resigned_receipt_with_recomputed_hashes_fails_inclusion(log: Log) -> 
     # The attacker rewrites a rejected receipt as qualified, signs it with a trusted key, and fixes the
     # row's id and leaf hash; the signed checkpoint still commits to the original bytes.
     from approve_predicates import predicate
-    from conftest import statement
 
     from receipts import merkle
     from receipts.canonical import canonical_json
