@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+from bench._common import write_result  # noqa: E402
 
 NUM_SPEC = 3
 GEN_TOKENS = 64
@@ -165,12 +166,8 @@ def main() -> None:
         )
         tps[key]["vs_plain"] = coherence(ref, orc)
     result["tokens_per_s"] = tps
-    result["counters"] = {"plain": vars(plain.counters), "spec": vars(spec.counters)}
-    text = json.dumps(result, indent=2, default=str)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    result["counters"] = {"plain": plain.counters.model_dump(), "spec": spec.counters.model_dump()}
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import argparse
 import datetime
 import importlib
 import importlib.metadata
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+from bench._common import write_result  # noqa: E402
 
 H, K, V = 32, 128, 128
 DECODE_BATCHES = (1, 8, 64, 256, 1024)
@@ -284,11 +285,7 @@ def main() -> None:
     result["agreement"] = check_agreement()
     if not (args.quick or args.no_prefill):
         result["prefill"] = run_prefill()
-    text = json.dumps(result, indent=1, default=str)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_result(result, args.out, indent=1)
 
 
 if __name__ == "__main__":

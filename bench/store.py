@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import random
@@ -25,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench._common import write_result  # noqa: E402
 from receipts import keys, merkle  # noqa: E402
 from receipts.checkpoint import NoteSigner, open_checkpoint  # noqa: E402
 from receipts.store import Store  # noqa: E402
@@ -147,12 +147,7 @@ def main() -> None:
     result["targets"] = {"appends_per_s": ">= 1000", "verify_s_at_100k": "<= 10", "proof_ms_at_100k": "<= 10"}
     store.close()
 
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -345,8 +345,7 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
         offset: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
     ) -> ApprovalPage:
-        approvals = store.list_approvals(subject=subject)
-        window = approvals[offset : offset + limit + 1]
+        window = store.list_approvals(subject=subject, limit=limit + 1, offset=offset)
         return ApprovalPage(
             items=[_approval(a) for a in window[:limit]],
             limit=limit,

@@ -18,7 +18,7 @@ from receipts.canonical import canonical_json
 from receipts.checkpoint import NoteVerifier
 from receipts.errors import VerificationError
 from receipts.keys import SigningKey
-from receipts.statement import STATEMENT_TYPE
+from receipts.statement import STATEMENT_TYPE, parse_time
 
 if TYPE_CHECKING:
     from receipts.store import Store
@@ -58,14 +58,7 @@ class Candidate:
 
     @property
     def finished_at(self) -> datetime | None:
-        value = (self.predicate or {}).get("finished_at")
-        if not isinstance(value, str):
-            return None
-        try:
-            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-        return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        return parse_time((self.predicate or {}).get("finished_at"))
 
 
 class ReceiptEvaluation(BaseModel):

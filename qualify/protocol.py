@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
 PROTOCOL_VERSION = "1"
 CAPACITY_ERROR = "CapacityError"
@@ -113,6 +113,9 @@ class Versions(_Reply):
 
 
 class Counters(_Reply):
+    """The one list of engine counters: the engine keeps an instance and adds to it in place, and its
+    /v1/describe and /metrics answers are built from it."""
+
     requests: int = 0
     tokens_generated: int = 0
     cuda_oom: int = 0
@@ -120,9 +123,16 @@ class Counters(_Reply):
     graph_captures: int = 0
     graph_replays: int = 0
     graph_recaptures: int = 0
+    graph_oversize_eager: int = 0  # steps above the largest captured size: run eagerly (also in eager_steps)
     eager_steps: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / drafted speculative draft tokens, engine-wide; 0 before any draft."""
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
 
 
 class Describe(_Reply):

@@ -16,6 +16,7 @@ from receipts import dsse
 from receipts.checkpoint import NoteVerifier
 from receipts.errors import NotFound, ReceiptsError, TamperError
 from receipts.records import Entry
+from receipts.statement import parse_time
 from receipts.verify import verify_log
 
 if TYPE_CHECKING:
@@ -497,16 +498,6 @@ def render(data: ReportData) -> str:
 # --------------------------------------------------------------------------- collecting from the store
 
 
-def _parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
 def _receipt_point(entry: Entry, bad: set[int]) -> ReceiptPoint:
     """What the log's own bytes say about a receipt; bytes that do not parse still show, as unreadable."""
     rid = hashlib.sha256(entry.envelope).hexdigest()
@@ -534,7 +525,7 @@ def _receipt_point(entry: Entry, bad: set[int]) -> ReceiptPoint:
         subject_name=str(subject.get("name", "")),
         verdict=str(predicate.get("verdict")),
         host=host,
-        finished_at=_parse_time(predicate.get("finished_at")) or entry.created_at,
+        finished_at=parse_time(predicate.get("finished_at")) or entry.created_at,
         checks=checks_of(predicate),
         faults=faults_of(predicate),
         verified=entry.idx not in bad,

@@ -36,6 +36,12 @@ def _algorithm_of(key: PrivateKey | PublicKey) -> str | None:
     return None
 
 
+def _require_supported(key: object, source: str) -> None:
+    """KeyFileError unless the key read from `source` is ed25519 or p256."""
+    if _algorithm_of(key) is None:  # type: ignore[arg-type]
+        raise KeyFileError(f"{source} is a {type(key).__name__} key; only ed25519 and p256 are supported")
+
+
 def _keyid(public: PublicKey) -> str:
     # securesystemslib: sha256 of OLPC-canonical {"keytype", "scheme", "keyval": {"public": ...}}.
     return SSlibKey.from_crypto(public).keyid
@@ -85,10 +91,7 @@ class VerifyingKey:
             crypto = serialization.load_pem_public_key(data)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
             raise KeyFileError(f"{source} is not a PEM public key; expected an ed25519 or p256 key") from exc
-        if _algorithm_of(crypto) is None:
-            raise KeyFileError(
-                f"{source} is a {type(crypto).__name__} key; only ed25519 and p256 are supported"
-            )
+        _require_supported(crypto, source)
         return cls(crypto)  # type: ignore[arg-type]
 
     @classmethod
@@ -187,10 +190,7 @@ class SigningKey:
             raise KeyFileError(
                 f"{source} is not a PEM private key; create one with: qualify keys generate"
             ) from exc
-        if _algorithm_of(crypto) is None:
-            raise KeyFileError(
-                f"{source} is a {type(crypto).__name__} key; only ed25519 and p256 are supported"
-            )
+        _require_supported(crypto, source)
         return cls(crypto)  # type: ignore[arg-type]
 
     @classmethod

@@ -315,14 +315,20 @@ class LogReader:
             raise NotFound(f"no approval {approval_id!r} in the store")
         return found[0]
 
-    def list_approvals(self, subject: str | None = None) -> list[ApprovalRecord]:
-        """Rollout decisions in log order, optionally about one subject."""
-        return self._approvals(None if subject is None else APPROVALS.c.subject == subject)
+    def list_approvals(
+        self, subject: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[ApprovalRecord]:
+        """Rollout decisions in log order, optionally about one subject; `limit` (None: all) from `offset`."""
+        return self._approvals(None if subject is None else APPROVALS.c.subject == subject, limit, offset)
 
-    def _approvals(self, condition: Any) -> list[ApprovalRecord]:
+    def _approvals(self, condition: Any, limit: int | None = None, offset: int = 0) -> list[ApprovalRecord]:
         query = sa.select(APPROVALS).order_by(APPROVALS.c.log_idx)
         if condition is not None:
             query = query.where(condition)
+        if offset:
+            query = query.offset(offset)
+        if limit is not None:
+            query = query.limit(limit)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
         return [

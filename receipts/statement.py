@@ -46,6 +46,18 @@ def _utc(value: datetime | None) -> datetime | None:
     return None if value is None else value.astimezone(UTC)
 
 
+def parse_time(value: Any) -> datetime | None:
+    """An ISO 8601 time ('Z' allowed) as an aware datetime, UTC when it names no offset; None when `value`
+    is not such a string (readers of stored predicates must not fail on one bad receipt)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
 def config_digest(config: dict[str, Any]) -> str:
     """ "sha256:<hex>" of the RFC 8785 bytes of an engine config; what `EngineInfo.config_digest` must be."""
     return "sha256:" + sha256_hex(config)

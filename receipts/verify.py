@@ -32,7 +32,8 @@ MAX_PROBLEMS = 50
 _COUNT_AND_MAX = sa.text("SELECT count(*), max(idx) FROM log_entries")
 _END = "(SELECT count(*) FROM log_entries)"  # the end of a gapless log (gaps are reported separately)
 _ORPHANS = sa.text(
-    f"SELECT (SELECT count(*) FROM checkpoints WHERE size > {_END} OR size < 1), "
+    f"SELECT {_END}, (SELECT count(*) FROM checkpoints WHERE size > {_END} OR size < 1), "
+    f"(SELECT max(size) FROM checkpoints WHERE size > {_END}), "
     f"(SELECT count(*) FROM merkle_nodes WHERE ((node_index + 1) << level) > {_END})"
 )
 
@@ -196,8 +197,16 @@ class _Verifier:
         """Checkpoints or subtrees beyond the log's end (read in one statement with the end itself, so
         concurrent appends, which write all three together, never count)."""
         with self.store.engine.connect() as conn:
-            checkpoints, subtrees = conn.execute(_ORPHANS).one()
-        if checkpoints:
+            end, checkpoints, largest, subtrees = conn.execute(_ORPHANS).one()
+        if largest is not None:
+            # A signed tree larger than the log: its newest entries were deleted (or the row was planted).
+            self.problem(
+                end,
+                f"stored checkpoint for size {largest} but the log holds {end} entries: the newest entries "
+                f"were removed, or checkpoint rows planted ({checkpoints} checkpoint(s) lie beyond the end "
+                "of the log)",
+            )
+        elif checkpoints:
             self.problem(None, f"{checkpoints} checkpoint(s) lie beyond the end of the log (planted rows)")
         if subtrees:
             self.problem(None, f"{subtrees} Merkle subtree(s) lie beyond the end of the log (planted rows)")

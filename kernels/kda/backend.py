@@ -178,14 +178,8 @@ def _prefill_reference(
         state[slot] = final[0]
 
 
-class TorchBackend:
-    """The references, looped per request on the host; the CPU backend and the oracle for the others."""
-
-    name = "torch"
-
-    def plan(self, caps: Caps) -> DecodePlan:
-        check_caps(caps)
-        return DecodePlan(backend=self.name, caps=caps)
+class _NoScratch:
+    """scratch_specs/bind of a backend that needs no scratch: validate the tensors and keep them."""
 
     def scratch_specs(self, plan: DecodePlan) -> dict[str, TensorSpec]:
         return {}
@@ -193,6 +187,16 @@ class TorchBackend:
     def bind(self, plan: DecodePlan, *, scratch: dict[str, Tensor], **tensors: Tensor) -> Binding:
         check_binding(plan, scratch, self.scratch_specs(plan), **tensors)
         return Binding(plan=plan, tensors=dict(tensors), scratch=dict(scratch))
+
+
+class TorchBackend(_NoScratch):
+    """The references, looped per request on the host; the CPU backend and the oracle for the others."""
+
+    name = "torch"
+
+    def plan(self, caps: Caps) -> DecodePlan:
+        check_caps(caps)
+        return DecodePlan(backend=self.name, caps=caps)
 
     def run(self, binding: Binding) -> None:
         t, c = binding.tensors, binding.plan.caps
@@ -247,7 +251,7 @@ def decode_reference(
                 state[idx[r][j]] = S[0]
 
 
-class TritonBackend:
+class TritonBackend(_NoScratch):
     """Our Triton decode/verify (kernels.kda.decode) and chunked prefill (kernels.kda.chunk)."""
 
     name = "triton"
@@ -260,13 +264,6 @@ class TritonBackend:
                 raise ValueError(f"triton backend needs Caps.{name} a power of two >= 16, got {d}")
         bv, nw = default_launch(caps.max_requests, caps.num_heads, caps.head_v_dim, caps.tokens_per_request)
         return DecodePlan(backend=self.name, caps=caps, block_v=bv, num_warps=nw)
-
-    def scratch_specs(self, plan: DecodePlan) -> dict[str, TensorSpec]:
-        return {}
-
-    def bind(self, plan: DecodePlan, *, scratch: dict[str, Tensor], **tensors: Tensor) -> Binding:
-        check_binding(plan, scratch, self.scratch_specs(plan), **tensors)
-        return Binding(plan=plan, tensors=dict(tensors), scratch=dict(scratch))
 
     def run(self, binding: Binding) -> None:
         p, t = binding.plan, binding.tensors

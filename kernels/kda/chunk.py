@@ -316,12 +316,10 @@ def prefill(
         _check(t.is_contiguous(), f"{name} must be contiguous")
     if scale is None:
         scale = K**-0.5
+    specs = prefill_scratch_specs(total, H, K, V, BT)
     if scratch is None:
-        scratch = {
-            n: torch.empty(s, dtype=dt, device=q.device)
-            for n, (s, dt) in prefill_scratch_specs(total, H, K, V, BT).items()
-        }
-    for n, (s, dt) in prefill_scratch_specs(total, H, K, V, BT).items():
+        scratch = {n: torch.empty(s, dtype=dt, device=q.device) for n, (s, dt) in specs.items()}
+    for n, (s, dt) in specs.items():
         t = scratch[n]
         _check(
             t.dtype == dt and t.shape[1:] == s[1:] and t.shape[0] >= total and t.is_contiguous(),

@@ -27,6 +27,7 @@ from qualify.errors import UsageError
 from receipts.checkpoint import NoteSigner, NoteVerifier
 from receipts.db import MissingStore
 from receipts.errors import KeyFileError, ReceiptsError, StoreError
+from receipts.statement import parse_time
 from receipts.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,6 +50,12 @@ def db_option(fn: F) -> F:
 
 def json_option(fn: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")(fn)
+
+
+def vkey_option(fn: F) -> F:
+    return click.option(
+        "--vkey", metavar="VKEY|FILE", help="The log's verifier key (default: the local log key)."
+    )(fn)
 
 
 def resolve_db(value: str | None) -> str:
@@ -79,6 +86,15 @@ def emit(as_json: bool, data: Any, human: Callable[[], None]) -> None:
         click.echo(json.dumps(data, indent=2, sort_keys=False))
     else:
         human()
+
+
+def write_or_echo(text: str, out: str | None, wrote: str) -> None:
+    """`text` into the file `out` (then say `wrote`), or verbatim on stdout when there is no --out."""
+    if out:
+        Path(out).write_text(text)
+        console.print(wrote)
+    else:
+        click.echo(text, nl=False)
 
 
 def short(hex_id: str, n: int = 16) -> str:
@@ -237,8 +253,7 @@ def parse_since(value: str | None) -> datetime | None:
     match = _RELATIVE.match(value.strip())
     if match:
         return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
-    try:
-        parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise UsageError(f"--since {value!r} is neither a duration like 7d / 24h nor an ISO date") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    parsed = parse_time(value.strip())
+    if parsed is None:
+        raise UsageError(f"--since {value!r} is neither a duration like 7d / 24h nor an ISO date")
+    return parsed

@@ -21,6 +21,7 @@ from qualify.commands._common import (
     open_append,
     opened,
     store_errors,
+    vkey_option,
 )
 from qualify.errors import UsageError
 from qualify.policy import load_policy, policy_json_schema
@@ -99,7 +100,7 @@ def print_decision(console: Console, decision: Decision) -> None:
 @click.option("--image", metavar="REF", help="A local docker image; its id is the subject.")
 @db_option
 @click.option("--key", "key_path", default=None, metavar="PATH", help="Key that signs the decision.")
-@click.option("--vkey", metavar="VKEY|FILE", help="The log's verifier key (default: the local log key).")
+@vkey_option
 @json_option
 @click.option("--schema", is_flag=True, help="Print the policy file's JSON Schema and exit.")
 @store_errors

@@ -15,6 +15,7 @@ from qualify.commands._common import (
     open_read,
     opened,
     store_errors,
+    vkey_option,
 )
 from qualify.errors import UsageError
 from qualify.report import collect, render
@@ -36,7 +37,7 @@ def audit() -> None:
     metavar="FILE",
     help="A checkpoint exported earlier (qualify log checkpoint --out); the log must still extend it.",
 )
-@click.option("--vkey", metavar="VKEY|FILE", help="The log's verifier key (default: the local log key).")
+@vkey_option
 @json_option
 @store_errors
 def report(

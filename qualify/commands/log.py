@@ -19,6 +19,7 @@ from qualify.commands._common import (
     open_read,
     opened,
     store_errors,
+    vkey_option,
 )
 from qualify.errors import UsageError
 from receipts.checkpoint import Checkpoint, open_checkpoint
@@ -85,7 +86,7 @@ def _summary(report: LogReport) -> str:
 @click.option(
     "--checkpoint", "checkpoint_file", type=click.Path(dir_okay=False), help="A checkpoint kept elsewhere."
 )
-@click.option("--vkey", metavar="VKEY|FILE", help="The log's verifier key (default: the local log key).")
+@vkey_option
 @click.option(
     "--workers", type=click.IntRange(min=0), help="Worker processes (default: one per CPU when large)."
 )

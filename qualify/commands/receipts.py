@@ -5,7 +5,6 @@ Exit codes: 0 done, 1 a verification found a problem, 2 bad input (nothing writt
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 from rich.table import Table
@@ -24,6 +23,8 @@ from qualify.commands._common import (
     read_json_documents,
     short,
     store_errors,
+    vkey_option,
+    write_or_echo,
 )
 from receipts import merkle
 from receipts.checkpoint import format_tlog_proof, open_checkpoint
@@ -128,7 +129,7 @@ def show(receipt_id: str, envelope: bool, db_url: str | None, as_json: bool) -> 
 @receipts.command("verify")
 @click.argument("receipt_id", required=False)
 @click.option("--all", "all_", is_flag=True, help="Verify every receipt in the store.")
-@click.option("--vkey", metavar="VKEY|FILE", help="The log's verifier key (default: the local log key).")
+@vkey_option
 @db_option
 @json_option
 @store_errors
@@ -185,11 +186,7 @@ def prove(receipt_id: str, out: str | None, db_url: str | None) -> None:
     # Never hand out a proof that does not verify.
     merkle.verify_inclusion(record.log_idx, cp.size, entry.leaf_hash, proof, cp.root)
     text = format_tlog_proof(record.log_idx, proof, note)
-    if out:
-        Path(out).write_text(text)
-        console.print(f"wrote {out} (leaf {record.log_idx} of {cp.size})")
-    else:
-        click.echo(text, nl=False)
+    write_or_echo(text, out, f"wrote {out} (leaf {record.log_idx} of {cp.size})")
 
 
 @receipts.command("export")
@@ -205,11 +202,7 @@ def export(fmt: str, out: str | None, db_url: str | None) -> None:
         with opened(store):
             lines = [entry.envelope.decode() for entry in store.iter_entries(kind="receipt")]
     text = "".join(line + "\n" for line in lines)
-    if out:
-        Path(out).write_text(text)
-        console.print(f"wrote {len(lines)} receipts to {out}")
-    else:
-        click.echo(text, nl=False)
+    write_or_echo(text, out, f"wrote {len(lines)} receipts to {out}")
 
 
 @receipts.command("import")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import hashlib
 import platform
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from kernels.kda import BackendUnavailable, get_backend, resolve_backend
+from qualify.protocol import Counters
 
 from .arena import build_arena
 from .config import EngineConfig
@@ -20,7 +20,6 @@ from .model import HybridModel
 from .model.attention import AttentionRuntime
 from .model.kda_layer import KdaRuntime
 from .runner import Runner
-from .spec import spec_rates
 from .tokenizer import BOS
 from .weights import default_weights_path, ensure_weights, generate, reload, save, snapshot
 
@@ -30,21 +29,6 @@ _ENGINE_DIR = Path(__file__).resolve().parent
 
 class EngineConfigError(ValueError):
     """The engine cannot be constructed as configured (one line: what and what to do)."""
-
-
-@dataclass
-class EngineCounters:
-    requests: int = 0
-    tokens_generated: int = 0
-    cuda_oom: int = 0
-    capacity_refusals: int = 0
-    graph_captures: int = 0
-    graph_replays: int = 0
-    graph_recaptures: int = 0
-    graph_oversize_eager: int = 0  # steps above the largest captured size: run eagerly (also in eager_steps)
-    eager_steps: int = 0
-    spec_drafted: int = 0
-    spec_accepted: int = 0
 
 
 def code_digest() -> str:
@@ -89,7 +73,7 @@ class Engine:
                     mixer.attach(self.attn_rt, alloc.views[(layer, "k")], alloc.views[(layer, "v")])
         self.weights_path = ensure_weights(self.model, cfg)
         self.weights_digest = snapshot(self.model).digest
-        self.counters = EngineCounters()
+        self.counters = Counters()
         self.runner = Runner(cfg, self.model, self.arena, self.device, self.counters)
         self.boot_seconds = time.perf_counter() - t0
 
@@ -212,7 +196,7 @@ class Engine:
             },
             "device": device_info(self.device),
             "versions": versions(),
-            "counters": {**asdict(self.counters), **spec_rates(self.counters)},
+            "counters": self.counters.model_dump(),
             "cudagraph_mode": cfg.cudagraph_mode,
         }
 

@@ -158,14 +158,15 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         lines = []
-        for name, value in vars(engine.counters).items():
+        counts = engine.counters.model_dump(exclude={"spec_acceptance_rate"})
+        for name, value in counts.items():
             metric = f"qualify_engine_{name}_total"
             lines += [
                 f"# HELP {metric} {name.replace('_', ' ')}",
                 f"# TYPE {metric} counter",
                 f"{metric} {value}",
             ]
-        rate = engine.counters.spec_accepted / max(engine.counters.spec_drafted, 1)
+        rate = engine.counters.spec_acceptance_rate
         lines += [
             "# HELP qualify_engine_spec_acceptance_rate accepted / drafted speculative draft tokens",
             "# TYPE qualify_engine_spec_acceptance_rate gauge",

@@ -187,9 +187,3 @@ def speculative_generate(
     used = "mixed" if len(modes) > 1 else (modes.pop() if modes else "eager")
     gens = [Generation(r.output, r.gaps, r.finish_reason or "length", len(r.prompt)) for r in reqs]
     return gens, used, stats
-
-
-def spec_rates(counters) -> dict[str, float]:
-    """The engine-wide acceptance rate (accepted / drafted draft tokens; 0 before any draft)."""
-    d, a = counters.spec_drafted, counters.spec_accepted
-    return {"spec_acceptance_rate": a / d if d else 0.0}

@@ -87,6 +87,20 @@ def test_an_external_checkpoint_larger_than_the_log_means_entries_were_removed(
         verify_log(store, checkpoint_text=ahead, verifiers=[log_signer.verifier()])
 
 
+def test_removing_the_newest_entries_is_caught_by_the_stored_checkpoints_alone(store, operator, raw) -> None:
+    ids = append_synthetic(store, operator, 4)  # log entries 0..4, checkpoints of size 1..5
+    raw.drop_triggers()
+    for rid in ids[2:]:  # the two newest receipts, with their query rows, as a tamperer would
+        raw.execute("DELETE FROM receipt_subjects WHERE receipt_id = :i", i=rid)
+        raw.execute("DELETE FROM receipts WHERE id = :i", i=rid)
+    raw.execute("DELETE FROM log_entries WHERE idx >= 3")
+    with pytest.raises(
+        TamperError, match="at index 3: stored checkpoint for size 5 but the log holds 3 entries"
+    ) as caught:
+        verify_log(store)
+    assert caught.value.report.size == 3
+
+
 def test_a_receipt_hidden_from_the_query_tables_is_reported(store, operator, raw) -> None:
     ids = append_synthetic(store, operator, 3)
     raw.drop_triggers()

@@ -226,6 +226,26 @@ def test_approvals_are_log_entries_about_receipts_in_the_log(store, operator) ->
     verify_log(store)
 
 
+def test_approvals_are_paged_in_log_order_by_the_database(store, operator) -> None:
+    rid = store.append_receipt(synthetic_envelope(operator, 1)).id
+    made = []
+    for n in range(5):
+        envelope = dsse.sign("application/vnd.qualify.approval+json", b'{"n":%d}' % n, operator)
+        subject = "sha256:" + ("ab" if n % 2 else "cd") * 32
+        made.append(
+            store.append_approval(
+                envelope, subject=subject, decision="approved", policy_digest="p", receipt_ids=[rid]
+            )
+        )
+    ids = [a.id for a in made]
+    assert [a.id for a in store.list_approvals()] == ids
+    assert [a.id for a in store.list_approvals(limit=2, offset=1)] == ids[1:3]
+    assert [a.id for a in store.list_approvals(offset=4)] == ids[4:]
+    assert store.list_approvals(limit=3, offset=5) == []
+    even = "sha256:" + "cd" * 32
+    assert [a.id for a in store.list_approvals(subject=even, limit=1, offset=1)] == [ids[2]]
+
+
 def test_a_store_refuses_a_different_log_key(db_url, log_signer, operator) -> None:
     Store.open(db_url, log_signer=log_signer).trust_key(operator.public_key())
     impostor = NoteSigner(log_signer.name, keys.generate().crypto)
