@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from approve_predicates import CONFIG, predicate
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from receipts import dsse, keys
@@ -19,6 +18,8 @@ from receipts.canonical import canonical_json
 from receipts.checkpoint import NoteSigner
 from receipts.statement import PREDICATE_TYPE, STATEMENT_TYPE, config_digest
 from receipts.store import Store
+
+from .approve_predicates import CONFIG, predicate
 
 SUBJECT = "sha256:" + hashlib.sha256(b"engine build 1").hexdigest()
 OTHER_SUBJECT = "sha256:" + hashlib.sha256(b"engine build 2").hexdigest()

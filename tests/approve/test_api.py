@@ -8,7 +8,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import schemathesis
-from conftest import OTHER_SUBJECT, SUBJECT, Log
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode, checks
@@ -16,6 +15,8 @@ from schemathesis import GenerationMode, checks
 from qualify.api import create_app
 from receipts import merkle
 from receipts.checkpoint import open_checkpoint, verify_tlog_proof
+
+from .conftest import OTHER_SUBJECT, SUBJECT, Log
 
 TOKEN = "s3cret-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from approve_predicates import predicate
-from conftest import SUBJECT, Log, statement
 
 from qualify.cli import main
 from qualify.commands._common import load_log_signer
@@ -17,6 +15,9 @@ from qualify.errors import UsageError
 from receipts import dsse, keys
 from receipts.canonical import canonical_json
 from receipts.store import Store
+
+from .approve_predicates import predicate
+from .conftest import SUBJECT, Log, statement
 
 FLEET = Path(__file__).parents[2] / "examples" / "fleet.toml"
 

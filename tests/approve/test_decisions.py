@@ -8,7 +8,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conftest import OTHER_SUBJECT, SUBJECT, Log, statement
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from qualify.approve import APPROVAL_PREDICATE_TYPE, decide, record
@@ -16,6 +15,8 @@ from qualify.errors import UsageError
 from qualify.policy import parse_policy_text
 from receipts import dsse, keys
 from receipts.checkpoint import Checkpoint, NoteSigner, sign_checkpoint
+
+from .conftest import OTHER_SUBJECT, SUBJECT, Log, statement
 
 
 def policy(body: str = "", **settings: object):
@@ -163,10 +164,10 @@ def test_a_tampered_receipt_counts_for_nothing(log: Log) -> None:
 def test_a_resigned_receipt_with_recomputed_hashes_fails_inclusion(log: Log) -> None:
     # The attacker rewrites a rejected receipt as qualified, signs it with a trusted key, and fixes the
     # row's id and leaf hash; the signed checkpoint still commits to the original bytes.
-    from approve_predicates import predicate
-
     from receipts import merkle
     from receipts.canonical import canonical_json
+
+    from .approve_predicates import predicate
 
     rid = log.add(verdict="rejected", failed_check="layout")
     forged = dsse.envelope_bytes(

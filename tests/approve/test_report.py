@@ -11,11 +11,12 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import OTHER_SUBJECT, SUBJECT, Log
 
 from qualify.cli import main
 from qualify.report import collect, render
 from receipts.store import Store
+
+from .conftest import OTHER_SUBJECT, SUBJECT, Log
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 CHROMIUM_FLAGS = [

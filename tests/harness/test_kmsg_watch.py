@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SAMPLE_KMSG
 
 from qualify.watch.kmsg import KmsgWatcher, parse_line
+
+from .conftest import SAMPLE_KMSG
 
 
 @pytest.mark.parametrize(

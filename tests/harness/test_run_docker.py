@@ -7,7 +7,8 @@ import json
 import subprocess
 
 import pytest
-from conftest import DOCKER, LAYOUT, Home, check
+
+from .conftest import DOCKER, LAYOUT, Home, check
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.usefixtures("no_leftover_containers")]
 

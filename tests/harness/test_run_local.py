@@ -10,7 +10,8 @@ import sys
 import time
 
 import pytest
-from conftest import LAYOUT, ROOT, SAMPLE_KMSG, Home, check
+
+from .conftest import LAYOUT, ROOT, SAMPLE_KMSG, Home, check
 
 pytestmark = pytest.mark.slow
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, decode_step
 
 from kernels.kda import Caps, bounded_gate, gated_rmsnorm, get_backend, naive_recurrent
 from kernels.kda.backend import DECODE_TENSORS
 from kernels.kda.decode import decode, launch_decode
+
+from .conftest import DEVICE, decode_step
 
 OUT_ATOL = 2e-2  # bf16 output (one rounding of the core output, one of the normed output)
 STATE_ATOL = 1e-5

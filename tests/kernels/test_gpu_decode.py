@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import decode_step
 
 from kernels.kda import Caps, get_backend, resolve_backend
+
+from .conftest import decode_step
 
 pytestmark = [
     pytest.mark.gpu,
