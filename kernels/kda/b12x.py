@@ -1,7 +1,8 @@
 """Adapter from our KDA backend contract to PyPI b12x 1.5.1's `gdn_decode` KDA path (imported lazily).
 
 b12x takes packed `mixed_qkv [tokens, 2HK+HV]`, raw gate/β and applies the gated RMSNorm itself, so the
-boundary matches ours; q/k/v are packed into caller-owned scratch unless they are already adjacent views.
+boundary matches ours; q/k/v are copied into caller-owned scratch unless they already are views of one
+packed row (`packed_qkv_view`).
 Its prefill runs only on compute capability 12.x, so this backend's prefill is our Triton prefill.
 """
 
@@ -110,21 +111,37 @@ def conformance_check(device: torch.device, *, seed: int = 0) -> None:
         )
 
 
-def _adjacent_qkv(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-    """A [rows, 2HK+HV] view over q, k, v when they already sit side by side in one packed row."""
+def packed_qkv_view(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """A zero-copy [rows, 2HK+HV] view when q, k, v already are one packed `mixed_qkv` row, else None.
+
+    The rule: q, k, v are views of ONE storage; per row k starts right after q and v right after k; each is
+    contiguous within its row ([H, K] / [H, V]); for rows > 1 they share a row stride of at least the packed
+    width; the packed view lies inside that storage. A size-1 row dim carries no layout (torch may give
+    it any stride), so at rows == 1 the row stride is not compared and the packed view gets the width.
+    Separately allocated tensors that merely sit side by side (the caching allocator often places
+    same-size allocations back to back) are NOT packed: a view across allocations is out of bounds for
+    torch and may be recycled under us, so they take the copy path.
+    """
     rows, H, K = q.shape
     V = v.shape[2]
     width = 2 * H * K + H * V
-    e = q.element_size()
-    row_stride = q.stride(0) if rows > 1 else width  # a single row's stride carries no layout
-    same_rows = rows == 1 or q.stride(0) == k.stride(0) == v.stride(0)
-    if not (same_rows and q.stride()[1:] == k.stride()[1:] == (K, 1) and v.stride()[1:] == (V, 1)):
+    storage = q.untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in (k, v)):
         return None
-    if row_stride < width:
+    if q.stride()[1:] != (K, 1) or k.stride()[1:] != (K, 1) or v.stride()[1:] != (V, 1):
         return None
-    if k.data_ptr() != q.data_ptr() + H * K * e or v.data_ptr() != k.data_ptr() + H * K * e:
+    if rows > 1:
+        if not q.stride(0) == k.stride(0) == v.stride(0) or q.stride(0) < width:
+            return None
+        row_stride = q.stride(0)
+    else:
+        row_stride = width
+    base = q.storage_offset()
+    if k.storage_offset() != base + H * K or v.storage_offset() != base + 2 * H * K:
         return None
-    return q.as_strided((rows, width), (row_stride, 1))
+    if (base + (rows - 1) * row_stride + width) * q.element_size() > storage.nbytes():
+        return None
+    return q.as_strided((rows, width), (row_stride, 1), base)
 
 
 class B12xBackend:
@@ -165,7 +182,7 @@ class B12xBackend:
         c, t = plan.caps, tensors
         n, T, H, K = c.max_requests, c.tokens_per_request, c.num_heads, c.head_k_dim
         device = t["q"].device
-        packed = _adjacent_qkv(t["q"], t["k"], t["v"])
+        packed = packed_qkv_view(t["q"], t["k"], t["v"])
         mixed = scratch["mixed_qkv"] if packed is None else packed
         torch.arange(0, (n + 1) * T, T, out=scratch["query_start_loc"])
         num_tokens = t["num_live"] if T == 1 else scratch["num_tokens"]

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .decode import check_decode_args, default_launch, launch_decode
+from .decode import DEFAULT_LAUNCH_WHY, check_decode_args, default_launch, describe_launch, launch_decode
 from .naive import bounded_gate, gated_rmsnorm, naive_recurrent
 
 BACKENDS = ("auto", "b12x", "triton", "torch")
@@ -189,6 +189,15 @@ class _NoScratch:
         return Binding(plan=plan, tensors=dict(tensors), scratch=dict(scratch))
 
 
+def refuse_capture(device: torch.device, what: str) -> None:
+    """Raise a clear error instead of a broken CUDA-graph capture when a host-syncing path runs in one."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{what} reads device tensors on the host and cannot run inside CUDA-graph capture; "
+            "use the 'triton' or 'b12x' KDA backend, or run eagerly"
+        )
+
+
 class TorchBackend(_NoScratch):
     """The references, looped per request on the host; the CPU backend and the oracle for the others."""
 
@@ -200,9 +209,11 @@ class TorchBackend(_NoScratch):
 
     def run(self, binding: Binding) -> None:
         t, c = binding.tensors, binding.plan.caps
+        refuse_capture(t["q"].device, "the torch KDA decode reference")
         decode_reference(**t, lower_bound=c.lower_bound, norm_eps=c.norm_eps)
 
     def prefill(self, **kwargs) -> None:
+        refuse_capture(kwargs["q"].device, "the torch KDA prefill reference")
         _prefill_reference(**kwargs)
 
 
@@ -263,7 +274,10 @@ class TritonBackend(_NoScratch):
             if d < 16 or d & (d - 1):
                 raise ValueError(f"triton backend needs Caps.{name} a power of two >= 16, got {d}")
         bv, nw = default_launch(caps.max_requests, caps.num_heads, caps.head_v_dim, caps.tokens_per_request)
-        return DecodePlan(backend=self.name, caps=caps, block_v=bv, num_warps=nw)
+        return DecodePlan(
+            backend=self.name, caps=caps, block_v=bv, num_warps=nw,
+            extra=(("launch", describe_launch(bv, nw, caps.head_v_dim)), ("why", DEFAULT_LAUNCH_WHY)),
+        )  # fmt: skip
 
     def run(self, binding: Binding) -> None:
         p, t = binding.plan, binding.tensors

@@ -197,6 +197,16 @@ def _state_kernel(
     d = tl.arange(0, K)
     e = vb * BV + tl.arange(0, BV)
     r = tl.arange(0, BT)
+    if slot == 0:
+        # The null slot (KDA.md §2), as in the decode kernel and the torch prefill: output zero (the gated
+        # norm keeps zero rows zero), state neither read nor written.
+        zero = tl.zeros([BT, BV], dtype=tl.float32).to(out.dtype.element_ty)
+        t0 = bos
+        while t0 < eos:
+            rows = t0 + r
+            tl.store(out + (rows[:, None] * H + h) * V + e[None, :], zero, mask=(rows < eos)[:, None])
+            t0 += BT
+        return
     # S is held K-first [K, BV]; the pool is V-first [V, K].
     s_ptr = state + (slot * H + h) * V * K + e[None, :] * K + d[:, None]
     S = tl.zeros([K, BV], dtype=tl.float32)
@@ -278,7 +288,8 @@ def prefill(
     `num_chunks` is a host int (grid sized exactly) or an int32 device scalar (grid sized at the
     chunk_indices capacity, surplus programs exit): the latter needs no host sync, so it captures.
     `scratch` is caller-owned (see `prefill_scratch_specs`); if None it is allocated here (eager only).
-    Empty sequences read and write nothing. The core output is rounded to bf16 in `out` before the norm.
+    Empty sequences read and write nothing; a sequence on slot 0 (the null slot) gets zero output and
+    touches no state. The core output is rounded to bf16 in `out` before the norm.
     """
     total, H, K = q.shape
     V = v.shape[-1]

@@ -139,11 +139,29 @@ def _gated_rmsnorm_kernel(
     tl.store(p_o, o.to(out.dtype.element_ty))
 
 
+DEFAULT_LAUNCH_WHY = (
+    "one size for every batch: the H200 sweep behind it (bench/kda.py --sweep, results not committed) had "
+    "8-row one-warp tiles fastest or tied, "
+    "3.99 TB/s at batch 1024 vs 3.41 for the fused whole-row program; batch 1 trails fla by ~5 us in a "
+    "single graph replay, of which the separate norm launch is ~0.5 us (fla+norm - fla), so no small-batch "
+    "switch to the fused path until a sweep shows it wins"
+)
+
+
 def default_launch(num_rows: int, num_heads: int, head_v_dim: int, tokens: int = 1) -> tuple[int, int]:
-    """(block_v, num_warps). Swept on an H200 (H=32, K=V=128, T=1 and 4, batch 1..1024): one-warp programs
-    over 8-row V tiles plus the separate norm pass were fastest or tied everywhere, e.g. 3.99 TB/s at batch
-    1024 against 3.41 TB/s for the whole-row program with the norm fused (bench/kda.py --sweep)."""
+    """(block_v, num_warps); why: DEFAULT_LAUNCH_WHY. block_v == V selects the fused-norm single launch."""
     return min(8, head_v_dim), 1
+
+
+def describe_launch(block_v: int, num_warps: int, head_v_dim: int) -> str:
+    """Which decode path a (block_v, num_warps) choice takes, in words (recorded in the plan)."""
+    if block_v == head_v_dim:
+        return f"fused: one program per (request, head) over the whole V row, {num_warps} warp(s), norm fused"
+    tiles = head_v_dim // block_v
+    return (
+        f"split: {tiles} programs of {block_v} V rows per (request, head), {num_warps} warp(s), "
+        "then the gated-norm kernel (2 launches)"
+    )
 
 
 def check_decode_args(

@@ -14,6 +14,7 @@ from kernels.kda import (
     build_chunk_metadata,
     chunk_reference,
     gated_rmsnorm,
+    get_backend,
     naive_recurrent,
     prefill,
 )
@@ -115,7 +116,9 @@ def _oracle(q, k, v, a, b, A_log, dt_bias, z, w, pool0, cu, slots, has_init):
     return torch.cat(outs), states
 
 
-def _run_prefill(lens, slots, has_init, *, H=2, K=16, V=32, chunk=16, device_count=False, seed=0):
+def _run_prefill(
+    lens, slots, has_init, *, H=2, K=16, V=32, chunk=16, device_count=False, seed=0, backend=None
+):
     gen = torch.Generator().manual_seed(seed)
     cu = [0]
     for n in lens:
@@ -137,26 +140,15 @@ def _run_prefill(lens, slots, has_init, *, H=2, K=16, V=32, chunk=16, device_cou
     out = torch.zeros(tot, H, V, dtype=bf)
     slots_t, init_t = torch.tensor(slots, dtype=torch.int32), torch.tensor(has_init)
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    prefill(
-        q,
-        k,
-        v,
-        a,
-        b,
-        A_log,
-        dt_bias,
-        z,
-        w,
-        pool,
-        cu_t,
-        slots_t,
-        init_t,
-        idx,
-        offs,
-        num_chunks,
-        out,
-        chunk_size=chunk,
-    )
+    args = dict(
+        q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, z=z, norm_weight=w, state=pool,
+        cu_seqlens=cu_t, slots=slots_t, has_initial_state=init_t, chunk_indices=idx, chunk_offsets=offs,
+        num_chunks=num_chunks, out=out,
+    )  # fmt: skip
+    if backend is None:
+        prefill(**args, chunk_size=chunk)
+    else:
+        get_backend(backend).prefill(**args)
     o_ref, states = _oracle(q, k, v, a, b, A_log, dt_bias, z, w, pool0, cu, slots, has_init)
     return out, o_ref, pool, pool0, states
 
@@ -197,6 +189,19 @@ def test_empty_padding_sequence_reads_and_writes_nothing() -> None:
     torch.testing.assert_close(out.float(), o_ref.float(), **OUT_TOL)
     assert torch.equal(pool[0], pool0[0])
     assert set(states) == {1, 2}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_sequence_on_the_null_slot_outputs_zero_and_touches_no_state(backend) -> None:
+    # One contract, one meaning of slot 0 (KDA.md §2) in prefill as in decode, whatever the backend.
+    lens, slots, has_init = [9, 70, 7], [1, 0, 2], [True, True, False]
+    out, o_ref, pool, pool0, states = _run_prefill(lens, slots, has_init, chunk=64, seed=5, backend=backend)
+    assert torch.equal(out[9:79].float(), torch.zeros(70, *out.shape[1:]))
+    assert torch.equal(pool[[0, 3, 4, 5]], pool0[[0, 3, 4, 5]])
+    live = torch.cat([torch.arange(0, 9), torch.arange(79, 86)])
+    torch.testing.assert_close(out[live].float(), o_ref[live].float(), **OUT_TOL)
+    for slot in (1, 2):
+        torch.testing.assert_close(pool[slot], states[slot], **STATE_TOL)
 
 
 def test_prefill_scratch_specs_cover_every_intermediate() -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kernels.kda import Caps, bounded_gate, gated_rmsnorm, get_backend, naive_recurrent
-from kernels.kda.backend import DECODE_TENSORS
-from kernels.kda.decode import decode, launch_decode
+from kernels.kda.backend import DECODE_TENSORS, refuse_capture
+from kernels.kda.decode import decode, describe_launch, launch_decode
 
 from .conftest import DEVICE, decode_step
 
@@ -190,3 +192,28 @@ def test_bind_refuses_tensors_that_disagree_with_the_plan():
         be.bind(plan, scratch={}, **{k: x for k, x in t.items() if k != "z"})
     with pytest.raises(ValueError, match="scratch must hold exactly"):
         be.bind(plan, scratch={"x": t["b"]}, **t)
+
+
+def test_triton_plan_records_its_launch_and_run_honours_a_fused_plan():
+    t = decode_step(3, 2, seed=9)
+    be = get_backend("triton")
+    plan = be.plan(Caps(2, 16, 32, 3, 2, t["state"].shape[0], device=DEVICE))
+    extra = dict(plan.extra)
+    assert (plan.block_v, plan.num_warps) == (8, 1) and extra["launch"].startswith("split: 4 programs")
+    assert "sweep" in extra["why"]
+    fused_plan = dataclasses.replace(plan, block_v=32, num_warps=2)
+    assert describe_launch(32, 2, 32).startswith("fused")
+    split, fused = ({k: x.clone() for k, x in t.items()} for _ in range(2))
+    be.run(be.bind(plan, scratch={}, **split))
+    be.run(be.bind(fused_plan, scratch={}, **fused))
+    assert_same_step(fused, split)
+    assert_same_step(fused, run("torch", t))
+    # The fused path rounds to bf16 once, the split path twice: different bits prove the plan was honoured.
+    assert not torch.equal(fused["out"], split["out"])
+
+
+def test_the_torch_reference_refuses_to_run_inside_graph_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture; use the 'triton'"):
+        refuse_capture(torch.device("cuda", 0), "the torch KDA decode reference")
+    refuse_capture(torch.device("cpu"), "the torch KDA decode reference")  # a CPU run is never captured

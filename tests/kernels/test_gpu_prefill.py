@@ -15,7 +15,10 @@ pytestmark = [
 H, K, V = 32, 128, 128
 
 
-def _case(lens: list[int], has_init: list[bool], *, device_count: bool, seed: int):
+def _case(
+    lens: list[int], has_init: list[bool], *, device_count: bool, seed: int, null: tuple[int, ...] = ()
+):
+    """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched)."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(seed)
     cu = [0]
@@ -31,7 +34,7 @@ def _case(lens: list[int], has_init: list[bool], *, device_count: bool, seed: in
     A_log = torch.randn(H, generator=gen, device=dev) * 0.5
     dt_bias = torch.randn(H * K, generator=gen, device=dev)
     w = torch.rand(V, generator=gen, device=dev) + 0.5
-    slots = list(range(1, len(lens) + 1))
+    slots = [0 if i in null else i + 1 for i in range(len(lens))]
     pool = torch.randn(len(lens) + 2, H, V, K, generator=gen, device=dev) * 0.1
     pool0 = pool.clone()
     idx = torch.zeros(tot // 64 + len(lens) + 4, 2, dtype=torch.int32)
@@ -65,6 +68,9 @@ def _case(lens: list[int], has_init: list[bool], *, device_count: bool, seed: in
     )
     torch.cuda.synchronize()
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        if slots[i] == 0:
+            assert torch.count_nonzero(out[s:e]) == 0
+            continue
         g = bounded_gate(a[s:e].float(), A_log, dt_bias)
         init = pool0[slots[i]][None] if has_init[i] else None
         o_ref, st_ref = chunk_reference(
@@ -96,6 +102,10 @@ def test_prefill_with_w_and_u_inside_the_solve_kernel(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(chunk, "_SPLIT_WU", not chunk._SPLIT_WU)
     _case([1000, 17, 64, 300], [True, False, True, False], device_count=True, seed=5)
+
+
+def test_prefill_sequence_on_the_null_slot_outputs_zero_and_touches_no_state() -> None:
+    _case([300, 1000, 17], [True, True, False], device_count=True, seed=9, null=(1,))
 
 
 def test_prefill_with_host_chunk_count() -> None:
