@@ -4,48 +4,64 @@ is refused by a second engine at construction (no silent fallback)."""
 from __future__ import annotations
 
 from qualify.checks.base import Check, Context, Outcome, fail_unless
+from qualify.launch.base import READY_RE
 from qualify.run.request import KDA_BACKENDS
 
 BOGUS_BACKEND = "bogus"
 REFUSAL_TIMEOUT_S = 90.0
 RESOLVED_CHOICES = ("b12x", "triton", "torch")
+LABEL_PREFIX = "kda::"
 
-# Which profiled kernel names prove a backend ran: the engine tags its KDA kernels "kda::<backend>...".
-BACKEND_MARKERS: dict[str, tuple[str, ...]] = {
-    "torch": ("kda::torch",),
-    "triton": ("kda::triton",),
-    "b12x": ("kda::b12x",),
+# Device kernels that only one backend launches, as the CUDA profiler names them (exact names). Verified on
+# an H200 (tests/engine/test_gpu_graphs.py): the Triton decode kernel. torch launches ATen kernels that any
+# backend's surrounding model also launches, and b12x's CuTe kernel names are not pinned, so those two have
+# no signature of their own: on CUDA they are proven by their label and by the absence of the others'.
+DEVICE_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "triton": ("_kda_decode_kernel",),
+    "torch": (),
+    "b12x": (),
 }
 
 
-def kernels_belong(names: list[str], resolved: str) -> tuple[list[str], list[str]]:
-    """(kernel names that prove `resolved` ran, names that prove another backend ran)."""
-    ours = [n for n in names if any(m in n for m in BACKEND_MARKERS.get(resolved, ()))]
-    theirs = [
-        n
-        for n in names
-        for other, markers in BACKEND_MARKERS.items()
-        if other != resolved and any(m in n for m in markers)
-    ]
-    return ours, theirs
+def label_backend(name: str) -> str | None:
+    """`kda::triton` or `kda::triton::prefill` -> "triton"; anything else -> None (no substring matches)."""
+    if not name.startswith(LABEL_PREFIX):
+        return None
+    return name[len(LABEL_PREFIX) :].split("::", 1)[0] or None
+
+
+def kernels_belong(names: list[str], resolved: str, device_type: str) -> dict[str, list[str]]:
+    """Which profiled names prove `resolved` ran, which prove another backend ran, and, on CUDA, which device
+    kernels of `resolved` were seen (empty where the backend has no known signature)."""
+    labels = {n: label_backend(n) for n in names}
+    ours = sorted({n for n, b in labels.items() if b == resolved})
+    foreign = {n for n, b in labels.items() if b is not None and b != resolved}
+    device: list[str] = []
+    if device_type == "cuda":
+        device = sorted({n for n in names if n in DEVICE_SIGNATURES.get(resolved, ())})
+        for other, sigs in DEVICE_SIGNATURES.items():
+            if other != resolved:
+                foreign |= {n for n in names if n in sigs}
+    return {"labels": ours, "device": device, "foreign": sorted(foreign)}
 
 
 def run(ctx: Context) -> Outcome:
     d = ctx.client.describe()
     b = d.backend
-    probe = ctx.client.probe()
-    ours, theirs = kernels_belong(probe.kernel_names, b.resolved)
+    # The first profiled step may compile Triton kernels (prefill and decode): give it the check's budget.
+    probe = ctx.client.probe(timeout_s=ctx.remaining())
+    proof = kernels_belong(probe.kernel_names, b.resolved, probe.device_type)
+    needs_device_kernel = probe.device_type == "cuda" and bool(DEVICE_SIGNATURES.get(b.resolved))
     ctx.facts["backend"] = {
         "requested": b.requested,
         "resolved": b.resolved,
         "reason": b.reason,
         # The receipt keeps the KDA kernels (the proof); the check's evidence keeps every name.
-        "kernel_names": sorted({n for n in probe.kernel_names if "kda" in n.lower()}),
+        "kernel_names": sorted({*proof["labels"], *proof["device"], *proof["foreign"]}),
     }
     refusal = ctx.launcher.run_refusal(BOGUS_BACKEND, min(REFUSAL_TIMEOUT_S, ctx.remaining()))
     out_lines = [ln for ln in refusal.output.strip().splitlines() if ln.strip()]
     last = out_lines[-1] if out_lines else ""
-    names_choices = all(c in refusal.output for c in KDA_BACKENDS)
     evidence = {
         "requested": b.requested,
         "resolved": b.resolved,
@@ -55,8 +71,10 @@ def run(ctx: Context) -> Outcome:
             "backend": probe.backend,
             "device_type": probe.device_type,
             "kernel_names": sorted(set(probe.kernel_names)),
-            "proving": sorted(set(ours)),
-            "foreign": sorted(set(theirs)),
+            "proving_labels": proof["labels"],
+            "proving_device_kernels": proof["device"],
+            "device_signature": list(DEVICE_SIGNATURES.get(b.resolved, ())),
+            "foreign": proof["foreign"],
         },
         "bogus_refusal": {
             "value": BOGUS_BACKEND,
@@ -73,10 +91,16 @@ def run(ctx: Context) -> Outcome:
             "explicit_request_honoured": ctx.request.kda_backend == "auto"
             or b.resolved == ctx.request.kda_backend,
             "probe_reports_resolved": probe.backend == b.resolved,
-            "kernels_of_resolved_backend_ran": bool(ours),
-            "no_kernels_of_other_backends": not theirs,
+            "probe_ran_on_the_engine_device": probe.device_type == d.device.type,
+            "kernels_of_resolved_backend_ran": bool(proof["labels"]),
+            "device_kernels_of_resolved_backend_ran": not needs_device_kernel or bool(proof["device"]),
+            "no_kernels_of_other_backends": not proof["foreign"],
             "bogus_backend_refused": refusal.exit_code not in (None, 0),
-            "refusal_names_the_choices": names_choices and BOGUS_BACKEND in refusal.output,
+            # Refused at construction: it never became ready, and said why in its last line, not a traceback.
+            "refused_before_ready": READY_RE.search(refusal.output) is None,
+            "refusal_is_one_clear_line": BOGUS_BACKEND in last
+            and all(c in last for c in KDA_BACKENDS)
+            and "Traceback" not in refusal.output,
         },
         evidence,
     )

@@ -38,8 +38,9 @@ class Context:
     target: str = "cpu"
     captured: bool = False
     facts: dict[str, Any] = field(default_factory=dict)
-    watchers: list[Any] = field(default_factory=list)
     xid_events: Callable[[], list[Any]] = list
+    # The Xid watch as the run sees it: {"state": active | not_applicable | unavailable, "reason": ...}
+    xid_watch: Callable[[], dict[str, Any]] = lambda: {"state": "unavailable", "reason": "no watcher"}
     deadline: float = float("inf")  # monotonic: the current check's budget, within the run's
 
     def remaining(self) -> float:
@@ -88,15 +89,30 @@ def gaps(resp: CompletionResponse) -> list[list[float]]:
     return [c.top2_gaps for c in sorted(resp.choices, key=lambda c: c.index)]
 
 
-def coherence(reference: CompletionResponse, candidate: CompletionResponse) -> dict[str, Any]:
-    """The coherence rule applied prompt by prompt; `agrees` only when every prompt agrees."""
+def well_formed(resp: CompletionResponse, prompts: int) -> bool:
+    """One choice per prompt, indexed 0..n-1, each with tokens and one top-2 gap per token: the shape the
+    coherence rule needs. An empty answer must never agree with another empty answer."""
+    ordered = sorted(resp.choices, key=lambda c: c.index)
+    return (
+        len(ordered) == prompts > 0
+        and [c.index for c in ordered] == list(range(prompts))
+        and all(c.token_ids and len(c.top2_gaps) == len(c.token_ids) for c in ordered)
+    )
+
+
+def coherence(
+    reference: CompletionResponse, candidate: CompletionResponse, prompts: int = len(PROMPTS)
+) -> dict[str, Any]:
+    """The coherence rule applied prompt by prompt; `agrees` only when both answers are well formed for
+    `prompts` prompts and every prompt agrees."""
     reports = []
     for ref_t, ref_g, cand_t in zip(tokens(reference), gaps(reference), tokens(candidate), strict=False):
         reports.append(compare_greedy(ref_t, ref_g, cand_t, EPSILON).model_dump(mode="json"))
-    same_batch = len(reference.choices) == len(candidate.choices)
+    formed = well_formed(reference, prompts) and well_formed(candidate, prompts)
     return {
-        "agrees": same_batch and all(r["agrees"] for r in reports),
-        "identical": same_batch and tokens(reference) == tokens(candidate),
+        "agrees": formed and all(r["agrees"] for r in reports),
+        "identical": formed and tokens(reference) == tokens(candidate),
+        "well_formed": formed,
         "rule": reports[0]["rule"] if reports else None,
         "epsilon": EPSILON,
         "per_prompt": [{k: r[k] for k in ("agrees", "first_divergence", "gap")} for r in reports],

@@ -3,13 +3,29 @@ Where the engine cannot capture (CPU) the check is a skip carrying the engine's 
 
 from __future__ import annotations
 
+from typing import Any
+
 from qualify.checks.base import Check, Context, Outcome, coherence, fail_unless
+
+
+def sizes_covered(plans: Any, tokens_per_request: int) -> list[int] | None:
+    """Token sizes of the graphs the engine says it holds (`plans`: [[requests, tokens per request], ...]);
+    None when the engine does not report its plans (the protocol does not require them)."""
+    if not isinstance(plans, list):
+        return None
+    out: list[int] = []
+    for p in plans:
+        well_formed = isinstance(p, list | tuple) and len(p) == 2 and all(isinstance(x, int) for x in p)
+        if well_formed and p[1] == tokens_per_request:
+            out.append(p[0] * p[1])
+    return sorted(set(out))
 
 
 def run(ctx: Context) -> Outcome:
     before = ctx.client.describe()
-    cap = ctx.client.capture()
-    evidence = {
+    cap = ctx.client.capture(timeout_s=ctx.remaining())  # Triton compiles during warm-up on a cold cache
+    after_capture = ctx.client.describe()
+    evidence: dict[str, Any] = {
         "capture": cap.model_dump(mode="json"),
         "cudagraph_mode": before.cudagraph_mode,
         "device_type": before.device.type,
@@ -22,6 +38,10 @@ def run(ctx: Context) -> Outcome:
         return Outcome("fail", evidence, f"no graphs captured on a {ctx.target} target: {cap.reason}")
     ctx.captured = True
     want = sorted(before.config.get("capture_sizes") or [])
+    # What was captured is measured, not read back from the config: the engine's graph counter moved by at
+    # least one graph per size, and (where it reports them) its graph plans cover every requested size.
+    captured_graphs = after_capture.counters.graph_captures - before.counters.graph_captures
+    covered = sizes_covered((cap.model_extra or {}).get("plans"), 1 + before.capacity.num_spec)
     eager = ctx.generate(mode="eager")
     graph = ctx.generate(mode="graph")
     after = ctx.client.describe()
@@ -29,15 +49,22 @@ def run(ctx: Context) -> Outcome:
     ctx.facts["eager_vs_graph"] = coh
     evidence.update(
         requested_sizes=want,
+        graphs_captured=captured_graphs,
+        sizes_with_a_graph=covered,
         replay_vs_eager=coh,
-        mode_used=graph.mode_used,
+        mode_used={"eager": eager.mode_used, "graph": graph.mode_used},
         counters={"before": before.counters.model_dump(), "after": after.counters.model_dump()},
     )
     return fail_unless(
         {
-            "every_size_captured": sorted(cap.sizes) == want,
+            "sizes_requested": bool(want),
+            "a_graph_per_size_captured": captured_graphs >= len(want) > 0,
+            "every_size_has_a_graph": covered is None or covered == want,
+            "engine_reports_the_sizes": sorted(cap.sizes) == want,
+            "address_record_taken": bool(cap.address_digest),
+            "eager_mode_used": eager.mode_used == "eager",
             "graph_mode_used": graph.mode_used == "graph",
-            "replays_counted": after.counters.graph_replays > before.counters.graph_replays,
+            "replays_counted": after.counters.graph_replays > after_capture.counters.graph_replays,
             "replay_equals_eager": coh["agrees"],
         },
         evidence,

@@ -12,6 +12,7 @@ FINAL_GENERATION_TIMEOUT_S = 30.0  # a live engine answers 4 tokens well within 
 
 def run(ctx: Context) -> Outcome:
     status = ctx.launcher.status()
+    watch = ctx.xid_watch()
     events = ctx.xid_events()
     fatal = [e for e in events if e.fatal]
     cuda_oom: int | None = None
@@ -31,6 +32,7 @@ def run(ctx: Context) -> Outcome:
     ctx.facts["engine_dead"] = not answer.get("answered", False)
     evidence = {
         "launcher": status.to_evidence(),
+        "xid_watch": watch,
         "xid_events": [e.to_evidence() for e in events],
         "fatal_xid": [e.code for e in fatal],
         "cuda_oom": cuda_oom,
@@ -40,6 +42,8 @@ def run(ctx: Context) -> Outcome:
     return fail_unless(
         {
             "no_restarts": status.restart_count == 0,
+            # "No fatal Xid" only means something where Xids were watched: a GPU target needs a live source.
+            "xid_watched": watch.get("state") == "active" or ctx.target != "gpu",
             "no_fatal_xid": not fatal,
             "no_container_oom": not status.oom_killed,
             "no_cuda_oom": (cuda_oom or 0) == 0 and not metrics_oom,

@@ -3,7 +3,7 @@ captured, before vs after a same-weights reload, speculative vs plain when --spe
 
 from __future__ import annotations
 
-from qualify.checks.base import Check, Context, Outcome, coherence, fail_unless, tokens
+from qualify.checks.base import PROMPTS, Check, Context, Outcome, coherence, fail_unless, tokens, well_formed
 
 
 def run(ctx: Context) -> Outcome:
@@ -11,13 +11,19 @@ def run(ctx: Context) -> Outcome:
     conditions: dict[str, bool] = {}
     plain = ctx.generate()
     again = ctx.generate()
-    conditions["deterministic"] = tokens(plain) == tokens(again)
-    conditions["tokens_generated"] = all(len(t) > 0 for t in tokens(plain))
+    # One answer per prompt, each with tokens: an empty answer would make every comparison vacuous.
+    conditions["tokens_generated"] = well_formed(plain, len(PROMPTS)) and well_formed(again, len(PROMPTS))
+    conditions["deterministic"] = conditions["tokens_generated"] and tokens(plain) == tokens(again)
     if ctx.captured:
         eager = ctx.generate(mode="eager")
         graph = ctx.generate(mode="graph")
         comparisons["replay_vs_eager"] = coherence(eager, graph)
+        comparisons["replay_vs_eager"]["modes_used"] = [eager.mode_used, graph.mode_used]
         conditions["replay_vs_eager"] = comparisons["replay_vs_eager"]["agrees"]
+        conditions["replay_ran_graphs"] = eager.mode_used == "eager" and graph.mode_used == "graph"
+    elif ctx.target == "gpu":  # a GPU target must replay graphs; no capture is no comparison, not a pass
+        comparisons["replay_vs_eager"] = {"missing": "no graphs were captured on a gpu target"}
+        conditions["replay_vs_eager"] = False
     else:
         comparisons["replay_vs_eager"] = {"not_applicable": "no graphs were captured on this target"}
     reload_cmp = ctx.facts.get("before_vs_after_reload")

@@ -100,6 +100,8 @@ def build_request(
         )
     if key and not Path(key).is_file():
         raise UsageError(f"key file {key} does not exist; create one with: qualify keys generate")
+    if key:
+        _check_key_file(key)
     if launcher == "local" and (image or mem_v):
         raise UsageError("--image and --mem-limit apply to --launcher docker only")
     return RunRequest(
@@ -117,6 +119,17 @@ def build_request(
         key_path=key or "",
         json_output=as_json,
     )
+
+
+def _check_key_file(path: str) -> None:
+    """A key file that cannot be used is bad input: found before the store is opened (and so created)."""
+    from receipts import keys
+    from receipts.errors import ReceiptsError
+
+    try:
+        keys.SigningKey.load(Path(path))
+    except ReceiptsError as exc:
+        raise UsageError(exc.diagnostics()) from exc
 
 
 @click.command("run")

@@ -298,6 +298,8 @@ class DockerLauncher(Launcher):
         if self._final is not None:
             return self._final
         if self._container is None:
+            # Interrupted before `create` returned: the daemon may still hold a container of this run.
+            self._remove_labelled()
             return self.status()
         with contextlib.suppress(Exception):
             # SIGTERM, then SIGKILL after the grace period
@@ -311,6 +313,7 @@ class DockerLauncher(Launcher):
             with contextlib.suppress(Exception):
                 self._events.close()
         self._remove()
+        self._remove_labelled()
         self._final = final
         return final
 
@@ -318,6 +321,19 @@ class DockerLauncher(Launcher):
         if self._container is not None:
             with contextlib.suppress(Exception):
                 self._container.remove(force=True)
+
+    def _remove_labelled(self) -> list[str]:
+        """Remove every container labelled with this run (engine or refusal probe), also one whose `create`
+        call was interrupted before it returned a handle; the ids removed."""
+        if self._client is None:
+            return []
+        removed: list[str] = []
+        with contextlib.suppress(Exception):
+            for c in self._client.containers.list(all=True, filters={"label": f"{LABEL}={self.run_id}"}):
+                with contextlib.suppress(Exception):
+                    c.remove(force=True)
+                    removed.append(c.id)
+        return removed
 
     def logs_tail(self, lines: int = 30) -> str:
         if self._container is not None and self._final is None:

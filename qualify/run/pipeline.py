@@ -32,6 +32,10 @@ from receipts.statement import config_digest
 from receipts.store import Store
 
 RECOVERY_WAIT_S = 30.0  # how long to wait for a restarted engine before the next check
+# One request's limit; every request is further bounded by its check's budget and the run's --timeout.
+# Generous because on a GPU the first profiled step, the capture warm-up and a reload that generates and
+# hashes 2.9 GB of proxy weights each take seconds to tens of seconds (cold Triton cache, slow disk).
+REQUEST_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL; an engine that stopped answering gets the short one
 STOP_GRACE_UNRESPONSIVE_S = 1.0
 
@@ -159,15 +163,19 @@ class Pipeline:
         t0 = time.monotonic()
         run_deadline = t0 + self.req.timeout_s
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        client = EngineClient(lambda: self.launcher.url())
-        ctx = Context(request=self.req, launcher=self.launcher, client=client, xid_events=self._xid_events)
-        ctx.target = "gpu" if self._host_has_gpu() else "cpu"
+        client = EngineClient(lambda: self.launcher.url(), timeout_s=REQUEST_TIMEOUT_S)
+        ctx = Context(
+            request=self.req,
+            launcher=self.launcher,
+            client=client,
+            xid_events=self._xid_events,
+            xid_watch=self._xid_watch,
+        )
         try:
             with _signals_raise():
                 self.kmsg.start()
                 self.nvml.start()
-                if self.nvml.status == "watching":
-                    ctx.target = "gpu"
+                ctx.target = self._expected_target()
                 self._checks(ctx, run_deadline)
         except (KeyboardInterrupt, RunInterrupted) as exc:
             self.interrupted = str(exc) or "interrupted (SIGINT)"
@@ -266,9 +274,39 @@ class Pipeline:
     def _xid_events(self) -> list[XidEvent]:
         return self.kmsg.snapshot() + self.nvml.snapshot()
 
-    @staticmethod
-    def _host_has_gpu() -> bool:
-        return any(os.path.exists(p) for p in ("/dev/nvidia0", "/proc/driver/nvidia/version"))
+    def _host_has_gpu(self) -> bool:
+        files = any(os.path.exists(p) for p in ("/dev/nvidia0", "/proc/driver/nvidia/version"))
+        return files or self.nvml.status == "watching"
+
+    def _expected_target(self) -> str:
+        """What the engine must run on, from the host and the launch, decided before it boots: docker sees a
+        GPU only when --gpus asks for one; a local engine sees the host's GPUs unless CUDA_VISIBLE_DEVICES
+        hides them all."""
+        if self.launcher.kind == "docker":
+            return "gpu" if self.req.gpus else "cpu"
+        env = getattr(self.launcher, "env", None) or os.environ
+        hidden = env.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+        return "gpu" if self._host_has_gpu() and not hidden else "cpu"
+
+    def _xid_watch(self) -> dict[str, Any]:
+        """active: a source of Xids was watched; not_applicable: no NVIDIA GPU here; unavailable: a GPU host
+        where neither NVML nor the kernel log could be watched (a GPU target cannot vouch for its faults)."""
+        nv, km = self.nvml, self.kmsg
+        registered = [d for d in nv.devices if d.get("xid_events") == "registered"]
+        if nv.status in ("watching", "stopped") and registered:
+            return {"state": "active", "reason": None, "nvml_devices": len(registered), "kmsg": km.source}
+        if km.source is not None and km.source.startswith("file:"):
+            return {"state": "active", "reason": f"kernel log replayed from {km.source}; NVML: {nv.reason}"}
+        tail = (
+            f"kernel log {km.source} tailed: {km.lines_read} lines"
+            if km.source
+            else f"kernel log unavailable: {km.reason}"
+        )
+        if not self._host_has_gpu():
+            return {"state": "not_applicable", "reason": f"no NVIDIA GPU: {nv.reason}; {tail}"}
+        if km.source is not None and km.status in ("watching", "stopped"):
+            return {"state": "active", "reason": f"NVML: {nv.status} ({nv.reason}); {tail}"}
+        return {"state": "unavailable", "reason": f"GPU host, but NVML is {nv.status} ({nv.reason}); {tail}"}
 
     def _finish(self, ctx: Context, client: EngineClient, t0: float) -> RunResult:
         pre: LaunchStatus | None = None
@@ -302,7 +340,9 @@ class Pipeline:
             finished_at=finished,
         )
         subjects = rc.subjects(engine, self._identity(), weights)
-        record, _ = rc.sign_and_append(self.store, self.key.key, predicate, subjects)
+        record, _ = rc.sign_and_append(
+            self.store, self.key.key, predicate, subjects, save_to=self.run_dir / "receipt.dsse.json"
+        )
         return RunResult(
             verdict=j.verdict,
             reasons=j.reasons,
@@ -359,20 +399,11 @@ class Pipeline:
 
     def _faults(self, ctx: Context, final: LaunchStatus, pre: LaunchStatus | None) -> dict[str, Any]:
         events = self._xid_events()
-        nv = self.nvml
-        explicit_kmsg = self.kmsg.source is not None and self.kmsg.source.startswith("file:")
-        if nv.status in ("watching", "stopped") and nv.devices:
-            watch, why = "active", None
-        elif explicit_kmsg:
-            watch, why = "active", f"kernel log replayed from {self.kmsg.source}; NVML: {nv.reason}"
-        else:
-            watch = "not_applicable"
-            tail = (
-                f"kernel log {self.kmsg.source} tailed: {self.kmsg.lines_read} lines, {len(events)} Xid"
-                if self.kmsg.source
-                else f"kernel log unavailable: {self.kmsg.reason}"
-            )
-            why = f"{nv.reason}; {tail}"
+        w = self._xid_watch()
+        # The receipt schema knows active | not_applicable; an unavailable watch on a GPU host is recorded as
+        # not watched with its reason (the faults check has already failed the run for it).
+        watch = "active" if w["state"] == "active" else "not_applicable"
+        why = w["reason"] if w["state"] != "unavailable" else f"UNAVAILABLE: {w['reason']}"
         cuda_oom = int(ctx.facts.get("cuda_oom", 0))
         dead = ctx.facts.get("engine_dead")
         if dead is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify import __version__
+from qualify.errors import QualifyError
 from receipts import dsse
 from receipts import statement as st
 from receipts.keys import SigningKey
@@ -33,14 +34,25 @@ def bare_hex(digest: str | None) -> str | None:
 
 
 def engine_code_digest_on_disk() -> str:
-    """sha256 over the engine package's source files (relative path and bytes), found without importing it."""
+    """sha256 over the engine's source as the engine itself digests it (qualify.engine's code_digest): every
+    .py under qualify/engine, qualify/protocol.py and every .py under kernels/, sorted by path, each as
+    (path relative to their common root, NUL, bytes, NUL). Found without importing the engine or kernels."""
     spec = importlib.util.find_spec("qualify.engine")
     if spec is None or not spec.submodule_search_locations:
         return "sha256:" + hashlib.sha256(b"qualify.engine not installed").hexdigest()
-    root = Path(next(iter(spec.submodule_search_locations)))
+    engine_dir = Path(next(iter(spec.submodule_search_locations))).resolve()
+    root = engine_dir.parent.parent
+    kernels = importlib.util.find_spec("kernels")
+    kernels_dir = (
+        Path(next(iter(kernels.submodule_search_locations))).resolve()
+        if kernels is not None and kernels.submodule_search_locations
+        else root / "kernels"
+    )
+    files = sorted([*engine_dir.rglob("*.py"), root / "qualify" / "protocol.py", *kernels_dir.rglob("*.py")])
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    for f in files:
+        if f.is_file():
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return "sha256:" + h.hexdigest()
 
 
@@ -117,11 +129,36 @@ def build_predicate(
     )
 
 
+class ReceiptNotStored(QualifyError):
+    """The run finished and its receipt is signed, but the store refused or lost it: exit 1, not 0."""
+
+    exit_code = 1
+
+
 def sign_and_append(
-    store: Store, key: SigningKey, predicate: st.QualificationPredicate, subj: list[st.Subject]
+    store: Store,
+    key: SigningKey,
+    predicate: st.QualificationPredicate,
+    subj: list[st.Subject],
+    save_to: Path | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Sign the statement (DSSE, in-toto payload) with the operator key and append it in one transaction."""
+    """Sign the statement (DSSE, in-toto payload) with the operator key and append it in one transaction.
+
+    With `save_to`, the signed envelope is written there first, so a store that fails at the end of a run
+    loses nothing: ReceiptNotStored names the file and the command that appends it later."""
     statement = st.build_statement(predicate, subj)
     envelope = dsse.sign(dsse.PAYLOAD_TYPE_INTOTO, st.statement_bytes(statement), key)
-    record = store.append_receipt(envelope)
+    if save_to is not None:
+        save_to.parent.mkdir(parents=True, exist_ok=True)
+        save_to.write_bytes(dsse.envelope_bytes(envelope))
+    try:
+        record = store.append_receipt(envelope)
+    except Exception as exc:  # the store's own errors and a driver's lost connection alike
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        kept = (
+            f"; the signed receipt is kept at {save_to}: append it with `qualify receipts import {save_to}`"
+            if save_to is not None
+            else ""
+        )
+        raise ReceiptNotStored(f"the store did not take the receipt ({line}){kept}") from exc
     return record, envelope

@@ -51,3 +51,32 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     assert out == ""
     # Nothing written: no data dir, so no store file, no key, no run directory.
     assert not home.exists() or not any(home.rglob("*")), sorted(home.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("content", "mode"), [(b"not a key\n", 0o600), (None, 0o644)], ids=["garbage", "0644"]
+)
+def test_an_unusable_key_file_exits_2_before_the_store_is_created(
+    content: bytes | None,
+    mode: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from receipts import keys
+
+    key = tmp_path / "operator.key"
+    if content is None:
+        keys.generate().save(key)
+    else:
+        key.write_bytes(content)
+    key.chmod(mode)
+    home = tmp_path / "home"
+    monkeypatch.setenv("QUALIFY_HOME", str(home))
+    monkeypatch.delenv("QUALIFY_DB_URL", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--key", str(key)])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2, err
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1
+    assert not home.exists() or not any(home.rglob("*")), sorted(home.rglob("*"))

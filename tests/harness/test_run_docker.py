@@ -62,3 +62,25 @@ def test_gpu_request_without_nvidia_runtime_fails_clearly_and_leaves_no_containe
     assert s["verdict"] == "rejected" and boot["status"] == "error"
     assert "NVIDIA container" in boot["reason"] and "\n" not in boot["reason"]
     assert home.verify_all().code == 0
+
+
+def test_stop_removes_a_container_whose_create_was_interrupted(tmp_path, engine_image: str) -> None:
+    from qualify.launch.base import EngineOptions
+    from qualify.launch.docker import LABEL, DockerLauncher
+
+    launcher = DockerLauncher(
+        EngineOptions(preset="tiny", kda_backend="auto"), engine_image, tmp_path / "run"
+    )
+    launcher._resolve_image()  # connected, as `start` is when SIGINT lands inside `containers.create`
+    # The daemon created the container but the launcher never got its handle.
+    made = subprocess.run(
+        [DOCKER, "create", "--label", f"{LABEL}={launcher.run_id}", engine_image],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    launcher.stop()
+    left = subprocess.run(
+        [DOCKER, "ps", "-aq", "--no-trunc", "--filter", f"id={made}"], capture_output=True, text=True
+    ).stdout.split()
+    assert left == []

@@ -157,7 +157,12 @@ def test_proxy_preset_qualifies_on_a_gpu_with_full_capture_and_reload(home: Home
     assert s["verdict"] == "qualified" and s["target"] == "gpu"
     assert all(c["status"] == "pass" for c in s["checks"]), s["checks"]
     p = home.predicates()[0]
-    assert check(p, "capture")["evidence"]["replay_vs_eager"]["agrees"]
-    assert check(p, "reload")["evidence"]["output_changed_with_other_weights"]
+    assert p["faults"]["xid_watch"] == "active", p["faults"]
+    assert check(p, "backend")["evidence"]["probe"]["proving_device_kernels"] == ["_kda_decode_kernel"]
+    cap = check(p, "capture")["evidence"]
+    assert cap["replay_vs_eager"]["agrees"] and cap["graphs_captured"] >= len(cap["requested_sizes"]) > 0
+    rel = check(p, "reload")["evidence"]
+    assert rel["output_changed_with_other_weights"] and rel["other_weights_replay_vs_eager"]["agrees"]
+    assert set(rel["modes_used"]) == {"graph"}
     print("GPU qualify run:", {c["name"]: c["seconds"] for c in s["checks"]}, "total", s["seconds"])
     assert s["seconds"] < 120

@@ -39,3 +39,12 @@ def test_missing_checks_reject() -> None:
 def test_interrupted_run_is_aborted() -> None:
     j = judge(ALL_PASS[:2], "cpu", interrupted="received SIGTERM")
     assert j.verdict == "aborted" and j.reasons == ["received SIGTERM"]
+
+
+def test_a_status_the_policy_does_not_know_rejects() -> None:
+    j = judge(with_status("capture", "passed?"), "gpu")
+    assert j.verdict == "rejected" and j.reasons == ["capture: passed?"]
+
+
+def test_a_target_without_a_policy_allows_no_skip() -> None:
+    assert judge(with_status("capture", "skip"), "tpu").verdict == "rejected"

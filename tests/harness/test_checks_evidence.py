@@ -1,0 +1,264 @@
+"""Checks pass only on evidence: an engine that serves the protocol but lies (claims graphs it did not
+capture, answers with nothing, runs eagerly when asked to replay, came up on the wrong device) fails them.
+
+The engine here is the protocol itself answered from a dict (httpx.MockTransport): each test breaks one
+thing an honest engine would do and shows which condition catches it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from qualify.checks import backend, boot, capture, faults, generation, reload
+from qualify.checks.base import PROMPTS, Context
+from qualify.client import EngineClient
+from qualify.launch.base import Launcher, LaunchStatus, RefusalOutcome
+from qualify.run.receipt import engine_code_digest_on_disk
+from qualify.run.request import RunRequest
+from qualify.watch.xid import classify
+from receipts.statement import config_digest
+
+W0 = "sha256:" + "0" * 64
+W1 = "sha256:" + "1" * 64
+
+
+class Engine:
+    """Protocol answers from state; `lie` names the one thing it gets wrong."""
+
+    def __init__(self, device: str = "cuda", lie: str | None = None) -> None:
+        self.device, self.lie = device, lie
+        self.captures = self.replays = 0
+        self.weights = W0
+        self.captured = False
+        self.config: dict[str, Any] = {"preset": "proxy", "seed": 0, "capture_sizes": [1, 2, 4, 8]}
+
+    def describe(self) -> dict[str, Any]:
+        code = "sha256:" + "c" * 64 if self.lie == "code" else engine_code_digest_on_disk()
+        return {
+            "engine": {"name": "e", "version": "1", "code_digest": code, "weights_digest": self.weights},
+            "config": self.config,
+            "config_digest": config_digest(self.config),
+            "backend": {"requested": "auto", "resolved": "triton", "reason": "r", "prefill_path": "p"},
+            "layout": {"spans": [2304], "chunk": 2304, "ratios": [1], "groups": []},
+            "arenas": {"a": {"address": 4096, "capacity": 8, "shape": [8], "dtype": "int32"}},
+            "capacity": {
+                "live_slots": 8,
+                "max_num_seqs": 8,
+                "max_num_batched_tokens": 4096,
+                "graph_max_batch": 8,
+                "num_spec": 0,
+            },  # fmt: skip
+            "device": {"type": "cpu" if self.lie == "device" else self.device, "name": "d"},
+            "versions": {"python": "3", "torch": "2", "qualify": "0"},
+            "counters": {"graph_captures": self.captures, "graph_replays": self.replays},
+            "cudagraph_mode": "full",
+        }
+
+    def tokens(self, prompt: int, eager: bool) -> list[int]:
+        seed = 0 if self.weights == W0 else 1
+        # Graphs that kept reading some of the old weights: their output changes, but not to the new model's.
+        if not eager and self.lie == "stale-graphs" and self.weights == W1:
+            seed = 2
+        return [(prompt + seed + i) % 7 for i in range(4)]
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        n = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+        eager = body.get("mode", "auto") == "eager" or not self.captured or self.lie == "eager-only"
+        if not eager:
+            self.replays += 1
+        toks = [] if self.lie == "empty" else [self.tokens(i, eager) for i in range(n)]
+        choices = [
+            {"index": i, "token_ids": t, "text": "", "top2_gaps": [1.0] * len(t), "finish_reason": "length"}
+            for i, t in enumerate(toks)
+        ]
+        return {"choices": choices, "mode_used": "eager" if eager else "graph",
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+
+    def capture(self) -> dict[str, Any]:
+        if self.lie != "no-graphs":
+            self.captures += 4
+        self.captured = True
+        sizes = sorted(self.config["capture_sizes"], reverse=True)
+        return {"captured": True, "sizes": sizes, "pool_bytes": 1, "seconds": 0.1, "address_digest": W1}
+
+    def reload(self, body: dict[str, Any]) -> dict[str, Any]:
+        before = self.weights
+        if body.get("seed") is not None:
+            self.weights = W1
+        elif body.get("path") == "w0":
+            self.weights = W0
+        census = {
+            "params": 1,
+            "addresses_unchanged": True,
+            "changed": [] if before == self.weights else ["p"],
+            "before_digest": before,
+            "after_digest": self.weights,
+            "arena_addresses_unchanged": True,
+        }
+        return {"census": census, "seconds": 0.1, "weights_path": "w0"}
+
+    def probe(self) -> dict[str, Any]:
+        names = ["kda::triton", "aten::mm"]
+        if self.lie == "substring-label":
+            names = ["kda::tritonic_fallback", "aten::mm"]
+        elif self.lie != "no-device-kernel" and self.device == "cuda":
+            names.append("_kda_decode_kernel")
+        return {"kernel_names": names, "backend": "triton", "device_type": self.device}
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        routes = {
+            "/health": lambda: {"status": "ok", "ready": True, "pid": 1},
+            "/v1/describe": self.describe,
+            "/v1/completions": lambda: self.complete(body),
+            "/qualify/capture": self.capture,
+            "/qualify/reload": lambda: self.reload(body),
+            "/qualify/probe": self.probe,
+            "/metrics": lambda: None,
+        }
+        out = routes[request.url.path]()
+        if out is None:
+            return httpx.Response(200, text="qualify_engine_cuda_oom_total 0\n")
+        return httpx.Response(200, json=out)
+
+
+class StandingLauncher(Launcher):
+    """An engine that is already up: the checks' view of a launcher, nothing more."""
+
+    kind = "local"
+
+    def start(self, timeout_s: float) -> str:
+        return "http://engine"
+
+    def url(self, refresh: bool = False) -> str:
+        return "http://engine"
+
+    def status(self) -> LaunchStatus:
+        return LaunchStatus(alive=True, exit_code=None, restart_count=0)
+
+    def stop(self, grace_s: float = 5.0) -> LaunchStatus:
+        return self.status()
+
+    def logs_tail(self, lines: int = 30) -> str:
+        return ""
+
+    def identity(self) -> dict[str, Any]:
+        return {"launcher": "local"}
+
+    def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
+        line = f"error: unknown kda_decode_backend {kda_backend!r}; choose one of auto, b12x, triton, torch"
+        return RefusalOutcome(["engine"], 2, 0.1, line + "\n")
+
+
+def _context(engine: Engine, target: str = "gpu", watch: str = "active") -> Context:
+    req = RunRequest(layout=None, kda_backend="auto", spec="none", num_spec=0, preset="proxy",
+                     launcher="local", image=None, gpus=None, timeout_s=60, mem_limit=None,
+                     db_url="sqlite://", key_path="", json_output=True)  # fmt: skip
+    client = EngineClient("http://engine")
+    client._http = httpx.Client(transport=httpx.MockTransport(engine.handle))
+    ctx = Context(request=req, launcher=StandingLauncher(), client=client, target=target)
+    ctx.xid_watch = lambda: {"state": watch, "reason": "test"}
+    ctx.xid_events = lambda: [classify(13, source="nvml")]
+    return ctx
+
+
+def _failed(outcome: Any) -> set[str]:
+    return {k for k, ok in outcome.evidence["conditions"].items() if not ok}
+
+
+def _through_capture(engine: Engine) -> Context:
+    ctx = _context(engine)
+    ctx.describe = ctx.client.describe()
+    assert capture.run(ctx).status in ("pass", "fail")
+    return ctx
+
+
+def test_an_honest_gpu_engine_passes_every_check_here() -> None:
+    engine = Engine()
+    ctx = _context(engine)
+    assert boot.run(ctx).status == "pass"
+    assert backend.run(ctx).status == "pass"
+    assert capture.run(ctx).status == "pass"
+    assert reload.run(ctx).status == "pass"
+    assert generation.run(ctx).status == "pass"
+    assert faults.run(ctx).status == "pass"
+
+
+def test_capture_claimed_without_graphs_fails_even_though_sizes_echo_the_config() -> None:
+    ctx = _context(Engine(lie="no-graphs"))
+    out = capture.run(ctx)
+    assert out.status == "fail" and _failed(out) == {"a_graph_per_size_captured"}
+
+
+def test_graph_mode_served_eagerly_fails_capture_reload_and_generation() -> None:
+    engine = Engine(lie="eager-only")
+    ctx = _through_capture(engine)
+    assert "graph_mode_used" in _failed(capture.run(_context(engine)))
+    out = reload.run(ctx)
+    assert "every_comparison_replayed_graphs" in _failed(out)
+    assert "replay_ran_graphs" in _failed(generation.run(ctx))
+
+
+def test_stale_graphs_after_a_reload_fail_the_reload_check() -> None:
+    ctx = _through_capture(Engine(lie="stale-graphs"))
+    out = reload.run(ctx)
+    assert out.status == "fail" and _failed(out) == {"other_weights_replay_equals_eager"}
+
+
+def test_empty_answers_never_agree_with_each_other() -> None:
+    ctx = _context(Engine(lie="empty"), target="cpu")
+    out = generation.run(ctx)
+    assert out.status == "fail" and {"tokens_generated", "deterministic"} <= _failed(out)
+    assert out.evidence["prompts"] == 0 != len(PROMPTS)
+
+
+def test_an_engine_on_the_cpu_of_a_gpu_host_fails_boot() -> None:
+    out = boot.run(_context(Engine(lie="device")))
+    assert _failed(out) == {"device_matches_target"}
+
+
+def test_a_code_digest_that_is_not_the_code_on_disk_fails_boot() -> None:
+    out = boot.run(_context(Engine(lie="code")))
+    assert _failed(out) == {"code_digest_matches_disk"}
+
+
+@pytest.mark.parametrize(
+    ("lie", "condition"),
+    [
+        ("substring-label", "kernels_of_resolved_backend_ran"),
+        ("no-device-kernel", "device_kernels_of_resolved_backend_ran"),
+    ],
+)
+def test_backend_proof_needs_its_exact_label_and_on_cuda_its_device_kernel(lie: str, condition: str) -> None:
+    out = backend.run(_context(Engine(lie=lie)))
+    assert out.status == "fail" and condition in _failed(out)
+
+
+def test_kernels_of_another_backend_are_foreign_on_cuda() -> None:
+    proof = backend.kernels_belong(["kda::torch", "_kda_decode_kernel"], "torch", "cuda")
+    assert proof["labels"] == ["kda::torch"] and proof["foreign"] == ["_kda_decode_kernel"]
+    assert backend.kernels_belong(["kda::torch"], "torch", "cpu")["foreign"] == []
+
+
+def test_no_fatal_xid_is_not_a_pass_on_a_gpu_target_that_watched_nothing() -> None:
+    assert _failed(faults.run(_context(Engine(), watch="unavailable"))) == {"xid_watched"}
+    assert faults.run(_context(Engine(device="cpu"), target="cpu", watch="not_applicable")).status == "pass"
+
+
+def test_engine_code_digest_on_disk_is_the_engines_own_definition(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    # The engine computes it in its own process (torch and all); the harness must reach the same value.
+    out = subprocess.run(
+        [sys.executable, "-c", "from qualify.engine.engine import code_digest; print(code_digest())"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == engine_code_digest_on_disk()
