@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -89,9 +90,11 @@ def serve(args: argparse.Namespace) -> None:
         _fail(f"invalid engine config{where}: {err['msg'].removeprefix('Value error, ')}")
     except (OSError, json.JSONDecodeError) as e:
         _fail(f"cannot read --config: {e}")
+    from .weights import WeightsError
+
     try:
         engine = Engine(cfg)
-    except EngineConfigError as e:
+    except (EngineConfigError, WeightsError) as e:
         _fail(str(e))
 
     import uvicorn
@@ -122,10 +125,28 @@ def serve(args: argparse.Namespace) -> None:
         arm_timers(faults)
 
     threading.Thread(target=announce, daemon=True).start()
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal with the handler that
+    # was installed before it: with the default one the process dies inside server.run and no `finally`
+    # runs, leaking the engine's shared-memory allocations. Ours turns it into an exception, so the
+    # allocations are released, then dies of the same signal (the exit status launchers expect).
+    stopped: list[int] = []
+
+    def _stop(sig: int, _frame) -> None:
+        stopped.append(sig)
+        raise SystemExit(128 + sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
     try:
         server.run(sockets=[sock])
+    except SystemExit:
+        if not stopped:
+            raise
     finally:
         engine.close()
+    if stopped:
+        signal.signal(stopped[0], signal.SIG_DFL)
+        signal.raise_signal(stopped[0])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -179,7 +179,9 @@ class EngineConfig(BaseModel):
 
     @property
     def attention_span(self) -> int:
-        return self.block_size * self.dcp_size
+        from .layout import group_span  # the one place spans are computed
+
+        return group_span("attention", self.block_size, self.dcp_size)
 
     @property
     def max_blocks_per_seq(self) -> int:

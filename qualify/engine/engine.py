@@ -15,7 +15,7 @@ from qualify.protocol import Counters
 
 from .arena import build_arena
 from .config import EngineConfig
-from .layout import allocate_group, plan_layout, release_group
+from .layout import ALIGNMENT, allocate_group, plan_layout, release_group
 from .model import HybridModel
 from .model.attention import AttentionRuntime
 from .model.kda_layer import KdaRuntime
@@ -59,7 +59,17 @@ class Engine:
             raise EngineConfigError(str(e)) from e
         self.backend = get_backend(self.resolution.name)
         self.layout = plan_layout(cfg.layer_pattern, cfg.group_size, cfg.block_size, cfg.dcp_size)
-        self.allocations = [allocate_group(g, cfg, self.device) for g in self.layout.groups]
+        self.allocations = []
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()  # a failed boot must not leave its shared allocations behind
+            raise
+        self.boot_seconds = time.perf_counter() - t0
+
+    def _build(self, cfg: EngineConfig) -> None:
+        for g in self.layout.groups:
+            self.allocations.append(allocate_group(g, cfg, self.device))
         self.arena = build_arena(cfg, self.device)
         self.model = HybridModel(cfg, self.device)
         self.kda_rt = KdaRuntime.build(self.backend, cfg, self.arena, self.device)
@@ -75,7 +85,6 @@ class Engine:
         self.weights_digest = snapshot(self.model).digest
         self.counters = Counters()
         self.runner = Runner(cfg, self.model, self.arena, self.device, self.counters)
-        self.boot_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ verbs
 
@@ -179,7 +188,7 @@ class Engine:
                         "layers": list(a.group.layers),
                         "span": a.group.span,
                         "nbytes": a.nbytes,
-                        "alignment": 256,
+                        "alignment": ALIGNMENT,
                         "handle_kind": a.handle["kind"],
                     }
                     for a in self.allocations

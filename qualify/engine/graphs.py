@@ -123,12 +123,15 @@ class AddressRecord:
         return "sha256:" + h.hexdigest()
 
 
-def captured_tensors(engine) -> dict[str, Tensor]:
+def captured_tensors(engine, plans: Iterable[tuple[int, int]] | None = None) -> dict[str, Tensor]:
     """Every tensor a captured decode / verify step reads or writes, by a stable name.
 
     Inputs and metadata (arena), static outputs, KV and state pools, the KDA workspace and scratch, the
     attention runtime's tables, and every parameter (weights are read in place, reload copies into them).
+    `plans`: the (requests, tokens per request) shapes captured; only their KDA scratch is read by a graph
+    (an eager step of another shape binds scratch of its own later, which no graph ever reads).
     """
+    keep = None if plans is None else set(plans)
     out: dict[str, Tensor] = {}
     for name, buf in engine.arena.buffers.items():
         out[f"arena.{name}"] = buf.device
@@ -144,6 +147,8 @@ def captured_tensors(engine) -> dict[str, Tensor]:
     for f in fields(ws):
         out[f"kda.ws.{f.name}"] = getattr(ws, f.name)
     for key, scratch in sorted(engine.kda_rt._scratch.items()):
+        if keep is not None and key not in keep:
+            continue
         for name, t in sorted(scratch.items()):
             out[f"kda.scratch.{key[0]}x{key[1]}.{name}"] = t
     for name in ("kpos", "kcol", "koff", "cos", "sin"):
@@ -236,12 +241,15 @@ class GraphRunner:
                     self.graphs[(n_pad, T)] = graph
                     self.counters.graph_captures += 1
             torch.cuda.synchronize(dev)
+        except torch.cuda.OutOfMemoryError:
+            self.graphs.clear()
+            raise  # an OOM is a fault the server counts (cuda_oom), not a backend that cannot be captured
         except RuntimeError as exc:  # a backend that syncs with the host cannot be captured: say so
             self.graphs.clear()
             self.reason = f"capture failed, steps run eagerly: {str(exc).splitlines()[0]}"
             self.report = _report(False, self.reason, sizes, 0, time.perf_counter() - t0, None)
             return self.report
-        self.record = AddressRecord.of(captured_tensors(self.engine))
+        self.record = AddressRecord.of(captured_tensors(self.engine, self.graphs))
         pool_bytes = _pool_bytes(pool, dev)
         self.report = _report(True, None, sizes, pool_bytes, time.perf_counter() - t0, self.record.digest())
         self.report["plans"] = [list(p) for p in self.graphs]
@@ -249,7 +257,9 @@ class GraphRunner:
 
     def moved_since_capture(self) -> list[str]:
         """Names whose address differs from the capture record in a fresh gather (e.g. after a reload)."""
-        return [] if self.record is None else self.record.same_as(captured_tensors(self.engine))
+        if self.record is None:
+            return []
+        return self.record.same_as(captured_tensors(self.engine, self.graphs))
 
 
 def _pool_bytes(pool, device: torch.device) -> int:

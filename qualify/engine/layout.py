@@ -5,10 +5,12 @@ per-layer views carved from it, and handles that let a peer process import it (C
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import math
 import os
 import tempfile
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +18,10 @@ import torch
 
 ALIGNMENT = 256  # every carved view starts on this many bytes
 PROBE_BYTES = 4096  # a page at the end of each allocation for peer verification (pattern + ack halves)
+# CPU allocations are files named SHM_PREFIX...; the owning engine holds a shared flock on each for its
+# whole life, so a file nobody holds a lock on belongs to an engine that died (killed, crashed) and is
+# removed by the next engine that starts on this host, whatever PID namespace either ran in.
+SHM_PREFIX = "qualify-kv-lk-"
 
 
 class LayoutError(ValueError):
@@ -48,14 +54,25 @@ class LayoutSpec:
         return [self.chunk // s for s in self.spans]
 
 
+def group_span(kind: str, block_size: int, dcp_size: int) -> int:
+    """Tokens one block of a group covers: `block_size` for KDA, `block_size * dcp_size` for attention,
+    because each of the DCP shards holds an interleaved `block_size` of every attention block. The one
+    place this number is computed (config, attention geometry and the registered layout all ask here)."""
+    if kind == "kda":
+        return block_size
+    if kind == "attention":
+        return block_size * dcp_size
+    raise LayoutError(f"unknown group kind {kind!r}; expected 'kda' or 'attention'")
+
+
 def plan_layout(layer_pattern: str, group_size: int, block_size: int, dcp_size: int) -> LayoutSpec:
     """Group layers of one kind in layer order; KDA groups first, then attention groups (registration order).
 
-    Span: `block_size` for a KDA group, `block_size * dcp_size` for an attention group, because each of the
-    DCP shards holds an interleaved `block_size` of every attention block.
+    Span per group: `group_span`.
     """
     groups: list[KvGroup] = []
-    for kind, letter, span in (("kda", "K", block_size), ("attention", "A", block_size * dcp_size)):
+    for kind, letter in (("kda", "K"), ("attention", "A")):
+        span = group_span(kind, block_size, dcp_size)
         layers = [i for i, c in enumerate(layer_pattern) if c == letter]
         if len(layers) % group_size:
             raise LayoutError(f"{len(layers)} {kind} layers do not split into groups of {group_size}")
@@ -99,6 +116,8 @@ class GroupAllocation:
     probe_offset: int
     handle: dict
     _keepalive: list = field(default_factory=list, repr=False)
+    # CPU: removes the shm file and drops its lock on release, garbage collection or interpreter exit.
+    _finalizer: weakref.finalize | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -130,13 +149,66 @@ def group_view_specs(group: KvGroup, cfg) -> list[ViewSpec]:
     return specs
 
 
-def _shm_buffer(nbytes: int) -> tuple[torch.Tensor, dict, list]:
-    """A file-backed shared mapping (POSIX shm on Linux) the peer maps by path."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    path = os.path.join(base, f"qualify-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(nbytes,))
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def sweep_stale_shm(base: str | None = None) -> list[str]:
+    """Remove CPU allocation files whose owner died (no lock held on them); return the names removed."""
+    base = base or _shm_dir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(SHM_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone already, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while any live engine holds its lock
+        except OSError:
+            os.close(fd)
+            continue
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _unlink_and_close(path: str, fd: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _shm_buffer(nbytes: int) -> tuple[torch.Tensor, dict, list, int]:
+    """A file-backed shared mapping (POSIX shm on Linux) the peer maps by path, locked by this process.
+
+    The file is created under a hidden name, locked, sized, and only then renamed to its public name, so a
+    sweeping engine never sees it unlocked."""
+    base = _shm_dir()
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmp = os.path.join(base, f".{SHM_PREFIX}{token}.tmp")
+    path = os.path.join(base, f"{SHM_PREFIX}{token}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, nbytes)
+        os.rename(tmp, path)
+    except BaseException:
+        _unlink_and_close(tmp, fd)
+        raise
+    mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
     buf = torch.from_numpy(mm)
-    return buf, {"kind": "shm", "path": path, "nbytes": nbytes}, [mm]
+    return buf, {"kind": "shm", "path": path, "nbytes": nbytes}, [mm], fd
 
 
 def _cuda_handle(buf: torch.Tensor) -> dict:
@@ -166,18 +238,37 @@ def allocate_group(group: KvGroup, cfg, device: torch.device) -> GroupAllocation
     probe_offset = offset
     nbytes = _align(probe_offset + PROBE_BYTES)
     keep: list = []
+    fd = None
     if device.type == "cuda":
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         handle = _cuda_handle(buf)
     else:
-        buf, handle, keep = _shm_buffer(nbytes)
+        sweep_stale_shm()  # files of engines that died without cleaning up (SIGKILL, crash, OOM kill)
+        buf, handle, keep, fd = _shm_buffer(nbytes)
     views = {(s.layer, s.name): carve(buf, s.offset, s.shape, s.dtype) for s in specs}
-    return GroupAllocation(group, buf, views, probe_offset, handle, keep)
+    alloc = GroupAllocation(group, buf, views, probe_offset, handle, keep)
+    if fd is not None:
+        alloc._finalizer = weakref.finalize(alloc, _unlink_and_close, handle["path"], fd)
+    return alloc
+
+
+def allocation_extent(handle: dict, keep: list) -> int:
+    """Bytes the imported allocation really has (the file's size, the IPC storage's size), measured on the
+    peer side rather than echoed from the handle, so a short or oversized allocation is caught."""
+    if handle["kind"] == "shm":
+        return os.stat(handle["path"]).st_size
+    return keep[0].nbytes() - handle["storage_offset_bytes"]
 
 
 def import_allocation(handle: dict) -> tuple[torch.Tensor, list]:
     """The peer side: map an exported allocation as a uint8 tensor (and objects to keep alive)."""
     if handle["kind"] == "shm":
+        size = os.stat(handle["path"]).st_size
+        if size < handle["nbytes"]:
+            raise LayoutError(
+                f"shared-memory file {handle['path']} holds {size} bytes but the handle claims "
+                f"{handle['nbytes']}; the engine's allocation is not what it registered"
+            )
         mm = np.memmap(handle["path"], dtype=np.uint8, mode="r+", shape=(handle["nbytes"],))
         return torch.from_numpy(mm), [mm]
     if handle["kind"] == "cuda-ipc":
@@ -200,7 +291,7 @@ def import_allocation(handle: dict) -> tuple[torch.Tensor, list]:
 
 
 def release_group(alloc: GroupAllocation) -> None:
-    """Remove the shared-memory file behind a CPU allocation (the mapping stays valid until dropped)."""
-    if alloc.handle.get("kind") == "shm":
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(alloc.handle["path"])
+    """Remove the shared-memory file behind a CPU allocation and drop its lock (the mapping stays valid
+    until dropped). Idempotent."""
+    if alloc._finalizer is not None:
+        alloc._finalizer()

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import torch
 
-from .layout import ALIGNMENT, PROBE_BYTES, LayoutError, carve, import_allocation
+from .layout import (
+    ALIGNMENT,
+    PROBE_BYTES,
+    LayoutError,
+    allocation_extent,
+    carve,
+    group_span,
+    import_allocation,
+)
 
 HEAD_BYTES = 1 << 20  # bytes at the start of an allocation both sides checksum (a chunk round trip)
 
@@ -69,12 +77,19 @@ def _out_of_bounds_refused(buf: torch.Tensor) -> bool:
         return True
 
 
-def verify_group(g: dict, nonce: str) -> dict:
+def verify_group(g: dict, nonce: str, geometry: dict | None = None) -> dict:
+    """geometry: {block_size, dcp_size}; the peer derives each group's span from it itself (layout_seen is
+    what the peer computed, not an echo of the span the engine claims)."""
     buf, keep = import_allocation(g["handle"])
     half = PROBE_BYTES // 2
     p = g["probe_offset"]
-    res = {"name": g["name"], "span": g["span"]}
-    res["nbytes_ok"] = buf.numel() == g["nbytes"] == g["handle"]["nbytes"]
+    span = g["span"]
+    if geometry is not None:
+        span = group_span(g["kind"], geometry["block_size"], geometry["dcp_size"])
+    res = {"name": g["name"], "span": span, "span_ok": span == g["span"]}
+    # The extent is measured here (file size / mapped storage), not echoed from the handle.
+    res["nbytes"] = allocation_extent(g["handle"], keep)
+    res["nbytes_ok"] = res["nbytes"] == buf.numel() == g["nbytes"] == g["handle"]["nbytes"]
     res["alignment_ok"] = buf.data_ptr() % g["alignment"] == 0 and p % g["alignment"] == 0
     res["device_ok"] = _device_identity(buf.device) == g["device"]
     head = min(HEAD_BYTES, p)
@@ -101,10 +116,10 @@ def peer_main() -> int:
     groups, error = [], None
     try:
         for g in payload["groups"]:
-            groups.append(verify_group(g, payload["nonce"]))
+            groups.append(verify_group(g, payload["nonce"], payload["layout"]))
     except Exception as e:  # report what failed as data; the engine decides
         error = f"{type(e).__name__}: {e}"
-    checks = ("nbytes_ok", "alignment_ok", "device_ok", "pattern_ok", "out_of_bounds_refused")
+    checks = ("nbytes_ok", "alignment_ok", "device_ok", "pattern_ok", "span_ok", "out_of_bounds_refused")
     ok = (
         error is None
         and len(groups) == len(payload["groups"])
@@ -147,7 +162,8 @@ def verify_with_peer(engine, timeout: float = 300.0) -> dict:
         )
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    payload = {"nonce": nonce, "layout": {"spans": engine.layout.spans}, "groups": groups}
+    geometry = {"block_size": engine.cfg.block_size, "dcp_size": engine.cfg.dcp_size}
+    payload = {"nonce": nonce, "layout": {"spans": engine.layout.spans, **geometry}, "groups": groups}
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     result: dict = {"ok": False, "layout_seen": [], "groups": [], "error": None}
@@ -175,7 +191,9 @@ def verify_with_peer(engine, timeout: float = 300.0) -> dict:
             want = stream_bytes(nonce, "ack:" + a.group.name, half)
             g["ack_ok"] = bytes(a.buffer[p + half : p + PROBE_BYTES].cpu().numpy().tobytes()) == want
         a.buffer[p : p + PROBE_BYTES].zero_()
-    checks = ("nbytes_ok", "alignment_ok", "device_ok", "pattern_ok", "ack_ok", "out_of_bounds_refused")
+    checks = (
+        "nbytes_ok", "alignment_ok", "device_ok", "pattern_ok", "span_ok", "ack_ok", "out_of_bounds_refused",
+    )  # fmt: skip
     groups_out = [{k: g.get(k, False) for k in ("name", *checks)} for g in result.get("groups", [])]
     ok = (
         result.get("error") is None

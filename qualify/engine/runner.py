@@ -101,6 +101,8 @@ class Runner:
     def check_admission(self, prompts: list[list[int]], max_tokens: int) -> None:
         """Refuse (CapacityError, nothing allocated) a batch that cannot run to completion."""
         cfg = self.cfg
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         free = len(self.pool.groups)
         if len(prompts) > free:
             raise CapacityError(
@@ -127,8 +129,11 @@ class Runner:
                     "prompt tokens",
                     "shorten the prompt",
                 )
+            if not p:
+                raise ValueError("a prompt has no tokens; send at least one token (text always has BOS)")
             if any(t < 0 or t >= cfg.shape.vocab for t in p):
-                raise ValueError(f"token ids must lie in [0, {cfg.shape.vocab}); got {max(p)}")
+                bad = next(t for t in p if t < 0 or t >= cfg.shape.vocab)
+                raise ValueError(f"token ids must lie in [0, {cfg.shape.vocab}); got {bad}")
         need = sum(self.blocks_for(len(p) + max_tokens) for p in prompts)
         if need > len(self.pool.blocks):
             raise CapacityError("KV blocks", len(self.pool.blocks), need, "blocks")
@@ -206,7 +211,21 @@ class Runner:
         a, n = self.arena, len(reqs)
         if n > n_pad:
             raise ValueError(f"stage_decode: {n} requests do not fit {n_pad} rows")
-        a.check_fits("state_slots", n_pad * T, "slot entries", "the batch exceeds the graph/live envelope")
+        # Check rows and columns separately and before anything is staged: the flat state_slots buffer
+        # could hold n_pad*T entries for a T = 1 step with more rows than every per-row buffer has.
+        rows, cols = a.buffers["state_slots"].shape
+        if n_pad > rows:
+            raise CapacityError(
+                "arena buffer 'state_slots'",
+                rows,
+                n_pad,
+                "request rows",
+                "the batch exceeds the graph/live envelope",
+            )
+        if cols < T:
+            raise CapacityError(
+                "arena buffer 'state_slots'", cols, T, "tokens per request", "at most 1 + num_spec per step"
+            )
         if tokens is None:
             tokens = [[(r.output or r.prompt)[-1]] for r in reqs]
         first = [r.num_tokens - 1 for r in reqs]  # position of each request's first token this step

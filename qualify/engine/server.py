@@ -1,18 +1,21 @@
 """The engine's HTTP API (DESIGN §5): FastAPI app over one `Engine`, one worker owning the device.
 
-Engine work runs in a thread under one lock; errors answer {"error": {"type", "message"}} with 4xx/5xx.
+All engine work runs on ONE worker thread that owns the device (its current CUDA device is the engine's),
+so steps never interleave and CUDA calls never come from a thread with another current device. Errors
+answer {"error": {"type", "message"}} with 4xx/5xx.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qualify.protocol import (
@@ -50,18 +53,28 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) + " (see the request schema in qualify.protocol)"
 
 
+def _own_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def engine_worker(engine: Engine) -> ThreadPoolExecutor:
+    """The one thread that runs engine work, with the engine's device current on it."""
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="qualify-engine", initializer=_own_device, initargs=(engine.device,)
+    )
+
+
 def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
     app = FastAPI(title="qualify reference engine", docs_url=None, redoc_url=None)
-    lock = threading.Lock()
+    worker = engine_worker(engine)
+    app.state.engine_worker = worker
     tok = ByteTokenizer()
     plan = faults or FaultPlan()
 
-    def locked(fn, *args):
-        def run():
-            with lock:
-                return fn(*args)
-
-        return run_in_threadpool(run)
+    def on_worker(fn, *args):
+        """Run fn on the engine's worker thread (one at a time, in arrival order)."""
+        return asyncio.get_running_loop().run_in_executor(worker, functools.partial(fn, *args))
 
     if plan:
 
@@ -100,13 +113,18 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
     async def _value(_: Request, exc: ValueError):
         return _error(400, "BadRequest", str(exc))
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        # An engine bug still answers in the protocol's error shape, so the harness can record it.
+        return _error(500, type(exc).__name__, (str(exc).splitlines() or ["internal error"])[0])
+
     @app.get("/health")
     async def health() -> Health:
         return Health(status="ok", ready=True, pid=os.getpid())
 
     @app.get("/v1/describe")
     async def describe() -> Describe:
-        return Describe.model_validate(await locked(engine.describe))
+        return Describe.model_validate(await on_worker(engine.describe))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> CompletionResponse:
@@ -116,9 +134,11 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
         if req.speculative:
             from .spec import speculative_generate
 
-            gens, mode_used, _ = await locked(speculative_generate, engine, prompts, req.max_tokens, req.mode)
+            gens, mode_used, _ = await on_worker(
+                speculative_generate, engine, prompts, req.max_tokens, req.mode
+            )
         else:
-            gens, mode_used = await locked(engine.generate, prompts, req.max_tokens, req.mode)
+            gens, mode_used = await on_worker(engine.generate, prompts, req.max_tokens, req.mode)
         choices = [
             Choice(
                 index=i,
@@ -139,21 +159,21 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
 
     @app.post("/qualify/reload")
     async def reload(req: ReloadRequest) -> ReloadResponse:
-        return ReloadResponse.model_validate(await locked(engine.reload, req.path, req.seed))
+        return ReloadResponse.model_validate(await on_worker(engine.reload, req.path, req.seed))
 
     @app.post("/qualify/peer-verify")
     async def peer_verify() -> PeerVerifyResponse:
         from .peer import verify_with_peer
 
-        return PeerVerifyResponse.model_validate(await locked(verify_with_peer, engine))
+        return PeerVerifyResponse.model_validate(await on_worker(verify_with_peer, engine))
 
     @app.post("/qualify/capture")
     async def capture() -> CaptureResponse:
-        return CaptureResponse.model_validate(await locked(engine.capture))
+        return CaptureResponse.model_validate(await on_worker(engine.capture))
 
     @app.post("/qualify/probe")
     async def probe() -> ProbeResponse:
-        return ProbeResponse.model_validate(await locked(engine.probe))
+        return ProbeResponse.model_validate(await on_worker(engine.probe))
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

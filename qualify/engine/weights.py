@@ -80,7 +80,13 @@ def load_into(model: nn.Module, path: str | Path) -> None:
         raise WeightsError(f"weights file {path} does not exist; pass an existing .safetensors file")
     params = dict(model.named_parameters())
     dev = next(iter(params.values())).device
-    with safe_open(str(path), framework="pt", device=str(dev)) as f:
+    try:
+        handle = safe_open(str(path), framework="pt", device=str(dev))
+    except Exception as e:  # SafetensorError (not a ValueError): a corrupt or foreign file
+        raise WeightsError(
+            f"weights file {path} is not a readable safetensors file ({e}); pass a .safetensors file"
+        ) from e
+    with handle as f:
         names = set(f.keys())
         missing, extra = sorted(set(params) - names), sorted(names - set(params))
         if missing or extra:

@@ -44,3 +44,56 @@ def test_engine_refuses_a_batch_beyond_live_capacity_and_keeps_addresses(tiny_en
     assert "live state slots" in str(exc.value) and f"needs {n}" in str(exc.value)
     assert tiny_engine.arena.addresses() == before
     assert len(tiny_engine.runner.pool.groups) == tiny_engine.cfg.max_num_seqs  # nothing leaked
+
+
+def _contents(arena) -> dict[str, list]:
+    return {name: b.device.tolist() for name, b in arena.buffers.items()}
+
+
+def test_stage_decode_refuses_rows_beyond_the_envelope_before_staging_anything(_engine_home):
+    from tests.engine.conftest import make_engine
+
+    # 2 rows of 2 columns: a flat count (3 rows x 1 token = 3 <= 4 entries) must not let 3 rows through.
+    e = make_engine(num_spec=1, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64)
+    try:
+        r = e.runner
+        req = r.admit([256, 65, 66], 2)
+        r.stage_decode([req], 2, 1)
+        before, addresses = _contents(e.arena), e.arena.addresses()
+        with pytest.raises(CapacityError) as exc:
+            r.stage_decode([req], 3, 1)
+        assert "'state_slots' holds 2 request rows but the batch needs 3" in str(exc.value)
+        with pytest.raises(CapacityError, match="holds 2 tokens per request but the batch needs 3"):
+            r.stage_decode([req], 1, 3, [[1, 2, 3]])
+        assert _contents(e.arena) == before and e.arena.addresses() == addresses
+        r.release(req)
+    finally:
+        e.close()
+
+
+def test_a_capture_plan_beyond_live_capacity_fits_the_arena_and_runs_at_its_largest_shape(_engine_home):
+    from qualify.engine.graphs import GraphRunner
+    from tests.engine.conftest import make_engine
+
+    # Graph-plan capacity 6 requests x 2 tokens = 12 > max_num_seqs * (1 + num_spec) = 4.
+    e = make_engine(num_spec=1, max_num_seqs=2, capture_sizes=[2, 12], max_model_len=64)
+    try:
+        assert e.cfg.graph_max_batch == 6 and e.cfg.num_state_slots == 1 + 2 * 2  # live slots stay 2
+        assert e.arena.buffers["state_slots"].shape == (6, 2)
+        r = e.runner
+        req = r.admit([256, 65, 66], 4)
+        toks, gaps = r.pick(r.prefill([req]))
+        r._append(req, toks[0], gaps[0])
+        addresses = e.arena.addresses()
+        plans = GraphRunner(e).plans()
+        assert plans[0] == (6, 2) and (6, 1) in plans
+        for n_pad, T in plans:
+            r.stage_decode([req], n_pad, T, [[req.output[-1]] * T])
+            logits = r.forward_decode_static(n_pad, T)
+            assert logits.shape == (n_pad * T, e.cfg.shape.vocab) and torch.isfinite(logits).all()
+        assert e.arena.addresses() == addresses
+        with pytest.raises(CapacityError, match="'state_slots' holds 6 request rows but the batch needs 7"):
+            r.stage_decode([req], 7, 1)
+        r.release(req)
+    finally:
+        e.close()

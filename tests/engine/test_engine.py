@@ -141,3 +141,36 @@ def test_probe_names_the_kda_call_site_of_the_resolved_backend(tiny_engine):
 def test_token_ids_outside_the_vocabulary_are_refused(tiny_engine):
     with pytest.raises(ValueError, match="token ids"):
         tiny_engine.generate([[999_999]], 1)
+
+
+@pytest.mark.parametrize(
+    "prompts,max_tokens,needle",
+    [([[]], 2, "has no tokens"), ([[256, 65]], 0, "max_tokens must be at least 1")],
+)
+def test_requests_that_cannot_be_served_are_refused_before_anything_is_admitted(
+    tiny_engine, prompts, max_tokens, needle
+):
+    with pytest.raises(ValueError, match=needle):
+        tiny_engine.generate(prompts, max_tokens)
+    assert len(tiny_engine.runner.pool.groups) == tiny_engine.cfg.max_num_seqs
+
+
+def test_the_peer_derives_spans_from_the_geometry_instead_of_echoing_them(tiny_engine):
+    a = next(x for x in tiny_engine.allocations if x.group.kind == "attention")
+    g = {
+        "name": a.group.name,
+        "kind": "attention",
+        "span": tiny_engine.cfg.block_size,  # a wrong registration: the DCP factor is missing
+        "nbytes": a.nbytes,
+        "alignment": 256,
+        "probe_offset": a.probe_offset,
+        "handle": a.handle,
+        "device": {"type": "cpu", "host": "x"},
+        "pattern_sha256": "0" * 64,
+        "head_sha256": "0" * 64,
+    }
+    res = verify_group(g, "nonce", {"block_size": 2304, "dcp_size": 4})
+    assert res["span"] == 9216 and not res["span_ok"]
+    a.buffer[a.probe_offset :].zero_()
+    out = verify_with_peer(tiny_engine)
+    assert out["ok"] and all(grp["span_ok"] for grp in out["groups"])

@@ -174,3 +174,34 @@ def test_a_batch_above_the_largest_capture_runs_eagerly_and_is_counted(plain):
         assert e.counters.graph_captures == 2 and e.counters.graph_recaptures == 0
     finally:
         e.close()
+
+
+def test_reload_with_new_weights_reaches_the_speculative_graphs(spec):
+    """The verify graphs bind the KDA backend of a speculative engine (b12x where it runs): nothing that
+    backend derived from A_log / dt_bias / norm weights at bind time may survive a reload."""
+    from qualify.engine.spec import speculative_generate
+
+    g = spec.runner.graphs
+    prompts = _prompts(3)
+    old, _, _ = speculative_generate(spec, prompts, 12, "graph")
+    original = spec.weights_path
+    seed = spec.cfg.seed + 104729
+    out = spec.reload(seed=seed)
+    try:
+        assert out["census"]["addresses_unchanged"] and out["census"]["changed"]
+        assert g.moved_since_capture() == []
+        new, used, _ = speculative_generate(spec, prompts, 12, "graph")
+        assert used == "graph"
+        assert [x.token_ids for x in new] != [x.token_ids for x in old]
+        fresh = _engine(seed=seed, cudagraph_mode="none")
+        try:
+            ref, _ = fresh.generate(prompts, 12, "eager")
+            _agree(ref, new)
+        finally:
+            fresh.close()
+            del fresh
+            torch.cuda.empty_cache()
+    finally:
+        spec.reload(path=str(original))
+    restored, _, _ = speculative_generate(spec, prompts, 12, "graph")
+    assert [x.token_ids for x in restored] == [x.token_ids for x in old]

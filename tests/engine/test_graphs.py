@@ -10,6 +10,7 @@ from qualify.engine.graphs import (
     AddressMoved,
     AddressRecord,
     CaptureEnvelope,
+    GraphRunner,
     capture_engine,
     capture_sizes,
     captured_tensors,
@@ -190,3 +191,41 @@ def test_captured_tensors_name_every_parameter_pool_and_arena_buffer(small_engin
     assert before["census"]["addresses_unchanged"]
     assert rec.same_as(captured_tensors(e)) == []
     rec.check()
+
+
+def test_scratch_bound_later_for_an_uncaptured_eager_shape_is_not_reported_as_moved(small_engine):
+    """Only the captured plans' KDA scratch is read by graphs: a backend that binds scratch for a new eager
+    shape after capture (b12x does) must not make a reload report captured addresses as moved."""
+    e = small_engine
+    g = GraphRunner(e)
+    plans = [(8, 1), (4, 1)]
+    saved = dict(e.kda_rt._scratch)
+    for key in plans:  # what capture's warm-up binds
+        e.kda_rt._scratch[key] = {"b12x": torch.zeros(1, dtype=torch.uint8)}
+    g.graphs = {p: object() for p in plans}
+    g.record = AddressRecord.of(captured_tensors(e, g.graphs))
+    assert "kda.scratch.8x1.b12x" in g.record.names
+    e.kda_rt._scratch[(3, 1)] = {"b12x": torch.zeros(1, dtype=torch.uint8)}  # an eager step of 3 rows
+    try:
+        assert g.moved_since_capture() == []
+        e.kda_rt._scratch[(8, 1)]["b12x"] = torch.zeros(1, dtype=torch.uint8)  # a captured one replaced
+        assert g.moved_since_capture() == ["kda.scratch.8x1.b12x"]
+    finally:
+        e.kda_rt._scratch.clear()
+        e.kda_rt._scratch.update(saved)
+
+
+def test_a_cuda_oom_during_capture_propagates_to_be_counted(small_engine, monkeypatch):
+    e = small_engine
+    g = GraphRunner(e)
+    g.reason = None  # as on a CUDA device with cudagraph_mode full
+
+    def oom(*_a, **_k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_a, **_k: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))
+    monkeypatch.setattr(e.runner, "stage_decode", oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        g.capture()
+    assert g.graphs == {} and g.report is None  # nothing half-captured, and a later capture may retry

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+
 import pytest
 import torch
 
@@ -57,3 +60,89 @@ def test_engine_allocations_hold_every_layer_view_inside_one_buffer(tiny_engine)
             start = view.data_ptr()
             assert lo <= start and start + view.numel() * view.element_size() <= hi
             assert (start - lo) % ALIGNMENT == 0
+
+
+# ---------------------------------------------------------------- CPU shared-memory lifetime
+
+
+def _shm_files(pid: int) -> set[str]:
+    from qualify.engine.layout import SHM_PREFIX, _shm_dir
+
+    return {n for n in os.listdir(_shm_dir()) if n.startswith(f"{SHM_PREFIX}{pid}-")}
+
+
+def test_stale_shm_files_of_dead_engines_are_swept_and_live_ones_kept(tmp_path):
+    from qualify.engine.layout import SHM_PREFIX, sweep_stale_shm
+
+    dead = tmp_path / f"{SHM_PREFIX}999999-deadbeef0000"
+    dead.write_bytes(b"\0" * 64)  # nobody holds its lock: its engine died
+    live = tmp_path / f"{SHM_PREFIX}1-0123456789ab"
+    live.write_bytes(b"\0" * 64)
+    other = tmp_path / "PostgreSQL.12345"  # not ours: never touched
+    other.write_bytes(b"x")
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # what a live engine holds for its whole life
+        assert sweep_stale_shm(str(tmp_path)) == [dead.name]
+        assert live.exists() and other.exists() and not dead.exists()
+    finally:
+        os.close(fd)
+    assert sweep_stale_shm(str(tmp_path)) == [live.name]  # its owner is gone now
+
+
+def test_an_engine_leaves_no_shm_files_after_close_or_a_failed_boot(_engine_home, tmp_path):
+    from qualify.engine.weights import WeightsError
+    from tests.engine.conftest import make_engine
+
+    before = _shm_files(os.getpid())
+    e = make_engine(max_model_len=64)
+    mine = _shm_files(os.getpid()) - before
+    assert len(mine) == len(e.allocations) == 4
+    e.close()
+    e.close()  # idempotent
+    assert _shm_files(os.getpid()) == before
+    with pytest.raises(WeightsError, match="does not exist"):
+        make_engine(max_model_len=64, weights=str(tmp_path / "missing.safetensors"))
+    assert _shm_files(os.getpid()) == before  # the failed boot released what it had allocated
+
+
+def test_the_peer_measures_an_allocation_instead_of_trusting_its_handle(tiny_engine, tmp_path):
+    from qualify.engine.layout import import_allocation
+    from qualify.engine.peer import verify_group
+
+    a = tiny_engine.allocations[0]
+    big = tmp_path / "oversized"
+    big.write_bytes(b"\0" * (a.nbytes + 4096))  # more bytes than the engine registered
+    g = {
+        "name": a.group.name,
+        "span": a.group.span,
+        "nbytes": a.nbytes,
+        "alignment": ALIGNMENT,
+        "probe_offset": a.probe_offset,
+        "handle": {**a.handle, "path": str(big)},
+        "device": {"type": "cpu", "host": "x"},
+        "pattern_sha256": "0" * 64,
+        "head_sha256": "0" * 64,
+    }
+    res = verify_group(g, "nonce")
+    assert res["nbytes"] == a.nbytes + 4096 and not res["nbytes_ok"]
+    short = tmp_path / "short"
+    short.write_bytes(b"\0" * 1024)
+    with pytest.raises(LayoutError, match="holds 1024 bytes"):
+        import_allocation({**a.handle, "path": str(short)})
+
+
+def test_spans_come_from_one_place():
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.layout import group_span
+    from qualify.engine.model.attention import DcpGeometry
+
+    cfg = EngineConfig(device="cpu", block_size=48, dcp_size=3, interleave=4)
+    spec = plan_layout(cfg.layer_pattern, cfg.group_size, cfg.block_size, cfg.dcp_size)
+    geom = DcpGeometry(
+        cfg.block_size, cfg.dcp_size, cfg.interleave, cfg.max_model_len, cfg.max_blocks_per_seq
+    )
+    assert cfg.attention_span == geom.span == spec.spans[-1] == group_span("attention", 48, 3) == 144
+    assert spec.spans[0] == group_span("kda", 48, 3) == 48
+    with pytest.raises(LayoutError, match="unknown group kind"):
+        group_span("mamba", 48, 3)

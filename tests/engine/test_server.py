@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from qualify.protocol import (
@@ -131,6 +133,77 @@ def test_metrics_expose_counters_in_prometheus_text(client):
     assert "qualify_engine_cuda_oom_total 0" in text
 
 
+def test_engine_work_runs_on_one_worker_thread_that_owns_the_device(client, tiny_engine, monkeypatch):
+    seen = []
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            seen.append((threading.get_ident(), threading.current_thread().name))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(tiny_engine, "describe", spy(tiny_engine.describe))
+    monkeypatch.setattr(tiny_engine, "generate", spy(tiny_engine.generate))
+    for _ in range(3):
+        assert client.get("/v1/describe").status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+    assert len(seen) == 6 and len(set(seen)) == 1 and seen[0][0] != threading.get_ident()
+    assert seen[0][1].startswith("qualify-engine")  # the engine's own worker, not a shared thread pool
+    assert client.app.state.engine_worker._max_workers == 1
+
+
+def test_a_corrupt_weights_file_is_refused_with_400_and_nothing_changes(client, tmp_path):
+    bad = tmp_path / "garbage.safetensors"
+    bad.write_bytes(b"this is not a safetensors file" * 8)
+    before = client.get("/v1/describe").json()["engine"]["weights_digest"]
+    r = client.post("/qualify/reload", json={"path": str(bad)})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "WeightsError" and "not a readable safetensors" in r.text
+    assert client.get("/v1/describe").json()["engine"]["weights_digest"] == before
+
+
+def test_cuda_out_of_memory_answers_507_and_is_counted(client, tiny_engine, monkeypatch):
+    def oom(*_a, **_k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    before = tiny_engine.counters.cuda_oom
+    monkeypatch.setattr(tiny_engine, "generate", oom)
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+    assert r.status_code == 507 and r.json()["error"]["type"] == "CudaOutOfMemory"
+    assert r.json()["error"]["message"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert tiny_engine.counters.cuda_oom == before + 1
+    assert f"qualify_engine_cuda_oom_total {before + 1}" in client.get("/metrics").text
+
+
+def test_an_unexpected_engine_error_still_answers_the_protocols_error_shape(tiny_engine, monkeypatch):
+    from qualify.engine.server import create_app
+
+    def boom(*_a, **_k):
+        raise KeyError("slot table corrupted")
+
+    monkeypatch.setattr(tiny_engine, "probe", boom)
+    with TestClient(create_app(tiny_engine), raise_server_exceptions=False) as c:
+        r = c.post("/qualify/probe")
+    assert r.status_code == 500
+    assert r.json()["error"] == {"type": "KeyError", "message": "'slot table corrupted'"}
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"prompt": "x", "max_tokens": 10_000}, "max_model_len"),
+        ({"prompt": [[256, 1]] * 3 + [[256, 300]], "max_tokens": 1}, "got 300"),
+    ],
+)
+def test_requests_the_engine_cannot_serve_are_refused_before_any_work(client, tiny_engine, body, needle):
+    before = tiny_engine.counters.tokens_generated
+    r = client.post("/v1/completions", json=body)
+    assert 400 <= r.status_code < 500 and needle in r.json()["error"]["message"]
+    assert tiny_engine.counters.tokens_generated == before
+    assert len(tiny_engine.runner.pool.groups) == tiny_engine.cfg.max_num_seqs
+
+
 # ---------------------------------------------------------------- the real process
 
 
@@ -171,6 +244,45 @@ def test_serve_announces_readiness_and_answers(tmp_path):
         proc.wait(timeout=30)
 
 
+def _shm_files(pid: int) -> set[str]:
+    from qualify.engine.layout import SHM_PREFIX, _shm_dir
+
+    return {n for n in os.listdir(_shm_dir()) if n.startswith(f"{SHM_PREFIX}{pid}-")}
+
+
+def test_a_stopped_engine_leaves_no_shm_and_a_killed_ones_is_swept_by_the_next(tmp_path):
+    from qualify.engine.layout import sweep_stale_shm
+
+    proc = _serve(tmp_path, "--device", "cpu")
+    try:
+        _wait_ready(proc)
+        assert len(_shm_files(proc.pid)) == 4
+    finally:
+        proc.terminate()  # SIGTERM: what launchers send first
+        assert proc.wait(timeout=30) == -signal.SIGTERM  # still dies of the signal, after cleaning up
+    assert _shm_files(proc.pid) == set()
+
+    proc = _serve(tmp_path, "--device", "cpu")
+    try:
+        _wait_ready(proc)
+        held = _shm_files(proc.pid)
+        assert len(held) == 4 and not set(sweep_stale_shm()) & held  # a live engine's files stay
+    finally:
+        proc.kill()  # SIGKILL: no cleanup can run in the engine itself
+        proc.wait(timeout=30)
+    assert _shm_files(proc.pid) == held
+    assert held <= set(sweep_stale_shm())  # what every new engine does before allocating
+    assert _shm_files(proc.pid) == set()
+
+
+def test_serve_refuses_missing_weights_before_binding(tmp_path):
+    proc = _serve(tmp_path, "--device", "cpu", "--weights", str(tmp_path / "none.safetensors"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "QUALIFY_ENGINE_READY" not in out
+    assert err.strip().count("\n") == 0 and "does not exist" in err
+    assert _shm_files(proc.pid) == set()
+
+
 def test_serve_refuses_an_unknown_backend_before_binding(tmp_path):
     proc = _serve(tmp_path, "--device", "cpu", "--kda-backend", "bogus")
     out, err = proc.communicate(timeout=60)
@@ -200,4 +312,3 @@ def test_fault_specs_are_validated():
     )
     with pytest.raises(ValueError, match="unknown fault"):
         parse_faults(["explode:/health"])
-    time.sleep(0)

@@ -194,3 +194,15 @@ def test_the_api_serves_speculative_completions_and_counts_them(spec_engine):
         assert not cap.captured and "CUDA device" in cap.reason and sorted(cap.sizes) == [4, 8, 16]
         refused = c.post("/v1/completions", json={**body, "speculative": True, "mode": "graph"})
         assert refused.status_code == 409 and "captured verify graph" in refused.json()["error"]["message"]
+
+
+def test_plain_and_speculative_steps_run_through_the_one_resolved_backend(spec_engine, plain_runs):
+    e = spec_engine
+    speculative_generate(e, PROMPTS[:1], 6)
+    e.generate(PROMPTS[:1], 3, "eager")
+    bindings = list(e.kda_rt._bindings.values())
+    widths = {b.plan.caps.tokens_per_request for b in bindings}
+    assert widths == {1, NUM_SPEC + 1}  # both plain decode and verify steps have run
+    assert {b.plan.backend for b in bindings} == {e.resolution.name}
+    assert e.kda_rt.backend is e.backend
+    assert e.describe()["backend"]["resolved"] == e.resolution.name

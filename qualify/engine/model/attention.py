@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..layout import group_span
 from .norm import Linear, apply_rope
 from .selector import pool_keys, rows_to_key_mask, select_rows
 
@@ -30,7 +31,7 @@ class DcpGeometry:
 
     @property
     def span(self) -> int:
-        return self.block_size * self.dcp
+        return group_span("attention", self.block_size, self.dcp)
 
     def locate(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """(block column, offset within the block storage [dcp * block_size]) of each position."""
