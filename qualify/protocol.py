@@ -229,6 +229,8 @@ class Census(_Reply):
     before_digest: str
     after_digest: str
     arena_addresses_unchanged: bool
+    # tensors a captured graph reads whose address differs from capture time (empty without graphs)
+    graph_addresses_moved: list[str] = []
 
 
 class ReloadResponse(_Reply):
@@ -248,6 +250,7 @@ class PeerGroupResult(_Reply):
     pattern_ok: bool
     ack_ok: bool
     out_of_bounds_refused: bool
+    span_ok: bool  # the span the peer derived from block_size/dcp_size equals the registered one
 
 
 class PeerVerifyResponse(_Reply):

@@ -15,7 +15,15 @@ def run(ctx: Context) -> Outcome:
     lcm = math.lcm(*lay.spans) if lay.spans else 0
     peer = ctx.client.peer_verify()
     groups = [g.model_dump(mode="json") for g in peer.groups]
-    flags = ("nbytes_ok", "alignment_ok", "device_ok", "pattern_ok", "ack_ok", "out_of_bounds_refused")
+    flags = (
+        "nbytes_ok",
+        "alignment_ok",
+        "device_ok",
+        "pattern_ok",
+        "ack_ok",
+        "out_of_bounds_refused",
+        "span_ok",
+    )
     bad_groups = [g["name"] for g in groups if not all(g.get(f) for f in flags)]
     ctx.facts["layout"] = {
         "spans": lay.spans,

@@ -44,8 +44,7 @@ def run(ctx: Context) -> Outcome:
 
     arenas0 = {k: v.address for k, v in d0.arenas.items()}
     moved: dict[str, Any] = {
-        name: (r.census.model_extra or {}).get("graph_addresses_moved")
-        for name, r in (("same", same), ("other", other), ("back", back))
+        name: r.census.graph_addresses_moved for name, r in (("same", same), ("other", other), ("back", back))
     }
     replay_modes = [r.mode_used for r in (base, after_same, with_other, restored)]
     evidence = {
