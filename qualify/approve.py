@@ -18,7 +18,7 @@ from receipts.canonical import canonical_json
 from receipts.checkpoint import NoteVerifier
 from receipts.errors import VerificationError
 from receipts.keys import SigningKey
-from receipts.statement import STATEMENT_TYPE, parse_time
+from receipts.statement import PREDICATE_TYPE, STATEMENT_TYPE, parse_time
 
 if TYPE_CHECKING:
     from receipts.store import Store
@@ -213,6 +213,9 @@ def _signed_predicate(envelope: bytes, subject: str) -> tuple[dict[str, Any] | N
         return None, f"its envelope does not parse: {exc}"
     if not isinstance(statement, dict) or not isinstance(statement.get("predicate"), dict):
         return None, "its statement has no predicate"
+    if statement.get("predicateType") != PREDICATE_TYPE:
+        # e.g. a signed approval listed as a receipt through a planted query row
+        return None, f"it is not a qualification receipt (predicateType {statement.get('predicateType')!r})"
     digests = {
         f"{algorithm}:{value}"
         for item in statement.get("subject") or []

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.engine import Engine
 
-from receipts import dsse, merkle
+from receipts import dsse, merkle, receipt_rows
 from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint
 from receipts.errors import ReceiptsError
 from receipts.keylog import KeyHistory
@@ -37,6 +37,8 @@ PARALLEL_THRESHOLD = 2 * SLICE
 _ENTRIES = LogEntry.__table__
 _CHECKPOINTS = CheckpointRow.__table__
 _NODES = MerkleNode.__table__
+
+KEY_KINDS = ("key-trust", "key-revoke")
 
 # (keyid, public PEM, trusted_at, revoked_at): a KeyHistory as plain data.
 KeyStates = list[tuple[str, bytes, int, int | None]]
@@ -87,7 +89,8 @@ class _Signatures:
         self.history = _history(states)
         self.cache: dict[tuple[bool, ...], dict[str, VerifyingKey]] = {}
 
-    def problem(self, idx: int, data: bytes) -> str | None:
+    def check(self, idx: int, data: bytes) -> tuple[dsse.Envelope | None, list[str], str | None]:
+        """(parsed envelope, key ids whose signatures verify, problem)."""
         # Validity changes only at key entries: cache the valid set per era between them.
         era = tuple(s.valid_at(idx) for s in self.history.keys.values())
         valid = self.cache.get(era)
@@ -96,15 +99,15 @@ class _Signatures:
         try:
             parsed = dsse.parse(data)
         except ReceiptsError as error:
-            return f"the entry is not a DSSE envelope: {error}"
+            return None, [], f"the entry is not a DSSE envelope: {error}"
         try:
             if not valid:
                 raise ReceiptsError("no key is trusted at this index")
-            dsse.verified_keyids(parsed, valid)
+            keyids = dsse.verified_keyids(parsed, valid)
         except ReceiptsError as error:
             named = ", ".join(s.keyid[:16] for s in parsed.signatures) or "no key id"
-            return f"the envelope signature (by {named}) is not valid at this index: {error}"
-        return None
+            return parsed, [], f"the envelope signature (by {named}) is not valid at this index: {error}"
+        return parsed, keyids, None
 
 
 class _Notes:
@@ -155,6 +158,7 @@ def check_slice(source: str | Engine, lo: int, hi: int, states: KeyStates, keys:
                 .order_by(_ENTRIES.c.idx)
             )
             expected = lo
+            signed_receipts: dict[int, tuple[dsse.Envelope, list[str]]] = {}
             for idx, kind, data, stored_leaf in rows:
                 if idx != expected:
                     result.problems.append(
@@ -171,15 +175,22 @@ def check_slice(source: str | Engine, lo: int, hi: int, states: KeyStates, keys:
                 result.kinds[kind] += 1
                 if kind in ("receipt", "approval"):
                     result.envelope_ids[idx] = (kind, hashlib.sha256(data).hexdigest())
-                    problem = signatures.problem(idx, data)
+                    parsed, keyids, problem = signatures.check(idx, data)
                     if problem is not None:
                         result.problems.append((idx, problem))
+                    elif kind == "receipt" and parsed is not None:
+                        signed_receipts[idx] = (parsed, keyids)
+                elif kind not in KEY_KINDS:
+                    # The kind column is not hashed; an entry of no known kind would escape every check.
+                    result.problems.append((idx, f"the entry's kind {kind!r} is not a kind this log writes"))
                 expected += 1
             else:
                 if expected < hi:
                     result.problems.append(
                         (expected, f"log entries {expected}..{hi - 1} are missing (deleted rows)")
                     )
+            if signed_receipts:
+                result.problems.extend(receipt_rows.check(conn, lo, hi, signed_receipts))
             for size, column_root, note in conn.execute(
                 sa.select(_CHECKPOINTS.c.size, _CHECKPOINTS.c.root, _CHECKPOINTS.c.note)
                 .where(_CHECKPOINTS.c.size > lo, _CHECKPOINTS.c.size <= hi)

@@ -7,7 +7,7 @@ import hashlib
 import re
 from collections.abc import Iterator, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -37,14 +37,29 @@ SUBJECTS = ReceiptSubject.__table__
 APPROVALS = ApprovalRow.__table__
 _HEX = re.compile(r"[0-9a-f]+")
 
-# (highest index, key-table marks, latest checkpoint root) in one round trip; built once, as the append
-# path runs it thousands of times a second.
+# (highest index, latest checkpoint size, its root column, its signed note) in one round trip; built once,
+# as the append path runs it thousands of times a second.
+_LATEST = (
+    sa.select(CheckpointRow.size, CheckpointRow.root, CheckpointRow.note)
+    .order_by(CheckpointRow.size.desc())
+    .limit(1)
+    .subquery()
+)
 _HEAD = sa.select(
     sa.select(sa.func.max(LogEntry.idx)).scalar_subquery(),
-    sa.select(sa.func.max(SignerKey.trusted_at_idx)).scalar_subquery(),
-    sa.select(sa.func.max(KeyRevocation.revoked_at_idx)).scalar_subquery(),
-    sa.select(CheckpointRow.root).order_by(CheckpointRow.size.desc()).limit(1).scalar_subquery(),
+    sa.select(_LATEST.c.size).scalar_subquery(),
+    sa.select(_LATEST.c.root).scalar_subquery(),
+    sa.select(_LATEST.c.note).scalar_subquery(),
 )
+
+
+class Head(NamedTuple):
+    """The log's head as stored: the next index, and the latest checkpoint row (not yet verified)."""
+
+    next: int
+    checkpoint_size: int | None
+    root: bytes | None
+    note: str | None
 
 
 class LogReader:
@@ -80,10 +95,9 @@ class LogReader:
 
     # ------------------------------------------------------------------ the head
 
-    def _head(self, conn: Connection) -> tuple[int, tuple[Any, Any], bytes | None]:
-        """(next index, key-table marks, latest checkpoint root)."""
-        last, trusted, revoked, root = conn.execute(_HEAD).one()
-        return (0 if last is None else last + 1), (trusted, revoked), None if root is None else bytes(root)
+    def _head(self, conn: Connection) -> Head:
+        last, size, root, note = conn.execute(_HEAD).one()
+        return Head(0 if last is None else last + 1, size, None if root is None else bytes(root), note)
 
     # ------------------------------------------------------------------ reading
 

@@ -178,7 +178,9 @@ class OomInfo(_Model):
 class Faults(_Model):
     restart_count: NonNegativeInt = 0
     xid_events: list[XidEvent] = Field(default_factory=list)
-    xid_watch: Literal["active", "not_applicable"]
+    # active: watched for the whole run; not_applicable: no NVIDIA GPU on the host; unavailable: a GPU host
+    # where neither NVML nor the kernel log could be watched (a GPU target cannot qualify so)
+    xid_watch: Literal["active", "not_applicable", "unavailable"]
     xid_watch_reason: str | None = Field(None, description="why the Xid watcher could not run, if so")
     oom: OomInfo = Field(default_factory=OomInfo)
     engine_dead: bool = False

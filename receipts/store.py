@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from receipts import dsse, merkle
-from receipts.checkpoint import Checkpoint, NoteSigner, sign_checkpoint
+from receipts.checkpoint import Checkpoint, NoteSigner, open_checkpoint, sign_checkpoint
 from receipts.db import (
     MissingStore,
     check_connection,
@@ -28,7 +28,7 @@ from receipts.db import (
     write_transaction,
     writer,
 )
-from receipts.errors import NotFound, StoreError
+from receipts.errors import NotFound, ReceiptsError, StoreError, TamperError, VerificationError
 from receipts.keylog import KeyHistory, revoke_record, trust_record
 from receipts.keys import VerifyingKey
 from receipts.models import (
@@ -41,7 +41,7 @@ from receipts.models import (
     ReceiptRow,
     SignerKey,
 )
-from receipts.reader import APPROVALS, ENTRIES, RECEIPTS, SUBJECTS, LogReader
+from receipts.reader import APPROVALS, ENTRIES, RECEIPTS, SUBJECTS, Head, LogReader
 from receipts.receipt import ParsedReceipt, parse_receipt
 from receipts.records import (
     Appended,
@@ -57,6 +57,15 @@ _META = sa.select(LogMeta.origin, LogMeta.vkey)
 _INSERT_ENTRY = sa.insert(ENTRIES)
 _INSERT_NODES = sa.insert(MerkleNode.__table__)
 _INSERT_CHECKPOINT = sa.insert(CheckpointRow.__table__)
+_KEY_ENTRIES = (
+    sa.select(ENTRIES.c.idx, ENTRIES.c.envelope)
+    .where(
+        ENTRIES.c.idx >= sa.bindparam("start"),
+        ENTRIES.c.idx < sa.bindparam("end"),
+        ENTRIES.c.kind.in_(("key-trust", "key-revoke")),
+    )
+    .order_by(ENTRIES.c.idx)
+)
 
 # Builds an entry's query rows once the index is known and the lock is held; raises to refuse it.
 RowsFn = Callable[[Connection, int, KeyHistory], list[tuple[sa.Table, list[dict[str, Any]]]]]
@@ -93,7 +102,8 @@ class Store(LogReader):
         self._frontier: tuple[int, bytes, dict[tuple[int, int], bytes]] | None = None
         self._signer: NoteSigner | None = None
         self._origin: str | None = None
-        self._keys_cache: tuple[tuple[Any, Any], KeyHistory] | None = None
+        # Key history replayed from key entries below the given index (see _history).
+        self._keys_cache: tuple[KeyHistory, int] | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -161,23 +171,57 @@ class Store(LogReader):
 
     # ------------------------------------------------------------------ appending
 
-    def _history(self, conn: Connection, marks: tuple[Any, Any]) -> KeyHistory:
-        """Key history from the query tables, cached until a key entry is appended."""
-        if self._keys_cache is not None and self._keys_cache[0] == marks:
-            return self._keys_cache[1]
-        history = KeyHistory()
-        for keyid, pem, note, at in conn.execute(
-            sa.select(
-                SignerKey.keyid, SignerKey.public_pem, SignerKey.note, SignerKey.trusted_at_idx
-            ).order_by(SignerKey.trusted_at_idx)
-        ):
-            key = VerifyingKey.from_pem(pem.encode("ascii"), source=f"stored key {keyid}")
-            history.trust(at, key, note)
-        for keyid, at, reason in conn.execute(
-            sa.select(KeyRevocation.keyid, KeyRevocation.revoked_at_idx, KeyRevocation.reason)
-        ):
-            history.revoke(at, keyid, reason)
-        self._keys_cache = (marks, history)
+    def _verified_head(self, head: Head, signer: NoteSigner, origin: str, reader: SqlSubtrees) -> bytes:
+        """The root of the log as it stands, after checking that the latest checkpoint is signed by the log
+        key, covers every stored entry and matches the stored subtrees. Without this an appender would
+        sign a checkpoint over rows planted with a plain INSERT (entries or key-trust records)."""
+        idx = head.next
+        if idx == 0:
+            if head.checkpoint_size is not None:
+                raise TamperError(
+                    "the log has no entries but holds checkpoints: its entries were removed; nothing "
+                    "appended; run: qualify log verify"
+                )
+            return merkle.EMPTY_ROOT
+        if head.checkpoint_size != idx or head.note is None:
+            raise TamperError(
+                f"the log holds entries up to index {idx - 1} but its latest signed checkpoint is of size "
+                f"{head.checkpoint_size}: rows were added or removed outside the store; nothing appended; "
+                "run: qualify log verify"
+            )
+        try:
+            cp = open_checkpoint(head.note, [signer.verifier()], origin)
+        except ReceiptsError as error:
+            raise TamperError(
+                f"the latest checkpoint does not verify with the log key ({error}); nothing appended; "
+                "run: qualify log verify"
+            ) from error
+        if cp.size != idx or cp.root != merkle.root_from(reader, idx):
+            raise TamperError(
+                f"the stored Merkle tree of size {idx} is not the one the latest signed checkpoint names; "
+                "nothing appended; run: qualify log verify"
+            )
+        return cp.root
+
+    def _history(self, conn: Connection, size: int, root: bytes, reader: SqlSubtrees) -> KeyHistory:
+        """Key history replayed from the log's own key entries (never from the query tables, which a plain
+        INSERT can extend), each proven included in the verified tree of `size` leaves with `root`.
+        Cached: only key entries appended since the last call are read."""
+        cached = self._keys_cache
+        history, upto = cached if cached is not None and cached[1] <= size else (KeyHistory(), 0)
+        self._keys_cache = None  # until the replay below completes
+        try:
+            for idx, data in conn.execute(_KEY_ENTRIES, {"start": upto, "end": size}):
+                data = bytes(data)
+                leaf = merkle.leaf_hash(data)
+                proof = reader.run(lambda r, i=idx: merkle.inclusion_proof_from(r, i, size))
+                merkle.verify_inclusion(idx, size, leaf, proof, root)
+                history.apply(idx, data)
+        except (merkle.ProofError, VerificationError) as error:
+            raise TamperError(
+                f"a key entry of the log does not verify ({error}); nothing appended; run: qualify log verify"
+            ) from error
+        self._keys_cache = (history, size)
         return history
 
     def _ensure_meta(self, conn: Connection, signer: NoteSigner) -> str:
@@ -200,15 +244,23 @@ class Store(LogReader):
         out: list[Appended] = []
         with write_transaction(self._writer) as conn:
             origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
-            idx, marks, head_root = self._head(conn)
-            history = self._history(conn, marks)
+            head = self._head(conn)
+            idx = head.next
             reader = SqlSubtrees(conn)
             cached = self._frontier
-            if cached is not None and cached[0] == idx and cached[1] == head_root:
+            if (
+                cached is not None
+                and cached[0] == idx
+                and head.checkpoint_size == idx
+                and cached[1] == head.root
+            ):
+                # The head is the one this process signed last: nothing else was appended since.
                 reader.cache.update(cached[2])
+                root = cached[1]
             else:
                 reader.fetch(frontier(idx))
-            root = head_root
+                root = self._verified_head(head, signer, origin, reader)
+            history = self._history(conn, idx, root, reader)
             for item in pending:
                 rows = item.rows(conn, idx, history)
                 leaf = merkle.leaf_hash(item.data)
@@ -239,7 +291,6 @@ class Store(LogReader):
                 )
                 out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
                 idx = size
-            assert root is not None
             tip = {key: reader.cache[key] for key in frontier(idx)}
         # Only after the commit: a rolled-back append must not leave a frontier that never existed.
         self._frontier = (idx, root, tip)

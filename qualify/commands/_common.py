@@ -91,10 +91,21 @@ def emit(as_json: bool, data: Any, human: Callable[[], None]) -> None:
 def write_or_echo(text: str, out: str | None, wrote: str) -> None:
     """`text` into the file `out` (then say `wrote`), or verbatim on stdout when there is no --out."""
     if out:
-        Path(out).write_text(text)
+        write_file(out, text)
         console.print(wrote)
     else:
         click.echo(text, nl=False)
+
+
+def write_file(path: str, data: str | bytes) -> None:
+    """Write an output file the user named; UsageError (one line) when it cannot be written."""
+    try:
+        if isinstance(data, bytes):
+            Path(path).write_bytes(data)
+        else:
+            Path(path).write_text(data)
+    except OSError as error:
+        raise UsageError(f"cannot write {path}: {error.strerror or error}; choose another --out") from None
 
 
 def short(hex_id: str, n: int = 16) -> str:
@@ -161,13 +172,26 @@ def load_log_signer(*, create: bool) -> NoteSigner | None:
         raise KeyFileError(f"log key file {path} is not a note signer key: {error}") from error
 
 
+def parse_vkey(value: str) -> NoteVerifier:
+    """A --vkey given as the verifier key itself or as a file holding it; one-line errors for both."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(
+                f"cannot read the --vkey file {path}: {getattr(error, 'strerror', None) or error}"
+            ) from None
+    else:
+        text = value.strip()
+    return NoteVerifier.from_vkey(text)
+
+
 def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerifier], str]:
     """Trusted checkpoint keys and where they came from: --vkey (text or a file holding it), else the
     local log key, else (weakest) the key recorded in the store itself."""
     if vkey:
-        path = Path(vkey)
-        text = path.read_text().strip() if path.is_file() else vkey.strip()
-        return [NoteVerifier.from_vkey(text)], "--vkey"
+        return [parse_vkey(vkey)], "--vkey"
     signer = load_log_signer(create=False)
     if signer is not None:
         return [signer.verifier()], f"the local log key {settings.log_key_path()}"
@@ -195,8 +219,15 @@ def open_append(url: str | None, *, create: bool = True) -> Store:
     key (also created on first use, and only once the database has answered)."""
     store = Store.open(resolve_db(url), create=create)
     try:
-        signer = load_log_signer(create=True)
-        assert signer is not None
+        # A log key is made only for a log that has none yet: a machine without the key of an existing
+        # log must not leave behind a stray key (which later reads would trust as "the local log key").
+        meta = store.meta()
+        signer = load_log_signer(create=meta is None)
+        if signer is None:
+            raise KeyFileError(
+                f"this log's checkpoints are signed by {meta[1] if meta else 'another key'}, but there is no "
+                f"log key at {settings.log_key_path()}; append where that key is, or copy it there"
+            )
         store.set_log_signer(signer)
     except BaseException:
         store.close()

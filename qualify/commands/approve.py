@@ -20,6 +20,7 @@ from qualify.commands._common import (
     log_verifiers,
     open_append,
     opened,
+    parse_vkey,
     store_errors,
     vkey_option,
 )
@@ -128,11 +129,12 @@ def approve(
     # Everything that can be refused is checked before the store is written to.
     loaded = load_policy(policy_path)
     digest = check_subject(subject) if subject else check_subject(resolve_image(image or ""))
+    pinned = [parse_vkey(vkey)] if vkey else None
     # The store must exist: an approval about a log that was never written is a mistake in --db.
     with opened(open_append(db_url, create=False)) as store:
         key = load_signing_key(store, key_path)
         # Checkpoints are checked against the local log key (or --vkey), not the one the database names.
-        verifiers, _ = log_verifiers(store, vkey)
+        verifiers = pinned or log_verifiers(store)[0]
         decision = record(store, decide(store, loaded, digest, verifiers=verifiers), loaded, key)
     emit(as_json, decision.model_dump(mode="json"), lambda: print_decision(console, decision))
     sys.exit(decision.exit_code)

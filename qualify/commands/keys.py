@@ -18,6 +18,7 @@ from qualify.commands._common import (
     opened,
     short,
     store_errors,
+    write_file,
 )
 from qualify.errors import UsageError
 from receipts import keys as keylib
@@ -123,7 +124,7 @@ def export_public(keyid: str | None, key_path: str | None, out: str | None, db_u
             .public_pem()
         )
     if out:
-        Path(out).write_bytes(pem)
+        write_file(out, pem)
         console.print(f"wrote {out}")
     else:
         click.echo(pem.decode(), nl=False)

@@ -20,6 +20,7 @@ from qualify.commands._common import (
     opened,
     store_errors,
     vkey_option,
+    write_file,
 )
 from qualify.errors import UsageError
 from receipts.checkpoint import Checkpoint, open_checkpoint
@@ -46,7 +47,7 @@ def checkpoint(out: str | None, db_url: str | None, as_json: bool) -> None:
         vkey = store.log_verifier().vkey()
     cp = Checkpoint.parse(note[: note.rfind("\n\n") + 1])
     if out:
-        Path(out).write_text(note)
+        write_file(out, note)
     data = {"origin": cp.origin, "size": cp.size, "root": cp.root.hex(), "vkey": vkey, "note": note}
 
     def human() -> None:

@@ -400,10 +400,8 @@ class Pipeline:
     def _faults(self, ctx: Context, final: LaunchStatus, pre: LaunchStatus | None) -> dict[str, Any]:
         events = self._xid_events()
         w = self._xid_watch()
-        # The receipt schema knows active | not_applicable; an unavailable watch on a GPU host is recorded as
-        # not watched with its reason (the faults check has already failed the run for it).
-        watch = "active" if w["state"] == "active" else "not_applicable"
-        why = w["reason"] if w["state"] != "unavailable" else f"UNAVAILABLE: {w['reason']}"
+        watch = w["state"] if w["state"] in ("active", "not_applicable", "unavailable") else "unavailable"
+        why = w.get("reason")
         cuda_oom = int(ctx.facts.get("cuda_oom", 0))
         dead = ctx.facts.get("engine_dead")
         if dead is None:

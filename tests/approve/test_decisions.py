@@ -281,3 +281,31 @@ def test_decide_and_record_on_postgresql(pg_url: str, tmp_path) -> None:
         assert [a["decision"] for a in listed["items"]] == ["denied", "approved"]
     finally:
         store.close()
+
+
+def test_a_signed_approval_planted_as_a_receipt_does_not_count(log: Log) -> None:
+    # A signed, included statement about the subject, but an approval: rows planted with plain INSERTs
+    # list it among the subject's receipts. It must count for nothing, saying why.
+    loaded = policy()
+    approval = record(log.store, decide(log.store, loaded, SUBJECT), loaded, log.key)
+    log.raw(
+        "INSERT INTO receipts "
+        "(id, log_idx, verdict, target, host, started_at, finished_at, keyid, predicate) "
+        "VALUES (?, ?, 'qualified', 'cpu', 'h', "
+        "'2025-01-01 00:00:00.000000', '2025-01-01 00:01:00.000000', ?, '{}')",
+        approval.approval_id,
+        approval.log_index,
+        log.key.keyid,
+    )
+    log.raw(
+        "INSERT INTO receipt_subjects (receipt_id, digest, name) VALUES (?, ?, 'engine-image')",
+        approval.approval_id,
+        SUBJECT,
+    )
+    decision = decide(log.store, loaded, SUBJECT)
+    assert decision.decision == "denied" and decision.receipt_ids == []
+    [evaluation] = decision.evaluations
+    assert evaluation.failures == [
+        "does not verify, so it counts for nothing: it is not a qualification receipt "
+        f"(predicateType {APPROVAL_PREDICATE_TYPE!r})"
+    ]
