@@ -17,7 +17,15 @@ from receipts.models import ReceiptRow, ReceiptSubject
 _RECEIPTS = ReceiptRow.__table__
 _SUBJECTS = ReceiptSubject.__table__
 _TIME: TypeAdapter[datetime] = TypeAdapter(AwareDatetime)
+# The compared fields, in the order of the values below and of the columns read.
 _FIELDS = ("verdict", "target", "host", "started_at", "finished_at", "predicate", "subjects")
+_COLUMNS = (
+    _RECEIPTS.c.log_idx,
+    _RECEIPTS.c.id,
+    _RECEIPTS.c.keyid,
+    *(_RECEIPTS.c[name] for name in _FIELDS[:-1]),
+)
+_PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, ValidationError)
 
 
 def _time(value: Any) -> datetime:
@@ -32,30 +40,38 @@ def _time(value: Any) -> datetime:
     return parsed.astimezone(UTC)
 
 
-def signed_fields(envelope: dsse.Envelope) -> dict[str, Any]:
-    """The query fields of a receipt as its signed statement gives them (as the store derives them)."""
-    statement = json.loads(envelope.payload)
+def _signed_values(payload: bytes) -> tuple[Any, ...]:
+    """The values of `_FIELDS` as the signed statement gives them (as the store derives them), from one
+    structural parse: the payload's bytes are covered by the signature, so nothing more is needed."""
+    statement = json.loads(payload)
     predicate = statement["predicate"]
     subjects: dict[str, str] = {}
     for subject in statement["subject"]:
         for algorithm, value in subject["digest"].items():
             subjects.setdefault(f"{algorithm}:{value}", subject["name"])
-    return {
-        "verdict": predicate["verdict"],
-        "target": predicate["target"],
-        "host": predicate["host"]["hostname"],
-        "started_at": _time(predicate["started_at"]),
-        "finished_at": _time(predicate["finished_at"]),
-        "predicate": predicate,
-        "subjects": subjects,
-    }
+    return (
+        predicate["verdict"],
+        predicate["target"],
+        predicate["host"]["hostname"],
+        _time(predicate["started_at"]),
+        _time(predicate["finished_at"]),
+        predicate,
+        subjects,
+    )
+
+
+def signed_fields(envelope: dsse.Envelope | bytes) -> dict[str, Any]:
+    """The query fields of a receipt as its signed statement gives them (as the store derives them);
+    `envelope` is a parsed envelope or its payload."""
+    payload = envelope.payload if isinstance(envelope, dsse.Envelope) else envelope
+    return dict(zip(_FIELDS, _signed_values(payload), strict=True))
 
 
 def check(
-    conn: Connection, lo: int, hi: int, signed: dict[int, tuple[dsse.Envelope, list[str]]]
+    conn: Connection, lo: int, hi: int, signed: dict[int, tuple[bytes, list[str]]]
 ) -> list[tuple[int, str]]:
     """Problems (index, message) of the receipt rows for log indexes [lo, hi) whose envelopes are in
-    `signed` (index -> (envelope, key ids whose signatures verify))."""
+    `signed` (index -> (statement payload, key ids whose signatures verify))."""
     in_range = sa.and_(_RECEIPTS.c.log_idx >= lo, _RECEIPTS.c.log_idx < hi)
     subjects: dict[str, dict[str, str]] = {}
     for rid, digest, name in conn.execute(
@@ -63,25 +79,35 @@ def check(
         .join(_RECEIPTS, _RECEIPTS.c.id == _SUBJECTS.c.receipt_id)
         .where(in_range)
     ):
-        subjects.setdefault(rid, {})[digest] = name
+        by_digest = subjects.get(rid)
+        if by_digest is None:
+            by_digest = subjects[rid] = {}
+        by_digest[digest] = name
     problems: list[tuple[int, str]] = []
-    for row in conn.execute(sa.select(_RECEIPTS).where(in_range)):
-        if row.log_idx not in signed:
+    no_subjects: dict[str, str] = {}
+    for log_idx, rid, keyid, *columns in conn.execute(sa.select(*_COLUMNS).where(in_range)):
+        entry = signed.get(log_idx)
+        if entry is None:
             continue  # not a receipt entry, or one whose signature is reported already
-        envelope, keyids = signed[row.log_idx]
+        payload, keyids = entry
         try:
-            expected = signed_fields(envelope)
-        except (ValueError, KeyError, TypeError, AttributeError, ValidationError) as error:
-            problems.append((row.log_idx, f"the receipt's signed statement does not parse: {error}"))
+            expected = _signed_values(payload)
+        except _PARSE_ERRORS as error:
+            problems.append((log_idx, f"the receipt's signed statement does not parse: {error}"))
             continue
-        stored = {**row._asdict(), "subjects": subjects.get(row.id, {})}
-        wrong = [name for name in _FIELDS if stored[name] != expected[name]]
-        if row.keyid not in keyids:
+        stored = (*columns, subjects.get(rid, no_subjects))
+        # One tuple comparison for the common case; names only when something differs.
+        wrong = (
+            []
+            if stored == expected
+            else [n for n, a, b in zip(_FIELDS, stored, expected, strict=True) if a != b]
+        )
+        if keyid not in keyids:
             wrong.append("keyid")
         if wrong:
             problems.append(
                 (
-                    row.log_idx,
+                    log_idx,
                     f"the receipts query rows disagree with the signed envelope ({', '.join(wrong)}): "
                     "they were edited or planted",
                 )

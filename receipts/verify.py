@@ -9,6 +9,7 @@ slices' leaf hashes, in order, and compares it with the signed checkpoints.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -22,20 +23,24 @@ from receipts import logscan, merkle
 from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint
 from receipts.errors import ReceiptsError, TamperError
 from receipts.keylog import KeyHistory
-from receipts.models import ApprovalRow, MerkleNode, ReceiptRow
+from receipts.models import ApprovalRow, LogEntry, MerkleNode, ReceiptRow
 
 if TYPE_CHECKING:
+    from receipts.records import KeyInfo
     from receipts.store import Store
 
 MAX_PROBLEMS = 50
 
 _COUNT_AND_MAX = sa.text("SELECT count(*), max(idx) FROM log_entries")
-_END = "(SELECT count(*) FROM log_entries)"  # the end of a gapless log (gaps are reported separately)
+# The end of a gapless log (gaps are reported separately), counted once (a count walks the whole table)
+# in the same statement as the rows beyond it.
 _ORPHANS = sa.text(
-    f"SELECT {_END}, (SELECT count(*) FROM checkpoints WHERE size > {_END} OR size < 1), "
-    f"(SELECT max(size) FROM checkpoints WHERE size > {_END}), "
-    f"(SELECT count(*) FROM merkle_nodes WHERE ((node_index + 1) << level) > {_END})"
+    "SELECT e.n, (SELECT count(*) FROM checkpoints WHERE size > e.n OR size < 1), "
+    "(SELECT max(size) FROM checkpoints WHERE size > e.n), "
+    "(SELECT count(*) FROM merkle_nodes WHERE ((node_index + 1) << level) > e.n) "
+    "FROM (SELECT count(*) AS n FROM log_entries) AS e"
 )
+_ENTRIES = LogEntry.__table__
 
 
 @dataclass(frozen=True)
@@ -98,28 +103,31 @@ class Rebuilt:
         return len(self.levels[0])
 
     def append(self, leaf: bytes) -> None:
-        levels, node_hash = self.levels, merkle.node_hash
+        levels, sha256 = self.levels, hashlib.sha256
         levels[0].append(leaf)
         digest, level, index = leaf, 0, len(levels[0]) - 1
         while index & 1:
-            digest = node_hash(levels[level][index - 1], digest)
+            digest = sha256(b"\x01" + levels[level][index - 1] + digest).digest()  # merkle.node_hash
             level, index = level + 1, index >> 1
             if level == len(levels):
                 levels.append([])
             levels[level].append(digest)
 
     def root(self, size: int) -> bytes:
-        """RFC 9162 root of the first `size` leaves: fold the complete subtrees of `size` from the right."""
+        """RFC 9162 root of the first `size` leaves: fold the complete subtrees of `size` from the right.
+
+        The subtree at level L (bit L of `size` set) is the last complete one there, index (size >> L) - 1;
+        the smallest is innermost. This runs once per stored checkpoint, hence merkle.node_hash inlined."""
         if size == 0:
             return merkle.EMPTY_ROOT
-        parts, begin = [], 0
-        for level in range(size.bit_length() - 1, -1, -1):
-            if size >> level & 1:
-                parts.append(self.levels[level][begin >> level])
-                begin += 1 << level
-        digest = parts[-1]
-        for left in reversed(parts[:-1]):
-            digest = merkle.node_hash(left, digest)
+        levels, sha256 = self.levels, hashlib.sha256
+        level = (size & -size).bit_length() - 1
+        digest = levels[level][(size >> level) - 1]
+        rest = size >> level + 1  # bit j: the subtree at level + 1 + j
+        while rest:
+            skip = (rest & -rest).bit_length()  # to the next set bit
+            level, rest = level + skip, rest >> skip
+            digest = sha256(b"\x01" + levels[level][(size >> level) - 1] + digest).digest()
         return digest
 
     def subtree(self, level: int, index: int) -> bytes:
@@ -145,6 +153,10 @@ class _Verifier:
         self.log_signer = log_signer
         self.workers = workers
         self.envelope_ids: dict[int, tuple[str, str]] = {}
+        # Read by _read_tables during the slice checks.
+        self.tables: dict[str, dict[int, str]] = {}
+        self.orphans: tuple[int, int, int | None, int] = (0, 0, None, 0)
+        self.stored_keys: list[KeyInfo] = []
 
     def problem(self, idx: int | None, message: str) -> None:
         if len(self.report.problems) < MAX_PROBLEMS:
@@ -196,8 +208,7 @@ class _Verifier:
     def _orphans(self) -> None:
         """Checkpoints or subtrees beyond the log's end (read in one statement with the end itself, so
         concurrent appends, which write all three together, never count)."""
-        with self.store.engine.connect() as conn:
-            end, checkpoints, largest, subtrees = conn.execute(_ORPHANS).one()
+        end, checkpoints, largest, subtrees = self.orphans
         if largest is not None:
             # A signed tree larger than the log: its newest entries were deleted (or the row was planted).
             self.problem(
@@ -214,19 +225,18 @@ class _Verifier:
     def _history(self, size: int) -> KeyHistory:
         """Key history replayed from the log's own key entries (not from the query tables)."""
         history = KeyHistory()
-        for entry in sorted(
-            [
-                e
-                for kind in ("key-trust", "key-revoke")
-                for e in self.store.iter_entries(kind=kind)
-                if e.idx < size
-            ],
-            key=lambda e: e.idx,
-        ):
+        query = (
+            sa.select(_ENTRIES.c.idx, _ENTRIES.c.kind, _ENTRIES.c.envelope)
+            .where(_ENTRIES.c.kind.in_(logscan.KEY_KINDS), _ENTRIES.c.idx < size)
+            .order_by(_ENTRIES.c.idx)
+        )
+        with self.store.engine.connect() as conn:
+            entries = conn.execute(query).all()  # one pass over the log for both kinds
+        for idx, kind, envelope in entries:
             try:
-                history.apply(entry.idx, entry.envelope)
+                history.apply(idx, bytes(envelope))
             except ReceiptsError as error:
-                self.problem(entry.idx, f"bad {entry.kind} entry: {error}")
+                self.problem(idx, f"bad {kind} entry: {error}")
         return history
 
     def _slices(self, size: int, history: KeyHistory) -> None:
@@ -244,6 +254,7 @@ class _Verifier:
                 pool.submit(logscan.check_slice, source, lo, min(lo + logscan.SLICE, size), states, keys)
                 for lo in range(0, size, logscan.SLICE)
             ]
+            self._read_tables(size)
             for future in futures:
                 result = future.result()
                 for idx, message in result.problems:
@@ -306,10 +317,11 @@ class _Verifier:
             )
         self.report.subtrees += seen
 
-    def _query_tables(self, size: int, history: KeyHistory) -> None:
-        """The receipts/approvals/keys tables agree with the log entries they were derived from."""
+    def _read_tables(self, size: int) -> None:
+        """Read what the query-table and orphan checks compare, while the workers check the slices (the
+        size is fixed already; rows added meanwhile lie beyond it). Reported later, in the usual order."""
         with self.store.engine.connect() as conn:
-            tables = {
+            self.tables = {
                 "receipt": {
                     i: rid
                     for rid, i in conn.execute(sa.select(ReceiptRow.id, ReceiptRow.log_idx))
@@ -321,13 +333,18 @@ class _Verifier:
                     if i < size
                 },
             }
-        for kind, rows in tables.items():
+            end, checkpoints, largest, subtrees = conn.execute(_ORPHANS).one()
+            self.orphans = (end, checkpoints, largest, subtrees)
+        self.stored_keys = self.store.signer_keys()
+
+    def _query_tables(self, size: int, history: KeyHistory) -> None:
+        """The receipts/approvals/keys tables agree with the log entries they were derived from."""
+        for kind, rows in self.tables.items():
             expected = {i: digest for i, (k, digest) in self.envelope_ids.items() if k == kind}
             if rows != expected:
                 bad = sorted(set(rows.items()) ^ set(expected.items()))
                 self.problem(bad[0][0], f"the {kind}s table disagrees with the log entries (id or index)")
-        stored = self.store.signer_keys()
-        table_keys = {(k.keyid, k.trusted_at, k.revoked_at) for k in stored if k.trusted_at < size}
+        table_keys = {(k.keyid, k.trusted_at, k.revoked_at) for k in self.stored_keys if k.trusted_at < size}
         log_keys = {(k, s.trusted_at, s.revoked_at) for k, s in history.keys.items()}
         if table_keys != log_keys:
             bad = sorted(table_keys ^ log_keys, key=lambda t: t[1])
