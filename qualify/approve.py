@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from qualify.errors import UsageError
 from qualify.policy import LoadedPolicy
 from receipts import dsse
+from receipts.approval_rows import APPROVAL_PREDICATE_TYPE
 from receipts.canonical import canonical_json
 from receipts.checkpoint import NoteVerifier
 from receipts.errors import VerificationError
@@ -23,7 +24,6 @@ from receipts.statement import PREDICATE_TYPE, STATEMENT_TYPE, parse_time
 if TYPE_CHECKING:
     from receipts.store import Store
 
-APPROVAL_PREDICATE_TYPE = "https://qualify.dev/approval/v1"
 SUBJECT_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 DecisionValue = Literal["approved", "denied", "warn"]

@@ -5,19 +5,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from receipts.errors import StoreError
-from receipts.models import SCHEMA_REVISION
+from receipts.models import APPEND_ONLY_TABLES, SCHEMA_REVISION
 
 # pg_advisory_xact_lock key of the log's single writer ("qualify" in ASCII).
 PG_WRITER_LOCK = 0x7175616C696679
 
 _HINT = "check --db / QUALIFY_DB_URL"
+
+# The non-owner role of DESIGN §6, created (NOLOGIN, SELECT and INSERT only) by migration 0001 when the
+# migrating user may create roles. The app's sessions SET ROLE to it, so that even with the append-only
+# triggers dropped an UPDATE, DELETE or TRUNCATE through the app is refused by the privilege system.
+WRITER_ROLE = "qualify_writer"
 
 
 class MissingStore(StoreError):
@@ -169,3 +176,128 @@ def upgrade(engine: Engine) -> str:
         raise StoreError(f"cannot migrate the store at {shown(engine.url)}: {_first_line(error)}") from error
     assert revision is not None
     return revision
+
+
+# ---------------------------------------------------------------------------------------- session role
+
+
+@dataclass(frozen=True)
+class SessionRole:
+    """The role the store's sessions run as: `WRITER_ROLE` where it can, else the connecting role, with
+    the reason (`reason` is None exactly when `writer` is set)."""
+
+    role: str | None  # None on SQLite, which has no roles
+    writer: bool
+    reason: str | None
+
+    def __str__(self) -> str:
+        if self.writer:
+            return f"{self.role} (SELECT and INSERT only)"
+        return f"{self.role or 'no role'}: {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role, "writer": self.writer, "reason": self.reason}
+
+
+SQLITE_ROLE = SessionRole(None, False, "SQLite has no roles; the append-only triggers are the guard")
+
+
+_ABSENT = sa.text("SELECT t FROM unnest(CAST(:tables AS text[])) AS t WHERE to_regclass(t) IS NULL")
+_UNGRANTED = sa.text(
+    "SELECT t FROM unnest(CAST(:tables AS text[])) AS t "
+    "WHERE NOT (has_table_privilege(:role, t, 'SELECT') AND has_table_privilege(:role, t, 'INSERT'))"
+)
+
+
+def _can_set_role(conn: Connection, role: str) -> bool:
+    """Whether this session may SET ROLE `role` (tried in a transaction that is rolled back)."""
+    try:
+        with conn.begin() as txn:
+            conn.exec_driver_sql(f"SET LOCAL ROLE {role}")
+            txn.rollback()
+    except exc.DBAPIError:
+        return False
+    return True
+
+
+def _try(conn: Connection, sql: str) -> str | None:
+    """Run `sql` in its own transaction; the server's one-line error when it is refused."""
+    try:
+        with conn.begin():
+            conn.exec_driver_sql(sql)
+    except exc.DBAPIError as error:
+        return _first_line(error)
+    return None
+
+
+def writer_role(engine: Engine, *, grant: bool) -> SessionRole:
+    """Whether this engine's sessions can run as WRITER_ROLE. With `grant`, first grant what is missing
+    where the connecting user may (as the owner: SELECT/INSERT on the tables; as a superuser, the owner of
+    the role or a CREATEROLE user: membership of the role); without it nothing is changed."""
+    if engine.dialect.name != "postgresql":
+        return SQLITE_ROLE
+    try:
+        return _writer_role(engine, grant)
+    except exc.DBAPIError as error:
+        raise StoreError(
+            f"cannot choose the session role at {shown(engine.url)}: {_first_line(error)}; {_HINT}"
+        ) from error
+
+
+def _writer_role(engine: Engine, grant: bool) -> SessionRole:
+    with engine.connect() as conn:
+        user = conn.exec_driver_sql("SELECT current_user").scalar_one()
+        conn.rollback()
+
+        def fallback(reason: str) -> SessionRole:
+            return SessionRole(user, False, f"sessions run as {user}, not {WRITER_ROLE}: {reason}")
+
+        exists = conn.execute(
+            sa.text("SELECT count(*) FROM pg_roles WHERE rolname = :role"), {"role": WRITER_ROLE}
+        ).scalar_one()
+        conn.rollback()
+        if not exists:
+            return fallback(
+                f"the role does not exist (the user who migrated the store may not create roles); "
+                f"a superuser can run: CREATE ROLE {WRITER_ROLE} NOLOGIN; then reopen the store as the owner"
+            )
+        tables = {"tables": [*APPEND_ONLY_TABLES, "alembic_version"], "role": WRITER_ROLE}
+        absent = conn.execute(_ABSENT, tables).scalars().all()
+        missing = [] if absent else conn.execute(_UNGRANTED, tables).scalars().all()
+        conn.rollback()
+        if absent:
+            return fallback(f"the store's tables do not exist yet ({absent[0]}); run: qualify db upgrade")
+        if missing:
+            why = (
+                "not granted"
+                if not grant
+                else _try(conn, f"GRANT SELECT, INSERT ON {', '.join(missing)} TO {WRITER_ROLE}")
+            )
+            if why is not None:
+                return fallback(f"it may not SELECT/INSERT on {', '.join(missing)} ({why})")
+        if not _can_set_role(conn, WRITER_ROLE):
+            quoted = conn.dialect.identifier_preparer.quote(user)
+            why = "not a member" if not grant else _try(conn, f"GRANT {WRITER_ROLE} TO {quoted}")
+            if why is not None or not _can_set_role(conn, WRITER_ROLE):
+                return fallback(
+                    f"{user} may not SET ROLE {WRITER_ROLE} ({why or 'membership without SET'}); "
+                    f"a superuser can run: GRANT {WRITER_ROLE} TO {quoted}"
+                )
+    return SessionRole(WRITER_ROLE, True, None)
+
+
+def use_role(engine: Engine, role: str) -> None:
+    """Every new connection of `engine` runs as `role` (SET ROLE, committed so that the pool's rollback on
+    check-in keeps it). Connections already pooled are dropped, so none runs as the connecting role."""
+
+    @event.listens_for(engine, "connect")
+    def _set_role(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"SET ROLE {role}")
+        finally:
+            cursor.close()
+        if not dbapi_connection.autocommit:
+            dbapi_connection.commit()
+
+    engine.dispose()

@@ -24,8 +24,9 @@ import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.engine import Connection, Engine
 
-from receipts import dsse, merkle, receipt_rows
+from receipts import approval_rows, dsse, merkle, receipt_rows
 from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint
+from receipts.db import use_role
 from receipts.errors import ReceiptsError
 from receipts.keylog import KeyHistory
 from receipts.keys import VerifyingKey
@@ -45,7 +46,7 @@ KEY_KINDS = ("key-trust", "key-revoke")
 
 # A worker checks many slices: it opens its engine once (per process, as a forked child must not reuse
 # its parent's). NullPool: no connection outlives a slice.
-_ENGINES: dict[tuple[int, str], Engine] = {}
+_ENGINES: dict[tuple[int, str, str | None], Engine] = {}
 
 # (keyid, public PEM, trusted_at, revoked_at): a KeyHistory as plain data.
 KeyStates = list[tuple[str, bytes, int, int | None]]
@@ -224,11 +225,13 @@ class _Notes:
         return verifier.verify(body.encode(), blob[4:])
 
 
-def _engine(url: str) -> Engine:
-    key = (os.getpid(), url)
+def _engine(url: str, role: str | None) -> Engine:
+    key = (os.getpid(), url, role)
     engine = _ENGINES.get(key)
     if engine is None:
         engine = _ENGINES[key] = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        if role is not None:
+            use_role(engine, role)  # the worker reads as the store's own sessions do
     return engine
 
 
@@ -241,14 +244,19 @@ def _subtree_levels(leaves: list[bytes]) -> list[list[bytes]]:
     return levels
 
 
-def check_slice(source: str | Engine, lo: int, hi: int, states: KeyStates, keys: LogKeys) -> SliceResult:
-    """Check entries [lo, hi), checkpoints of sizes (lo, hi], and the subtrees inside [lo, hi)."""
-    engine = _engine(source) if isinstance(source, str) else source
+def check_slice(
+    source: str | Engine, lo: int, hi: int, states: KeyStates, keys: LogKeys, role: str | None = None
+) -> SliceResult:
+    """Check entries [lo, hi), checkpoints of sizes (lo, hi], and the subtrees inside [lo, hi). `source`
+    is the store's engine, or (in a worker process) its URL and the role its sessions run as."""
+    engine = _engine(source, role) if isinstance(source, str) else source
     result = SliceResult(lo, hi)
     with engine.connect() as conn:
-        signed_receipts = _check_entries(conn, lo, hi, _Signatures(states), result)
+        signed_receipts, signed_approvals = _check_entries(conn, lo, hi, _Signatures(states), result)
         if signed_receipts:
             result.problems.extend(receipt_rows.check(conn, lo, hi, signed_receipts))
+        if signed_approvals:
+            result.problems.extend(approval_rows.check(conn, lo, hi, signed_approvals))
         notes = _Notes(keys)
         for size, column_root, note in conn.execute(
             sa.select(_CHECKPOINTS.c.size, _CHECKPOINTS.c.root, _CHECKPOINTS.c.note)
@@ -266,11 +274,14 @@ def check_slice(source: str | Engine, lo: int, hi: int, states: KeyStates, keys:
     return result
 
 
+Signed = dict[int, tuple[bytes, list[str]]]  # index -> (statement payload, key ids whose signatures verify)
+
+
 def _check_entries(
     conn: Connection, lo: int, hi: int, signatures: _Signatures, result: SliceResult
-) -> dict[int, tuple[bytes, list[str]]]:
-    """Leaf hashes, kinds and envelope signatures of entries [lo, hi); returns the receipts whose
-    signatures verify (index -> (statement payload, key ids whose signatures verify))."""
+) -> tuple[Signed, Signed]:
+    """Leaf hashes, kinds and envelope signatures of entries [lo, hi); returns the receipts and the
+    approvals whose signatures verify."""
     sha256, leaves, kinds, envelope_ids, problems = (
         hashlib.sha256,
         result.leaves,
@@ -278,7 +289,8 @@ def _check_entries(
         result.envelope_ids,
         result.problems,
     )
-    signed_receipts: dict[int, tuple[bytes, list[str]]] = {}
+    signed_receipts: Signed = {}
+    signed_approvals: Signed = {}
     expected = lo
     rows = conn.execute(
         sa.select(_ENTRIES.c.idx, _ENTRIES.c.kind, _ENTRIES.c.envelope, _ENTRIES.c.leaf_hash)
@@ -300,8 +312,8 @@ def _check_entries(
             parsed, keyids, problem = signatures.check(idx, data)
             if problem is not None:
                 problems.append((idx, problem))
-            elif kind == "receipt" and parsed is not None:
-                signed_receipts[idx] = (parsed.payload, keyids)
+            elif parsed is not None:
+                (signed_receipts if kind == "receipt" else signed_approvals)[idx] = (parsed.payload, keyids)
         elif kind not in KEY_KINDS:
             # The kind column is not hashed; an entry of no known kind would escape every check.
             problems.append((idx, f"the entry's kind {kind!r} is not a kind this log writes"))
@@ -309,7 +321,7 @@ def _check_entries(
     else:
         if expected < hi:
             problems.append((expected, f"log entries {expected}..{hi - 1} are missing (deleted rows)"))
-    return signed_receipts
+    return signed_receipts, signed_approvals
 
 
 def _check_subtrees(conn: Any, lo: int, hi: int, result: SliceResult) -> int:

@@ -16,17 +16,22 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from receipts import dsse, merkle
+from receipts import approval_rows, dsse, merkle
 from receipts.checkpoint import Checkpoint, NoteSigner, open_checkpoint, sign_checkpoint
 from receipts.db import (
+    SQLITE_ROLE,
+    WRITER_ROLE,
     MissingStore,
+    SessionRole,
     check_connection,
     create_engine,
     parse_url,
     shown,
     upgrade,
+    use_role,
     write_transaction,
     writer,
+    writer_role,
 )
 from receipts.errors import NotFound, ReceiptsError, StoreError, TamperError, VerificationError
 from receipts.keylog import KeyHistory, revoke_record, trust_record
@@ -87,6 +92,15 @@ class _Pending:
     rows: RowsFn
 
 
+# A Store built on an engine directly (not through Store.open) runs as whatever the engine connects as.
+_UNCHOSEN = SessionRole(None, False, "sessions run as the engine's own role (not opened by Store.open)")
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -94,8 +108,12 @@ def _now() -> datetime:
 class Store(LogReader):
     """An open store. Reads need nothing more; appends need the log's checkpoint signer."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, db_role: SessionRole | None = None) -> None:
         super().__init__(engine)
+        if db_role is None:
+            db_role = SQLITE_ROLE if engine.dialect.name == "sqlite" else _UNCHOSEN
+        # The role this store's sessions run as, and why not the writer role when they cannot (§6).
+        self.db_role = db_role
         self._writer = writer(engine)
         # (size, root, frontier subtrees) after this process's last append: the next append reuses
         # them when the log's head is still that size and root, instead of reading merkle_nodes.
@@ -116,8 +134,10 @@ class Store(LogReader):
         origin: str | None = None,
         create: bool = True,
     ) -> Store:
-        """Connect and bring the schema to head. With `create=False`, a store that does not exist yet is
-        a StoreError instead of being created (for read-only commands)."""
+        """Connect and bring the schema to head (as the connecting user: migrations need the owner), then
+        run every later session as the non-owner writer role where it can (`db_role` says which role and,
+        if not the writer role, why). With `create=False`, a store that does not exist yet is a StoreError
+        instead of being created (for read-only commands)."""
         parsed = parse_url(url)
         engine = create_engine(parsed, create=create)
         try:
@@ -128,10 +148,13 @@ class Store(LogReader):
                 )
             if revision != SCHEMA_REVISION:
                 upgrade(engine)
+            db_role = writer_role(engine, grant=True)
+            if db_role.writer:
+                use_role(engine, WRITER_ROLE)
         except BaseException:
             engine.dispose()
             raise
-        store = cls(engine)
+        store = cls(engine, db_role)
         if log_signer is not None:
             store.set_log_signer(log_signer, origin)
         return store
@@ -340,43 +363,48 @@ class Store(LogReader):
         self,
         envelope: dsse.EnvelopeInput,
         *,
-        subject: str,
-        decision: str,
-        policy_digest: str,
-        receipt_ids: Sequence[str],
-        reasons: Sequence[str] = (),
+        subject: str | None = None,
+        decision: str | None = None,
+        policy_digest: str | None = None,
+        receipt_ids: Sequence[str] | None = None,
+        reasons: Sequence[str] | None = None,
     ) -> ApprovalRecord:
-        """Append a signed rollout decision about `subject`, based on receipts already in the log."""
+        """Append a signed rollout decision, based on receipts already in the log. Its `approvals` row is
+        derived from the signed approval statement; fields a caller also passes must equal the signed ones
+        (a mismatch is refused and nothing is written)."""
         data = dsse.envelope_bytes(envelope)
         parsed = dsse.parse(data)
+        signed = approval_rows.signed_fields(parsed)
+        given = {
+            "subject": subject,
+            "decision": decision,
+            "policy_digest": policy_digest,
+            "receipt_ids": None if receipt_ids is None else list(receipt_ids),
+            "reasons": None if reasons is None else list(reasons),
+        }
+        for name, value in given.items():
+            if value is not None and value != signed[name]:
+                raise StoreError(
+                    f"approval {name} {_short(value)} disagrees with the signed envelope's "
+                    f"{_short(signed[name])}; nothing appended; pass the fields of the signed statement"
+                )
+        relied_on: list[str] = signed["receipt_ids"]
         aid = hashlib.sha256(data).hexdigest()
 
         def rows(
             conn: Connection, idx: int, history: KeyHistory
         ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
             keyids = history.signers(parsed, idx, "approval")
-            if receipt_ids:
+            if relied_on:
                 found = set(
-                    conn.execute(
-                        sa.select(ReceiptRow.id).where(ReceiptRow.id.in_(list(receipt_ids)))
-                    ).scalars()
+                    conn.execute(sa.select(ReceiptRow.id).where(ReceiptRow.id.in_(relied_on))).scalars()
                 )
-                missing = [r for r in receipt_ids if r not in found]
+                missing = [r for r in relied_on if r not in found]
                 if missing:
                     raise NotFound(f"approval refers to receipt {missing[0][:16]} which is not in the log")
             if conn.execute(sa.select(APPROVALS.c.log_idx).where(APPROVALS.c.id == aid)).scalar() is not None:
                 raise StoreError(f"approval {aid[:16]} is already in the log; nothing appended")
-            row = {
-                "id": aid,
-                "log_idx": idx,
-                "subject": subject,
-                "decision": decision,
-                "policy_digest": policy_digest,
-                "receipt_ids": list(receipt_ids),
-                "reasons": list(reasons),
-                "keyid": keyids[0],
-                "created_at": _now(),
-            }
+            row = {"id": aid, "log_idx": idx, **signed, "keyid": keyids[0], "created_at": _now()}
             return [(ApprovalRow.__table__, [row])]
 
         self._append([_Pending("approval", data, rows)])

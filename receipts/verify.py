@@ -247,11 +247,14 @@ class _Verifier:
         source: Any = (
             self.store.engine.url.render_as_string(hide_password=False) if workers else self.store.engine
         )
+        role = self.store.db_role.role if self.store.db_role.writer else None
         kinds: Counter[str] = Counter()
         complete = True
         with logscan.executor(workers) as pool:
             futures = [
-                pool.submit(logscan.check_slice, source, lo, min(lo + logscan.SLICE, size), states, keys)
+                pool.submit(
+                    logscan.check_slice, source, lo, min(lo + logscan.SLICE, size), states, keys, role
+                )
                 for lo in range(0, size, logscan.SLICE)
             ]
             self._read_tables(size)

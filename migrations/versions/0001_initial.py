@@ -8,7 +8,8 @@ Trigger DDL is written by hand for each dialect:
 - PostgreSQL: one plpgsql function raises on UPDATE/DELETE (row triggers) and TRUNCATE (statement
   triggers); the triggers are ENABLE ALWAYS so `session_replication_role = replica` does not skip them.
   A NOLOGIN role `qualify_writer` (SELECT, INSERT only) is created when the migrating user may create
-  roles; operators connect the app as a LOGIN member of it, so that even dropping a trigger needs the owner.
+  roles; after migrating, the store runs its sessions as that role where it can (receipts.db.writer_role),
+  so that with the triggers dropped an UPDATE/DELETE/TRUNCATE through the app is still refused.
 - SQLite: BEFORE UPDATE/DELETE triggers raise; a BEFORE INSERT guard refuses a row whose primary or
   unique key already exists, because INSERT OR REPLACE deletes the old row without firing DELETE
   triggers (unless the connection happens to set recursive_triggers).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from qualify.commands._common import console, db_option, emit, json_option, opened, resolve_db, store_errors
-from receipts.db import check_connection, create_engine, head_revision, parse_url, shown
+from receipts.db import check_connection, create_engine, head_revision, parse_url, shown, writer_role
 from receipts.store import Store
 
 
@@ -22,7 +22,12 @@ def upgrade(db_url: str | None, as_json: bool) -> None:
     """Create the store if needed and apply every migration."""
     with opened(Store.open(resolve_db(db_url), create=True)) as store:
         revision = store.revision()
-        data = {"url": store.url, "revision": revision, "head": head_revision()}
+        data = {
+            "url": store.url,
+            "revision": revision,
+            "head": head_revision(),
+            "role": store.db_role.to_json(),
+        }
         emit(as_json, data, lambda: console.print(f"store {data['url']} is at revision {revision} (head)"))
 
 
@@ -36,10 +41,11 @@ def current(db_url: str | None, as_json: bool) -> None:
     engine = create_engine(url, create=False)
     try:
         revision = check_connection(engine)
+        role = writer_role(engine, grant=False).to_json()  # a probe: grants nothing
     finally:
         engine.dispose()
     head = head_revision()
-    data = {"url": shown(url), "revision": revision, "head": head, "at_head": revision == head}
+    data = {"url": shown(url), "revision": revision, "head": head, "at_head": revision == head, "role": role}
     status = "at head" if revision == head else f"behind head {head}; run: qualify db upgrade"
     emit(
         as_json, data, lambda: console.print(f"store {data['url']}: revision {revision or 'none'}, {status}")

@@ -16,6 +16,7 @@ from receipts.errors import NotFound, StoreError, VerificationError
 from receipts.store import Store
 from receipts.testing import append_synthetic, synthetic_envelope, synthetic_statement
 from receipts.verify import verify_log
+from tests.store.approvals import POLICY, SUBJECT, approval_envelope, approval_statement
 
 
 def _leaves(store: Store) -> list[bytes]:
@@ -211,32 +212,72 @@ def test_verify_receipt_reports_each_check(store, operator, log_signer) -> None:
 
 def test_approvals_are_log_entries_about_receipts_in_the_log(store, operator) -> None:
     rid = store.append_receipt(synthetic_envelope(operator, 1)).id
-    envelope = dsse.sign("application/vnd.qualify.approval+json", b'{"decision":"approved"}', operator)
-    fields = {
-        "subject": "sha256:" + "ab" * 32,
-        "decision": "approved",
-        "policy_digest": "sha256:" + "cd" * 32,
-    }
-    approval = store.append_approval(envelope, receipt_ids=[rid], reasons=[], **fields)
+    envelope = approval_envelope(operator, receipt_ids=[rid], reasons=["all good"])
+    approval = store.append_approval(envelope)
     assert approval.log_idx == 2 and approval.receipt_ids == [rid]
-    assert [a.id for a in store.list_approvals(subject=fields["subject"])] == [approval.id]
-    other = dsse.sign("application/vnd.qualify.approval+json", b'{"decision":"denied"}', operator)
+    assert (approval.subject, approval.decision, approval.policy_digest) == (SUBJECT, "approved", POLICY)
+    assert approval.reasons == ["all good"] and approval.keyid == operator.keyid
+    assert [a.id for a in store.list_approvals(subject=SUBJECT)] == [approval.id]
+    other = approval_envelope(operator, decision="denied", receipt_ids=["0" * 64])
     with pytest.raises(NotFound):
-        store.append_approval(other, receipt_ids=["0" * 64], **fields)
+        store.append_approval(other)
     verify_log(store)
+
+
+def test_approval_fields_that_disagree_with_the_envelope_are_refused_and_nothing_is_written(
+    store, operator
+) -> None:
+    rid = store.append_receipt(synthetic_envelope(operator, 1)).id
+    envelope = approval_envelope(operator, decision="denied", receipt_ids=[rid], reasons=["too old"])
+    signed = {
+        "subject": SUBJECT,
+        "decision": "denied",
+        "policy_digest": POLICY,
+        "receipt_ids": [rid],
+        "reasons": ["too old"],
+    }
+    wrong = {
+        "subject": "sha256:" + "ef" * 32,
+        "decision": "approved",
+        "policy_digest": "sha256:" + "00" * 32,
+        "receipt_ids": [],
+        "reasons": [],
+    }
+    size = store.size()
+    for name, value in wrong.items():
+        with pytest.raises(StoreError, match=f"approval {name} .* disagrees with the signed envelope"):
+            store.append_approval(envelope, **{**signed, name: value})
+        assert store.size() == size and store.list_approvals() == []
+    approval = store.append_approval(envelope, **signed)  # every field agrees: appended
+    assert approval.decision == "denied" and store.size() == size + 1
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        {"predicateType": "https://qualify.dev/qualification/v1"},
+        {"predicate": {"decision": "approved"}},
+        {"subject": [{"name": "x", "digest": {"sha256": "ef" * 32}}]},
+        {"predicate": {**approval_statement()["predicate"], "receipt_ids": "x"}},
+    ],
+    ids=["receipt-type", "no-fields", "subject-not-signed", "ids-not-a-list"],
+)
+def test_an_envelope_that_is_not_an_approval_statement_is_refused(store, operator, statement) -> None:
+    payload = canonical_json({**approval_statement(), **statement})
+    with pytest.raises(VerificationError, match="not an approval statement"):
+        store.append_approval(dsse.sign(dsse.PAYLOAD_TYPE_INTOTO, payload, operator))
+    with pytest.raises(VerificationError, match="payloadType"):
+        store.append_approval(dsse.sign("application/json", canonical_json(approval_statement()), operator))
+    assert store.size() == 1
 
 
 def test_approvals_are_paged_in_log_order_by_the_database(store, operator) -> None:
     rid = store.append_receipt(synthetic_envelope(operator, 1)).id
     made = []
     for n in range(5):
-        envelope = dsse.sign("application/vnd.qualify.approval+json", b'{"n":%d}' % n, operator)
         subject = "sha256:" + ("ab" if n % 2 else "cd") * 32
-        made.append(
-            store.append_approval(
-                envelope, subject=subject, decision="approved", policy_digest="p", receipt_ids=[rid]
-            )
-        )
+        envelope = approval_envelope(operator, subject, receipt_ids=[rid], reasons=[f"n={n}"])
+        made.append(store.append_approval(envelope))
     ids = [a.id for a in made]
     assert [a.id for a in store.list_approvals()] == ids
     assert [a.id for a in store.list_approvals(limit=2, offset=1)] == ids[1:3]

@@ -18,6 +18,7 @@ from receipts.models import APPEND_ONLY_TABLES
 from receipts.store import Store
 from receipts.testing import synthetic_envelope
 from receipts.verify import verify_log
+from tests.store.approvals import approval_envelope
 
 # One statement per table that a tamperer would try; each must be refused.
 UPDATES = {
@@ -44,12 +45,7 @@ def populate(store: Store, operator: SigningKey) -> Store:
     spare = keys.generate()
     store.trust_key(spare.public_key())
     store.revoke_key(spare.keyid, "test")
-    from receipts import dsse
-
-    envelope = dsse.sign("application/vnd.qualify.approval+json", b"{}", operator)
-    store.append_approval(
-        envelope, subject="sha256:" + "ab" * 32, decision="approved", policy_digest="p", receipt_ids=ids
-    )
+    store.append_approval(approval_envelope(operator, receipt_ids=ids, reasons=["three receipts"]))
     return store
 
 
