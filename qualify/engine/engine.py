@@ -15,7 +15,7 @@ from qualify.protocol import Counters
 
 from .arena import build_arena
 from .config import EngineConfig
-from .layout import ALIGNMENT, allocate_group, plan_layout, release_group
+from .layout import allocate_group, plan_layout, release_group
 from .model import HybridModel
 from .model.attention import AttentionRuntime
 from .model.kda_layer import KdaRuntime
@@ -181,18 +181,7 @@ class Engine:
                 "spans": self.layout.spans,
                 "chunk": self.layout.chunk,
                 "ratios": self.layout.ratios,
-                "groups": [
-                    {
-                        "name": a.group.name,
-                        "kind": a.group.kind,
-                        "layers": list(a.group.layers),
-                        "span": a.group.span,
-                        "nbytes": a.nbytes,
-                        "alignment": ALIGNMENT,
-                        "handle_kind": a.handle["kind"],
-                    }
-                    for a in self.allocations
-                ],
+                "groups": [a.record() for a in self.allocations],
             },
             "dcp_mode": "folded",
             "arenas": self.arena.describe(),

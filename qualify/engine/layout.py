@@ -123,6 +123,18 @@ class GroupAllocation:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    def record(self) -> dict:
+        """What the engine registers for this allocation: group, layers, span, size, alignment, handle."""
+        return {
+            "name": self.group.name,
+            "kind": self.group.kind,
+            "layers": list(self.group.layers),
+            "span": self.group.span,
+            "nbytes": self.nbytes,
+            "alignment": ALIGNMENT,
+            "handle_kind": self.handle["kind"],
+        }
+
 
 def group_view_specs(group: KvGroup, cfg) -> list[ViewSpec]:
     """Per-layer caches of a group. KDA: fp32 state pool [slots, H, V, K] and conv state

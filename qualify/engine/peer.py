@@ -147,12 +147,7 @@ def verify_with_peer(engine, timeout: float = 300.0) -> dict:
         a.buffer[p + half : p + PROBE_BYTES].zero_()
         groups.append(
             {
-                "name": a.group.name,
-                "kind": a.group.kind,
-                "layers": list(a.group.layers),
-                "span": a.group.span,
-                "nbytes": a.nbytes,
-                "alignment": ALIGNMENT,
+                **a.record(),
                 "probe_offset": p,
                 "handle": a.handle,
                 "device": _device_identity(a.buffer.device),
