@@ -30,8 +30,8 @@ VERIFY_BATCHES = (1, 64, 256)
 VERIFY_T = 4
 
 
-def time_graph(fn: Callable[[], None], *, replays: int = 200, warmup: int = 20) -> dict[str, float]:
-    """Capture fn in a CUDA graph; return median µs per replay (timed singly) and per replay back to back."""
+def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """fn warmed up on a side stream, then captured in a CUDA graph of its own."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -41,27 +41,67 @@ def time_graph(fn: Callable[[], None], *, replays: int = 200, warmup: int = 20) 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    for _ in range(warmup):
-        graph.replay()
     torch.cuda.synchronize()
-    single = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+    return graph
+
+
+def _single(graph: torch.cuda.CUDAGraph) -> float:
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    graph.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3
+
+
+def _streamed(graph: torch.cuda.CUDAGraph, n: int = 10) -> float:
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
         graph.replay()
-        e.record()
-        e.synchronize()
-        single.append(s.elapsed_time(e) * 1e3)
-    streamed = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(10):
-            graph.replay()
-        e.record()
-        e.synchronize()
-        streamed.append(s.elapsed_time(e) * 1e3 / 10)
-    return {"us": round(statistics.median(single), 2), "us_streamed": round(statistics.median(streamed), 2)}
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3 / n
+
+
+def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], *, rounds: int = 20, per_round: int = 10) -> dict:
+    """Median µs per replay for each graph, timed in interleaved rounds (the order rotates every round) so
+    that clock ramps and neighbours' cache state fall on every contender alike rather than on whoever runs
+    first. us: one replay timed alone; us_streamed: 10 replays in a row / 10."""
+    labels = list(graphs)
+    single: dict[str, list[float]] = {k: [] for k in labels}
+    streamed: dict[str, list[float]] = {k: [] for k in labels}
+    for g in graphs.values():
+        for _ in range(5):
+            g.replay()
+    torch.cuda.synchronize()
+    for r in range(rounds):
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
+        for k in order:
+            single[k] += [_single(graphs[k]) for _ in range(per_round)]
+            streamed[k].append(_streamed(graphs[k]))
+    med = statistics.median
+    return {k: {"us": round(med(single[k]), 2), "us_streamed": round(med(streamed[k]), 2)} for k in labels}
+
+
+def time_graph(fn: Callable[[], None], *, rounds: int = 20) -> dict[str, float]:
+    """One contender on its own (used for the copy-bandwidth reference)."""
+    return time_graphs({"x": capture(fn)}, rounds=rounds)["x"]
+
+
+def warm_up_clocks(seconds: float = 0.5) -> None:
+    """Keep the GPU busy for a moment so the first contender does not pay for the clocks ramping up."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(20):
+            a @ a
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > seconds * 1e3:
+            return
 
 
 def copy_bandwidth() -> dict[str, float]:
@@ -71,7 +111,7 @@ def copy_bandwidth() -> dict[str, float]:
         nbytes = mib << 20
         src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
         dst = torch.empty_like(src)
-        t = time_graph(lambda src=src, dst=dst: dst.copy_(src), replays=30)
+        t = time_graph(lambda src=src, dst=dst: dst.copy_(src), rounds=5)
         result[f"{mib}MiB"] = round(2 * nbytes / (t["us_streamed"] * 1e-6) / 1e12, 3)
         del src, dst
     result["max"] = max(result.values())
@@ -178,11 +218,7 @@ def state_tbps(n: int, T: int, us: float) -> float:
     return round(n * H * K * V * 4 * (1 + T) / (us * 1e-6) / 1e12, 3)
 
 
-def measure(label: str, build: Callable[[], Callable[[], None]], n: int, T: int) -> dict[str, object]:
-    try:
-        t = time_graph(build())
-    except Exception as e:
-        return {"unavailable": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+def with_rates(t: dict[str, float], n: int, T: int) -> dict[str, float]:
     return {
         **t,
         "state_TBps": state_tbps(n, T, t["us"]),
@@ -190,31 +226,40 @@ def measure(label: str, build: Callable[[], Callable[[], None]], n: int, T: int)
     }
 
 
+SWEEP = ((128, 8), (128, 4), (128, 2), (64, 2), (32, 1), (32, 2), (16, 1), (16, 2), (8, 1), (8, 2))
+
+
 def bench_decode(batches: tuple[int, ...], T: int, *, peers: bool = True, sweep: bool = False) -> list[dict]:
     rows = []
     for n in batches:
         t = make_inputs(n, T)
-        row: dict[str, object] = {"batch": n, "T": T}
-        row["ours"] = measure("ours", lambda t=t: ours(t), n, T)
+        builders: dict[str, Callable[[], Callable[[], None]]] = {"ours": lambda t=t: ours(t)}
         if sweep:
-            for bv, nw in ((128, 4), (64, 2), (32, 1), (32, 2), (16, 1), (16, 2), (8, 1)):
-                row[f"ours_bv{bv}_w{nw}"] = measure(
-                    "sweep", lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw), n, T
-                )
+            for bv, nw in SWEEP:
+                builders[f"ours_bv{bv}_w{nw}"] = lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw)
         if peers:
-            row["fla"] = measure("fla", lambda t=t, n=n: fla(t, n, T), n, T)
+            builders["fla"] = lambda t=t, n=n: fla(t, n, T)
 
             def fla_norm(t=t, n=n):
                 f, g = fla(t, n, T), gated_norm(t)
                 return lambda: (f(), g())
 
-            row["fla+norm"] = measure("fla+norm", fla_norm, n, T)
-            row["b12x"] = measure("b12x", lambda t=t, n=n: b12x(t, n, T), n, T)
+            builders["fla+norm"] = fla_norm
+            builders["b12x"] = lambda t=t, n=n: b12x(t, n, T)
+        row: dict[str, object] = {"batch": n, "T": T}
+        graphs = {}
+        for label, build in builders.items():
+            try:
+                graphs[label] = capture(build())
+            except Exception as e:
+                row[label] = {"unavailable": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+        for label, timing in time_graphs(graphs).items():
+            row[label] = with_rates(timing, n, T)
         for peer in ("fla+norm", "fla", "b12x"):
             if "us" in row.get(peer, {}) and "us" in row["ours"]:
                 row[f"speedup_vs_{peer}"] = round(row[peer]["us"] / row["ours"]["us"], 3)
         rows.append(row)
-        del t
+        del t, graphs
         torch.cuda.empty_cache()
     return rows
 
@@ -235,7 +280,7 @@ def check_agreement(n: int = 8, T: int = VERIFY_T) -> dict[str, float]:
     return out
 
 
-def run_prefill() -> object:
+def run_prefill(sweep: bool = False) -> object:
     for mod in ("bench.kda_prefill", "kda_prefill"):
         try:
             m = importlib.import_module(mod)
@@ -243,7 +288,7 @@ def run_prefill() -> object:
             continue
         if hasattr(m, "bench_prefill"):
             try:
-                return m.bench_prefill()
+                return m.bench_prefill(sweep=sweep)
             except Exception as e:
                 return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
     return "skipped: bench/kda_prefill.py with bench_prefill() not found"
@@ -272,8 +317,10 @@ def main() -> None:
         "triton": triton.__version__,
         "shape": {"H": H, "K": K, "V": V},
         "state_TBps_definition": "batch*H*K*V*4 bytes*(1 read + T writes) / time",
-        "timing": "CUDA graph of one call; us: median single replay; us_streamed: 10 replays in a row / 10",
-        "copy_TBps": copy_bandwidth(),
+        "timing": "CUDA graph of one call per contender, all of a row captured first and then timed in 20 "
+        "interleaved rounds (order rotating); us: median single replay; "
+        "us_streamed: 10 replays in a row / 10",
+        "copy_TBps": (warm_up_clocks(), copy_bandwidth())[1],
     }
     for name in ("fla", "b12x"):
         try:
@@ -284,7 +331,7 @@ def main() -> None:
     result["verify"] = bench_decode(verify_batches, VERIFY_T, sweep=args.sweep)
     result["agreement"] = check_agreement()
     if not (args.quick or args.no_prefill):
-        result["prefill"] = run_prefill()
+        result["prefill"] = run_prefill(sweep=args.sweep)
     write_result(result, args.out, indent=1)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -17,10 +18,7 @@ H, K, V = 32, 128, 128
 SHAPES = [(1, 8192), (8, 1024), (1, 32768)]
 
 
-def _time_ms(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
+def _time_ms(fn, iters: int = 10) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -28,6 +26,20 @@ def _time_ms(fn, iters: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def _time_interleaved(fns: dict[str, object], rounds: int = 6) -> dict[str, float]:
+    """Median ms per call for each contender, timed in alternating rounds so neither gets the warm GPU."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    labels = list(fns)
+    for r in range(rounds):
+        for k in labels[r % len(labels) :] + labels[: r % len(labels)]:
+            times[k].append(_time_ms(fns[k]))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _fla_chunk_kda():
@@ -38,7 +50,10 @@ def _fla_chunk_kda():
     return chunk_kda, None
 
 
-def _bench_shape(nseq: int, seqlen: int, dev: torch.device, fla) -> dict:
+SWEEP = [(bv, w, st) for bv in (16, 32) for w in (4, 8) for st in (1, 2, 3, 4)] + [(64, 4, 2), (64, 8, 2)]
+
+
+def _bench_shape(nseq: int, seqlen: int, dev: torch.device, fla, sweep: bool = False) -> dict:
     bf = torch.bfloat16
     tot = nseq * seqlen
     cu_list = [i * seqlen for i in range(nseq + 1)]
@@ -60,12 +75,13 @@ def _bench_shape(nseq: int, seqlen: int, dev: torch.device, fla) -> dict:
     scratch = {
         m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
     }
-    ours = _time_ms(
-        lambda: prefill(
-            q, k, v, a, b, A_log, dt_bias, z, w, pool, cu, slots, has, idx, offs, nc, out, scratch=scratch
-        )
-    )
-    row = {"tokens": f"{nseq}x{seqlen}", "ours_ms": round(ours, 4)}
+
+    def run_ours() -> None:
+        args = (q, k, v, a, b, A_log, dt_bias, z, w, pool, cu, slots, has, idx, offs, nc, out)
+        prefill(*args, scratch=scratch)
+
+    contenders = {"ours": run_ours}
+    row: dict = {"tokens": f"{nseq}x{seqlen}"}
     if fla is not None:
         h0 = torch.zeros(nseq, H, V, K, device=dev)  # V-first, like our pool
         cu_long = cu.long()
@@ -92,27 +108,61 @@ def _bench_shape(nseq: int, seqlen: int, dev: torch.device, fla) -> dict:
                 cu_seqlens_cpu=cu_long.cpu(),
             )
 
-        try:
+        def run_fla_inference() -> None:
             with torch.inference_mode():
-                fla_ms = _time_ms(run_fla)
-            row |= {"fla_ms": round(fla_ms, 4), "fla_over_ours": round(fla_ms / ours, 3)}
+                run_fla()
+
+        try:
+            run_fla_inference()
+            contenders["fla"] = run_fla_inference
         except Exception as exc:
             row |= {"fla_ms": None, "fla_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    ms = _time_interleaved(contenders)
+    row["ours_ms"] = round(ms["ours"], 4)
+    if "fla" in ms:
+        row |= {"fla_ms": round(ms["fla"], 4), "fla_over_ours": round(ms["fla"] / ms["ours"], 3)}
+    if sweep:
+        row["state_launch_sweep"] = _sweep_state_launch(run_ours)
     return row
 
 
-def bench_prefill(device: str = "cuda") -> dict:
+def _sweep_state_launch(run_ours) -> list[dict]:
+    """Our prefill with the chunk-recurrence kernel at other (BV, warps, stages); defaults restored after."""
+    from kernels.kda import chunk
+
+    saved = chunk._STATE_BV, chunk._STATE_WARPS, chunk._STATE_STAGES
+    rows = []
+    try:
+        for bv, warps, stages in SWEEP:
+            chunk._STATE_BV, chunk._STATE_WARPS, chunk._STATE_STAGES = bv, warps, stages
+            try:
+                ms = _time_interleaved({"x": run_ours}, rounds=3)["x"]
+                rows.append({"BV": bv, "num_warps": warps, "num_stages": stages, "ms": round(ms, 4)})
+            except Exception as exc:
+                rows.append({"BV": bv, "num_warps": warps, "num_stages": stages, "error": str(exc)[:200]})
+    finally:
+        chunk._STATE_BV, chunk._STATE_WARPS, chunk._STATE_STAGES = saved
+    return sorted(rows, key=lambda r: r.get("ms", 1e9))
+
+
+def bench_prefill(device: str = "cuda", sweep: bool = False) -> dict:
+    """Each shape: ours and fla timed in alternating rounds; with sweep, the longest shape also times our
+    chunk-recurrence kernel at other launch shapes (the one sequential loop, so the one that scales)."""
     dev = torch.device(device)
     fla, fla_reason = _fla_chunk_kda()
-    rows = [_bench_shape(nseq, seqlen, dev, fla) for nseq, seqlen in SHAPES]
+    rows = [
+        _bench_shape(nseq, seqlen, dev, fla, sweep=sweep and seqlen == max(s for _, s in SHAPES))
+        for nseq, seqlen in SHAPES
+    ]
     return {
         "device": torch.cuda.get_device_name(dev),
         "shape": {"H": H, "K": K, "V": V, "chunk": 64},
         "note": "ours includes gate, beta sigmoid, L2 norm and gated RMSNorm; fla excludes the gated RMSNorm",
+        "timing": "eager calls, 6 alternating rounds of 10, median ms per call",
         "fla": "fla-core chunk_kda" if fla is not None else f"unavailable: {fla_reason}",
         "prefill": rows,
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(bench_prefill(), indent=2))
+    print(json.dumps(bench_prefill(sweep="--sweep" in sys.argv), indent=2))

@@ -22,6 +22,7 @@ _SUB = 16  # sub-chunk: the span over which one exp factor may grow (≤ e^{5·8
 # accumulation; fp32 A/P operands run as tf32 and made the prefill 1.5x slower). The interpreter uses fp32.
 _GATE_BK, _GATE_WARPS, _INTRA_WARPS, _SOLVE_UNROLL, _STATE_BV, _STATE_WARPS = 32, 4, 4, False, 32, 4
 _SPLIT_WU, _WU_WARPS, _WU_DT, _AP_DT = True, 4, tl.bfloat16, tl.bfloat16
+_STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop; None: Triton's default
 
 
 def build_chunk_metadata(
@@ -434,6 +435,7 @@ def prefill(
             WHILE_LOOP=_INTERPRET,
             DT=tl.float32 if _INTERPRET else tl.bfloat16,
             num_warps=_STATE_WARPS,
+            **({} if _STATE_STAGES is None else {"num_stages": _STATE_STAGES}),
         )
     rows = 16
     _gated_norm_kernel[(triton.cdiv(total * H, rows),)](
