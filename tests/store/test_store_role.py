@@ -168,3 +168,39 @@ def test_sqlite_has_no_roles_and_says_so(sqlite_url) -> None:
     with Store.open(sqlite_url) as store:
         assert store.db_role.role is None and not store.db_role.writer
         assert "SQLite has no roles" in str(store.db_role)
+
+
+def test_a_login_member_of_the_writer_role_appends_but_can_neither_rewrite_nor_drop_triggers(
+    pg_url, raw_pg, log_signer, operator
+) -> None:
+    # The README's full separation: hosts log in as a role that is only a member of qualify_writer.
+    with Store.open(pg_url, log_signer=log_signer) as owner:  # as the owner: migrates, creates the role
+        owner.trust_key(operator.public_key())
+    host = f"host{os.getpid()}_{next(_users)}"
+    with raw_pg.engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {host} LOGIN IN ROLE {WRITER_ROLE}"))
+    url = sa.engine.make_url(pg_url).set(username=host).render_as_string(hide_password=False)
+    store = Store.open(url, log_signer=log_signer)
+    try:
+        assert store.db_role.writer and _whoami(store.engine) == (WRITER_ROLE, host)
+        store.append_receipt(synthetic_envelope(operator, 1))
+        assert verify_log(store, verifiers=[log_signer.verifier()], workers=0).ok
+    finally:
+        store.close()
+    # A raw connection as the host login (no SET ROLE, no store code) may not drop the append-only
+    # triggers, and with them dropped by the owner it still may not rewrite.
+    raw_host = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with raw_pg.engine.connect() as conn:
+            sql = "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE NOT tgisinternal LIMIT 1"
+            name, table = conn.execute(sa.text(sql)).one()
+        with pytest.raises(sa.exc.ProgrammingError, match="must be owner"), raw_host.begin() as conn:
+            conn.execute(sa.text(f"DROP TRIGGER {name} ON {table}"))
+        raw_pg.drop_triggers()
+        before = raw_pg.counts()
+        for sql in ("DELETE FROM receipts", "TRUNCATE receipts CASCADE", "UPDATE log_entries SET idx = idx"):
+            with pytest.raises(sa.exc.ProgrammingError, match="permission denied"), raw_host.begin() as conn:
+                conn.execute(sa.text(sql))
+        assert raw_pg.counts() == before
+    finally:
+        raw_host.dispose()
