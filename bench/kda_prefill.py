@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
 import sys
@@ -154,8 +155,13 @@ def bench_prefill(device: str = "cuda", sweep: bool = False) -> dict:
         _bench_shape(nseq, seqlen, dev, fla, sweep=sweep and seqlen == max(s for _, s in SHAPES))
         for nseq, seqlen in SHAPES
     ]
+    import triton
+
     return {
         "device": torch.cuda.get_device_name(dev),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
         "shape": {"H": H, "K": K, "V": V, "chunk": 64},
         "note": "ours includes gate, beta sigmoid, L2 norm and gated RMSNorm; fla excludes the gated RMSNorm",
         "timing": "eager calls, 6 alternating rounds of 10, median ms per call",
