@@ -101,22 +101,34 @@ class KeyHistory:
     def __init__(self) -> None:
         self.keys: dict[str, KeyState] = {}
 
+    def trust_refusal(self, keyid: str) -> str | None:
+        """Why a key-trust entry for `keyid` may not be appended next, or None. The one rule, used when
+        replaying the log and by the store before it appends."""
+        state = self.keys.get(keyid)
+        if state is None:
+            return None
+        if state.revoked_at is not None:
+            return f"key {keyid[:16]} was revoked at log index {state.revoked_at}; generate a new key instead"
+        return f"key {keyid[:16]} is already trusted (log index {state.trusted_at})"
+
+    def revoke_refusal(self, keyid: str) -> str | None:
+        """Why a key-revoke entry for `keyid` may not be appended next, or None (see trust_refusal)."""
+        state = self.keys.get(keyid)
+        if state is None:
+            return f"key {keyid[:16]} is not trusted in this log; nothing to revoke"
+        if state.revoked_at is not None:
+            return f"key {keyid[:16]} is already revoked (log index {state.revoked_at})"
+        return None
+
     def trust(self, idx: int, key: VerifyingKey, note: str = "") -> None:
-        state = self.keys.get(key.keyid)
-        if state is not None:
-            if state.revoked_at is not None:
-                raise VerificationError(
-                    f"key {key.keyid} was revoked at log index {state.revoked_at}; generate a new key instead"
-                )
-            raise VerificationError(f"key {key.keyid} is already trusted (log index {state.trusted_at})")
+        if (why := self.trust_refusal(key.keyid)) is not None:
+            raise VerificationError(why)
         self.keys[key.keyid] = KeyState(key=key, trusted_at=idx, note=note)
 
     def revoke(self, idx: int, keyid: str, reason: str = "") -> None:
-        state = self.keys.get(keyid)
-        if state is None:
-            raise VerificationError(f"key {keyid} is not trusted in this log; nothing to revoke")
-        if state.revoked_at is not None:
-            raise VerificationError(f"key {keyid} is already revoked (log index {state.revoked_at})")
+        if (why := self.revoke_refusal(keyid)) is not None:
+            raise VerificationError(why)
+        state = self.keys[keyid]
         state.revoked_at, state.reason = idx, reason
 
     def apply(self, idx: int, data: bytes) -> TrustRecord | RevokeRecord:

@@ -417,13 +417,8 @@ class Store(LogReader):
         def rows(
             conn: Connection, idx: int, history: KeyHistory
         ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
-            state = history.keys.get(key.keyid)
-            if state is not None:
-                if state.revoked_at is not None:
-                    raise StoreError(
-                        f"key {key.keyid[:16]} was revoked at log index {state.revoked_at}; make a new key"
-                    )
-                raise StoreError(f"key {key.keyid[:16]} is already trusted (log index {state.trusted_at})")
+            if (why := history.trust_refusal(key.keyid)) is not None:
+                raise StoreError(why)
             row = {
                 "keyid": key.keyid,
                 "algorithm": key.algorithm,
@@ -444,11 +439,8 @@ class Store(LogReader):
         def rows(
             conn: Connection, idx: int, history: KeyHistory
         ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
-            state = history.keys.get(full)
-            if state is None:
-                raise NotFound(f"key {full[:16]} is not trusted in this log; nothing to revoke")
-            if state.revoked_at is not None:
-                raise StoreError(f"key {full[:16]} is already revoked (log index {state.revoked_at})")
+            if (why := history.revoke_refusal(full)) is not None:
+                raise (NotFound if full not in history.keys else StoreError)(why)
             return [(KeyRevocation.__table__, [{"keyid": full, "revoked_at_idx": idx, "reason": reason}])]
 
         self._append([_Pending("key-revoke", data, rows)])
