@@ -11,7 +11,6 @@ import datetime
 import importlib
 import importlib.metadata
 import os
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -22,7 +21,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench._common import write_result  # noqa: E402
+from bench._common import interleaved_medians, write_result  # noqa: E402
 
 H, K, V = 32, 128, 128
 DECODE_BATCHES = (1, 8, 64, 256, 1024)
@@ -65,23 +64,18 @@ def _streamed(graph: torch.cuda.CUDAGraph, n: int = 10) -> float:
 
 
 def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], *, rounds: int = 20, per_round: int = 10) -> dict:
-    """Median µs per replay for each graph, timed in interleaved rounds (the order rotates every round) so
-    that clock ramps and neighbours' cache state fall on every contender alike rather than on whoever runs
-    first. us: one replay timed alone; us_streamed: 10 replays in a row / 10."""
-    labels = list(graphs)
-    single: dict[str, list[float]] = {k: [] for k in labels}
-    streamed: dict[str, list[float]] = {k: [] for k in labels}
+    """Median µs per replay for each graph, timed in interleaved rounds (bench/_common.py).
+    us: one replay timed alone; us_streamed: 10 replays in a row / 10."""
     for g in graphs.values():
         for _ in range(5):
             g.replay()
     torch.cuda.synchronize()
-    for r in range(rounds):
-        order = labels[r % len(labels) :] + labels[: r % len(labels)]
-        for k in order:
-            single[k] += [_single(graphs[k]) for _ in range(per_round)]
-            streamed[k].append(_streamed(graphs[k]))
-    med = statistics.median
-    return {k: {"us": round(med(single[k]), 2), "us_streamed": round(med(streamed[k]), 2)} for k in labels}
+
+    def measure(g: torch.cuda.CUDAGraph) -> dict[str, list[float]]:
+        return {"us": [_single(g) for _ in range(per_round)], "us_streamed": [_streamed(g)]}
+
+    medians = interleaved_medians({k: lambda g=g: measure(g) for k, g in graphs.items()}, rounds)
+    return {k: {m: round(x, 2) for m, x in ms.items()} for k, ms in medians.items()}
 
 
 def time_graph(fn: Callable[[], None], *, rounds: int = 20) -> dict[str, float]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import interleaved_medians  # noqa: E402
 from kernels.kda import build_chunk_metadata, prefill  # noqa: E402
 from kernels.kda.chunk import prefill_scratch_specs  # noqa: E402
 
@@ -35,12 +35,8 @@ def _time_interleaved(fns: dict[str, object], rounds: int = 6) -> dict[str, floa
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    labels = list(fns)
-    for r in range(rounds):
-        for k in labels[r % len(labels) :] + labels[: r % len(labels)]:
-            times[k].append(_time_ms(fns[k]))
-    return {k: statistics.median(v) for k, v in times.items()}
+    medians = interleaved_medians({k: lambda fn=fn: {"ms": [_time_ms(fn)]} for k, fn in fns.items()}, rounds)
+    return {k: ms["ms"] for k, ms in medians.items()}
 
 
 def _fla_chunk_kda():
