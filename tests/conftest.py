@@ -23,6 +23,13 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# No test may read or write the user's own data dir (keys, the default store, run dirs): the whole session
+# gets a QUALIFY_HOME of its own, and QUALIFY_DB_URL from the caller's shell is dropped. Tests that need a
+# home of their own still set one; this is the floor under them. Set before any test module is imported.
+USER_QUALIFY_HOME = os.environ.get("QUALIFY_HOME")
+os.environ["QUALIFY_HOME"] = tempfile.mkdtemp(prefix="qualify-test-home-")
+os.environ.pop("QUALIFY_DB_URL", None)
+
 
 def _need(what: str, why: str) -> None:
     """Skip locally, fail in CI: CI must run every service-backed test."""
