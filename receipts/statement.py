@@ -35,6 +35,10 @@ _SHA256_REF = r"^sha256:[0-9a-f]{64}$"
 
 CheckStatus = Literal["pass", "fail", "skip", "error"]
 Verdict = Literal["qualified", "rejected", "aborted"]
+# Where a condition's observation comes from, strongest first: measured by the harness (or a process it
+# launched that is not the engine), computed by the harness from observed values, or the engine's own word.
+Source = Literal["observed", "derived", "engine"]
+SOURCES: tuple[str, ...] = ("observed", "derived", "engine")
 
 
 class _Model(BaseModel):
@@ -147,14 +151,35 @@ class LayoutInfo(_Model):
     peer_verified: bool
 
 
+class Condition(_Model):
+    """One thing a check demands, whether it held, and how the harness knows (its source)."""
+
+    holds: bool
+    source: Source = Field(
+        description="observed (harness-measured) | derived (from observed) | engine (its word)"
+    )
+    detail: str | None = Field(None, max_length=2000, description="what was seen, e.g. what differed")
+
+
 class CheckResult(_Model):
-    """One check's outcome, its evidence (plain JSON) and its wall time."""
+    """One check's outcome, its conditions (each with its source), its evidence (plain JSON) and wall time."""
 
     name: str = Field(min_length=1)
     status: CheckStatus
+    conditions: dict[str, Condition] = Field(
+        default_factory=dict, description="condition name -> holds, source, detail"
+    )
     evidence: dict[str, Any] = Field(default_factory=dict)
     seconds: NonNegativeFloat
     reason: str | None = Field(None, description="why it failed, errored or was skipped")
+
+    @model_validator(mode="after")
+    def _status_follows_conditions(self) -> CheckResult:
+        if self.status == "pass":
+            broken = [name for name, c in self.conditions.items() if not c.holds]
+            if broken:
+                raise ValueError(f"check {self.name} passed with conditions that do not hold: {broken}")
+        return self
 
 
 class XidEvent(_Model):
@@ -184,6 +209,25 @@ class Faults(_Model):
     xid_watch_reason: str | None = Field(None, description="why the Xid watcher could not run, if so")
     oom: OomInfo = Field(default_factory=OomInfo)
     engine_dead: bool = False
+
+    def blocking(self, target: str) -> list[str]:
+        """The faults that keep a run from qualifying, in words; empty when none. The one place that says
+        what the faults block forbids: the run's verdict and the receipt validator both ask it."""
+        out: list[str] = []
+        if self.restart_count:
+            out.append(f"engine restarted {self.restart_count} time(s)")
+        fatal = sorted({e.code for e in self.xid_events if e.fatal})
+        if fatal:
+            out.append("fatal Xid " + ", ".join(str(c) for c in fatal))
+        if self.oom.container:
+            out.append("container killed for memory (OOM)")
+        if self.oom.cuda_oom_count:
+            out.append(f"CUDA out of memory {self.oom.cuda_oom_count} time(s)")
+        if self.engine_dead:
+            out.append("engine dead before the run ended")
+        if target == "gpu" and self.xid_watch != "active":
+            out.append(f"Xid watch {self.xid_watch} on a gpu target")
+        return out
 
 
 class HostInfo(_Model):
@@ -237,6 +281,9 @@ class QualificationPredicate(_Model):
             bad = [check.name for check in self.checks if check.status in ("fail", "error")]
             if not self.checks or bad:
                 raise ValueError(f"verdict qualified needs checks and none failed (failed: {bad})")
+            faults = self.faults.blocking(self.target)
+            if faults:
+                raise ValueError(f"verdict qualified disagrees with the faults block: {'; '.join(faults)}")
         return self
 
 

@@ -3,7 +3,7 @@ refused with CapacityError (409) and no arena address moves."""
 
 from __future__ import annotations
 
-from qualify.checks.base import Check, Context, Outcome, fail_unless
+from qualify.checks.base import Check, Context, Outcome, engine_says, fail_unless, observed
 from qualify.client import EngineError
 from qualify.protocol import CAPACITY_ERROR, CompletionRequest
 
@@ -43,18 +43,27 @@ def run(ctx: Context) -> Outcome:
     }
     return fail_unless(
         {
-            "arenas_present": bool(before.arenas),
-            "capacities_positive": all(a.capacity > 0 for a in before.arenas.values()),
-            "addresses_distinct": len(set(addrs_before.values())) == len(addrs_before),
-            "envelope_fits_batched_tokens": not capture_sizes
-            or max(capture_sizes) <= cap.max_num_batched_tokens,
-            "live_slots_cover_max_num_seqs": cap.live_slots >= cap.max_num_seqs,
-            "num_spec_in_envelope": cap.num_spec == ctx.request.num_spec,
-            "over_capacity_refused_409": refusal.get("status") == 409,
-            "refusal_is_capacity_error": refusal.get("type") == CAPACITY_ERROR,
-            "no_address_moved": not moved,
-            "refusal_counted": after.counters.capacity_refusals > before.counters.capacity_refusals,
-            "fitting_batch_served": len(ok_resp.choices) == cap.max_num_seqs,
+            "arenas_present": engine_says(bool(before.arenas)),
+            "capacities_positive": engine_says(all(a.capacity > 0 for a in before.arenas.values())),
+            "addresses_distinct": engine_says(len(set(addrs_before.values())) == len(addrs_before)),
+            "num_spec_in_envelope": engine_says(
+                cap.num_spec == ctx.request.num_spec, f"envelope num_spec {cap.num_spec}"
+            ),
+            # The harness sent the oversized batch and saw the answer itself.
+            "over_capacity_refused_409": observed(
+                refusal.get("status") == 409, f"{n} requests answered {refusal.get('status')}"
+            ),
+            "refusal_is_capacity_error": observed(
+                refusal.get("type") == CAPACITY_ERROR, f"error type {refusal.get('type')}"
+            ),
+            "no_address_moved": engine_says(not moved, f"moved: {moved}" if moved else None),
+            "refusal_counted": engine_says(
+                after.counters.capacity_refusals > before.counters.capacity_refusals
+            ),
+            "fitting_batch_served": observed(
+                len(ok_resp.choices) == cap.max_num_seqs,
+                f"{len(ok_resp.choices)} of {cap.max_num_seqs} answered",
+            ),
         },
         evidence,
     )

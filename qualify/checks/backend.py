@@ -3,7 +3,7 @@ is refused by a second engine at construction (no silent fallback)."""
 
 from __future__ import annotations
 
-from qualify.checks.base import Check, Context, Outcome, fail_unless
+from qualify.checks.base import Check, Context, Outcome, engine_says, fail_unless, observed
 from qualify.launch.base import READY_RE
 from qualify.run.request import KDA_BACKENDS
 
@@ -84,26 +84,41 @@ def run(ctx: Context) -> Outcome:
             "error_line": last[-400:],
         },
     }
-    return fail_unless(
-        {
-            "requested_as_asked": b.requested == ctx.request.kda_backend,
-            "resolved_is_a_backend": b.resolved in RESOLVED_CHOICES,
-            "explicit_request_honoured": ctx.request.kda_backend == "auto"
-            or b.resolved == ctx.request.kda_backend,
-            "probe_reports_resolved": probe.backend == b.resolved,
-            "probe_ran_on_the_engine_device": probe.device_type == d.device.type,
-            "kernels_of_resolved_backend_ran": bool(proof["labels"]),
-            "device_kernels_of_resolved_backend_ran": not needs_device_kernel or bool(proof["device"]),
-            "no_kernels_of_other_backends": not proof["foreign"],
-            "bogus_backend_refused": refusal.exit_code not in (None, 0),
-            # Refused at construction: it never became ready, and said why in its last line, not a traceback.
-            "refused_before_ready": READY_RE.search(refusal.output) is None,
-            "refusal_is_one_clear_line": BOGUS_BACKEND in last
+    conditions = {
+        "requested_as_asked": engine_says(
+            b.requested == ctx.request.kda_backend, f"engine says requested {b.requested!r}"
+        ),
+        "resolved_is_a_backend": engine_says(b.resolved in RESOLVED_CHOICES, f"resolved {b.resolved!r}"),
+        "explicit_request_honoured": engine_says(
+            ctx.request.kda_backend == "auto" or b.resolved == ctx.request.kda_backend,
+            f"requested {ctx.request.kda_backend!r}, resolved {b.resolved!r}",
+        ),
+        "probe_ran_on_the_engine_device": engine_says(
+            probe.device_type == d.device.type, f"probe on {probe.device_type}, engine on {d.device.type}"
+        ),
+        # The profiler runs inside the engine: kernel names are the engine's report.
+        "kernels_of_resolved_backend_ran": engine_says(
+            bool(proof["labels"]), f"labels of {b.resolved}: {proof['labels'] or 'none'}"
+        ),
+        "no_kernels_of_other_backends": engine_says(not proof["foreign"], f"foreign: {proof['foreign']}"),
+        # The refusal probe is a process the harness launched itself, with a bogus value.
+        "bogus_backend_refused": observed(
+            refusal.exit_code not in (None, 0), f"probe exit code {refusal.exit_code}"
+        ),
+        # Refused at construction: it never became ready, and said why in its last line, not a traceback.
+        "refused_before_ready": observed(READY_RE.search(refusal.output) is None),
+        "refusal_is_one_clear_line": observed(
+            BOGUS_BACKEND in last
             and all(c in last for c in KDA_BACKENDS)
             and "Traceback" not in refusal.output,
-        },
-        evidence,
-    )
+            last[-200:] or "no output",
+        ),
+    }
+    if needs_device_kernel:
+        conditions["device_kernels_of_resolved_backend_ran"] = engine_says(
+            bool(proof["device"]), f"device kernels seen: {proof['device'] or 'none'}"
+        )
+    return fail_unless(conditions, evidence)
 
 
 CHECK = Check("backend", run, timeout_s=150.0)

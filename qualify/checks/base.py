@@ -19,11 +19,43 @@ PROMPTS = ["The hybrid engine", "Receipts are evidence:", "KDA keeps a recurrent
 GEN_TOKENS = 12
 
 
+OBSERVED, DERIVED, ENGINE = "observed", "derived", "engine"
+
+
+@dataclass(frozen=True)
+class Cond:
+    """One condition of a check: whether it holds, where that knowledge comes from, and what was seen.
+
+    observed: measured by the harness, or by a process it launched that is not the engine (the peer, the
+    refusal probe, the supervisor, NVML, the kernel log, docker inspect, tokens the harness compared);
+    derived: computed by the harness from observed values; engine: the engine's own report."""
+
+    holds: bool
+    source: str
+    detail: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"holds": bool(self.holds), "source": self.source, "detail": self.detail}
+
+
+def observed(holds: bool, detail: str | None = None) -> Cond:
+    return Cond(bool(holds), OBSERVED, detail)
+
+
+def derived(holds: bool, detail: str | None = None) -> Cond:
+    return Cond(bool(holds), DERIVED, detail)
+
+
+def engine_says(holds: bool, detail: str | None = None) -> Cond:
+    return Cond(bool(holds), ENGINE, detail)
+
+
 @dataclass
 class Outcome:
     status: str  # pass | fail | skip | error
     evidence: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
+    conditions: dict[str, Cond] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,13 +104,15 @@ class Check:
     needs_engine: bool = True  # False: still runs when the engine stopped answering (faults)
 
 
-def fail_unless(conditions: dict[str, bool], evidence: dict[str, Any]) -> Outcome:
-    """Pass when every named condition holds; else fail naming the ones that did not."""
-    evidence = {**evidence, "conditions": conditions}
-    bad = [name for name, ok in conditions.items() if not ok]
+def fail_unless(conditions: dict[str, Cond], evidence: dict[str, Any]) -> Outcome:
+    """Pass when every named condition holds; else fail naming the ones that did not (with what differed)."""
+    for name, c in conditions.items():
+        if not isinstance(c, Cond):  # every condition must say where its observation comes from
+            raise TypeError(f"condition {name} has no source: use observed(), derived() or engine_says()")
+    bad = [name + (f" ({c.detail})" if c.detail else "") for name, c in conditions.items() if not c.holds]
     if bad:
-        return Outcome("fail", evidence, "not satisfied: " + ", ".join(bad))
-    return Outcome("pass", evidence)
+        return Outcome("fail", evidence, "not satisfied: " + "; ".join(bad), conditions)
+    return Outcome("pass", evidence, None, conditions)
 
 
 def tokens(resp: CompletionResponse) -> list[list[int]]:
@@ -100,6 +134,23 @@ def well_formed(resp: CompletionResponse, prompts: int) -> bool:
     )
 
 
+def _coherence_summary(formed: bool, reports: list[dict[str, Any]], identical: bool) -> str:
+    """One line: identical, agreeing through near ties, or where the first disagreement is."""
+    if not formed:
+        return "an answer was not well formed (missing prompts, tokens or gaps)"
+    if identical:
+        return "identical"
+    for i, r in enumerate(reports):
+        if not r["agrees"]:
+            return f"prompt {i} differs at token {r['first_divergence']} (gap {r['gap']})"
+    ties = [
+        f"prompt {i} token {r['first_divergence']}"
+        for i, r in enumerate(reports)
+        if r["first_divergence"] is not None
+    ]
+    return "near tie at " + ", ".join(ties)
+
+
 def coherence(
     reference: CompletionResponse, candidate: CompletionResponse, prompts: int = len(PROMPTS)
 ) -> dict[str, Any]:
@@ -110,6 +161,7 @@ def coherence(
         reports.append(compare_greedy(ref_t, ref_g, cand_t, EPSILON).model_dump(mode="json"))
     formed = well_formed(reference, prompts) and well_formed(candidate, prompts)
     return {
+        "summary": _coherence_summary(formed, reports, tokens(reference) == tokens(candidate)),
         "agrees": formed and all(r["agrees"] for r in reports),
         "identical": formed and tokens(reference) == tokens(candidate),
         "well_formed": formed,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from qualify.checks.base import Check, Context, Outcome, fail_unless
+from qualify.checks.base import Check, Context, Outcome, derived, engine_says, fail_unless, observed
 from qualify.run.receipt import bare_hex, engine_code_digest_on_disk
 from receipts.statement import config_digest
 
@@ -46,19 +46,28 @@ def run(ctx: Context) -> Outcome:
         "cudagraph_mode": d.cudagraph_mode,
         "launcher": ctx.launcher.identity(),
     }
-    return fail_unless(
-        {
-            "healthy": health.ready,
-            # The receipt's subject is the digest of the config the engine reports; both sides must agree.
-            "config_digest_matches": d.config_digest == ours,
-            "preset_as_requested": d.config.get("preset") == ctx.request.preset,
-            "num_spec_as_requested": d.capacity.num_spec == ctx.request.num_spec,
-            "device_matches_target": device_target == ctx.target,
-            "code_digest_matches_disk": disk_digest is None
-            or bare_hex(d.engine.code_digest) == bare_hex(disk_digest),
-        },
-        evidence,
-    )
+    conditions = {
+        # The launcher saw the engine come up (its ready line and /health) within the boot budget.
+        "ready_within_timeout": observed(True, f"ready after {ready_s:.1f} s"),
+        "preset_as_requested": engine_says(
+            d.config.get("preset") == ctx.request.preset,
+            f"engine config preset {d.config.get('preset')!r}, requested {ctx.request.preset!r}",
+        ),
+        "num_spec_as_requested": engine_says(
+            d.capacity.num_spec == ctx.request.num_spec,
+            f"engine num_spec {d.capacity.num_spec}, requested {ctx.request.num_spec}",
+        ),
+        "device_matches_target": engine_says(
+            device_target == ctx.target, f"engine device {device_target}, target {ctx.target}"
+        ),
+    }
+    if disk_digest is not None:
+        # The harness hashed the code it launched; the engine's claim about itself must agree with it.
+        conditions["code_digest_matches_disk"] = derived(
+            bare_hex(d.engine.code_digest) == bare_hex(disk_digest),
+            f"engine says {d.engine.code_digest}, disk has {disk_digest}",
+        )
+    return fail_unless(conditions, evidence)
 
 
 CHECK = Check("boot", run, timeout_s=300.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from qualify.checks.base import Check, Context, Outcome, fail_unless
+from qualify.checks.base import Check, Context, Outcome, derived, engine_says, fail_unless
 
 
 def run(ctx: Context) -> Outcome:
@@ -49,19 +49,31 @@ def run(ctx: Context) -> Outcome:
             "seconds": peer.seconds,
         },
     }
-    return fail_unless(
-        {
-            "spans_equal_request": want is None or lay.spans == want,
-            "chunk_is_lcm": lay.chunk == lcm,
-            "ratios_are_chunk_over_span": lay.ratios == [lay.chunk // s for s in lay.spans]
-            and all(lay.chunk % s == 0 for s in lay.spans),
-            "one_group_per_span": len(lay.groups) == len(lay.spans),
-            "peer_ok": peer.ok,
-            "peer_saw_registered_layout": peer.layout_seen == lay.spans,
-            "peer_verified_every_group": not bad_groups and len(groups) == len(lay.groups),
-        },
-        evidence,
-    )
+    # Until the harness launches the peer itself, everything here reaches the harness through the engine:
+    # the engine spawns the peer and relays its answer.
+    conditions = {
+        "chunk_is_lcm": derived(lay.chunk == lcm, f"chunk {lay.chunk}, lcm {lcm}"),
+        "ratios_are_chunk_over_span": derived(
+            lay.ratios == [lay.chunk // s for s in lay.spans] and all(lay.chunk % s == 0 for s in lay.spans),
+            f"ratios {lay.ratios}",
+        ),
+        "one_group_per_span": engine_says(len(lay.groups) == len(lay.spans)),
+        "peer_ok": engine_says(peer.ok, peer.error),
+        "peer_saw_registered_layout": engine_says(
+            peer.layout_seen == lay.spans, f"peer saw {peer.layout_seen}"
+        ),
+        "peer_verified_every_group": engine_says(
+            not bad_groups and len(groups) == len(lay.groups),
+            f"bad groups: {bad_groups}" if bad_groups else None,
+        ),
+    }
+    if want is not None:
+        conditions["spans_equal_request"] = engine_says(
+            lay.spans == want, f"registered {lay.spans} != requested {want}" if lay.spans != want else None
+        )
+    else:
+        evidence["demanded"] = "nothing: no --layout was given; the registered layout is recorded only"
+    return fail_unless(conditions, evidence)
 
 
 CHECK = Check("layout", run, timeout_s=90.0)

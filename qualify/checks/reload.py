@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qualify.checks.base import Check, Context, Outcome, coherence, fail_unless, tokens
+from qualify.checks.base import Check, Context, Outcome, coherence, engine_says, fail_unless, observed, tokens
 from qualify.protocol import Describe, ReloadRequest
 
 OTHER_SEED_OFFSET = 7919  # any other seed gives other random weights
@@ -64,26 +64,36 @@ def run(ctx: Context) -> Outcome:
         "counters": {"before": _counts(d0), "after_same": _counts(d1), "end": _counts(d2)},
     }
     conditions = {
-        "same_reload_keeps_parameter_addresses": same.census.addresses_unchanged,
-        "same_reload_keeps_arena_addresses": same.census.arena_addresses_unchanged
-        and {k: v.address for k, v in d1.arenas.items()} == arenas0,
-        "same_reload_changes_no_weight": not same.census.changed
-        and same.census.before_digest == same.census.after_digest,
-        "census_starts_from_the_subject_weights": same.census.before_digest == subject_weights,
-        "no_recapture": _counts(d1) == _counts(d0) and _counts(d2) == _counts(d0),
-        "no_graph_address_moved": all(not m for m in moved.values()),
-        "output_same_after_same_reload": coh_same["agrees"],
-        "other_weights_loaded_in_place": other.census.addresses_unchanged and bool(other.census.changed),
-        "other_weights_change_output": changed_output,
-        "other_weights_replay_equals_eager": coh_other["agrees"],
-        "reload_back_restores_weights": back.census.after_digest == same.census.before_digest
-        and back.census.addresses_unchanged,
-        "weights_at_end_are_the_subject": d2.engine.weights_digest == subject_weights,
-        "restored_output_equals_first": coh_back["agrees"],
-        "replay_after_reload_equals_fresh_eager": coh_fresh["agrees"],
+        "same_reload_keeps_parameter_addresses": engine_says(same.census.addresses_unchanged),
+        "same_reload_keeps_arena_addresses": engine_says(
+            same.census.arena_addresses_unchanged and {k: v.address for k, v in d1.arenas.items()} == arenas0
+        ),
+        "same_reload_changes_no_weight": engine_says(
+            not same.census.changed and same.census.before_digest == same.census.after_digest,
+            f"changed: {same.census.changed[:5]}" if same.census.changed else None,
+        ),
+        "census_starts_from_the_subject_weights": engine_says(same.census.before_digest == subject_weights),
+        "no_recapture": engine_says(_counts(d1) == _counts(d0) and _counts(d2) == _counts(d0)),
+        "no_graph_address_moved": engine_says(all(not m for m in moved.values())),
+        "output_same_after_same_reload": observed(coh_same["agrees"], coh_same.get("summary")),
+        "other_weights_loaded_in_place": engine_says(
+            other.census.addresses_unchanged and bool(other.census.changed)
+        ),
+        # Tokens the harness compared itself: new weights must change what the engine generates...
+        "other_weights_change_output": observed(changed_output),
+        # ...and replayed graphs must agree with an eager step on them (graphs are not stale).
+        "other_weights_replay_equals_eager": observed(coh_other["agrees"], coh_other.get("summary")),
+        "reload_back_restores_weights": engine_says(
+            back.census.after_digest == same.census.before_digest and back.census.addresses_unchanged
+        ),
+        "weights_at_end_are_the_subject": engine_says(d2.engine.weights_digest == subject_weights),
+        "restored_output_equals_first": observed(coh_back["agrees"], coh_back.get("summary")),
+        "replay_after_reload_equals_fresh_eager": observed(coh_fresh["agrees"], coh_fresh.get("summary")),
     }
     if ctx.captured:
-        conditions["every_comparison_replayed_graphs"] = all(m == "graph" for m in replay_modes)
+        conditions["every_comparison_replayed_graphs"] = engine_says(
+            all(m == "graph" for m in replay_modes), f"modes used {replay_modes}"
+        )
     return fail_unless(conditions, evidence)
 
 

@@ -28,6 +28,11 @@ from qualify.launch.base import (
 )
 
 STOP_GRACE_S = 5.0
+# The module run as the engine (`python -m MODULE serve ...`); the reference engine by default. Another
+# module that serves the same protocol (a wrapper, a patched build) is qualified the same way; the receipt's
+# launcher identity names it.
+ENGINE_MODULE_ENV = "QUALIFY_ENGINE_MODULE"
+DEFAULT_ENGINE_MODULE = "qualify.engine"
 
 
 class LocalLauncher(Launcher):
@@ -63,8 +68,12 @@ class LocalLauncher(Launcher):
         self._boots = 0
 
     # ------------------------------------------------------------ commands
+    @property
+    def module(self) -> str:
+        return self.env.get(ENGINE_MODULE_ENV) or DEFAULT_ENGINE_MODULE
+
     def command(self, port: int) -> list[str]:
-        return [self.python, "-m", "qualify.engine", *self.options.serve_args(), "--port", str(port)]
+        return [self.python, "-m", self.module, *self.options.serve_args(), "--port", str(port)]
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float) -> str:
@@ -177,12 +186,12 @@ class LocalLauncher(Launcher):
         return "\n".join(text.splitlines()[-lines:])
 
     def identity(self) -> dict[str, Any]:
-        return {"launcher": "local", "python": self.python}
+        return {"launcher": "local", "python": self.python, "engine_module": self.module}
 
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
         # The fault flag is for the engine under test; the refusal must come from construction alone.
         env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
-        cmd = [self.python, "-m", "qualify.engine", *self.options.serve_args(kda_backend), "--port", "0"]
+        cmd = [self.python, "-m", self.module, *self.options.serve_args(kda_backend), "--port", "0"]
         t0 = time.monotonic()
         proc = subprocess.Popen(
             cmd,

@@ -28,7 +28,7 @@ from qualify.run.verdict import judge
 from qualify.watch.kmsg import KmsgWatcher
 from qualify.watch.nvml import NvmlWatcher
 from qualify.watch.xid import XidEvent, table_evidence
-from receipts.statement import config_digest
+from receipts.statement import Faults, config_digest
 from receipts.store import Store
 
 RECOVERY_WAIT_S = 30.0  # how long to wait for a restarted engine before the next check
@@ -263,6 +263,7 @@ class Pipeline:
             {
                 "name": name,
                 "status": outcome.status,
+                "conditions": {k: c.as_json() for k, c in outcome.conditions.items()},
                 "evidence": _json_safe(outcome.evidence),
                 "seconds": round(seconds, 3),
                 "reason": outcome.reason,
@@ -317,9 +318,10 @@ class Pipeline:
         self.nvml.stop()
         client.close()
         finished = datetime.now(UTC)
-        outcomes = [(r["name"], r["status"]) for r in self.results]
-        j = judge(outcomes, ctx.target, self.interrupted)
+        # Faults are read after the engine stopped, so the verdict covers the whole run: a restart, Xid, OOM
+        # or death that arrives after the faults check still rejects it.
         faults = self._faults(ctx, final, pre)
+        j = judge(self.results, ctx.target, self.interrupted, Faults(**faults).blocking(ctx.target))
         engine, weights = self._engine(ctx)
         d = ctx.describe
         versions = {k: str(v) for k, v in (d.versions.model_dump() if d else {}).items() if v is not None}

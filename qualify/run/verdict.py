@@ -1,9 +1,12 @@
-"""Verdict policy as data: which skips a target may carry, and how check outcomes become a verdict."""
+"""Verdict policy as data: which skips a target may carry, which conditions a target must have observed
+itself, and how check outcomes and the run's faults become a verdict."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import fnmatch
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # target -> {check name: why skipping it still qualifies that target}. Anything not listed must pass.
 ACCEPTABLE_SKIPS: dict[str, dict[str, str]] = {
@@ -24,20 +27,67 @@ REQUIRED_CHECKS: tuple[str, ...] = (
 )
 
 
+# target -> conditions ("check.condition", shell patterns) that must be present, hold, and be `observed`
+# by the harness (not derived, not the engine's word) for the run to qualify. A pattern that matches
+# nothing is a failure too: a condition that was dropped cannot pass by absence.
+REQUIRED_OBSERVED: dict[str, tuple[str, ...]] = {
+    "cpu": (),
+    "gpu": (
+        "layout.spans_equal_request",
+        "layout.peer_*",
+        "capture.replay_equals_eager",
+        "reload.other_weights_replay_equals_eager",
+        "reload.replay_after_reload_equals_fresh_eager",
+        "generation.*",
+        "faults.no_restarts",
+        "faults.xid_watched",
+        "faults.no_fatal_xid",
+        "faults.engine_answers",
+    ),
+}
+
+
+def observed_shortfalls(results: Iterable[dict[str, Any]], patterns: Sequence[str]) -> list[str]:
+    """For each pattern, the conditions it names that are missing, do not hold, or are not observed."""
+    flat: dict[str, dict[str, Any]] = {}
+    for r in results:
+        for cname, c in (r.get("conditions") or {}).items():
+            flat[f"{r['name']}.{cname}"] = c
+    out: list[str] = []
+    for pattern in patterns:
+        hits = {k: v for k, v in flat.items() if fnmatch.fnmatchcase(k, pattern)}
+        if not hits:
+            out.append(f"{pattern}: no such condition in the run")
+            continue
+        for key, c in sorted(hits.items()):
+            if c.get("source") != "observed":
+                out.append(f"{key}: source is {c.get('source')}, observed required")
+            elif not c.get("holds"):
+                out.append(f"{key}: does not hold")
+    return out
+
+
 @dataclass(frozen=True)
 class Judgement:
     verdict: str  # qualified | rejected | aborted
     reasons: list[str]
 
 
-def judge(outcomes: Sequence[tuple[str, str]], target: str, interrupted: str | None = None) -> Judgement:
-    """`outcomes` are (check name, status) in run order; `interrupted` says why the run stopped early."""
+def judge(
+    results: Sequence[dict[str, Any]],
+    target: str,
+    interrupted: str | None = None,
+    faults: Sequence[str] = (),
+) -> Judgement:
+    """`results` are check records ({name, status, conditions}) in run order; `interrupted` says why the run
+    stopped early; `faults` are the run's blocking faults in words (Faults.blocking), read after the engine
+    stopped, so that a late restart, Xid, OOM or death rejects the run."""
     if interrupted:
-        return Judgement("aborted", [interrupted])
+        return Judgement("aborted", [interrupted, *(f"fault: {f}" for f in faults)])
     reasons: list[str] = []
     allowed = ACCEPTABLE_SKIPS.get(target, {})
-    seen = {name for name, _ in outcomes}
-    for name, status in outcomes:
+    seen = {r["name"] for r in results}
+    for name, status in ((r["name"], r["status"]) for r in results):
         if status == "pass":
             continue
         if status == "skip":
@@ -48,4 +98,9 @@ def judge(outcomes: Sequence[tuple[str, str]], target: str, interrupted: str | N
     missing = [c for c in REQUIRED_CHECKS if c not in seen]
     if missing:
         reasons.append(f"checks not run: {', '.join(missing)}")
+    if not missing:
+        reasons.extend(
+            f"not observed: {s}" for s in observed_shortfalls(results, REQUIRED_OBSERVED.get(target, ()))
+        )
+    reasons.extend(f"fault: {f}" for f in faults)
     return Judgement("rejected" if reasons else "qualified", reasons)

@@ -168,7 +168,7 @@ def _context(engine: Engine, target: str = "gpu", watch: str = "active") -> Cont
 
 
 def _failed(outcome: Any) -> set[str]:
-    return {k for k, ok in outcome.evidence["conditions"].items() if not ok}
+    return {k for k, c in outcome.conditions.items() if not c.holds}
 
 
 def _through_capture(engine: Engine) -> Context:

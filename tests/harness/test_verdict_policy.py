@@ -2,13 +2,62 @@
 
 from __future__ import annotations
 
-from qualify.run.verdict import ACCEPTABLE_SKIPS, REQUIRED_CHECKS, judge
+from typing import Any
 
-ALL_PASS = [(name, "pass") for name in REQUIRED_CHECKS]
+from qualify.run.verdict import ACCEPTABLE_SKIPS, REQUIRED_CHECKS, REQUIRED_OBSERVED, judge
 
 
-def with_status(name: str, status: str) -> list[tuple[str, str]]:
-    return [(n, status if n == name else s) for n, s in ALL_PASS]
+def _observed_conditions(check: str) -> dict[str, dict[str, Any]]:
+    """One observed, holding condition for each GPU-required pattern of `check` (a '*' becomes 'x')."""
+    out = {}
+    for pattern in REQUIRED_OBSERVED["gpu"]:
+        name, cond = pattern.split(".", 1)
+        if name == check:
+            out[cond.replace("*", "x")] = {"holds": True, "source": "observed", "detail": None}
+    return out
+
+
+ALL_PASS = [{"name": n, "status": "pass", "conditions": _observed_conditions(n)} for n in REQUIRED_CHECKS]
+
+
+def with_status(name: str, status: str) -> list[dict[str, Any]]:
+    return [{**r, "status": status} if r["name"] == name else r for r in ALL_PASS]
+
+
+def with_condition(check: str, cond: str, **fields: Any) -> list[dict[str, Any]]:
+    out = []
+    for r in ALL_PASS:
+        if r["name"] == check:
+            conds = dict(r["conditions"])
+            conds[cond] = {**conds.get(cond, {"holds": True, "source": "observed", "detail": None}), **fields}
+            r = {**r, "conditions": conds}
+        out.append(r)
+    return out
+
+
+def test_a_gpu_condition_that_rests_on_the_engines_word_does_not_qualify() -> None:
+    j = judge(with_condition("layout", "spans_equal_request", source="engine"), "gpu")
+    assert j.verdict == "rejected"
+    assert j.reasons == ["not observed: layout.spans_equal_request: source is engine, observed required"]
+    # A CPU target demands no observation of these conditions (its receipt proves less; policies decide).
+    assert (
+        judge(with_condition("layout", "spans_equal_request", source="engine"), "cpu").verdict == "qualified"
+    )
+
+
+def test_a_required_condition_that_is_missing_does_not_pass_by_absence() -> None:
+    results = [{**r, "conditions": {}} if r["name"] == "faults" else r for r in ALL_PASS]
+    j = judge(results, "gpu")
+    assert j.verdict == "rejected"
+    assert "not observed: faults.no_restarts: no such condition in the run" in j.reasons
+
+
+def test_faults_seen_after_the_faults_check_reject_the_run() -> None:
+    j = judge(ALL_PASS, "gpu", faults=["engine restarted 1 time(s)"])
+    assert j.verdict == "rejected"
+    assert j.reasons == ["fault: engine restarted 1 time(s)"]
+    aborted = judge(ALL_PASS[:2], "gpu", interrupted="received SIGTERM", faults=["fatal Xid 79"])
+    assert aborted.verdict == "aborted" and aborted.reasons == ["received SIGTERM", "fault: fatal Xid 79"]
 
 
 def test_all_pass_qualifies() -> None:
