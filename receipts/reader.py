@@ -306,6 +306,50 @@ class LogReader:
         with self.engine.connect() as conn:
             return self._records(conn, conn.execute(query).all())
 
+    def find_receipts(
+        self,
+        *,
+        verdict: str | None = None,
+        since: datetime | None = None,
+        subject: str | None = None,
+        host: str | None = None,
+        limit: int | None = 20,
+        offset: int = 0,
+    ) -> tuple[list[ReceiptRecord], int]:
+        """Receipts newest first (by log index) matching every filter given, from `offset`, at most `limit`;
+        and how many match in all. Filters and count run in SQL on the query tables."""
+        where = []
+        if verdict is not None:
+            where.append(RECEIPTS.c.verdict == verdict)
+        if since is not None:
+            where.append(RECEIPTS.c.finished_at >= since)
+        if host is not None:
+            where.append(RECEIPTS.c.host == host)
+        if subject is not None:
+            digest = subject if ":" in subject else f"sha256:{subject}"
+            where.append(
+                RECEIPTS.c.id.in_(sa.select(SUBJECTS.c.receipt_id).where(SUBJECTS.c.digest == digest))
+            )
+        query = sa.select(RECEIPTS).where(*where).order_by(RECEIPTS.c.log_idx.desc()).offset(offset)
+        if limit is not None:
+            query = query.limit(limit)
+        with self.engine.connect() as conn:
+            total = conn.execute(sa.select(sa.func.count()).select_from(RECEIPTS).where(*where)).scalar_one()
+            return self._records(conn, conn.execute(query).all()), total
+
+    def receipt_at(self, log_idx: int) -> ReceiptRecord:
+        """The receipt at a log index, with its envelope bytes (NotFound when that entry is no receipt)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(RECEIPTS).where(RECEIPTS.c.log_idx == log_idx)).all()
+            if not rows:
+                kind = conn.execute(sa.select(ENTRIES.c.kind).where(ENTRIES.c.idx == log_idx)).scalar()
+                raise NotFound(
+                    f"log index {log_idx} is a {kind} entry, not a receipt"
+                    if kind
+                    else f"no log entry at index {log_idx}; list receipts with: qualify receipts list"
+                )
+            return self._records(conn, rows, envelopes=True)[0]
+
     def get_receipt(self, id_or_prefix: str) -> ReceiptRecord:
         """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits)."""
         prefix = id_or_prefix.strip().lower()

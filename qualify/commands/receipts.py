@@ -5,10 +5,14 @@ Exit codes: 0 done, 1 a verification found a problem, 2 bad input (nothing writt
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import click
+from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from qualify import receipt_view as view
 from qualify.commands._common import (
     console,
     db_option,
@@ -33,10 +37,15 @@ from receipts.records import ReceiptRecord
 from receipts.statement import predicate_json_schema, statement_json_schema
 
 VERDICT_STYLE = {"qualified": "green", "rejected": "red", "aborted": "yellow"}
+CHECK_STYLE = {"pass": "green", "fail": "red", "error": "red", "skip": "yellow"}
+
+
+def rfc3339(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _subject_line(record: ReceiptRecord) -> str:
-    return ", ".join(f"{s.name} {s.digest[:19]}…" for s in record.subjects)
+    return " ".join(f"{s.digest[:19]}" for s in record.subjects)
 
 
 @click.group("receipts")
@@ -46,10 +55,13 @@ def receipts() -> None:
 
 @receipts.command("list")
 @click.option("--verdict", type=click.Choice(["qualified", "rejected", "aborted"]))
-@click.option("--since", metavar="WHEN", help="Finished since: 7d, 24h, 30m, or an ISO date/time.")
+@click.option(
+    "--since", metavar="WHEN", help="Finished since: a duration (7d, 24h, 30m) or an RFC 3339 date/time."
+)
 @click.option("--subject", metavar="DIGEST", help="Only receipts about this subject (sha256:<hex>).")
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
-@click.option("--offset", type=click.IntRange(min=0), default=0)
+@click.option("--host", metavar="NAME", help="Only receipts from this host (its hostname).")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--offset", type=click.IntRange(min=0), default=0, help="Skip this many newest matches.")
 @db_option
 @json_option
 @store_errors
@@ -57,73 +69,116 @@ def list_(
     verdict: str | None,
     since: str | None,
     subject: str | None,
+    host: str | None,
     limit: int,
     offset: int,
     db_url: str | None,
     as_json: bool,
 ) -> None:
-    """Receipts in log order, filtered by verdict, finish time and subject."""
+    """Receipts newest first, filtered by verdict, finish time, subject and host.
+
+    With --json: {"total", "limit", "offset", "items": [...]}."""
     when = parse_since(since)
     store = open_read_or_none(db_url)
     records: list[ReceiptRecord] = []
+    total = 0
     if store is not None:
         with opened(store):
-            records = store.list_receipts(
-                verdict=verdict, since=when, subject=subject, limit=limit, offset=offset
+            records, total = store.find_receipts(
+                verdict=verdict, since=when, subject=subject, host=host, limit=limit, offset=offset
             )
 
     def human() -> None:
         if not records:
-            console.print("no receipts match")
+            console.print(
+                "no receipts match" if not total else f"no receipts past offset {offset} ({total} match)"
+            )
             return
-        table = Table("id", "log", "verdict", "target", "host", "finished", "subjects")
+        table = Table("log_index", "id", "verdict", "target", "host", "finished (UTC)", "subjects")
         for r in records:
             style = VERDICT_STYLE.get(r.verdict, "")
             table.add_row(
-                short(r.id),
                 str(r.log_idx),
+                short(r.id),
                 f"[{style}]{r.verdict}[/]",
-                r.target,
-                r.host,
-                r.finished_at.strftime("%Y-%m-%d %H:%M:%SZ"),
-                _subject_line(r),
+                escape(r.target),
+                escape(r.host),
+                rfc3339(r.finished_at),
+                escape(_subject_line(r)),
             )
-        console.print(table)
+        # A pipe gets whole rows rather than rows folded to 80 columns.
+        wide = console if console.is_terminal else Console(highlight=False, width=max(console.width, 160))
+        wide.print(table)
+        first = offset + 1
+        console.print(
+            f"showing {len(records)} of {total} (newest first"
+            + (f", from match {first}" if offset else "")
+            + ")"
+            + ("; more with --limit / --offset" if offset + len(records) < total else "")
+        )
 
-    emit(as_json, [r.to_json(predicate=False) for r in records], human)
+    page = {"total": total, "limit": limit, "offset": offset}
+    emit(as_json, {**page, "items": [r.to_json(predicate=False) for r in records]}, human)
 
 
 @receipts.command("show")
-@click.argument("receipt_id")
+@click.argument("receipt_id", required=False)
+@click.option(
+    "--log-index", type=click.IntRange(min=0), help="The receipt at this log index instead of an ID."
+)
 @click.option("--envelope", is_flag=True, help="Print the exact stored envelope bytes.")
 @db_option
 @json_option
 @store_errors
-def show(receipt_id: str, envelope: bool, db_url: str | None, as_json: bool) -> None:
-    """One receipt by id (or a unique prefix of at least 4 hex digits)."""
+def show(
+    receipt_id: str | None, log_index: int | None, envelope: bool, db_url: str | None, as_json: bool
+) -> None:
+    """One receipt by id (or a unique prefix of at least 4 hex digits) or by --log-index: a summary line
+    with the facts an auditor looks for first, the facts table, every check with each condition and its
+    source (observed, derived, engine), then the subjects and the signature."""
     if envelope and as_json:
         raise click.UsageError("give --json or --envelope, not both")
+    if (receipt_id is None) == (log_index is None):
+        raise click.UsageError("give a receipt ID or --log-index N")
     with opened(open_read(db_url)) as store:
-        record = store.get_receipt(receipt_id)
+        record = store.get_receipt(receipt_id) if receipt_id is not None else store.receipt_at(log_index or 0)
     if envelope:
         assert record.envelope is not None
         click.echo(record.envelope.decode())
         return
+    emit(as_json, record.to_json(), lambda: print_receipt(record))
 
-    def human() -> None:
-        style = VERDICT_STYLE.get(record.verdict, "")
-        console.print(f"receipt {record.id}  [{style}]{record.verdict}[/]  (log index {record.log_idx})")
-        console.print(
-            f"  target {record.target} on {record.host}, {record.started_at} → {record.finished_at}"
-        )
-        console.print(f"  signed by key {record.keyid}")
-        for s in record.subjects:
-            console.print(f"  subject {s.name}: {s.digest}")
-        for check in record.predicate.get("checks", []):
-            reason = f" — {check['reason']}" if check.get("reason") else ""
-            console.print(f"  check {check['name']}: {check['status']} ({check['seconds']:.2f}s){reason}")
 
-    emit(as_json, record.to_json(), human)
+def print_receipt(record: ReceiptRecord) -> None:
+    """The human view of `receipts show`: facts first, then checks and conditions, then identity."""
+    p = record.predicate
+    style = VERDICT_STYLE.get(record.verdict, "")
+    console.print(f"receipt {record.id}  [{style}]{record.verdict}[/]  log_index {record.log_idx}")
+    console.print(escape(view.summary_line(p)))
+    console.print()
+    rows = view.facts(p)
+    width = max(len(k) for k, _ in rows)
+    for name, value in rows:
+        console.print(f"  {name:<{width}}  {escape(value)}")
+    console.print()
+    console.print("checks (condition, source: observed = measured by the harness, derived = computed by")
+    console.print("the harness from observed values, engine = the engine's own report):")
+    oom = view.is_oom(p)
+    for check in view.checks(p):
+        cstyle = CHECK_STYLE.get(check.status, "")
+        reason = f" — {escape(view.explain_exit(check.reason, oom))}" if check.reason else ""
+        console.print(f"  {check.name:<11}[{cstyle}]{check.status:<5}[/] {check.seconds:7.2f} s{reason}")
+        if not check.conditions and check.status != "skip":
+            console.print("      (no conditions recorded: a receipt from before they were)")
+        cwidth = max((len(c.name) for c in check.conditions), default=0)
+        for c in check.conditions:
+            mark = "[green]✓[/]" if c.holds else "[red]✗[/]"
+            detail = f"  {escape(view.explain_exit(c.detail, oom))}" if c.detail else ""
+            console.print(f"      {mark} {c.name:<{cwidth}}  {c.source:<8}{detail}".rstrip())
+    console.print()
+    for s in record.subjects:
+        console.print(f"  subject {escape(s.name)}: {s.digest}")
+    console.print(f"  signed by key {record.keyid} (verify with: qualify receipts verify {short(record.id)})")
 
 
 @receipts.command("verify")
