@@ -27,12 +27,14 @@ def synthetic_predicate(
     hostname: str = "synthetic-host",
     target: str = "cpu",
     started_at: datetime | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A schema-valid qualification predicate describing no real run; `n` makes each one distinct."""
+    """A schema-valid qualification predicate describing no real run; `n` makes each one distinct.
+    `overrides` replaces top-level fields (e.g. checks with conditions, layout, backend, faults)."""
     started = started_at or datetime(2025, 1, 1, tzinfo=UTC) + timedelta(minutes=n)
     config = {"preset": "tiny", "synthetic": True, "n": n}
     status = "pass" if verdict == "qualified" else "fail"
-    return {
+    predicate = {
         "request": {"layout": [2304, 2304, 2304, 9216], "kda_backend": "auto", "spec": "none"},
         "engine": {
             "name": SYNTHETIC_ENGINE,
@@ -49,6 +51,7 @@ def synthetic_predicate(
         "finished_at": (started + timedelta(seconds=30)).isoformat(),
         "qualify_version": "synthetic",
     }
+    return {**predicate, **(overrides or {})}
 
 
 def synthetic_statement(n: int = 0, *, subject_digest: str | None = None, **kwargs: Any) -> dict[str, Any]:
