@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from html import escape
 from typing import TYPE_CHECKING, Any
 
+from qualify.receipt_view import explain_exit
 from receipts import dsse
 from receipts.checkpoint import NoteVerifier
 from receipts.errors import NotFound, ReceiptsError, TamperError
@@ -32,10 +33,20 @@ CHART_WIDTH = 1040
 
 
 @dataclass(frozen=True)
+class ConditionPoint:
+    name: str
+    holds: bool
+    source: str  # observed | derived | engine
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
 class CheckPoint:
     name: str
     status: str
     seconds: float
+    conditions: tuple[ConditionPoint, ...] = ()  # none in receipts written before conditions were recorded
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,9 +117,26 @@ def faults_of(predicate: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def _conditions(check: dict[str, Any]) -> tuple[ConditionPoint, ...]:
+    found = check.get("conditions")
+    if not isinstance(found, dict):
+        return ()
+    return tuple(
+        ConditionPoint(str(name), bool(c.get("holds")), str(c.get("source") or "?"), c.get("detail"))
+        for name, c in found.items()
+        if isinstance(c, dict)
+    )
+
+
 def checks_of(predicate: dict[str, Any]) -> tuple[CheckPoint, ...]:
     return tuple(
-        CheckPoint(str(c.get("name")), str(c.get("status")), float(c.get("seconds") or 0.0))
+        CheckPoint(
+            str(c.get("name")),
+            str(c.get("status")),
+            float(c.get("seconds") or 0.0),
+            _conditions(c),
+            c.get("reason") if isinstance(c.get("reason"), str) else None,
+        )
         for c in predicate.get("checks") or []
         if isinstance(c, dict)
     )
@@ -121,13 +149,29 @@ def _t(text: Any) -> str:
     return escape(str(text), quote=True)
 
 
-def _svg(height: int, body: list[str], label: str) -> str:
+def _svg(height: int, body: list[str], label: str, left: int = 0) -> str:
     return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{_t(label)}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{_t(label)}" data-left="{left}" '
         f'width="{CHART_WIDTH}" height="{height}" viewBox="0 0 {CHART_WIDTH} {height}">'
         + "".join(body)
         + "</svg>"
     )
+
+
+# Width of one character of a 12 px chart label, rounded up (wide letters included), so that a margin sized
+# from it holds the label: labels are right-aligned against the chart and must not run off its left edge.
+LABEL_CHAR_PX = 7.6
+LABEL_MAX_CHARS = 40
+
+
+def _fit(text: str, limit: int = LABEL_MAX_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def _margin(labels: list[str], least: int = 120) -> int:
+    """The left margin (px) that holds the longest label and a gap before the chart."""
+    longest = max((len(label) for label in labels), default=0)
+    return max(least, int(longest * LABEL_CHAR_PX) + 24)
 
 
 def _empty(message: str) -> str:
@@ -169,25 +213,29 @@ def _time_axis(lo: float, hi: float, x0: int, x1: int, y: int) -> tuple[list[str
 
 
 def history_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
-    """One row per subject; one dot per receipt at its finish time, coloured by verdict."""
+    """One row per subject (its name over its short digest); one dot per receipt at its finish time,
+    coloured by verdict."""
     if not receipts:
         return _empty("No receipts yet: run `qualify run` to qualify a build.")
     by_subject: dict[str, list[ReceiptPoint]] = defaultdict(list)
     for r in receipts:
         by_subject[r.subject].append(r)
     subjects = sorted(by_subject, key=lambda s: min(r.finished_at for r in by_subject[s]))
-    row, top, left, right = 34, 16, 250, CHART_WIDTH - 60
+    names = {s: _fit(by_subject[s][0].subject_name) for s in subjects}
+    row, top, right = 38, 16, CHART_WIDTH - 60
+    left = _margin([*names.values(), *(_short(s) for s in subjects)])
     height = top + row * len(subjects) + 40
     times = [r.finished_at.timestamp() for r in receipts]
     axis, x_of = _time_axis(min(times), max(times), left, right, top + row * len(subjects) + 4)
     body = list(axis)
     for i, subject in enumerate(subjects):
         y = top + row * i + row / 2
-        name = by_subject[subject][0].subject_name
         body.append(f'<line x1="{left}" y1="{y}" x2="{right}" y2="{y}" class="grid"/>')
         body.append(
-            f'<text x="{left - 10}" y="{y + 4}" text-anchor="end" class="label">'
-            f"<title>{_t(subject)}</title>{_t(name[:22])} {_t(_short(subject))}</text>"
+            f'<text x="{left - 12}" y="{y - 3}" text-anchor="end" class="label subject-label">'
+            f"<title>{_t(by_subject[subject][0].subject_name)} {_t(subject)}</title>"
+            f'{_t(names[subject])}<tspan x="{left - 12}" dy="14" class="tick">{_t(_short(subject))}</tspan>'
+            "</text>"
         )
         for r in sorted(by_subject[subject], key=lambda r: r.log_index):
             colour = VERDICT_COLOURS.get(r.verdict, "#616161")
@@ -198,18 +246,22 @@ def history_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
                 f"<title>{_t(r.verdict)} on {_t(r.host)} at {r.finished_at.isoformat()} "
                 f"(log #{r.log_index}{'' if r.verified else ', DOES NOT VERIFY'})</title></circle>"
             )
-    return _svg(height, body, "qualification history per subject")
+    return _svg(height, body, "qualification history per subject", left)
 
 
 def _bars(rows: list[tuple[str, list[tuple[int | float, str, str]]]], label: str, unit: str = "") -> str:
     """Horizontal stacked bars: rows of (label, [(value, colour, css class)])."""
-    row, top, left, right = 28, 10, 250, CHART_WIDTH - 90
+    row, top, right = 28, 10, CHART_WIDTH - 90
+    left = _margin([_fit(name) for name, _ in rows])
     height = top + row * len(rows) + 10
     peak = max((sum(v for v, _, _ in parts) for _, parts in rows), default=0) or 1
     body = []
     for i, (name, parts) in enumerate(rows):
         y = top + row * i
-        body.append(f'<text x="{left - 10}" y="{y + 17}" text-anchor="end" class="label">{_t(name)}</text>')
+        body.append(
+            f'<text x="{left - 10}" y="{y + 17}" text-anchor="end" class="label">'
+            f"<title>{_t(name)}</title>{_t(_fit(name))}</text>"
+        )
         x = float(left)
         for value, colour, css in parts:
             width = (right - left) * value / peak
@@ -223,7 +275,7 @@ def _bars(rows: list[tuple[str, list[tuple[int | float, str, str]]]], label: str
         total = sum(v for v, _, _ in parts)
         shown = f"{total:.2f}{unit}" if isinstance(total, float) else f"{total}{unit}"
         body.append(f'<text x="{x + 6:.1f}" y="{y + 17}" class="value">{shown}</text>')
-    return _svg(height, body, label)
+    return _svg(height, body, label, left)
 
 
 def failures_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
@@ -269,7 +321,8 @@ def durations_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
     if not seconds:
         return _empty("No check timings recorded yet.")
     names = sorted(seconds)
-    row, top, left, right = 28, 10, 250, CHART_WIDTH - 150
+    row, top, right = 28, 10, CHART_WIDTH - 150
+    left = _margin([_fit(name) for name in names])
     height = top + row * len(names) + 34
     peak = max(max(v) for v in seconds.values()) or 1.0
     axis_y = top + row * len(names)
@@ -286,7 +339,10 @@ def durations_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
         lo, mid, hi = values[0], statistics.median(values), values[-1]
         y = top + row * i + row / 2
         xs = [left + (right - left) * v / peak for v in (lo, mid, hi)]
-        body.append(f'<text x="{left - 10}" y="{y + 4}" text-anchor="end" class="label">{_t(name)}</text>')
+        body.append(
+            f'<text x="{left - 10}" y="{y + 4}" text-anchor="end" class="label">'
+            f"<title>{_t(name)}</title>{_t(_fit(name))}</text>"
+        )
         body.append(
             f'<line class="duration-range" data-check="{_t(name)}" '
             f'x1="{xs[0]:.1f}" y1="{y}" x2="{xs[2]:.1f}" '
@@ -302,7 +358,7 @@ def durations_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
             f'<text x="{xs[2] + 10:.1f}" y="{y + 4}" class="value">'
             f"median {mid:.2f} s (n={len(values)})</text>"
         )
-    return _svg(height, body, "check durations")
+    return _svg(height, body, "check durations", left)
 
 
 def log_chart(checkpoints: tuple[CheckpointPoint, ...]) -> str:
@@ -367,6 +423,7 @@ pre{background:#eceff1;padding:8px;border-radius:4px;overflow-x:auto}
 svg text{font-size:12px;fill:#37474f} svg .tick{font-size:11px;fill:#78909c}
 svg .axis{stroke:#90a4ae} svg .grid{stroke:#eceff1}
 .verdict{font-weight:600}
+ul.sources{margin:0 0 8px;font-size:13px} .source{font-weight:600} .failed-check{margin:0 0 2px}
 """
 
 
@@ -417,21 +474,93 @@ def _receipts_table(receipts: tuple[ReceiptPoint, ...], limit: int = 50) -> str:
     rows = []
     for r in sorted(receipts, key=lambda r: r.log_index, reverse=True)[:limit]:
         colour = VERDICT_COLOURS.get(r.verdict, "#616161")
-        failed = ", ".join(c.name for c in r.checks if c.status in ("fail", "error")) or "-"
         rows.append(
             f'<tr class="receipt-row"><td>{r.log_index}</td><td><code>{_t(r.receipt_id[:16])}</code></td>'
             f"<td>{_t(r.subject_name)} <code>{_t(_short(r.subject))}</code></td>"
             f'<td class="verdict" style="color:{colour}">{_t(r.verdict)}</td><td>{_t(r.host)}</td>'
-            f"<td>{r.finished_at.strftime('%Y-%m-%d %H:%M:%S')}</td><td>{_t(failed)}</td>"
+            f"<td>{r.finished_at.strftime('%Y-%m-%d %H:%M:%S')}</td><td>{_failed_cell(r)}</td>"
             f"<td>{'yes' if r.verified else '<b>NO</b>'}</td></tr>"
         )
     more = f"<p>{len(receipts) - limit} older receipts not listed.</p>" if len(receipts) > limit else ""
     return (
         "<table><tr><th>log #</th><th>receipt</th><th>subject</th><th>verdict</th><th>host</th>"
-        "<th>finished (UTC)</th><th>failed checks</th><th>verifies</th></tr>"
+        "<th>finished (UTC)</th><th>failed checks: conditions (source)</th><th>verifies</th></tr>"
         + "".join(rows)
         + "</table>"
         + more
+    )
+
+
+SOURCE_COLOURS = {"observed": "#2e7d32", "derived": "#1565c0", "engine": "#ef6c00"}
+SOURCE_WORDS = {
+    "observed": "measured by the harness (or a process it launched that is not the engine)",
+    "derived": "computed by the harness from observed values",
+    "engine": "the engine's own report",
+}
+
+
+def _source(source: str) -> str:
+    colour = SOURCE_COLOURS.get(source, "#616161")
+    return f'<span class="source source-{_t(source)}" style="color:{colour}">{_t(source)}</span>'
+
+
+def _failed_cell(r: ReceiptPoint) -> str:
+    """Each failed check, with its failing conditions and their sources (or its reason)."""
+    items = []
+    for c in r.checks:
+        if c.status not in ("fail", "error"):
+            continue
+        failing = [
+            f"{_t(x.name)} ({_source(x.source)}){': ' + _t(x.detail[:160]) if x.detail else ''}"
+            for x in c.conditions
+            if not x.holds
+        ]
+        reason = explain_exit(
+            c.reason or c.status, bool(r.faults.get("container OOM") or r.faults.get("CUDA OOM"))
+        )
+        why = "; ".join(failing) or _t(reason[:160])
+        items.append(f'<div class="failed-check"><b>{_t(c.name)}</b>: {why}</div>')
+    return "".join(items) or "-"
+
+
+def conditions_table(receipts: tuple[ReceiptPoint, ...]) -> str:
+    """Every check condition seen, with its source and how often it held or failed over all receipts."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    without = 0
+    for r in receipts:
+        if r.checks and not any(c.conditions for c in r.checks):
+            without += 1
+        for c in r.checks:
+            for x in c.conditions:
+                row = rows.setdefault(
+                    (c.name, x.name), {"sources": Counter(), "held": 0, "failed": 0, "last": None}
+                )
+                row["sources"][x.source] += 1
+                row["held" if x.holds else "failed"] += 1
+                if not x.holds and x.detail:
+                    row["last"] = x.detail
+    note = (
+        f"<p>{without} receipt(s) were written before conditions were recorded: their checks show status "
+        "only.</p>"
+        if without
+        else ""
+    )
+    if not rows:
+        return _empty("No check conditions recorded yet.") + note
+    legend = "".join(f"<li>{_source(k)}: {_t(v)}</li>" for k, v in SOURCE_WORDS.items())
+    body = []
+    for (check, name), row in rows.items():
+        sources = ", ".join(_source(k) for k in row["sources"])
+        body.append(
+            f'<tr class="condition-row" data-check="{_t(check)}" data-condition="{_t(name)}" '
+            f'data-source="{_t(",".join(row["sources"]))}" data-failed="{row["failed"]}">'
+            f"<td>{_t(check)}</td><td><code>{_t(name)}</code></td><td>{sources}</td>"
+            f"<td>{row['held']}</td><td>{row['failed']}</td><td>{_t((row['last'] or '')[:160])}</td></tr>"
+        )
+    return (
+        f'<ul class="sources">{legend}</ul>'
+        "<table><tr><th>check</th><th>condition</th><th>source</th><th>held</th><th>failed</th>"
+        "<th>last failure</th></tr>" + "".join(body) + "</table>" + note
     )
 
 
@@ -468,6 +597,9 @@ def render(data: ReportData) -> str:
         + "</section>",
         '<section id="faults"><h2>Restarts, Xid events and OOMs (all receipts)</h2>'
         + faults_chart(data.receipts)
+        + "</section>",
+        '<section id="conditions"><h2>Check conditions and where each is known from</h2>'
+        + conditions_table(data.receipts)
         + "</section>",
         '<section id="durations"><h2>Check durations (min to max, median marked)</h2>'
         + durations_chart(data.receipts)
