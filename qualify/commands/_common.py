@@ -44,7 +44,7 @@ def db_option(fn: F) -> F:
         "db_url",
         default=None,
         metavar="URL",
-        help="Store URL (default: $QUALIFY_DB_URL, else SQLite in the data dir).",
+        help="Store URL (default: $QUALIFY_DB_URL, else the SQLite file in the data dir).",
     )(fn)
 
 

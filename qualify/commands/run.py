@@ -147,7 +147,12 @@ def _check_key_file(path: str) -> None:
     "--gpus", default=None, metavar="all|0,1", help="GPUs the engine may use (docker: device requests)."
 )
 @click.option("--mem-limit", default=None, metavar="SIZE", help="Container memory limit, e.g. 2g (docker).")
-@click.option("--db", default=None, metavar="URL", help="Store URL (default: SQLite in the data dir).")
+@click.option(
+    "--db",
+    default=None,
+    metavar="URL",
+    help="Store URL (default: $QUALIFY_DB_URL, else the SQLite file in the data dir).",
+)
 @click.option(
     "--key", default=None, metavar="PATH", help="Operator signing key (default: created on first use)."
 )
