@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from datetime import UTC
 from typing import Any
+
+from receipts.statement import parse_time
 
 # How a comparison of two greedy runs is named for people (generation/capture evidence keys).
 COMPARISONS = {
@@ -204,14 +207,26 @@ def _xid_words(faults: dict[str, Any]) -> tuple[str | None, bool]:
     return f"Xid watch {state}{f' ({why})' if why else ''}", False
 
 
-def _xid_fact(faults: dict[str, Any], xid: str | None) -> str:
+def _xid_fact(faults: dict[str, Any]) -> str:
+    events = [_dict(e) for e in _list(faults.get("xid_events"))]
     state = faults.get("xid_watch")
-    if xid is None:
-        return "none (watched for the whole run)"
-    if state == "active":
-        return xid
-    reason = faults.get("xid_watch_reason")
-    return f"{xid}: {reason}" if reason else xid
+    watch = (
+        "watched for the whole run"
+        if state == "active"
+        else f"watch {str(state).replace('_', ' ')}: {faults.get('xid_watch_reason') or 'no reason given'}"
+    )
+    if not events:
+        return f"none ({watch})"
+    codes = ", ".join(f"{e.get('code')}{' (fatal)' if e.get('fatal') else ''}" for e in events)
+    return f"{codes} ({watch})"
+
+
+def _time(predicate: dict[str, Any]) -> str:
+    start, end = parse_time(predicate.get("started_at")), parse_time(predicate.get("finished_at"))
+    if start is None or end is None:
+        return f"{predicate.get('started_at')} → {predicate.get('finished_at')}"
+    iso = [t.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z") for t in (start, end)]
+    return f"{iso[0]} → {iso[1]} ({(end - start).total_seconds():.1f} s)"
 
 
 def _faults_phrase(predicate: dict[str, Any]) -> str:
@@ -322,11 +337,10 @@ def facts(predicate: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("capture", _capture_phrase(predicate)))
     for label, text in coherence(predicate) or [("coherence", "not compared")]:
         rows.append((label, text))
-    xid, _ = _xid_words(faults)
     oom = _dict(faults.get("oom"))
     rows += [
         ("restarts", str(faults.get("restart_count", "?"))),
-        ("Xid", _xid_fact(faults, xid)),
+        ("Xid", _xid_fact(faults)),
         (
             "OOM",
             "OOM: the container was killed for memory"
@@ -336,6 +350,6 @@ def facts(predicate: dict[str, Any]) -> list[tuple[str, str]]:
             else "none",
         ),
         ("engine dead", "YES, before the run ended" if faults.get("engine_dead") else "no"),
-        ("time", f"{predicate.get('started_at')} → {predicate.get('finished_at')}"),
+        ("time", _time(predicate)),
     ]
     return rows
