@@ -100,7 +100,7 @@ def failures(predicate: dict[str, Any]) -> list[str]:
         if check.status not in ("fail", "error"):
             continue
         if check.name == "layout" and _layout_differs(predicate):
-            out.append(f"layout: {_layout_phrase(predicate)}")
+            out.append(f"layout: {_mismatch(predicate)}")
             continue
         parts = [f"{c.name} ({c.source}){': ' + c.detail if c.detail else ''}" for c in check.failing]
         text = "; ".join(parts) or check.reason or check.status
@@ -128,7 +128,16 @@ def _allocations(predicate: dict[str, Any]) -> str:
     return f"{n} allocations" if n else ""
 
 
-def _layout_phrase(predicate: dict[str, Any]) -> str:
+def _mismatch(predicate: dict[str, Any]) -> str:
+    registered = _dict(predicate.get("layout")).get("spans")
+    return (
+        f"registered {_spans(registered)} ≠ requested {_spans(_dict(predicate.get('request')).get('layout'))}"
+    )
+
+
+def _layout_phrase(predicate: dict[str, Any], mismatch: bool = True) -> str:
+    """The registered layout, its allocations and the peer's verdict; `mismatch`: say what differed from
+    the request (False where the failures already say it)."""
     layout = _dict(predicate.get("layout"))
     if not layout:
         return "no layout registered (the run stopped before the engine described it)"
@@ -138,7 +147,7 @@ def _layout_phrase(predicate: dict[str, Any]) -> str:
     across = f" across {allocations}" if allocations else ""
     peer = "" if layout.get("peer_verified") else ", NOT verified by the peer"
     if requested and spans != requested:
-        return f"registered {_spans(spans)} ≠ requested {_spans(requested)}{across}{peer}"
+        return f"{_mismatch(predicate) if mismatch else 'layout'}{across}{peer}"
     exact = "the exact layout" if requested else "layout"
     none = "" if requested else " (none demanded)"
     return f"registered {exact} {_spans(spans)}{none}{across}{peer}"
@@ -264,13 +273,13 @@ def summary_line(predicate: dict[str, Any]) -> str:
     if failed:
         head += " — failed: " + " | ".join(failed)
     parts = [
-        _layout_phrase(predicate),
+        _layout_phrase(predicate, mismatch=not _layout_differs(predicate) or not failed),
         _backend_phrase(predicate),
         _capture_phrase(predicate),
         _coherence_phrase(predicate),
         _faults_phrase(predicate),
     ]
-    return f"{head}: " + "; ".join(parts)
+    return f"{head}{' — ' if failed else ': '}" + "; ".join(parts)
 
 
 def facts(predicate: dict[str, Any]) -> list[tuple[str, str]]:

@@ -598,14 +598,14 @@ def render(data: ReportData) -> str:
         '<section id="faults"><h2>Restarts, Xid events and OOMs (all receipts)</h2>'
         + faults_chart(data.receipts)
         + "</section>",
-        '<section id="conditions"><h2>Check conditions and where each is known from</h2>'
-        + conditions_table(data.receipts)
-        + "</section>",
         '<section id="durations"><h2>Check durations (min to max, median marked)</h2>'
         + durations_chart(data.receipts)
         + "</section>",
         f'<section id="log"><h2>Log size and checkpoint history ({len(data.checkpoints)} checkpoints)</h2>'
         + log_chart(data.checkpoints)
+        + "</section>",
+        '<section id="conditions"><h2>Check conditions and where each is known from</h2>'
+        + conditions_table(data.receipts)
         + "</section>",
         '<section id="receipts"><h2>Receipts (newest first)</h2>'
         + _receipts_table(data.receipts)

@@ -73,6 +73,7 @@ def test_show_says_what_differed_when_a_check_failed(cli, sqlite_store, sqlite_u
     lines = _show(cli, sqlite_url, rid)
     assert "rejected  log_index 1" in lines[0]
     assert "layout: registered [2304, 2304, 9216] ≠ requested [2304, 2304, 2304, 9216]" in lines[1]
+    assert lines[1].count("≠") == 1  # said once, among the failures
     text = "\n".join(lines)
     assert re.search(
         rf"✗ spans_equal_request\s+engine\s+registered {re.escape(str(SHORT))} != requested "
