@@ -169,7 +169,7 @@ def print_receipt(record: ReceiptRecord) -> None:
         reason = f" — {escape(view.explain_exit(check.reason, oom))}" if check.reason else ""
         console.print(f"  {check.name:<11}[{cstyle}]{check.status:<5}[/] {check.seconds:7.2f} s{reason}")
         if not check.conditions and check.status != "skip":
-            console.print("      (no conditions recorded: a receipt from before they were)")
+            console.print("      (no conditions recorded for this check)")
         cwidth = max((len(c.name) for c in check.conditions), default=0)
         for c in check.conditions:
             mark = "[green]✓[/]" if c.holds else "[red]✗[/]"

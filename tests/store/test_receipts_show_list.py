@@ -146,3 +146,41 @@ def test_list_is_newest_first_filtered_in_sql_and_counts_what_it_hides(cli, stor
     assert human.index(ids[4][:16]) < human.index(ids[3][:16])
     assert "2025-01-01T00:00:30Z" not in human  # the oldest is not on the first page of two
     assert "2025-01-01T00:00:30Z" in cli("receipts", "list", "--db", db_url).out  # RFC 3339, UTC
+
+
+def test_coherence_reads_summary_outcome_or_identical_and_tolerates_none() -> None:
+    from qualify.receipt_view import coherence, summary_line
+
+    def with_comparisons(comparisons) -> dict:
+        return {"checks": [{"name": "generation", "evidence": {"comparisons": comparisons}}]}
+
+    found = coherence(
+        with_comparisons(
+            {
+                "replay_vs_eager": {"agrees": True, "outcome": "near_tie"},
+                "before_vs_after_reload": {"agrees": False, "identical": False},
+                "speculative_vs_plain": {"agrees": True},
+            }
+        )
+    )
+    assert found == [
+        ("replay vs eager", "coherent (near_tie)"),
+        ("post-reload generation", "NOT coherent (not identical)"),
+        ("speculative vs plain", "coherent"),
+    ]
+    assert coherence({}) == [] and coherence(with_comparisons("not a dict")) == []
+    assert "generation not compared" in summary_line({"verdict": "aborted", "target": "cpu"})
+
+
+def test_exit_code_137_is_named_for_what_it_is() -> None:
+    from qualify.receipt_view import explain_exit
+
+    line = "the engine exited with code 137 before it was ready"
+    assert (
+        explain_exit(line, oom=True)
+        == "the engine was killed for memory (OOM, exit code 137) before it was ready"
+    )
+    assert (
+        explain_exit(line, oom=False) == "the engine was killed (exit code 137: SIGKILL) before it was ready"
+    )
+    assert explain_exit("the engine exited with code 1370", oom=True) == "the engine exited with code 1370"
