@@ -167,14 +167,15 @@ def print_receipt(record: ReceiptRecord) -> None:
     for check in view.checks(p):
         cstyle = CHECK_STYLE.get(check.status, "")
         reason = f" — {escape(view.explain_exit(check.reason, oom))}" if check.reason else ""
-        console.print(f"  {check.name:<11}[{cstyle}]{check.status:<5}[/] {check.seconds:7.2f} s{reason}")
+        name, status = escape(f"{check.name:<11}"), escape(f"{check.status:<5}")
+        console.print(f"  {name}[{cstyle}]{status}[/] {check.seconds:7.2f} s{reason}")
         if not check.conditions and check.status != "skip":
             console.print("      (no conditions recorded for this check)")
         cwidth = max((len(c.name) for c in check.conditions), default=0)
         for c in check.conditions:
             mark = "[green]✓[/]" if c.holds else "[red]✗[/]"
             detail = f"  {escape(view.explain_exit(c.detail, oom))}" if c.detail else ""
-            console.print(f"      {mark} {c.name:<{cwidth}}  {c.source:<8}{detail}".rstrip())
+            console.print(f"      {mark} {escape(f'{c.name:<{cwidth}}  {c.source:<8}')}{detail}".rstrip())
     console.print()
     for s in record.subjects:
         console.print(f"  subject {escape(s.name)}: {s.digest}")
