@@ -130,7 +130,7 @@ def prove(ctx: Context, plain: CompletionResponse) -> tuple[dict[str, Cond], dic
             "j": j,
             "drafts": drafts,
             "outcome": cmp["outcome"] if cmp else "differs",
-            "coherence": cmp,
+            "coherence": {k: v for k, v in cmp.items() if k not in ("rule", "epsilon")} if cmp else None,
             "accepted_per_step": claimed,
             "expected_per_step": want,
             "claims": why or "consistent with the output",
