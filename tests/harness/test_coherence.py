@@ -78,3 +78,22 @@ def test_draft_plans_alter_draft_j_and_expect_j_accepted_per_step() -> None:
     assert expected_counts(ref, 1, 3, 6, None) == [1] * 6
     # After a divergence at token 5 the harness's drafts no longer fit: no expectation from step 2 on.
     assert expected_counts(ref, 1, 3, 6, 5) == [1, 1, None, None, None, None]
+
+
+def test_a_policy_can_require_identical_rather_than_a_near_tie() -> None:
+    from qualify.policy import compile_condition
+
+    expr = (
+        'receipt.checks.exists(c, c.name == "generation" '
+        '&& c.conditions.replay_vs_eager.detail == "identical")'
+    )
+    want_identical = compile_condition("identical_replay", expr)
+
+    def receipt(summary: str) -> dict:
+        cond = {"holds": True, "source": "observed", "detail": summary}
+        return {"checks": [{"name": "generation", "conditions": {"replay_vs_eager": cond}}]}
+
+    tie = coherence(REFERENCE, TIE, prompts=1, reask=Reask(REF[2:]))["summary"]
+    same = coherence(REFERENCE, REFERENCE, prompts=1)["summary"]
+    assert want_identical.evaluate(receipt(same)) is None
+    assert want_identical.evaluate(receipt(tie)) == "is false"
