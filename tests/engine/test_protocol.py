@@ -156,3 +156,20 @@ def test_malformed_completion_requests_are_refused(body):
 def test_reload_request_refuses_unknown_fields():
     with pytest.raises(ValidationError):
         ReloadRequest.model_validate({"file": "x"})
+
+
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        ({"prompt": "x", "max_tokens": 4, "drafts": [[1, 2, 3]]}, "speculative=true"),
+        ({"prompt": ["x", "y"], "max_tokens": 4, "speculative": True, "drafts": [[1, 2, 3]]}, "batch of one"),
+        ({"prompt": "x", "max_tokens": 1, "speculative": True, "drafts": [[1], [2]]}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 4, "speculative": True, "drafts": [[]]}, "1 to 64"),
+        ({"prompt": "x", "max_tokens": 4, "speculative": True, "drafts": [[-1]]}, "non-negative"),
+    ],
+)
+def test_drafts_must_say_exactly_what_one_speculative_request_verifies(fields, needle):
+    with pytest.raises(ValidationError, match=needle):
+        CompletionRequest(**fields)
+    ok = CompletionRequest(prompt=[[256, 65]], max_tokens=4, speculative=True, drafts=[[1, 2, 3]])
+    assert ok.drafts == [[1, 2, 3]]
