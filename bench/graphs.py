@@ -101,12 +101,18 @@ def tokens_per_second(fn, prompts, tokens: int) -> dict:
 
 
 def coherence(ref, got) -> list[dict]:
-    """Per request: the coherence rule of the speculative run against the same engine's plain greedy run."""
+    """Per request: the coherence rule of the speculative run against the same engine's plain greedy run
+    (both sides' top-2 evidence; no teacher forcing here, so a near tie before the last token reads
+    `differs` with forcing `missing`)."""
     from qualify.protocol import compare_greedy
 
-    pairs = zip(ref, got, strict=True)
-    reports = [compare_greedy(a.token_ids, a.top2_gaps, b.token_ids, EPSILON) for a, b in pairs]
-    return [{"agrees": r.agrees, "first_divergence": r.first_divergence, "gap": r.gap} for r in reports]
+    reports = [
+        compare_greedy(a.token_ids, a.top2_gaps, b.token_ids, EPSILON, reference_top2=a.top2_ids,
+                       candidate_gaps=b.top2_gaps, candidate_top2=b.top2_ids)
+        for a, b in zip(ref, got, strict=True)
+    ]  # fmt: skip
+    keys = ("outcome", "agrees", "first_divergence", "gap", "candidate_gap", "forcing")
+    return [{k: getattr(r, k) for k in keys} for r in reports]
 
 
 def main() -> None:

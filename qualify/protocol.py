@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 PROTOCOL_VERSION = "1"
 CAPACITY_ERROR = "CapacityError"
@@ -160,6 +160,10 @@ class CompletionRequest(_Msg):
     max_tokens: int = Field(ge=1)
     mode: Literal["auto", "eager", "graph"] = "auto"
     speculative: bool = False
+    # Harness-supplied drafts (speculative, one prompt): drafts[s] holds the num_spec tokens the engine must
+    # verify at its s-th verify step instead of drafting its own; steps past the list draft as usual. The
+    # harness knows exactly how many of them a greedy verifier accepts (the longest prefix it would emit).
+    drafts: list[list[int]] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -174,6 +178,21 @@ class CompletionRequest(_Msg):
             if isinstance(v[0], list) and any(t < 0 for p in v for t in p):
                 raise ValueError("token ids must be non-negative")
         return v
+
+    @model_validator(mode="after")
+    def _drafts_fit(self) -> CompletionRequest:
+        d = self.drafts
+        if d is None:
+            return self
+        if not self.speculative:
+            raise ValueError("drafts are verified by speculative decoding: set speculative=true")
+        if len(self.prompts()) != 1:
+            raise ValueError("drafts apply to one prompt: send a batch of one")
+        if not d or len(d) > self.max_tokens:
+            raise ValueError("drafts need between 1 and max_tokens verify steps")
+        if any(not row or len(row) > 64 or any(t < 0 for t in row) for row in d):
+            raise ValueError("each verify step drafts 1 to 64 non-negative token ids")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The batch as a list of single prompts (text or token ids)."""
@@ -191,6 +210,11 @@ class Choice(_Reply):
     text: str
     top2_gaps: list[float]  # per generated token: logit(top1) - logit(top2) of the step that chose it
     finish_reason: Literal["length", "stop"]
+    # Per generated token: [top-1 id, top-2 id] of the step that chose it (the near-tie evidence; an engine
+    # that omits them gets the exact-identity rule only).
+    top2_ids: list[list[int]] = []
+    prompt_token_ids: list[int] | None = None  # the prompt as the engine tokenized it (for teacher forcing)
+    accepted_per_step: list[int] | None = None  # speculative: drafts accepted at each verify step, in order
 
 
 class Usage(_Reply):
@@ -282,20 +306,64 @@ class ProbeResponse(_Reply):
 # ---------------------------------------------------------------- coherence rule (DESIGN §4)
 
 
+Outcome = Literal["identical", "near_tie", "differs"]
+Forcing = Literal["not_needed", "missing", "identical", "diverged"]
+
+
 class CoherenceReport(_Reply):
     agrees: bool
     first_divergence: int | None
-    gap: float | None
+    gap: float | None  # the reference's top-2 gap at the first divergence
     rule: str
     epsilon: float
+    outcome: Outcome = "differs"
+    candidate_gap: float | None = None
+    reason: str | None = None  # one line: why a divergence is (or is not) a near tie
+    # teacher forcing after a near tie: not needed (nothing follows it), missing (no continuation given),
+    # identical (the forced candidate continued exactly as the reference), diverged (it did not)
+    forcing: Forcing | None = None
 
 
 def coherence_rule_text(epsilon: float) -> str:
     return (
-        "two greedy runs agree when their tokens are identical, or when at the first differing position "
-        f"the reference's top-2 logit gap is below epsilon={epsilon:g} (a near tie); "
-        "after a near tie the continuations are not compared"
+        "two greedy runs agree when their tokens are identical (identical), or when they differ once at a "
+        "near tie (near_tie): at the first differing position both runs report the same two top tokens, "
+        f"swapped, each with a top-2 logit gap below epsilon={epsilon:g}, and the candidate, fed the "
+        "reference's tokens through that position (teacher forcing), continues exactly as the reference did; "
+        "anything else differs"
     )
+
+
+def _at(seq: list | None, i: int):
+    return seq[i] if seq is not None and 0 <= i < len(seq) else None
+
+
+def _gap_ok(g: float | None, epsilon: float) -> bool:
+    return g is not None and math.isfinite(g) and 0 <= g < epsilon
+
+
+def _near_tie_refusal(
+    d: int,
+    ref_tok: int,
+    cand_tok: int,
+    ref_gap: float | None,
+    cand_gap: float | None,
+    ref_pair: list | None,
+    cand_pair: list | None,
+    epsilon: float,
+) -> str | None:
+    """Why the divergence at d is not a near tie (None when it is one, before teacher forcing)."""
+    if ref_pair is None or cand_pair is None:
+        side = "reference" if ref_pair is None else "candidate"
+        return f"token {d}: the {side} reports no top-2 token ids, so no near tie can be shown"
+    if list(ref_pair) != [ref_tok, cand_tok] or list(cand_pair) != [cand_tok, ref_tok]:
+        return (
+            f"token {d}: top-2 ids {list(ref_pair)} (reference) and {list(cand_pair)} (candidate) are not "
+            f"the swapped pair [{ref_tok}, {cand_tok}] / [{cand_tok}, {ref_tok}]"
+        )
+    if not (_gap_ok(ref_gap, epsilon) and _gap_ok(cand_gap, epsilon)):
+        return f"token {d}: gaps {ref_gap} (reference) and {cand_gap} (candidate) are not both below epsilon"
+    return None
 
 
 def compare_greedy(
@@ -303,34 +371,65 @@ def compare_greedy(
     reference_gaps: list[float],
     candidate_tokens: list[int],
     epsilon: float,
+    *,
+    reference_top2: list[list[int]] | None = None,
+    candidate_gaps: list[float] | None = None,
+    candidate_top2: list[list[int]] | None = None,
+    forced_continuation: list[int] | None = None,
 ) -> CoherenceReport:
-    """Coherence of a candidate greedy run against a reference run.
+    """Coherence of a candidate greedy run against a reference run (the rule in `coherence_rule_text`).
 
-    A length mismatch counts as a difference at the shorter length; there is no reference gap for a
-    position the reference never generated, so such a difference cannot be a near tie.
+    Both sides' top-2 ids and gaps are needed for a near tie; without them only identity agrees. After a
+    near tie at d, `forced_continuation` is what the candidate generated when its prompt was extended by
+    reference_tokens[:d + 1]; it must equal reference_tokens[d + 1:] (a second divergence never agrees).
+    A length mismatch is a difference at the shorter length, never a near tie.
     """
     if epsilon < 0 or math.isnan(epsilon):
         raise ValueError("epsilon must be a non-negative number")
     rule = coherence_rule_text(epsilon)
+    base = {"rule": rule, "epsilon": epsilon}
     n = min(len(reference_tokens), len(candidate_tokens))
-    first: int | None = None
-    for i in range(n):
-        if reference_tokens[i] != candidate_tokens[i]:
-            first = i
-            break
-    if first is None and len(reference_tokens) != len(candidate_tokens):
-        first = n
-    if first is None:
-        return CoherenceReport(agrees=True, first_divergence=None, gap=None, rule=rule, epsilon=epsilon)
-    gap = (
-        float(reference_gaps[first])
-        if first < len(reference_gaps) and first < len(reference_tokens)
-        else None
+    d = next((i for i in range(n) if reference_tokens[i] != candidate_tokens[i]), None)
+    if d is None and len(reference_tokens) == len(candidate_tokens):
+        return CoherenceReport(agrees=True, first_divergence=None, gap=None, outcome="identical", **base)
+    if d is None:
+        why = f"lengths differ ({len(reference_tokens)} reference, {len(candidate_tokens)} candidate tokens)"
+        return CoherenceReport(agrees=False, first_divergence=n, gap=None, reason=why, **base)
+    ref_gap, cand_gap = _at(reference_gaps, d), _at(candidate_gaps, d)
+    found = {
+        "first_divergence": d,
+        "gap": None if ref_gap is None else float(ref_gap),
+        "candidate_gap": None if cand_gap is None else float(cand_gap),
+    }
+    why = _near_tie_refusal(
+        d,
+        reference_tokens[d],
+        candidate_tokens[d],
+        ref_gap,
+        cand_gap,
+        _at(reference_top2, d),
+        _at(candidate_top2, d),
+        epsilon,
     )
-    near_tie = (
-        gap is not None and first < len(reference_tokens) and first < len(candidate_tokens) and gap < epsilon
-    )
-    return CoherenceReport(agrees=near_tie, first_divergence=first, gap=gap, rule=rule, epsilon=epsilon)
+    if why is not None:
+        return CoherenceReport(agrees=False, reason=why, **found, **base)
+    rest = reference_tokens[d + 1 :]
+    if not rest:
+        why = f"near tie at token {d}, the last one: nothing follows to force"
+        return CoherenceReport(
+            agrees=True, outcome="near_tie", reason=why, forcing="not_needed", **found, **base
+        )
+    if forced_continuation is None:
+        why = f"near tie at token {d} not confirmed: no teacher-forced continuation"
+        return CoherenceReport(agrees=False, reason=why, forcing="missing", **found, **base)
+    if list(forced_continuation) != rest:
+        k = next((i for i, (a, b) in enumerate(zip(rest, forced_continuation, strict=False)) if a != b), None)
+        at = d + 1 + (k if k is not None else min(len(rest), len(forced_continuation)))
+        why = f"near tie at token {d}, but forced through it the candidate diverges again at token {at}"
+        return CoherenceReport(agrees=False, reason=why, forcing="diverged", **found, **base)
+    pair = f"{reference_tokens[d]}/{candidate_tokens[d]}"
+    why = f"near tie at token {d} (tokens {pair} swapped); forced through it, continues identically"
+    return CoherenceReport(agrees=True, outcome="near_tie", reason=why, forcing="identical", **found, **base)
 
 
 __all__ = [

@@ -9,17 +9,22 @@ from typing import Any
 
 from qualify.client import EngineClient
 from qualify.launch.base import Launcher
-from qualify.protocol import CompletionRequest, CompletionResponse, Describe, compare_greedy
+from qualify.protocol import Choice, CompletionRequest, CompletionResponse, Describe, compare_greedy
 from qualify.run.request import RunRequest
 
-# Coherence rule epsilon (logit units): a first difference where the reference's top-2 gap is below this
-# is a near tie, not a disagreement. The receipt records it with the rule.
+# Coherence rule epsilon (logit units): a first difference where both runs report the same two top tokens,
+# swapped, with top-2 gaps below this is a near tie (confirmed by teacher forcing), not a disagreement. The
+# receipt records it with the rule and marks each comparison identical, near_tie or differs.
 EPSILON = 0.05
 PROMPTS = ["The hybrid engine", "Receipts are evidence:", "KDA keeps a recurrent state per head."]
 GEN_TOKENS = 12
 
 
 OBSERVED, DERIVED, ENGINE = "observed", "derived", "engine"
+
+# Teacher forcing after a near tie: (the prompt's token ids + the reference's tokens through the divergence,
+# how many tokens to generate) -> what the candidate's configuration generates (None: no usable answer).
+Reask = Callable[[list[int], int], "list[int] | None"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class Context:
         mode: str = "auto",
         speculative: bool = False,
         max_tokens: int = GEN_TOKENS,
+        drafts: list[list[int]] | None = None,
     ) -> CompletionResponse:
         return self.client.complete(
             CompletionRequest(
@@ -92,8 +98,19 @@ class Context:
                 max_tokens=max_tokens,
                 mode=mode,
                 speculative=speculative,
+                drafts=drafts,
             )
         )
+
+    def reask(self, *, mode: str = "auto", speculative: bool = False) -> Reask:
+        """Teacher forcing in the candidate's configuration (mode, speculative): call it before anything
+        changes the engine (a reload), since it must see the engine the candidate saw."""
+
+        def ask(prompt_ids: list[int], max_tokens: int) -> list[int] | None:
+            resp = self.generate([prompt_ids], mode=mode, speculative=speculative, max_tokens=max_tokens)
+            return tokens(resp)[0] if well_formed(resp, 1) else None
+
+        return ask
 
 
 @dataclass(frozen=True)
@@ -115,8 +132,12 @@ def fail_unless(conditions: dict[str, Cond], evidence: dict[str, Any]) -> Outcom
     return Outcome("pass", evidence, None, conditions)
 
 
+def choices(resp: CompletionResponse) -> list[Choice]:
+    return sorted(resp.choices, key=lambda c: c.index)
+
+
 def tokens(resp: CompletionResponse) -> list[list[int]]:
-    return [c.token_ids for c in sorted(resp.choices, key=lambda c: c.index)]
+    return [c.token_ids for c in choices(resp)]
 
 
 def gaps(resp: CompletionResponse) -> list[list[float]]:
@@ -134,38 +155,73 @@ def well_formed(resp: CompletionResponse, prompts: int) -> bool:
     )
 
 
-def _coherence_summary(formed: bool, reports: list[dict[str, Any]], identical: bool) -> str:
-    """One line: identical, agreeing through near ties, or where the first disagreement is."""
+def compare_choices(
+    ref: Choice, cand: Choice, reask: Reask | None = None, max_tokens: int | None = None
+) -> dict[str, Any]:
+    """The coherence rule for one prompt; after a near tie, teacher forcing through `reask` (when given and
+    both runs reported the same prompt token ids). `max_tokens` truncates the reference (a longer run)."""
+    rt, rg, r2 = ref.token_ids, ref.top2_gaps, ref.top2_ids
+    if max_tokens is not None:
+        rt, rg, r2 = rt[:max_tokens], rg[:max_tokens], r2[:max_tokens]
+    kw = {
+        "reference_top2": r2 or None,
+        "candidate_gaps": cand.top2_gaps,
+        "candidate_top2": cand.top2_ids or None,
+    }
+    report = compare_greedy(rt, rg, cand.token_ids, EPSILON, **kw)
+    same_prompt = cand.prompt_token_ids and cand.prompt_token_ids == ref.prompt_token_ids
+    if report.forcing == "missing" and reask is not None and same_prompt:
+        d = report.first_divergence or 0
+        forced = reask([*cand.prompt_token_ids, *rt[: d + 1]], len(rt) - d - 1)
+        report = compare_greedy(rt, rg, cand.token_ids, EPSILON, forced_continuation=forced, **kw)
+    return report.model_dump(mode="json")
+
+
+def _coherence_summary(formed: bool, reports: list[dict[str, Any]], outcome: str) -> str:
+    """One line, starting with the outcome: identical, near_tie (where), or differs (where and why)."""
     if not formed:
-        return "an answer was not well formed (missing prompts, tokens or gaps)"
-    if identical:
+        return "differs: an answer was not well formed (missing prompts, tokens or gaps)"
+    if outcome == "identical":
         return "identical"
     for i, r in enumerate(reports):
         if not r["agrees"]:
-            return f"prompt {i} differs at token {r['first_divergence']} (gap {r['gap']})"
+            where = r.get("reason") or f"token {r['first_divergence']}"
+            return f"differs: prompt {i}: {where}"
     ties = [
         f"prompt {i} token {r['first_divergence']}"
         for i, r in enumerate(reports)
-        if r["first_divergence"] is not None
+        if r["outcome"] == "near_tie"
     ]
-    return "near tie at " + ", ".join(ties)
+    return (
+        "near_tie at " + ", ".join(ties) + " (both runs report the swapped pair; teacher forcing identical)"
+    )
 
 
 def coherence(
-    reference: CompletionResponse, candidate: CompletionResponse, prompts: int = len(PROMPTS)
+    reference: CompletionResponse,
+    candidate: CompletionResponse,
+    prompts: int = len(PROMPTS),
+    reask: Reask | None = None,
 ) -> dict[str, Any]:
     """The coherence rule applied prompt by prompt; `agrees` only when both answers are well formed for
-    `prompts` prompts and every prompt agrees."""
-    reports = []
-    for ref_t, ref_g, cand_t in zip(tokens(reference), gaps(reference), tokens(candidate), strict=False):
-        reports.append(compare_greedy(ref_t, ref_g, cand_t, EPSILON).model_dump(mode="json"))
+    `prompts` prompts and every prompt agrees. `outcome` is identical, near_tie or differs; a near tie
+    needs `reask` (teacher forcing) unless it is at the last token."""
+    pairs = zip(choices(reference), choices(candidate), strict=False)
+    reports = [compare_choices(a, b, reask) for a, b in pairs]
     formed = well_formed(reference, prompts) and well_formed(candidate, prompts)
+    agrees = formed and all(r["agrees"] for r in reports)
+    identical = formed and tokens(reference) == tokens(candidate)
+    outcome = "identical" if identical else "near_tie" if agrees else "differs"
     return {
-        "summary": _coherence_summary(formed, reports, tokens(reference) == tokens(candidate)),
-        "agrees": formed and all(r["agrees"] for r in reports),
-        "identical": formed and tokens(reference) == tokens(candidate),
+        "outcome": outcome,
+        "summary": _coherence_summary(formed, reports, outcome),
+        "agrees": agrees,
+        "identical": identical,
         "well_formed": formed,
         "rule": reports[0]["rule"] if reports else None,
         "epsilon": EPSILON,
-        "per_prompt": [{k: r[k] for k in ("agrees", "first_divergence", "gap")} for r in reports],
+        "per_prompt": [
+            {k: r.get(k) for k in ("outcome", "agrees", "first_divergence", "gap", "candidate_gap", "reason")}
+            for r in reports
+        ],
     }

@@ -45,7 +45,7 @@ def run(ctx: Context) -> Outcome:
     eager = ctx.generate(mode="eager")
     graph = ctx.generate(mode="graph")
     after = ctx.client.describe()
-    coh = coherence(eager, graph)
+    coh = coherence(eager, graph, reask=ctx.reask(mode="graph"))
     ctx.facts["eager_vs_graph"] = coh
     evidence.update(
         requested_sizes=want,

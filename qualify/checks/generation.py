@@ -1,5 +1,6 @@
 """generation: raw greedy generation is coherent (coherence rule): replay vs eager when graphs were
-captured, before vs after a same-weights reload, speculative vs plain when --spec; and deterministic."""
+captured, before vs after a same-weights reload, speculative vs plain when --spec (with speculation proved:
+checks/speculation.py); and deterministic."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from qualify.checks.base import (
     tokens,
     well_formed,
 )
+from qualify.checks.speculation import prove
 
 
 def run(ctx: Context) -> Outcome:
@@ -30,7 +32,7 @@ def run(ctx: Context) -> Outcome:
     if ctx.captured:
         eager = ctx.generate(mode="eager")
         graph = ctx.generate(mode="graph")
-        comparisons["replay_vs_eager"] = coherence(eager, graph)
+        comparisons["replay_vs_eager"] = coherence(eager, graph, reask=ctx.reask(mode="graph"))
         comparisons["replay_vs_eager"]["modes_used"] = [eager.mode_used, graph.mode_used]
         conditions["replay_vs_eager"] = observed(
             comparisons["replay_vs_eager"]["agrees"], comparisons["replay_vs_eager"].get("summary")
@@ -51,12 +53,12 @@ def run(ctx: Context) -> Outcome:
     else:
         comparisons["before_vs_after_reload"] = reload_cmp
         conditions["before_vs_after_reload"] = observed(reload_cmp["agrees"], reload_cmp.get("summary"))
+    speculation: dict = {}
     if ctx.request.num_spec > 0:
-        spec = ctx.generate(speculative=True)
-        comparisons["speculative_vs_plain"] = coherence(plain, spec)
-        conditions["speculative_vs_plain"] = observed(
-            comparisons["speculative_vs_plain"]["agrees"], comparisons["speculative_vs_plain"].get("summary")
-        )
+        spec_conditions, speculation = prove(ctx, plain)
+        conditions.update(spec_conditions)
+        comparisons["speculative_vs_plain"] = speculation.pop("speculative_vs_plain")
+        comparisons["speculative_drafts"] = speculation.pop("speculative_drafts")
     else:
         comparisons["speculative_vs_plain"] = {"not_applicable": "--spec none"}
     evidence = {
@@ -64,6 +66,7 @@ def run(ctx: Context) -> Outcome:
         "tokens_per_prompt": [len(t) for t in tokens(plain)],
         "mode_used": plain.mode_used,
         "comparisons": comparisons,
+        **speculation,  # acceptance histograms and the engine's draft counters, with --spec
     }
     return fail_unless(conditions, evidence)
 

@@ -26,21 +26,22 @@ def run(ctx: Context) -> Outcome:
     same = ctx.client.reload(ReloadRequest(), timeout_s=ctx.remaining())
     d1 = ctx.client.describe()
     after_same = ctx.generate(mode=replay)
-    coh_same = coherence(base, after_same)
+    coh_same = coherence(base, after_same, reask=ctx.reask(mode=replay))
     ctx.facts["before_vs_after_reload"] = coh_same
 
     seed = int(d0.config.get("seed", 0)) + OTHER_SEED_OFFSET
+    # Each comparison is made (teacher forcing included) before the next reload changes the engine.
     other = ctx.client.reload(ReloadRequest(seed=seed), timeout_s=ctx.remaining())
     with_other = ctx.generate(mode=replay)
     with_other_eager = ctx.generate(mode="eager")
     changed_output = tokens(with_other) != tokens(base)
-    coh_other = coherence(with_other_eager, with_other)
+    coh_other = coherence(with_other_eager, with_other, reask=ctx.reask(mode=replay))
 
     back = ctx.client.reload(ReloadRequest(path=same.weights_path), timeout_s=ctx.remaining())
     d2 = ctx.client.describe()
     restored = ctx.generate(mode=replay)
-    coh_back = coherence(base, restored)
-    coh_fresh = coherence(fresh_eager, restored)
+    coh_back = coherence(base, restored, reask=ctx.reask(mode=replay))
+    coh_fresh = coherence(fresh_eager, restored, reask=ctx.reask(mode=replay))
 
     arenas0 = {k: v.address for k, v in d0.arenas.items()}
     moved: dict[str, Any] = {

@@ -36,6 +36,8 @@ class Request:
     blocks: list[int]  # KV blocks of the attention groups, reserved for prompt + max_tokens
     output: list[int] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
+    top2: list[list[int]] = field(default_factory=list)  # per output token: [top-1 id, top-2 id]
+    accepted_steps: list[int] | None = None  # speculative: drafts accepted at each verify step
     finish_reason: str | None = None
 
     @property
@@ -53,6 +55,12 @@ class Generation:
     top2_gaps: list[float]
     finish_reason: str
     prompt_tokens: int
+    top2_ids: list[list[int]] = field(default_factory=list)
+    accepted_per_step: list[int] | None = None
+
+    @classmethod
+    def of(cls, r: Request) -> Generation:
+        return cls(r.output, r.gaps, r.finish_reason or "length", len(r.prompt), r.top2, r.accepted_steps)
 
 
 class SlotPool:
@@ -292,12 +300,21 @@ class Runner:
     @staticmethod
     def pick(logits: Tensor) -> tuple[list[int], list[float]]:
         """Greedy choice and the top-2 logit gap of each row (the near-tie evidence of the coherence rule)."""
-        top = torch.topk(logits.float(), 2, dim=-1)
-        return top.indices[:, 0].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()
+        toks, gaps, _ = Runner.pick_top2(logits)
+        return toks, gaps
 
-    def _append(self, req: Request, token: int, gap: float) -> None:
+    @staticmethod
+    def pick_top2(logits: Tensor) -> tuple[list[int], list[float], list[int]]:
+        """`pick` plus each row's runner-up token id (both ids are reported with every generated token)."""
+        top = torch.topk(logits.float(), 2, dim=-1)
+        gaps = (top.values[:, 0] - top.values[:, 1]).tolist()
+        return top.indices[:, 0].tolist(), gaps, top.indices[:, 1].tolist()
+
+    def _append(self, req: Request, token: int, gap: float, second: int = -1) -> None:
+        """Append one generated token with its top-2 gap and runner-up id (-1: not known, test paths)."""
         req.output.append(token)
         req.gaps.append(gap)
+        req.top2.append([token, second])
         self.counters.tokens_generated += 1
         if token == EOS:
             req.finish_reason = "stop"
@@ -326,16 +343,16 @@ class Runner:
                 while waiting and len(waiting[0].prompt) <= budget:
                     budget -= len(waiting[0].prompt)
                     batch.append(waiting.popleft())
-                toks, gaps = self.pick(self.prefill(batch))
-                for r, t, g in zip(batch, toks, gaps, strict=True):
-                    self._append(r, t, g)
+                toks, gaps, seconds = self.pick_top2(self.prefill(batch))
+                for r, t, g, t2 in zip(batch, toks, gaps, seconds, strict=True):
+                    self._append(r, t, g, t2)
             running = [r for r in reqs if not r.done]
             while running:
                 logits, used = self.decode_step(running, mode)
                 modes.add(used)
-                toks, gaps = self.pick(logits)
-                for r, t, g in zip(running, toks, gaps, strict=True):
-                    self._append(r, t, g)
+                toks, gaps, seconds = self.pick_top2(logits)
+                for r, t, g, t2 in zip(running, toks, gaps, seconds, strict=True):
+                    self._append(r, t, g, t2)
                 for r in running:
                     if r.done:
                         self.release(r)
@@ -344,4 +361,4 @@ class Runner:
             for r in reqs:
                 self.release(r)
         used = "mixed" if len(modes) > 1 else (modes.pop() if modes else "eager")
-        return [Generation(r.output, r.gaps, r.finish_reason or "length", len(r.prompt)) for r in reqs], used
+        return [Generation.of(r) for r in reqs], used

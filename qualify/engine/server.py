@@ -135,7 +135,11 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
             from .spec import speculative_generate
 
             gens, mode_used, _ = await on_worker(
-                speculative_generate, engine, prompts, req.max_tokens, req.mode
+                functools.partial(speculative_generate, drafts=req.drafts),
+                engine,
+                prompts,
+                req.max_tokens,
+                req.mode,
             )
         else:
             gens, mode_used = await on_worker(engine.generate, prompts, req.max_tokens, req.mode)
@@ -145,9 +149,12 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
                 token_ids=g.token_ids,
                 text=tok.decode(g.token_ids),
                 top2_gaps=g.top2_gaps,
+                top2_ids=g.top2_ids,
                 finish_reason=g.finish_reason,
+                prompt_token_ids=p,
+                accepted_per_step=g.accepted_per_step,
             )  # fmt: skip
-            for i, g in enumerate(gens)
+            for i, (g, p) in enumerate(zip(gens, prompts, strict=True))
         ]
         pt = sum(g.prompt_tokens for g in gens)
         ct = sum(len(g.token_ids) for g in gens)

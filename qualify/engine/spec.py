@@ -112,24 +112,50 @@ def _prefill(runner, reqs: list) -> Tensor:
         while todo and len(todo[0].prompt) <= budget:
             budget -= len(todo[0].prompt)
             batch.append(todo.pop(0))
-        toks, gaps = runner.pick(runner.prefill(batch))
+        toks, gaps, seconds = runner.pick_top2(runner.prefill(batch))
         hidden.append(runner.prefill_hidden)
-        for r, t, g in zip(batch, toks, gaps, strict=True):
-            runner._append(r, t, g)
+        for r, t, g, t2 in zip(batch, toks, gaps, seconds, strict=True):
+            runner._append(r, t, g, t2)
     return torch.cat(hidden)
+
+
+def given_drafts(
+    engine, prompts: list[list[int]], drafts: list[list[int]]
+) -> Callable[[int], list[int] | None]:
+    """Caller-supplied drafts (the protocol's `drafts`): one prompt, num_spec ids in the vocabulary per verify
+    step. Returns step -> that step's drafts (None past the list: the MTP layer drafts)."""
+    S, vocab = engine.cfg.num_spec, engine.cfg.shape.vocab
+    if len(prompts) != 1:
+        raise ValueError("drafts apply to one prompt: send a batch of one")
+    for s, row in enumerate(drafts):
+        if len(row) != S:
+            raise ValueError(
+                f"drafts[{s}] has {len(row)} tokens; this engine verifies num_spec = {S} per step"
+            )
+        if any(not 0 <= t < vocab for t in row):
+            raise ValueError(f"drafts[{s}]: token ids must lie in [0, {vocab})")
+    return lambda step: list(drafts[step]) if step < len(drafts) else None
 
 
 @torch.no_grad()
 def speculative_generate(
-    engine, prompts: list[list[int]], max_tokens: int, mode: str = "auto", drafter: Drafter | None = None
+    engine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    mode: str = "auto",
+    drafter: Drafter | None = None,
+    drafts: list[list[int]] | None = None,
 ) -> tuple[list, str, SpecCounters]:
     """Greedy generation with MTP drafts and one verify step per round; the same tokens as plain greedy
     decoding under the coherence rule. `drafter(reqs, hidden, last, num_spec)` replaces the MTP layer
-    (tests use it to force partial acceptance). Returns (generations, mode used, this call's counters)."""
+    (tests use it to force partial acceptance); `drafts` (one prompt) are verified at the first steps
+    instead of any drafter's (the harness's proof of acceptance). Each generation reports the drafts it
+    accepted per verify step. Returns (generations, mode used, this call's counters)."""
     cfg, runner = engine.cfg, engine.runner
     S = cfg.num_spec
     if S == 0:
         raise ModeUnavailable("speculative decoding needs an engine started with num_spec > 0")
+    forced = given_drafts(engine, prompts, drafts) if drafts is not None else lambda _step: None
     if drafter is None:
 
         def drafter(_reqs, hidden, last, k):
@@ -142,6 +168,7 @@ def speculative_generate(
     reqs = [runner.admit(p, max_tokens + S) for p in prompts]
     for r in reqs:
         r.max_tokens = max_tokens
+        r.accepted_steps = []
     modes: set[str] = set()
     try:
         hidden = _prefill(runner, reqs)
@@ -152,21 +179,27 @@ def speculative_generate(
         while running:
             n = len(running)
             last = torch.tensor([r.output[-1] for r in running], device=engine.device)
-            drafts = drafter(running, hidden, last, S).to(torch.long)
-            draft_rows = drafts.tolist()
+            given = forced(stats.steps)
+            if given is not None:
+                proposed = torch.tensor([given], dtype=torch.long, device=engine.device)
+            else:
+                proposed = drafter(running, hidden, last, S).to(torch.long)
+            draft_rows = proposed.tolist()
             tokens = [[r.output[-1], *d] for r, d in zip(running, draft_rows, strict=True)]
             logits, h, used = verify_step(engine, running, tokens, accepted, mode)
             modes.add(used)
-            toks, gaps = runner.pick(logits)
-            target = torch.tensor(toks, device=drafts.device).view(n, S + 1)
-            matched = accept_greedy(drafts, target).tolist()
+            toks, gaps, seconds = runner.pick_top2(logits)
+            target = torch.tensor(toks, device=proposed.device).view(n, S + 1)
+            matched = accept_greedy(proposed, target).tolist()
             keep_rows, next_accepted = [], []
             for i, (r, m) in enumerate(zip(running, matched, strict=True)):
                 for j in range(m + 1):  # m accepted drafts, then the bonus token
-                    runner._append(r, toks[i * (S + 1) + j], gaps[i * (S + 1) + j])
+                    k = i * (S + 1) + j
+                    runner._append(r, toks[k], gaps[k], seconds[k])
                     stats.emitted += 1
                     if r.done:
                         break
+                r.accepted_steps.append(m)
                 stats.request_rounds += 1
                 stats.drafted += S
                 stats.accepted += m
@@ -185,5 +218,5 @@ def speculative_generate(
     engine.counters.spec_drafted += stats.drafted
     engine.counters.spec_accepted += stats.accepted
     used = "mixed" if len(modes) > 1 else (modes.pop() if modes else "eager")
-    gens = [Generation(r.output, r.gaps, r.finish_reason or "length", len(r.prompt)) for r in reqs]
+    gens = [Generation.of(r) for r in reqs]
     return gens, used, stats

@@ -206,3 +206,81 @@ def test_plain_and_speculative_steps_run_through_the_one_resolved_backend(spec_e
     assert {b.plan.backend for b in bindings} == {e.resolution.name}
     assert e.kda_rt.backend is e.backend
     assert e.describe()["backend"]["resolved"] == e.resolution.name
+
+
+# ---------------------------------------------------------------- harness-supplied drafts
+
+
+@pytest.fixture(scope="module")
+def long_plain(spec_engine):
+    """Plain greedy output of PROMPTS[0], num_spec tokens longer than the speculative runs below."""
+    gens, _ = spec_engine.generate([PROMPTS[0]], 16 + NUM_SPEC, "eager")
+    return gens[0]
+
+
+@pytest.mark.parametrize("j", range(NUM_SPEC + 1))
+def test_harness_drafts_with_draft_j_altered_are_accepted_exactly_j_per_step(spec_engine, long_plain, j):
+    from qualify.checks.speculation import claims_refusal, plan
+
+    drafts = plan(long_plain.token_ids, 16, j, NUM_SPEC)
+    gens, _, stats = speculative_generate(spec_engine, [PROMPTS[0]], 16, drafts=drafts)
+    (g,) = gens
+    assert g.token_ids == long_plain.token_ids[:16]  # every acceptance length reproduces plain greedy output
+    assert g.accepted_per_step == [j] * len(drafts) and stats.accepted == j * len(drafts)
+    assert claims_refusal(drafts, g.accepted_per_step, g.token_ids, NUM_SPEC) is None
+    assert [pair[0] for pair in g.top2_ids] == g.token_ids
+    assert all(pair[1] != pair[0] and pair[1] >= 0 for pair in g.top2_ids)
+
+
+def test_a_claim_of_more_accepted_drafts_than_the_output_shows_is_refused(long_plain):
+    from qualify.checks.speculation import claims_refusal, plan
+
+    out = long_plain.token_ids[:16]
+    drafts = plan(long_plain.token_ids, 16, 1, NUM_SPEC)  # draft 1 altered: one accepted per step
+    assert claims_refusal(drafts, [1] * len(drafts), out, NUM_SPEC) is None
+    # Claiming all three accepted would put the altered draft into the output: it is not there.
+    assert "not those drafts" in claims_refusal(drafts, [NUM_SPEC] * len(drafts), out, NUM_SPEC)
+    # Claiming none at every step accounts for fewer tokens than were returned.
+    assert "account for" in claims_refusal(drafts, [0] * len(drafts), out, NUM_SPEC)
+
+
+def test_drafts_past_the_given_steps_come_from_the_mtp_layer(spec_engine, long_plain):
+    from qualify.checks.speculation import plan
+
+    drafts = plan(long_plain.token_ids, 16, NUM_SPEC, NUM_SPEC)[:1]
+    (g,), _, _ = speculative_generate(spec_engine, [PROMPTS[0]], 16, drafts=drafts)
+    assert g.token_ids == long_plain.token_ids[:16] and g.accepted_per_step[0] == NUM_SPEC
+    assert len(g.accepted_per_step) > 1
+
+
+def test_drafts_of_the_wrong_shape_are_refused_before_any_work(spec_engine):
+    free = len(spec_engine.runner.pool.groups)
+    with pytest.raises(ValueError, match="num_spec = 3"):
+        speculative_generate(spec_engine, [PROMPTS[0]], 8, drafts=[[1, 2]])
+    with pytest.raises(ValueError, match="one prompt"):
+        speculative_generate(spec_engine, PROMPTS[:2], 8, drafts=[[1, 2, 3]])
+    with pytest.raises(ValueError, match="lie in"):
+        speculative_generate(spec_engine, [PROMPTS[0]], 8, drafts=[[1, 2, 10_000]])
+    assert len(spec_engine.runner.pool.groups) == free
+
+
+def test_the_api_verifies_harness_drafts_and_reports_accepted_counts(spec_engine, long_plain):
+    from fastapi.testclient import TestClient
+
+    from qualify.checks.speculation import plan
+    from qualify.engine.server import create_app
+    from qualify.protocol import CompletionResponse
+
+    drafts = plan(long_plain.token_ids, 16, 2, NUM_SPEC)
+    body = {"prompt": [PROMPTS[0]], "max_tokens": 16, "speculative": True, "drafts": drafts}
+    with TestClient(create_app(spec_engine)) as c:
+        got = c.post("/v1/completions", json=body)
+        assert got.status_code == 200, got.text
+        (choice,) = CompletionResponse.model_validate(got.json()).choices
+        assert choice.accepted_per_step == [2] * len(drafts) and choice.prompt_token_ids == PROMPTS[0]
+        assert choice.token_ids == long_plain.token_ids[:16] and len(choice.top2_ids) == 16
+        plain = c.post("/v1/completions", json={"prompt": [PROMPTS[0]], "max_tokens": 4}).json()
+        assert plain["choices"][0]["accepted_per_step"] is None
+        for bad, status in (({**body, "speculative": False}, 422), ({**body, "drafts": [[1]]}, 400)):
+            r = c.post("/v1/completions", json=bad)
+            assert r.status_code == status and r.json()["error"]["message"]

@@ -97,3 +97,26 @@ def test_a_status_the_policy_does_not_know_rejects() -> None:
 
 def test_a_target_without_a_policy_allows_no_skip() -> None:
     assert judge(with_status("capture", "skip"), "tpu").verdict == "rejected"
+
+
+def test_engine_reported_speculation_sits_beside_the_observed_generation_conditions() -> None:
+    # The engine's draft counters and per-step counts are its word (spec_*): they may be `engine` on a GPU
+    # target, while every generation comparison the harness made itself must be observed.
+    spec = with_condition("generation", "spec_counters_moved", source="engine")
+    gen = next(r for r in spec if r["name"] == "generation")
+    gen["conditions"]["speculative_drafts_reproduce_plain"] = {"holds": True, "source": "observed"}
+    assert judge(spec, "gpu").verdict == "qualified"
+    for cond in ("deterministic", "replay_vs_eager", "before_vs_after_reload", "tokens_generated"):
+        j = judge(with_condition("generation", cond, source="engine"), "gpu")
+        assert j.reasons == [f"not observed: generation.{cond}: source is engine, observed required"]
+
+
+def test_speculative_comparisons_must_be_observed_where_the_run_has_them() -> None:
+    # Absent (a run without --spec) they are not demanded; present, they must hold and be observed.
+    assert judge(ALL_PASS, "gpu").verdict == "qualified"
+    j = judge(with_condition("generation", "speculative_vs_plain", source="derived"), "gpu")
+    assert j.reasons == [
+        "not observed: generation.speculative_vs_plain: source is derived, observed required"
+    ]
+    j = judge(with_condition("generation", "speculative_drafts_reproduce_plain", holds=False), "gpu")
+    assert j.reasons == ["not observed: generation.speculative_drafts_reproduce_plain: does not hold"]

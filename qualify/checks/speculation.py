@@ -1,0 +1,194 @@
+"""Speculation proved (part of the generation check): the engine's draft counters move, and drafts the harness
+supplies, the plain greedy continuation with draft j altered, are accepted j at a time and reproduce it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qualify.checks.base import (
+    GEN_TOKENS,
+    PROMPTS,
+    Cond,
+    Context,
+    choices,
+    coherence,
+    compare_choices,
+    derived,
+    engine_says,
+    observed,
+    well_formed,
+)
+from qualify.protocol import Choice, CompletionResponse, Counters
+
+
+def alter(token: int) -> int:
+    """Another byte token: never the one the verifier will pick at that position."""
+    return (token + 1) % 256
+
+
+def plan(reference: list[int], max_tokens: int, j: int, num_spec: int) -> list[list[int]]:
+    """Drafts for a run in which every verify step accepts exactly j: step s follows output token
+    a = s * (j + 1) and drafts reference[a + 1 : a + 1 + num_spec] with draft j altered (none when
+    j == num_spec). The reference must be plain greedy output of max_tokens + num_spec tokens."""
+    rows = []
+    for s in range(-(-(max_tokens - 1) // (j + 1))):
+        a = s * (j + 1)
+        row = (reference[a + 1 : a + 1 + num_spec] + [0] * num_spec)[:num_spec]  # 0s only past a stop
+        if j < num_spec:
+            row[j] = alter(row[j])
+        rows.append(row)
+    return rows
+
+
+def expected_counts(reference: list[int], j: int, num_spec: int, steps: int, diverged_at: int | None) -> list:
+    """Per step: j where the harness knows the verifier must accept exactly j (every draft of the step lies
+    within the reference, and the step's tokens come before any divergence of the run), else None."""
+    out: list[int | None] = []
+    for s in range(steps):
+        a = s * (j + 1)
+        known = a + num_spec < len(reference)
+        before = diverged_at is None or a + j + 1 < diverged_at
+        out.append(j if known and before else None)
+    return out
+
+
+def claims_refusal(
+    drafts: list[list[int]], claimed: list[int], output: list[int], num_spec: int
+) -> str | None:
+    """Why the engine's per-step accepted counts cannot be true of the tokens it returned (None: they can).
+
+    An accepted draft is emitted as it was drafted, so claiming m accepted at a step puts that step's first
+    m drafts into the output right after the step's last kept token; the steps must account for the output.
+    """
+    a, last = 0, len(output) - 1
+    for s, m in enumerate(claimed):
+        if a >= last:
+            return f"{len(claimed)} steps reported, but the output is complete after {s}"
+        if not 0 <= m <= num_spec:
+            return f"step {s} reports {m} drafts accepted of {num_spec}"
+        shown = output[a + 1 : a + 1 + m]
+        if s < len(drafts) and drafts[s][: len(shown)] != shown:
+            return f"step {s} reports {m} drafts accepted, but tokens {a + 1}.. are not those drafts"
+        a += m + 1
+    if a < last:
+        return f"the reported steps account for {a + 1} of {len(output)} tokens"
+    return None
+
+
+def _accepted(resp: CompletionResponse) -> list[list[int]] | None:
+    per = [c.accepted_per_step for c in choices(resp)]
+    return None if any(p is None for p in per) else per  # type: ignore[return-value]
+
+
+def _histogram(counts: list[int], num_spec: int) -> dict[str, int]:
+    keys = sorted({*range(num_spec + 1), *counts})
+    return {str(k): counts.count(k) for k in keys}
+
+
+def prove(ctx: Context, plain: CompletionResponse) -> tuple[dict[str, Cond], dict[str, Any]]:
+    """Conditions and evidence of speculation with --spec mtp:N (N = ctx.request.num_spec)."""
+    N, M = ctx.request.num_spec, GEN_TOKENS
+    before = ctx.client.describe().counters
+    mtp = ctx.generate(speculative=True)
+    long = ctx.generate([PROMPTS[0]], max_tokens=M + N)
+    ref: Choice | None = choices(long)[0] if well_formed(long, 1) else None
+    runs: list[tuple[int, list[list[int]], CompletionResponse]] = []
+    if ref is not None:
+        for j in range(N + 1):
+            drafts = plan(ref.token_ids, M, j, N)
+            runs.append(
+                (j, drafts, ctx.generate([PROMPTS[0]], speculative=True, max_tokens=M, drafts=drafts))
+            )
+    after = ctx.client.describe().counters
+
+    reask = ctx.reask(speculative=True)
+    vs_plain = coherence(plain, mtp, reask=reask)
+    per_j, reproduce, exact, consistent, counts = [], [], [], [], []
+    for j, drafts, resp in runs:
+        formed = well_formed(resp, 1)
+        cand = choices(resp)[0] if formed else None
+        cmp = compare_choices(ref, cand, reask, max_tokens=M) if cand else None  # type: ignore[arg-type]
+        claimed = cand.accepted_per_step if cand else None
+        agrees = bool(cmp and cmp["agrees"])
+        diverged = None if cmp is None or cmp["outcome"] == "identical" else cmp["first_divergence"]
+        want = expected_counts(ref.token_ids, j, N, len(drafts), diverged)  # type: ignore[union-attr]
+        ok_counts = claimed is not None and all(
+            w is None or (s < len(claimed) and claimed[s] == w) for s, w in enumerate(want)
+        )
+        why = (
+            "no per-step report"
+            if claimed is None or cand is None
+            else claims_refusal(drafts, claimed, cand.token_ids, N)
+        )
+        counts += claimed or []
+        reproduce.append(f"j={j}: " + (cmp["outcome"] if cmp else "no well-formed answer"))
+        if not agrees and cmp:
+            reproduce[-1] += f" ({cmp['reason']})"
+        exact.append(f"j={j}: reported {claimed}" if not ok_counts else "")
+        consistent.append(f"j={j}: {why}" if why else "")
+        per_j.append({
+            "j": j,
+            "drafts": drafts,
+            "outcome": cmp["outcome"] if cmp else "differs",
+            "coherence": {k: v for k, v in cmp.items() if k not in ("rule", "epsilon")} if cmp else None,
+            "accepted_per_step": claimed,
+            "expected_per_step": want,
+            "claims": why or "consistent with the output",
+        })  # fmt: skip
+    histogram = _histogram(counts, N)
+    covered = bool(runs) and all(histogram[str(k)] > 0 for k in range(N + 1))
+    mtp_counts = _accepted(mtp)
+    mtp_flat = [m for per in (mtp_counts or []) for m in per]
+    steps_reported = len(mtp_flat) + sum(len(p["accepted_per_step"] or []) for p in per_j)
+    accepted_reported = sum(mtp_flat) + sum(counts)
+    moved = _moved(before, after, N, steps_reported, accepted_reported, mtp_counts is not None)
+
+    conditions = {
+        # Tokens the harness compared itself.
+        "speculative_vs_plain": observed(vs_plain["agrees"], vs_plain["summary"]),
+        "speculative_drafts_reproduce_plain": observed(
+            bool(runs) and all(p["coherence"] and p["coherence"]["agrees"] for p in per_j),
+            "; ".join(reproduce) or "no plain reference to draft from",
+        ),
+        # The engine's word: its counters moved, and by what its per-step reports add up to...
+        "spec_counters_moved": engine_says(moved[0], moved[1]),
+        # ...and it says it accepted exactly j of the drafts with draft j altered, for every j in 0..N.
+        "spec_accepts_exactly_j": engine_says(
+            bool(runs) and not any(exact) and covered,
+            "; ".join(e for e in exact if e) or f"acceptance histogram {histogram}",
+        ),
+        # Its claims checked against the tokens it returned: an accepted draft shows in the output.
+        "spec_claims_match_output": derived(
+            bool(runs) and not any(consistent), "; ".join(c for c in consistent if c) or "consistent"
+        ),
+    }
+    evidence = {
+        "speculative_vs_plain": vs_plain,
+        "speculative_drafts": per_j,
+        "acceptance_histogram": histogram,
+        "mtp_acceptance_histogram": _histogram(mtp_flat, N),
+        "spec_counters": {
+            "before": {"spec_drafted": before.spec_drafted, "spec_accepted": before.spec_accepted},
+            "after": {"spec_drafted": after.spec_drafted, "spec_accepted": after.spec_accepted},
+        },
+    }
+    return conditions, evidence
+
+
+def _moved(
+    before: Counters, after: Counters, num_spec: int, steps: int, accepted: int, mtp_reported: bool
+) -> tuple[bool, str]:
+    drafted_delta = after.spec_drafted - before.spec_drafted
+    accepted_delta = after.spec_accepted - before.spec_accepted
+    detail = (
+        f"spec_drafted +{drafted_delta}, spec_accepted +{accepted_delta}; per-step reports: {steps} steps "
+        f"of {num_spec} drafts, {accepted} accepted"
+    )
+    holds = (
+        mtp_reported
+        and drafted_delta > 0
+        and accepted_delta > 0
+        and drafted_delta == num_spec * steps
+        and accepted_delta == accepted
+    )
+    return holds, detail

@@ -1,0 +1,41 @@
+"""A lying engine standing in for stale graphs on CPU: after its first reload every non-eager answer has one
+token changed, and it reports every top-2 gap as 0.0 with a runner-up chosen so that the changed token looks
+like the swapped half of a near tie. Only teacher forcing can tell: forced through the tie, it changes a
+token again."""
+
+from __future__ import annotations
+
+from qualify.engine import engine as engine_module
+from qualify.engine.__main__ import main
+
+Engine = engine_module.Engine
+_generate, _reload = Engine.generate, Engine.reload
+CHANGED_AT = 1
+
+
+def runner_up(token: int) -> int:
+    return (token + 1) % 256
+
+
+def lying_generate(self, prompts, max_tokens, mode="auto"):
+    gens, used = _generate(self, prompts, max_tokens, mode)
+    stale = getattr(self, "_reloaded", False) and mode != "eager"
+    for g in gens:
+        g.top2_gaps = [0.0] * len(g.token_ids)
+        g.top2_ids = [[t, runner_up(t)] for t in g.token_ids]
+        if stale and len(g.token_ids) > CHANGED_AT:
+            t = g.token_ids[CHANGED_AT]
+            g.token_ids[CHANGED_AT] = runner_up(t)
+            g.top2_ids[CHANGED_AT] = [runner_up(t), t]
+    return gens, used
+
+
+def lying_reload(self, *args, **kwargs):
+    self._reloaded = True
+    return _reload(self, *args, **kwargs)
+
+
+Engine.generate, Engine.reload = lying_generate, lying_reload
+
+if __name__ == "__main__":
+    main()
