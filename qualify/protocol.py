@@ -135,13 +135,26 @@ class Counters(_Reply):
         return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
 
 
+class DcpRankInfo(_Reply):
+    """One DCP rank's process: its place, pid, device and the KV allocations it registered."""
+
+    rank: int
+    world: int
+    local_shards: int
+    pid: int
+    device: str
+    groups: list[KvGroupInfo]
+
+
 class Describe(_Reply):
     engine: EngineInfo
     config: dict
     config_digest: str
     backend: BackendInfo
     layout: LayoutInfo
-    dcp_mode: Literal["folded"] = "folded"
+    dcp_mode: Literal["folded", "distributed"] = "folded"
+    dcp: DcpRankInfo | None = None  # the describing process (rank 0)
+    dcp_ranks: list[DcpRankInfo] = []  # distributed: every rank, in rank order
     arenas: dict[str, ArenaBufferInfo]
     capacity: CapacityInfo
     device: DeviceInfo
@@ -446,6 +459,7 @@ __all__ = [
     "CompletionResponse",
     "Counters",
     "Describe",
+    "DcpRankInfo",
     "DeviceInfo",
     "EngineInfo",
     "ErrorBody",

@@ -102,6 +102,7 @@ class RequestInfo(_Model):
     image: str | None = Field(None, description="image reference as given (docker launcher)")
     gpus: str | None = Field(None, description='"all", a comma list of indices, or null for none')
     timeout_s: NonNegativeFloat | None = None
+    dcp: PositiveInt | None = Field(None, description="DCP ranks, one process each; null: folded")
 
 
 class EngineInfo(_Model):

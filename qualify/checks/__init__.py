@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from qualify.checks import arenas, backend, boot, capture, faults, generation, layout, reload
+from qualify.checks import arenas, backend, boot, capture, dcp, faults, generation, layout, reload
 from qualify.checks.base import Check
+from qualify.run.request import RunRequest
 
 CHECKS: list[Check] = [
     boot.CHECK,
@@ -15,3 +16,10 @@ CHECKS: list[Check] = [
     generation.CHECK,
     faults.CHECK,
 ]
+
+
+def checks_for(req: RunRequest) -> list[Check]:
+    """The checks a request runs, in order: with --dcp N the dcp check runs before faults."""
+    if req.dcp is None:
+        return list(CHECKS)
+    return [*CHECKS[:-1], dcp.CHECK, CHECKS[-1]]

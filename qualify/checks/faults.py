@@ -8,6 +8,7 @@ from qualify.client import EngineError, EngineUnreachable
 from qualify.protocol import CompletionRequest
 
 FINAL_GENERATION_TIMEOUT_S = 30.0  # a live engine answers 4 tokens well within this
+RANK_LOST = "QUALIFY_DCP_RANK_LOST"  # the engine's line when a DCP rank died (qualify/engine/dcp.py)
 
 
 def run(ctx: Context) -> Outcome:
@@ -49,6 +50,11 @@ def run(ctx: Context) -> Outcome:
         "engine_alive": observed(status.alive),
         "engine_answers": observed(bool(answer.get("answered")), answer.get("error")),
     }
+    if ctx.request.dcp is not None:
+        # Rank 0 names a lost follower rank in its log before it exits (qualify/engine/dcp.py).
+        lost = [ln.strip() for ln in ctx.launcher.logs_tail(2000).splitlines() if RANK_LOST in ln]
+        evidence["dcp_ranks_lost"] = lost
+        conditions["no_dcp_rank_lost"] = engine_says(not lost, "; ".join(lost) or None)
     if ctx.target == "gpu":
         # "No fatal Xid" only means something where Xids were watched: a GPU target needs a live source.
         conditions["xid_watched"] = observed(watch.get("state") == "active", watch.get("reason"))

@@ -24,6 +24,7 @@ from qualify.run.request import (
     LAUNCHERS,
     PRESETS,
     RunRequest,
+    parse_dcp,
     parse_gpus,
     parse_layout,
     parse_mem_limit,
@@ -84,6 +85,7 @@ def build_request(
     key: str | None,
     timeout: float | None,
     as_json: bool,
+    dcp: int | None = None,
 ) -> RunRequest:
     """Validate every option; UsageError (exit 2) before anything is booted or written."""
     num_spec = parse_spec(spec)
@@ -94,6 +96,7 @@ def build_request(
         gpu_visible = launcher == "local" or gpus_v is not None
         preset = "proxy" if gpu_visible and host_has_cuda_gpu() else "tiny"
     layout_v = parse_layout(layout, preset)
+    dcp_v = parse_dcp(dcp)
     if launcher == "docker" and not image:
         raise UsageError(
             "--launcher docker needs --image REF; build a CPU image with docker/build-cpu-image.sh"
@@ -118,6 +121,7 @@ def build_request(
         db_url=db or settings.default_db_url(),
         key_path=key or "",
         json_output=as_json,
+        dcp=dcp_v,
     )
 
 
@@ -137,6 +141,13 @@ def _check_key_file(path: str) -> None:
     "--layout", default=None, metavar="SPANS", help="Comma-separated KV spans the engine must register."
 )
 @click.option("--kda-backend", type=click.Choice(KDA_BACKENDS), default="auto", show_default=True)
+@click.option(
+    "--dcp",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Run the DCP shards as N engine ranks (torch.distributed); default: folded in one process.",
+)
 @click.option("--spec", default="none", show_default=True, metavar="none|mtp:N", help="Speculative decoding.")
 @click.option(
     "--preset", type=click.Choice(PRESETS), default=None, help="Default: proxy with a CUDA GPU, else tiny."

@@ -37,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--layer-pattern", dest="layer_pattern", default=None, help="e.g. KKKAKKKA")
     s.add_argument("--block-size", dest="block_size", type=int, default=None)
     s.add_argument("--dcp-size", dest="dcp_size", type=int, default=None)
+    s.add_argument(
+        "--dcp-ranks",
+        dest="dcp_ranks",
+        type=int,
+        default=None,
+        help="1 folded, or dcp_size",
+    )
     s.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
     s.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
     s.add_argument("--cudagraph", dest="cudagraph_mode", choices=["full", "none"], default=None)
@@ -46,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-file", dest="ready_file", default=None)
     fault_help = "crash-on:PATH | hang-on:PATH | oom-on:PATH | crash-after-boot:SECONDS (repeatable; env too)"
     s.add_argument("--fault", action="append", default=[], help=fault_help)
+    # A DCP follower rank: the same arguments as serve (rank 0 passes its own), plus its place.
+    f = sub.add_parser("follow", help="internal: a DCP rank > 0, spawned by rank 0's serve", add_help=False)
+    for action in s._actions:
+        if action.option_strings and action.dest != "help":
+            f._add_action(action)
+    f.add_argument("--dcp-rank", dest="dcp_rank", type=int, required=True)
+    f.add_argument("--dcp-init", dest="dcp_init", required=True)
     return p
 
 
@@ -59,8 +73,9 @@ def _config_fields(args: argparse.Namespace) -> dict:
     if args.config:
         with open(args.config) as f:
             fields.update(json.load(f))
-    keys = ("preset", "kda_decode_backend", "num_spec", "device", "dtype", "weights", "seed", "layer_pattern",
-            "block_size", "dcp_size", "max_num_seqs", "max_model_len", "cudagraph_mode")  # fmt: skip
+    keys = ("preset", "kda_decode_backend", "num_spec", "device", "dtype", "weights", "seed",
+            "layer_pattern", "block_size", "dcp_size", "dcp_ranks", "max_num_seqs", "max_model_len",
+            "cudagraph_mode")  # fmt: skip
     fields.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     return fields
 
@@ -92,10 +107,31 @@ def serve(args: argparse.Namespace) -> None:
         _fail(f"cannot read --config: {e}")
     from .weights import WeightsError
 
+    group = followers = lockstep = None
+    if cfg.dcp_ranks > 1:
+        from .dcp import DcpGroup
+
+        group = DcpGroup(0, cfg.dcp_ranks)
     try:
-        engine = Engine(cfg)
+        engine = Engine(cfg, dcp=group)
     except (EngineConfigError, WeightsError) as e:
         _fail(str(e))
+    if group is not None:
+        # Rank 0 built its engine first (the seeded weights file exists), then starts the other ranks with
+        # its own arguments and joins them; a rank lost at any time ends this engine, naming the rank.
+        from .dcp import Followers, Lockstep, free_init_method, rank_lost
+        from .server import VERBS
+
+        init = free_init_method()
+        followers = Followers(cfg.dcp_ranks, init, _follower_argv(sys.argv))
+        followers.watch(lambda rank, code: rank_lost(rank, code, cleanup=engine.close))
+        try:
+            group.connect(init, engine.device)
+        except Exception as e:
+            followers.stop()
+            engine.close()
+            _fail(f"DCP ranks could not join: {e}")
+        lockstep = Lockstep(engine, group, VERBS)
 
     import uvicorn
 
@@ -109,7 +145,9 @@ def serve(args: argparse.Namespace) -> None:
         _fail(f"cannot bind {args.host}:{args.port}: {e}")
     sock.listen(128)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, faults), log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, faults, lockstep), log_level="warning", lifespan="off")
+    )
 
     def announce() -> None:
         while not server.started:
@@ -143,16 +181,75 @@ def serve(args: argparse.Namespace) -> None:
         if not stopped:
             raise
     finally:
+        if followers is not None:
+            followers.stop()
         engine.close()
     if stopped:
         signal.signal(stopped[0], signal.SIG_DFL)
         signal.raise_signal(stopped[0])
 
 
+def _follower_argv(argv: list[str]) -> list[str]:
+    """Rank 0's serve arguments for a follower: the engine config, not its HTTP or ready-file options."""
+    out, skip = [], False
+    args = argv[argv.index("serve") + 1 :] if "serve" in argv else argv[1:]
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in ("--host", "--port", "--ready-file", "--fault"):
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def follow_rank(args: argparse.Namespace) -> None:
+    """A DCP follower: die with rank 0, build the same engine for this rank's shard, join, follow."""
+    from .dcp import DcpGroup, die_with_parent, follow
+
+    parent = os.getppid()
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # rank 0 died before the death signal was armed
+        sys.exit(EXIT_BAD_CONFIG)
+    from .config import EngineConfig
+    from .engine import Engine
+    from .server import VERBS
+
+    cfg = EngineConfig(**_config_fields(args))
+    group = DcpGroup(args.dcp_rank, cfg.dcp_ranks)
+    engine = Engine(cfg, dcp=group)
+    done = threading.Event()
+
+    def _stop(sig: int, _frame) -> None:
+        # The main thread only waits below, so this runs promptly even while a collective blocks the
+        # follow thread: release the shared allocations and go.
+        engine.close()
+        os._exit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    group.connect(args.dcp_init, engine.device)
+
+    def run() -> None:
+        try:
+            follow(engine, group, VERBS)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="dcp-follow", daemon=True).start()
+    while not done.wait(0.5):
+        pass
+    engine.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         serve(args)
+    elif args.command == "follow":
+        follow_rank(args)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ class EngineConfig(BaseModel):
     group_size: int = Field(2, ge=1)  # layers of one kind per KV group
     block_size: int = Field(2304, ge=1)
     dcp_size: int = Field(4, ge=1)
+    # Processes the DCP shards run in: 1 folds every shard into this process; dcp_size runs one rank per
+    # shard over torch.distributed (NCCL on GPUs, gloo on CPU), see qualify/engine/dcp.py.
+    dcp_ranks: int = Field(1, ge=1)
     interleave: int = Field(1, ge=1)  # tokens dealt to DCP shards round-robin, `interleave` at a time
     max_model_len: int = Field(4096, ge=2)
     max_num_seqs: int = Field(8, ge=1)  # live-request capacity
@@ -128,6 +131,11 @@ class EngineConfig(BaseModel):
                     f"{n} {'KDA' if kind == 'K' else 'attention'} layers do not split into groups of "
                     f"{self.group_size}; choose a group_size that divides every kind's layer count"
                 )
+        if self.dcp_ranks not in (1, self.dcp_size):
+            raise ValueError(
+                f"dcp_ranks {self.dcp_ranks} must be 1 (folded) or dcp_size {self.dcp_size} "
+                "(one rank per shard)"
+            )
         if self.block_size % self.interleave:
             raise ValueError(
                 f"block_size {self.block_size} must be a multiple of interleave {self.interleave}"
@@ -182,6 +190,11 @@ class EngineConfig(BaseModel):
         from .layout import group_span  # the one place spans are computed
 
         return group_span("attention", self.block_size, self.dcp_size)
+
+    @property
+    def dcp_local_shards(self) -> int:
+        """DCP shards one process stores: every shard folded, one per rank distributed."""
+        return self.dcp_size if self.dcp_ranks == 1 else 1
 
     @property
     def max_blocks_per_seq(self) -> int:

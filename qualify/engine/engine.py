@@ -4,6 +4,7 @@ arena, model with its weights, runner, counters — and the verbs the HTTP API e
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import time
 from pathlib import Path
@@ -45,11 +46,15 @@ def code_digest() -> str:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, dcp=None):
+        """dcp: this process's DcpGroup when the DCP shards run one per rank (qualify/engine/dcp.py)."""
         t0 = time.perf_counter()
         self.cfg = cfg
+        self.dcp = dcp
         self.device = torch.device(cfg.device)
-        if self.device.type == "cuda" and self.device.index is None:
+        if self.device.type == "cuda" and dcp is not None:
+            self.device = torch.device("cuda", dcp.rank)  # rank r drives the r-th visible GPU
+        elif self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         try:
             self.resolution = resolve_backend(
@@ -73,7 +78,7 @@ class Engine:
         self.arena = build_arena(cfg, self.device)
         self.model = HybridModel(cfg, self.device)
         self.kda_rt = KdaRuntime.build(self.backend, cfg, self.arena, self.device)
-        self.attn_rt = AttentionRuntime(cfg, self.device)
+        self.attn_rt = AttentionRuntime(cfg, self.device, self.dcp)
         for alloc in self.allocations:
             for layer in alloc.group.layers:
                 mixer = self.model.layers[layer].mixer
@@ -152,6 +157,17 @@ class Engine:
 
         return capture_engine(self)
 
+    def dcp_record(self) -> dict:
+        """This process's DCP place: rank, world, pid, device and the allocations it registered."""
+        return {
+            "rank": 0 if self.dcp is None else self.dcp.rank,
+            "world": 1 if self.dcp is None else self.dcp.world,
+            "local_shards": self.cfg.dcp_local_shards,
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "groups": [a.record() for a in self.allocations],
+        }
+
     def close(self) -> None:
         for a in self.allocations:
             release_group(a)
@@ -183,7 +199,8 @@ class Engine:
                 "ratios": self.layout.ratios,
                 "groups": [a.record() for a in self.allocations],
             },
-            "dcp_mode": "folded",
+            "dcp_mode": "folded" if self.dcp is None else "distributed",
+            "dcp": self.dcp_record(),
             "arenas": self.arena.describe(),
             "capacity": {
                 "live_slots": cfg.max_num_seqs,

@@ -138,7 +138,8 @@ class GroupAllocation:
 
 def group_view_specs(group: KvGroup, cfg) -> list[ViewSpec]:
     """Per-layer caches of a group. KDA: fp32 state pool [slots, H, V, K] and conv state
-    [slots, conv_dim, width-1]; attention: K and V [blocks, dcp, block_size, kv_heads, head_dim]."""
+    [slots, conv_dim, width-1]; attention: K and V [blocks, local shards, block_size, kv_heads, head_dim]
+    (local shards: dcp folded, 1 on each rank of a distributed DCP)."""
     s = cfg.shape
     dtype = getattr(torch, cfg.dtype)
     specs: list[ViewSpec] = []
@@ -155,7 +156,7 @@ def group_view_specs(group: KvGroup, cfg) -> list[ViewSpec]:
             )
             specs.append(ViewSpec(layer, "conv", (cfg.num_state_slots, conv_dim, s.conv_width - 1), dtype))
         else:
-            kv = (cfg.num_kv_blocks, cfg.dcp_size, cfg.block_size, s.attn_kv_heads, s.attn_head_dim)
+            kv = (cfg.num_kv_blocks, cfg.dcp_local_shards, cfg.block_size, s.attn_kv_heads, s.attn_head_dim)
             specs.append(ViewSpec(layer, "k", kv, dtype))
             specs.append(ViewSpec(layer, "v", kv, dtype))
     return specs

@@ -65,7 +65,32 @@ def engine_worker(engine: Engine) -> ThreadPoolExecutor:
     )
 
 
-def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
+def _speculative(engine: Engine, prompts, max_tokens, mode, drafts=None):
+    from .spec import speculative_generate
+
+    return speculative_generate(engine, prompts, max_tokens, mode, drafts=drafts)
+
+
+def _describe(engine: Engine) -> dict:
+    d = engine.describe()
+    if engine.dcp is not None:  # every rank answers with its own record (a collective on every rank)
+        d["dcp_ranks"] = engine.dcp.gather_objects(engine.dcp_record())
+    return d
+
+
+# The verbs that step the model: with distributed DCP every rank runs each of them in lockstep.
+VERBS = {
+    "generate": lambda e, prompts, max_tokens, mode: e.generate(prompts, max_tokens, mode),
+    "speculative": _speculative,
+    "reload": lambda e, path, seed: e.reload(path, seed),
+    "capture": lambda e: e.capture(),
+    "probe": lambda e: e.probe(),
+    "describe": _describe,
+}
+
+
+def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -> FastAPI:
+    """lockstep: rank 0's dcp.Lockstep when DCP ranks follow this engine; every verb then runs on all."""
     app = FastAPI(title="qualify reference engine", docs_url=None, redoc_url=None)
     worker = engine_worker(engine)
     app.state.engine_worker = worker
@@ -75,6 +100,12 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
     def on_worker(fn, *args):
         """Run fn on the engine's worker thread (one at a time, in arrival order)."""
         return asyncio.get_running_loop().run_in_executor(worker, functools.partial(fn, *args))
+
+    def verb(name: str, *args):
+        """Run a model verb on the worker thread: here only, or broadcast to every DCP rank first."""
+        if lockstep is not None:
+            return on_worker(lockstep.call, name, *args)
+        return on_worker(VERBS[name], engine, *args)
 
     if plan:
 
@@ -124,7 +155,7 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
 
     @app.get("/v1/describe")
     async def describe() -> Describe:
-        return Describe.model_validate(await on_worker(engine.describe))
+        return Describe.model_validate(await verb("describe"))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> CompletionResponse:
@@ -132,17 +163,9 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
         if req.speculative and engine.cfg.num_spec == 0:
             raise ModeUnavailable("speculative decoding needs an engine started with --num-spec > 0")
         if req.speculative:
-            from .spec import speculative_generate
-
-            gens, mode_used, _ = await on_worker(
-                functools.partial(speculative_generate, drafts=req.drafts),
-                engine,
-                prompts,
-                req.max_tokens,
-                req.mode,
-            )
+            gens, mode_used, _ = await verb("speculative", prompts, req.max_tokens, req.mode, req.drafts)
         else:
-            gens, mode_used = await on_worker(engine.generate, prompts, req.max_tokens, req.mode)
+            gens, mode_used = await verb("generate", prompts, req.max_tokens, req.mode)
         choices = [
             Choice(
                 index=i,
@@ -166,7 +189,7 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
 
     @app.post("/qualify/reload")
     async def reload(req: ReloadRequest) -> ReloadResponse:
-        return ReloadResponse.model_validate(await on_worker(engine.reload, req.path, req.seed))
+        return ReloadResponse.model_validate(await verb("reload", req.path, req.seed))
 
     @app.post("/qualify/peer-verify")
     async def peer_verify() -> PeerVerifyResponse:
@@ -176,11 +199,11 @@ def create_app(engine: Engine, faults: FaultPlan | None = None) -> FastAPI:
 
     @app.post("/qualify/capture")
     async def capture() -> CaptureResponse:
-        return CaptureResponse.model_validate(await on_worker(engine.capture))
+        return CaptureResponse.model_validate(await verb("capture"))
 
     @app.post("/qualify/probe")
     async def probe() -> ProbeResponse:
-        return ProbeResponse.model_validate(await on_worker(engine.probe))
+        return ProbeResponse.model_validate(await verb("probe"))
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

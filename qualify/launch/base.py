@@ -99,3 +99,8 @@ class Launcher(ABC):
     @abstractmethod
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
         """Start a second engine with `kda_backend` (a value it must refuse) and report how it ended."""
+
+    def sibling(self, options: EngineOptions, name: str) -> Launcher:
+        """Another engine of the same build, launched the same way with other options (a reference the
+        harness compares against), logging under the run dir's `name` folder. Not restarted."""
+        raise NotImplementedError(f"the {self.kind} launcher cannot start a reference engine")

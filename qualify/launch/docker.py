@@ -102,6 +102,7 @@ class DockerLauncher(Launcher):
         self.env = {k: v for k, v in src.items() if k.startswith(FORWARD_ENV_PREFIX)}
         self.env["QUALIFY_HOME"] = "/var/lib/qualify"
         self.log_path = run_dir / "engine.log"
+        self._env_source = dict(src)
         self.run_id = uuid.uuid4().hex[:12]
         self._client: Any = None
         self._image: Any = None
@@ -343,6 +344,17 @@ class DockerLauncher(Launcher):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def sibling(self, options: EngineOptions, name: str) -> DockerLauncher:
+        return DockerLauncher(
+            options,
+            self.image_ref,
+            self.run_dir / name,
+            gpus=self.gpus,
+            mem_limit=self.mem_limit,
+            max_restarts=0,
+            env=self._env_source,
+        )
 
     def identity(self) -> dict[str, Any]:
         image = self._image or self._resolve_image()

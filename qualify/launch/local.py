@@ -185,6 +185,9 @@ class LocalLauncher(Launcher):
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def sibling(self, options: EngineOptions, name: str) -> LocalLauncher:
+        return LocalLauncher(options, self.run_dir / name, max_restarts=0, python=self.python, env=self.env)
+
     def identity(self) -> dict[str, Any]:
         return {"launcher": "local", "python": self.python, "engine_module": self.module}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from qualify import __version__, settings
-from qualify.checks import CHECKS
+from qualify.checks import checks_for
 from qualify.checks.base import Check, Context, Outcome
 from qualify.client import EngineClient, EngineError, EngineUnreachable
 from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus
@@ -85,8 +85,15 @@ class RunResult:
         }
 
 
+def dcp_args(dcp: int | None) -> tuple[str, ...]:
+    """--dcp N: N shards, one engine rank each; none: the engine's default (folded in one process)."""
+    return () if dcp is None else ("--dcp-size", str(dcp), "--dcp-ranks", str(dcp))
+
+
 def make_launcher(req: RunRequest, run_dir: Path) -> Launcher:
-    opts = EngineOptions(preset=req.preset, kda_backend=req.kda_backend, num_spec=req.num_spec)
+    opts = EngineOptions(
+        preset=req.preset, kda_backend=req.kda_backend, num_spec=req.num_spec, extra_args=dcp_args(req.dcp)
+    )
     if req.launcher == "docker":
         from qualify.launch.docker import DockerLauncher
 
@@ -188,7 +195,7 @@ class Pipeline:
 
     def _checks(self, ctx: Context, run_deadline: float) -> None:
         engine_down: str | None = None
-        for check in CHECKS:
+        for check in checks_for(self.req):
             now = time.monotonic()
             if now >= run_deadline:
                 self.interrupted = (
@@ -321,7 +328,8 @@ class Pipeline:
         # Faults are read after the engine stopped, so the verdict covers the whole run: a restart, Xid, OOM
         # or death that arrives after the faults check still rejects it.
         faults = self._faults(ctx, final, pre)
-        j = judge(self.results, ctx.target, self.interrupted, Faults(**faults).blocking(ctx.target))
+        required = [c.name for c in checks_for(self.req)]
+        j = judge(self.results, ctx.target, self.interrupted, Faults(**faults).blocking(ctx.target), required)
         engine, weights = self._engine(ctx)
         d = ctx.describe
         versions = {k: str(v) for k, v in (d.versions.model_dump() if d else {}).items() if v is not None}

@@ -103,6 +103,20 @@ def parse_mem_limit(text: str | None) -> str | None:
     return text.strip().lower()
 
 
+MAX_DCP = 8  # ranks one qualify run may ask for (one GPU each on a GPU host)
+
+
+def parse_dcp(value: int | None) -> int | None:
+    """--dcp N: run the DCP shards as N engine ranks (N >= 2); None folds them into one process."""
+    if value is None:
+        return None
+    if not 2 <= value <= MAX_DCP:
+        raise UsageError(
+            f"--dcp {value}: give 2..{MAX_DCP} ranks (leave it out to fold DCP into one process)"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class RunRequest:
     """What the operator asked for, validated. `spec` keeps the operator's spelling for the receipt."""
@@ -120,6 +134,7 @@ class RunRequest:
     db_url: str
     key_path: str
     json_output: bool
+    dcp: int | None = None  # DCP ranks (one process each); None: folded into one process
 
     def request_info(self) -> dict:
         """The predicate's `request` object (receipts.statement.RequestInfo fields)."""
@@ -132,4 +147,5 @@ class RunRequest:
             "image": self.image,
             "gpus": self.gpus,
             "timeout_s": self.timeout_s,
+            "dcp": self.dcp,
         }

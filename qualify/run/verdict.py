@@ -92,6 +92,7 @@ def judge(
     target: str,
     interrupted: str | None = None,
     faults: Sequence[str] = (),
+    required: Sequence[str] = REQUIRED_CHECKS,
 ) -> Judgement:
     """`results` are check records ({name, status, conditions}) in run order; `interrupted` says why the run
     stopped early; `faults` are the run's blocking faults in words (Faults.blocking), read after the engine
@@ -109,7 +110,7 @@ def judge(
                 reasons.append(f"{name}: skipped, which a {target} target does not allow")
         else:  # fail, error, or a status this policy does not know: never a pass
             reasons.append(f"{name}: {status}")
-    missing = [c for c in REQUIRED_CHECKS if c not in seen]
+    missing = [c for c in required if c not in seen]
     if missing:
         reasons.append(f"checks not run: {', '.join(missing)}")
     if not missing:

@@ -1,10 +1,12 @@
-"""GQA attention over the paged KV cache, with decode-context-parallel sharding folded into one process:
-each of `dcp` shards holds an interleaved share of the tokens, attends on its own (out, lse), and the
-partials are merged by log-sum-exp, exactly as DCP ranks would merge them (dcp_mode "folded").
+"""GQA attention over the paged KV cache with decode-context-parallel sharding: each of `dcp` shards holds
+an interleaved share of the tokens, attends on its own (out, lse), and the partials are merged by
+log-sum-exp. Folded (one process holds every shard) or distributed (one rank per shard: each rank computes
+its partial and the ranks all-gather (out, lse) before the same merge; see qualify/engine/dcp.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,22 +30,38 @@ class DcpGeometry:
     interleave: int
     max_model_len: int
     max_blocks: int
+    # The shard this process holds when DCP is distributed (one rank per shard); None: every shard (folded).
+    rank: int | None = None
 
     @property
     def span(self) -> int:
         return group_span("attention", self.block_size, self.dcp)
 
+    @property
+    def local_shards(self) -> int:
+        """Shards whose tokens this process stores: all of them folded, one per rank distributed."""
+        return self.dcp if self.rank is None else 1
+
+    @property
+    def block_storage(self) -> int:
+        """Token slots one block has in this process's storage."""
+        return self.local_shards * self.block_size
+
     def locate(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(block column, offset within the block storage [dcp * block_size]) of each position."""
+        """(block column, offset within this process's block storage) of each position. Distributed, a
+        position held by another rank gets offset -1: its K/V is not stored here."""
         p = positions.long()
         col, o = p // self.span, p % self.span
         i, s = self.interleave, self.dcp
         shard = (o // i) % s
         local = (o // (i * s)) * i + o % i
-        return col, shard * self.block_size + local
+        if self.rank is None:
+            return col, shard * self.block_size + local
+        return col, torch.where(shard == self.rank, local, torch.full_like(local, -1))
 
     def context_tables(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """kpos, kcol, koff [dcp, L]: global position, block column, in-block offset of local slot j."""
+        """kpos, kcol, koff [local shards, L]: global position, block column, in-block offset of local slot
+        j of each shard this process holds."""
         bs, s, i = self.block_size, self.dcp, self.interleave
         j = torch.arange(self.max_blocks * bs, device=device)
         col, l = j // bs, j % bs
@@ -53,16 +71,31 @@ class DcpGeometry:
         pos = pos[:, :L]
         kcol = col[None, :L].expand(s, L)
         koff = shard * bs + l[None, :L]
+        if self.rank is not None:  # this rank's shard only, stored from offset 0 of each block
+            r = self.rank
+            return (
+                pos[r : r + 1].contiguous(),
+                kcol[r : r + 1].contiguous(),
+                (koff[r : r + 1] - r * bs).contiguous(),
+            )
         return pos.contiguous(), kcol.contiguous(), koff.contiguous()
 
 
 def folded_attention(
-    q: Tensor, qpos: Tensor, kc: Tensor, vc: Tensor, kpos: Tensor, seq_lens: Tensor, key_mask: Tensor | None
+    q: Tensor,
+    qpos: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    kpos: Tensor,
+    seq_lens: Tensor,
+    key_mask: Tensor | None,
+    gather: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> Tensor:
     """q [R, Tq, Hq, D]; kc, vc [R, S, L, kvh, D]; kpos [S, L]; seq_lens [R]; key_mask [R, Tq, S, L] or None.
 
     Causal (key position <= query position) and bounded by seq_lens. Returns [R, Tq, Hq, D] in q's dtype;
-    a query with no visible key returns zeros (padding rows).
+    a query with no visible key returns zeros (padding rows). `gather` (distributed DCP) turns this rank's
+    partials (o [..., S, D], lse [..., S]) into every rank's, in shard order, before the one merge.
     """
     R, Tq, Hq, D = q.shape
     kvh = kc.shape[3]
@@ -78,6 +111,8 @@ def folded_attention(
     l = p.sum(-1)
     o = torch.einsum("rtkgsl,rslkd->rtkgsd", p, vc.float()) / l.clamp(min=1e-30)[..., None]
     lse = torch.where(l > 0, m_safe + torch.log(l.clamp(min=1e-30)), torch.full_like(l, float("-inf")))
+    if gather is not None:
+        o, lse = gather(o, lse)
     return merge_partials(o, lse).reshape(R, Tq, Hq, D).to(q.dtype)
 
 
@@ -110,10 +145,14 @@ class AttentionLayer(nn.Module):
         return q, k, v.view(n, self.kvh, self.d)
 
     def _write_kv(self, k: Tensor, v: Tensor, positions: Tensor, block_rows: Tensor) -> None:
-        """Store each token's K/V at its paged location; block_rows [N, max_blocks] is its request's table."""
+        """Store each token's K/V at its paged location; block_rows [N, max_blocks] is its request's table.
+        A token another DCP rank holds is written into the null block (block 0, never read as context), so
+        the step keeps one fixed shape for capture."""
         col, off = self.rt.geometry.locate(positions)
         blk = block_rows.long().gather(1, col[:, None]).squeeze(1)
-        flat = blk * self.rt.geometry.span + off
+        storage = self.rt.geometry.block_storage
+        mine = off >= 0
+        flat = torch.where(mine, blk * storage + off, (positions.long() % storage))
         self.k_cache.view(-1, self.kvh, self.d).index_copy_(0, flat, k.to(self.k_cache.dtype))
         self.v_cache.view(-1, self.kvh, self.d).index_copy_(0, flat, v.to(self.v_cache.dtype))
 
@@ -121,7 +160,7 @@ class AttentionLayer(nn.Module):
         """Every request's context in shard-local order: [R, S, L, kvh, D], a fixed shape."""
         rt = self.rt
         blk = block_tables.long()[:, rt.kcol]  # [R, S, L]
-        flat = blk * rt.geometry.span + rt.koff[None]
+        flat = blk * rt.geometry.block_storage + rt.koff[None]
         kc = self.k_cache.view(-1, self.kvh, self.d)[flat]
         vc = self.v_cache.view(-1, self.kvh, self.d)[flat]
         return kc, vc
@@ -131,10 +170,10 @@ class AttentionLayer(nn.Module):
         rt = self.rt
         R, Tq = q.shape[:2]
         kc, vc = self._gather(block_tables)
-        pooled = pool_keys(kc, rt.kpos, seq_lens, rt.pool, rt.num_groups)
+        pooled = pool_keys(kc, rt.kpos, seq_lens, rt.pool, rt.num_groups, rt.reduce_sum)
         select_rows(q, qpos, pooled, rt.pool, rt.topk, rows_out)
         key_mask = rows_to_key_mask(rows_out, rt.kpos, rt.pool, rt.num_groups, R, Tq)
-        return folded_attention(q, qpos, kc, vc, rt.kpos, seq_lens, key_mask)
+        return folded_attention(q, qpos, kc, vc, rt.kpos, seq_lens, key_mask, rt.gather_partials)
 
     def forward_decode(self, x: Tensor, ctx) -> Tensor:
         n, T = ctx.n, ctx.T
@@ -174,12 +213,20 @@ class AttentionLayer(nn.Module):
 class AttentionRuntime:
     """What every attention layer shares: geometry, static context tables, RoPE tables, selector sizes."""
 
-    def __init__(self, cfg, device: torch.device):
+    def __init__(self, cfg, device: torch.device, dcp=None):
         from .norm import rope_tables
 
+        # dcp: a DcpGroup (qualify/engine/dcp.py) when the shards are distributed over ranks; None: folded.
         self.geometry = DcpGeometry(
-            cfg.block_size, cfg.dcp_size, cfg.interleave, cfg.max_model_len, cfg.max_blocks_per_seq
+            cfg.block_size,
+            cfg.dcp_size,
+            cfg.interleave,
+            cfg.max_model_len,
+            cfg.max_blocks_per_seq,
+            rank=None if dcp is None else dcp.rank,
         )
+        self.gather_partials = None if dcp is None else dcp.gather_partials
+        self.reduce_sum = None if dcp is None else dcp.reduce_sum
         self.kpos, self.kcol, self.koff = self.geometry.context_tables(device)
         self.cos, self.sin = rope_tables(cfg.max_model_len, cfg.shape.attn_head_dim, device)
         self.pool, self.topk = cfg.selector_pool, cfg.selector_topk

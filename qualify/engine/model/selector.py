@@ -8,12 +8,22 @@ Vectorized throughout (no loops over tokens, no host syncs), so it runs inside a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 
-def pool_keys(kc: Tensor, kpos: Tensor, seq_lens: Tensor, pool: int, num_groups: int) -> Tensor:
-    """Mean of the valid keys of each group. kc [R, S, L, kvh, D]; kpos [S, L]; -> [R, G, kvh, D] fp32."""
+def pool_keys(
+    kc: Tensor,
+    kpos: Tensor,
+    seq_lens: Tensor,
+    pool: int,
+    num_groups: int,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """Mean of the valid keys of each group. kc [R, S, L, kvh, D]; kpos [S, L]; -> [R, G, kvh, D] fp32.
+    `reduce_sum` (distributed DCP) sums the per-rank sums and counts, so every rank pools every shard."""
     R, S, L, kvh, D = kc.shape
     valid = (kpos[None] < seq_lens[:, None, None]).reshape(R, S * L)  # [R, S*L]
     gid = (kpos // pool).clamp(max=num_groups - 1).reshape(1, S * L).expand(R, -1)
@@ -22,6 +32,8 @@ def pool_keys(kc: Tensor, kpos: Tensor, seq_lens: Tensor, pool: int, num_groups:
     sums.scatter_add_(1, gid[..., None].expand(-1, -1, kvh * D), kf)
     counts = torch.zeros(R, num_groups, dtype=torch.float32, device=kc.device)
     counts.scatter_add_(1, gid, valid.float())
+    if reduce_sum is not None:
+        sums, counts = reduce_sum(sums), reduce_sum(counts)
     return (sums / counts.clamp(min=1.0)[..., None]).view(R, num_groups, kvh, D)
 
 
