@@ -22,6 +22,7 @@ from qualify.checks.base import Check, Context, Outcome
 from qualify.client import EngineClient, EngineError, EngineUnreachable
 from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus
 from qualify.run import receipt as rc
+from qualify.run.geometry import GEOMETRY
 from qualify.run.operator import OperatorKey
 from qualify.run.request import RunRequest
 from qualify.run.verdict import judge
@@ -86,7 +87,13 @@ class RunResult:
 
 
 def make_launcher(req: RunRequest, run_dir: Path) -> Launcher:
-    opts = EngineOptions(preset=req.preset, kda_backend=req.kda_backend, num_spec=req.num_spec)
+    # The KV geometry is asked for explicitly, so the peer's reading of it is the config the harness sent.
+    opts = EngineOptions(
+        preset=req.preset,
+        kda_backend=req.kda_backend,
+        num_spec=req.num_spec,
+        extra_args=GEOMETRY[req.preset].engine_args(),
+    )
     if req.launcher == "docker":
         from qualify.launch.docker import DockerLauncher
 
