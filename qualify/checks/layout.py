@@ -5,6 +5,7 @@ the same memory. The engine's registered layout is compared with what the peer d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -39,6 +40,14 @@ def _one(cond: Any, bad: list[str], what: str) -> Any:
     return cond(not bad, "; ".join(bad)[:400] if bad else what)
 
 
+def _flag(groups: list[dict[str, Any]], ran: bool, key: str, ok: str) -> Any:
+    """Observed: the peer ran and every group reports `key` true; else the groups that do not."""
+    bad = [g.get("name") for g in groups if not g.get(key)]
+    if not ran:
+        return observed(False, "the peer gave no report")
+    return observed(not bad, f"not in {bad}" if bad else ok)
+
+
 def _peer(ctx: Context, geometry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Fill each probe page through the engine, run the harness's peer on the exported handles, and
     return (its report or {}, what the harness saw: nonces, fills, the peer's exit)."""
@@ -57,8 +66,12 @@ def _peer(ctx: Context, geometry: dict[str, Any]) -> tuple[dict[str, Any], dict[
         "read_nonce": read_nonce,
         "write_nonce": write_nonce,
     }
-    with tempfile.TemporaryDirectory(prefix="qualify-peer-") as tmp:
-        path = Path(tmp) / "spec.json"
+    # The spec, the peer's log and its report stay in the run directory beside the engine's log.
+    run_dir = getattr(ctx.launcher, "run_dir", None)
+    with contextlib.ExitStack() as stack:
+        where = Path(run_dir) if run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / "peer-spec.json"
         path.write_text(json.dumps(spec))
         out = ctx.launcher.run_peer(path, min(PEER_TIMEOUT_S, max(1.0, ctx.remaining())))
     seen = {
@@ -143,13 +156,15 @@ def run(ctx: Context) -> Outcome:
     sizes = {g.name: g.nbytes for g in lay.groups}
     measured = {g.get("name"): g.get("nbytes_measured") for g in groups}
     lcm = math.lcm(*spans) if spans else 0
+    missing = [g.get("name") for g in groups if not g.get("found")]
     conditions = {
         # What the harness's own peer process saw (observed).
         "peer_ran": observed(ran, seen["error"] or report.get("error") or f"exit {seen['exit_code']}"),
         "peer_found_every_group": observed(
-            ran and all(g.get("found") for g in groups) and not report.get("unexpected"),
-            f"missing {[g.get('name') for g in groups if not g.get('found')]}, "
-            f"unexpected {report.get('unexpected')}",
+            ran and not missing and not report.get("unexpected"),
+            f"missing {missing}, unexpected {report.get('unexpected')}"
+            if missing or report.get("unexpected")
+            else f"{len(groups)} groups, as the layer pattern gives",
         ),
         "peer_allocation_sizes": _one(
             observed,
@@ -161,18 +176,19 @@ def run(ctx: Context) -> Outcome:
             _bad(groups, views) or ([] if ran else ["no report"]),
             "every view where the geometry puts it",
         ),  # fmt: skip
-        "peer_alignment": observed(ran and all(g.get("alignment_ok") for g in groups)),
-        "peer_device": observed(ran and all(g.get("device_ok") for g in groups)),
-        "peer_read_engine_pattern": observed(
-            ran and all(g.get("engine_pattern_ok") for g in groups),
-            f"not seen in {[g.get('name') for g in groups if not g.get('engine_pattern_ok')]}",
+        "peer_alignment": _flag(groups, ran, "alignment_ok", "every allocation starts aligned"),
+        "peer_device": _flag(groups, ran, "device_ok", "every allocation on the device it was exported from"),
+        "peer_read_engine_pattern": _flag(
+            groups, ran, "engine_pattern_ok", "the pattern the engine wrote, in every allocation"
         ),
         "peer_echo_round_trip": _one(
             observed,
             _bad(groups, echo) or ([] if ran else ["no report"]),
             "the engine read back what the peer wrote and sampled",
         ),  # fmt: skip
-        "peer_out_of_bounds_refused": observed(ran and all(g.get("out_of_bounds_refused") for g in groups)),
+        "peer_out_of_bounds_refused": _flag(
+            groups, ran, "out_of_bounds_refused", "a view past each allocation's end was refused"
+        ),
         "echo_refuses_out_of_bounds": observed(oob_ok, oob_detail),
         # The engine's registration against the peer's derivation.
         "registered_spans_match_peer": derived(

@@ -223,6 +223,7 @@ class LocalLauncher(Launcher):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         out = spec_path.with_name(spec_path.stem + ".report.json")
         log = spec_path.with_name(spec_path.stem + ".log")
+        out.unlink(missing_ok=True)  # a report left by an earlier peer must not count for this one
         cmd = [self.python, "-m", PEER_MODULE, "--spec", str(spec_path), "--out", str(out)]
         t0 = time.monotonic()
         with log.open("w") as sink:
