@@ -19,7 +19,7 @@ from qualify.client import EngineError
 from qualify.protocol import KV_PROBE_BYTES, KvEchoRequest, KvFillRequest, pattern_bytes
 from qualify.run.geometry import GEOMETRY
 
-PEER_TIMEOUT_S = 90.0  # the peer imports torch (and initialises CUDA) before it imports anything
+PEER_TIMEOUT_S = 90.0  # the peer imports torch (and initialises CUDA) before it maps anything
 
 
 def _sha(raw: bytes) -> str:
@@ -36,8 +36,10 @@ def _bad(groups: list[dict[str, Any]], ok: Any) -> list[str]:
     return out
 
 
-def _one(cond: Any, bad: list[str], what: str) -> Any:
-    return cond(not bad, "; ".join(bad)[:400] if bad else what)
+def _each(groups: list[dict[str, Any]], ran: bool, why: Any, ok: str) -> Any:
+    """Observed: the peer ran and `why(group)` finds nothing wrong in any group; else what it found."""
+    bad = _bad(groups, why) if ran else ["the peer gave no report"]
+    return observed(not bad, "; ".join(bad)[:400] if bad else ok)
 
 
 def _flag(groups: list[dict[str, Any]], ran: bool, key: str, ok: str) -> Any:
@@ -166,26 +168,16 @@ def run(ctx: Context) -> Outcome:
             if missing or report.get("unexpected")
             else f"{len(groups)} groups, as the layer pattern gives",
         ),
-        "peer_allocation_sizes": _one(
-            observed,
-            _bad(groups, size) or ([] if ran else ["no report"]),
-            "every allocation as large as the geometry needs",
-        ),  # fmt: skip
-        "peer_views_match_geometry": _one(
-            observed,
-            _bad(groups, views) or ([] if ran else ["no report"]),
-            "every view where the geometry puts it",
-        ),  # fmt: skip
+        "peer_allocation_sizes": _each(groups, ran, size, "every allocation as large as the geometry needs"),
+        "peer_views_match_geometry": _each(groups, ran, views, "every view where the geometry puts it"),
         "peer_alignment": _flag(groups, ran, "alignment_ok", "every allocation starts aligned"),
         "peer_device": _flag(groups, ran, "device_ok", "every allocation on the device it was exported from"),
         "peer_read_engine_pattern": _flag(
             groups, ran, "engine_pattern_ok", "the pattern the engine wrote, in every allocation"
         ),
-        "peer_echo_round_trip": _one(
-            observed,
-            _bad(groups, echo) or ([] if ran else ["no report"]),
-            "the engine read back what the peer wrote and sampled",
-        ),  # fmt: skip
+        "peer_echo_round_trip": _each(
+            groups, ran, echo, "the engine read back what the peer wrote and sampled"
+        ),
         "peer_out_of_bounds_refused": _flag(
             groups, ran, "out_of_bounds_refused", "a view past each allocation's end was refused"
         ),

@@ -54,3 +54,25 @@ def test_reports_are_parsed_strictly_and_bounded_in_size() -> None:
     assert "not a JSON object" in parse(b"[1, 2]").error
     big = b'{"x": "' + b"a" * MAX_PEER_REPORT_BYTES + b'"}'
     assert "over" in parse(big).error and parse(big).report is None
+
+
+def test_the_layout_check_fails_closed_when_no_peer_can_be_launched() -> None:
+    import httpx
+
+    from qualify.checks import layout
+
+    from .test_checks_evidence import Engine, _context
+
+    class NoPeerEngine(Engine):
+        def handle(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/qualify/kv-handles":
+                return httpx.Response(200, json={"groups": []})
+            return super().handle(request)
+
+    # The test launcher keeps the contract's default run_peer: it cannot launch a peer.
+    out = layout.run(_context(NoPeerEngine()))
+    assert out.status == "fail"
+    peer = {k: c for k, c in out.conditions.items() if k.startswith("peer_")}
+    assert peer and not any(c.holds for c in peer.values())
+    assert all(c.source == "observed" for c in peer.values())
+    assert "cannot launch a peer" in out.conditions["peer_ran"].detail
