@@ -19,7 +19,10 @@ from qualify.protocol import (
     Describe,
     ErrorBody,
     Health,
-    PeerVerifyResponse,
+    KvDigest,
+    KvEchoRequest,
+    KvFillRequest,
+    KvHandles,
     ProbeResponse,
     ReloadRequest,
     ReloadResponse,
@@ -125,8 +128,14 @@ class EngineClient:
     def probe(self, timeout_s: float | None = None) -> ProbeResponse:
         return self._post(ProbeResponse, "/qualify/probe", None, timeout_s)
 
-    def peer_verify(self, timeout_s: float | None = None) -> PeerVerifyResponse:
-        return self._post(PeerVerifyResponse, "/qualify/peer-verify", None, timeout_s)
+    def kv_handles(self, timeout_s: float | None = None) -> KvHandles:
+        return self._get(KvHandles, "/qualify/kv-handles", timeout_s)
+
+    def kv_fill(self, request: KvFillRequest, timeout_s: float | None = None) -> KvDigest:
+        return self._post(KvDigest, "/qualify/kv-fill", request, timeout_s)
+
+    def kv_echo(self, request: KvEchoRequest, timeout_s: float | None = None) -> KvDigest:
+        return self._post(KvDigest, "/qualify/kv-echo", request, timeout_s)
 
     def metrics(self) -> dict[str, float]:
         """Prometheus text as {name{labels}: value}."""

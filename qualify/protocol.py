@@ -276,26 +276,82 @@ class ReloadResponse(_Reply):
     weights_path: str
 
 
-# ---------------------------------------------------------------- /qualify/peer-verify
+# ---------------------------------------------------------------- /qualify/kv-handles, kv-fill, kv-echo
+# What a KV-transfer peer needs to import each group allocation, and the two calls that let the harness
+# confirm the peer and the engine see the same bytes. The engine's spans are deliberately absent: the peer
+# derives them from the geometry the harness asked for (docs/PEER.md).
+
+KV_ALIGNMENT = 256  # every view and the probe page start on this many bytes
+KV_PROBE_BYTES = 4096  # the page at the end of each allocation: engine-written half, peer-written half
+KV_ECHO_MAX_BYTES = 1 << 20  # the most bytes one kv-echo may hash
 
 
-class PeerGroupResult(_Reply):
+def pattern_bytes(nonce: str, n: int) -> bytes:
+    """Deterministic bytes from a nonce (sha256 of `nonce:i`, i = 0, 1, ...): what kv-fill writes, and what
+    the harness and the peer each compute for themselves to check it."""
+    import hashlib
+
+    out, i = bytearray(), 0
+    while len(out) < n:
+        out += hashlib.sha256(f"{nonce}:{i}".encode()).digest()
+        i += 1
+    return bytes(out[:n])
+
+
+class KvViewInfo(_Reply):
+    layer: int
+    name: str  # "state" | "conv" | "k" | "v"
+    offset: int
+    shape: list[int]
+    dtype: str
+
+
+class KvRegion(_Reply):
+    offset: int
+    nbytes: int
+
+
+class KvHandle(_Reply):
+    """One group allocation as a peer imports it. `handle` is {kind: "shm", path, nbytes} or the CUDA-IPC
+    fields (kind "cuda-ipc", device_index, handle, storage_size_bytes, ...)."""
+
     name: str
-    nbytes_ok: bool
-    alignment_ok: bool
-    device_ok: bool
-    pattern_ok: bool
-    ack_ok: bool
-    out_of_bounds_refused: bool
-    span_ok: bool  # the span the peer derived from block_size/dcp_size equals the registered one
+    kind: Literal["kda", "attention"]
+    layers: list[int]
+    nbytes: int
+    alignment: int
+    device: dict
+    handle: dict
+    probe: KvRegion
+    views: list[KvViewInfo]
 
 
-class PeerVerifyResponse(_Reply):
-    ok: bool
-    layout_seen: list[int]
-    groups: list[PeerGroupResult]
-    seconds: float
-    error: str | None = None
+class KvHandles(_Reply):
+    groups: list[KvHandle]
+
+
+class KvEchoRequest(_Msg):
+    """Hash `length` bytes of a group's allocation at `offset`, as the engine reads them."""
+
+    group: str
+    offset: int = Field(ge=0)
+    length: int = Field(ge=1, le=KV_ECHO_MAX_BYTES)
+
+
+class KvFillRequest(_Msg):
+    """Write pattern_bytes(nonce, length) into a group's probe page at `offset` (inside the page only)."""
+
+    group: str
+    offset: int = Field(ge=0)
+    length: int = Field(ge=1, le=KV_PROBE_BYTES)
+    nonce: str = Field(min_length=8, max_length=128)
+
+
+class KvDigest(_Reply):
+    group: str
+    offset: int
+    length: int
+    sha256: str  # sha256:<hex> of the bytes as the engine reads them (echo) or wrote them (fill)
 
 
 # ---------------------------------------------------------------- /qualify/capture, /qualify/probe
@@ -465,14 +521,23 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "Health",
+    "KV_ALIGNMENT",
+    "KV_ECHO_MAX_BYTES",
+    "KV_PROBE_BYTES",
+    "KvDigest",
+    "KvEchoRequest",
+    "KvFillRequest",
     "KvGroupInfo",
+    "KvHandle",
+    "KvHandles",
+    "KvRegion",
+    "KvViewInfo",
     "LayoutInfo",
-    "PeerGroupResult",
-    "PeerVerifyResponse",
     "ProbeResponse",
     "ReloadRequest",
     "ReloadResponse",
     "Usage",
     "compare_greedy",
+    "pattern_bytes",
     "coherence_rule_text",
 ]

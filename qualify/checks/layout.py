@@ -1,79 +1,230 @@
-"""layout: the registered spans equal --layout; chunk is their lcm, ratios chunk/span; the peer process
-imported and verified every allocation."""
+"""layout: the harness's own peer process imports every KV allocation the engine exports, derives each
+group's span and byte layout from the geometry the harness asked for, measures the allocations, and
+proves with nonce patterns (engine writes, peer reads; peer writes, engine echoes) that both sides share
+the same memory. The engine's registered layout is compared with what the peer derived; --layout with it."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
 
-from qualify.checks.base import Check, Context, Outcome, derived, engine_says, fail_unless
+from qualify.checks.base import Check, Context, Outcome, derived, engine_says, fail_unless, observed
+from qualify.client import EngineError
+from qualify.protocol import KV_PROBE_BYTES, KvEchoRequest, KvFillRequest, pattern_bytes
+from qualify.run.geometry import geometry_for
+
+PEER_TIMEOUT_S = 90.0  # the peer imports torch (and initialises CUDA) before it maps anything
+
+
+def _sha(raw: bytes) -> str:
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def _bad(groups: list[dict[str, Any]], ok: Any) -> list[str]:
+    """Per group, a word on what is wrong (empty when `ok(group)` holds for every group)."""
+    out = []
+    for g in groups:
+        why = ok(g)
+        if why:
+            out.append(f"{g.get('name')}: {why}")
+    return out
+
+
+def _each(groups: list[dict[str, Any]], ran: bool, why: Any, ok: str) -> Any:
+    """Observed: the peer ran and `why(group)` finds nothing wrong in any group; else what it found."""
+    bad = _bad(groups, why) if ran else ["the peer gave no report"]
+    return observed(not bad, "; ".join(bad)[:400] if bad else ok)
+
+
+def _flag(groups: list[dict[str, Any]], ran: bool, key: str, ok: str) -> Any:
+    """Observed: the peer ran and every group reports `key` true; else the groups that do not."""
+    bad = [g.get("name") for g in groups if not g.get(key)]
+    if not ran:
+        return observed(False, "the peer gave no report")
+    return observed(not bad, f"not in {bad}" if bad else ok)
+
+
+def _peer(ctx: Context, geometry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fill each probe page through the engine, run the harness's peer on the exported handles, and
+    return (its report or {}, what the harness saw: nonces, fills, the peer's exit)."""
+    handles = ctx.client.kv_handles()
+    read_nonce, write_nonce = secrets.token_hex(16), secrets.token_hex(16)
+    half = KV_PROBE_BYTES // 2
+    fills = {}
+    for h in handles.groups:
+        fill = ctx.client.kv_fill(
+            KvFillRequest(group=h.name, offset=h.probe.offset, length=half, nonce=f"{read_nonce}:{h.name}")
+        )
+        fills[h.name] = fill.sha256
+    spec = {
+        "geometry": geometry,
+        "handles": handles.model_dump(mode="json"),
+        "read_nonce": read_nonce,
+        "write_nonce": write_nonce,
+    }
+    # The spec, the peer's log and its report stay in the run directory beside the engine's log.
+    run_dir = getattr(ctx.launcher, "run_dir", None)
+    with contextlib.ExitStack() as stack:
+        where = Path(run_dir) if run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / "peer-spec.json"
+        path.write_text(json.dumps(spec))
+        out = ctx.launcher.run_peer(path, min(PEER_TIMEOUT_S, max(1.0, ctx.remaining())))
+    seen = {
+        "write_nonce": write_nonce,
+        "engine_fills": fills,
+        "exit_code": out.exit_code,
+        "seconds": round(out.seconds, 3),
+        "error": out.error,
+        "output": out.output[-400:] or None,
+    }
+    return out.report or {}, seen
+
+
+def _echoes(ctx: Context, groups: list[dict[str, Any]], write_nonce: str) -> dict[str, dict[str, Any]]:
+    """Per group: the engine's hash of the bytes the peer wrote and of the region the peer sampled, beside
+    what the harness expects (its own hash of the pattern it told the peer to write)."""
+    out: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        name, wrote, sample = g.get("name"), g.get("written"), g.get("sample")
+        if not (isinstance(wrote, dict) and isinstance(sample, dict)):
+            continue
+        want = _sha(pattern_bytes(f"{write_nonce}:{name}", int(wrote["length"])))
+        echo = ctx.client.kv_echo(KvEchoRequest(group=name, offset=wrote["offset"], length=wrote["length"]))
+        back = ctx.client.kv_echo(KvEchoRequest(group=name, offset=sample["offset"], length=sample["length"]))
+        out[name] = {
+            "written": {"harness": want, "peer": wrote.get("sha256"), "engine": echo.sha256},
+            "sample": {"peer": sample.get("sha256"), "engine": back.sha256},
+        }
+    return out
+
+
+def _oob_echo_refused(ctx: Context, group: str, nbytes: int) -> tuple[bool, str]:
+    try:
+        r = ctx.client.kv_echo(KvEchoRequest(group=group, offset=max(0, nbytes - 16), length=64))
+        return False, f"the engine hashed 64 bytes at {r.offset} of a {nbytes}-byte allocation"
+    except EngineError as exc:
+        return exc.status == 400, f"{exc.status} {exc.type}"
 
 
 def run(ctx: Context) -> Outcome:
     d = ctx.client.describe()
     lay = d.layout
     want = ctx.request.layout
-    lcm = math.lcm(*lay.spans) if lay.spans else 0
-    peer = ctx.client.peer_verify()
-    groups = [g.model_dump(mode="json") for g in peer.groups]
-    flags = (
-        "nbytes_ok",
-        "alignment_ok",
-        "device_ok",
-        "pattern_ok",
-        "ack_ok",
-        "out_of_bounds_refused",
-        "span_ok",
-    )
-    bad_groups = [g["name"] for g in groups if not all(g.get(f) for f in flags)]
+    geometry = geometry_for(ctx.request).for_peer(ctx.request.num_spec, ctx.target)
+    report, seen = _peer(ctx, geometry)
+    groups = [g for g in report.get("groups", []) if isinstance(g, dict)]
+    spans = report.get("spans") or []
+    echoes = _echoes(ctx, groups, seen["write_nonce"])
+    ran = bool(report) and report.get("error") is None and bool(groups)
+    oob_ok, oob_detail = (False, "no group to try")
+    if lay.groups:
+        oob_ok, oob_detail = _oob_echo_refused(ctx, lay.groups[0].name, lay.groups[0].nbytes)
+
+    def size(g: dict[str, Any]) -> str | None:
+        if g.get("size_ok"):
+            return None
+        return (
+            f"measured {g.get('nbytes_measured')} bytes, handle says {g.get('nbytes_handle')}, "
+            f"the geometry needs {g.get('nbytes_expected')}"
+        )
+
+    def views(g: dict[str, Any]) -> str | None:
+        if not g.get("found"):
+            return g.get("error") or "not found"
+        if not g.get("layers_match"):
+            return "kind or layers differ from the layer pattern"
+        if g.get("views_differ"):
+            return str(g["views_differ"])
+        return None if g.get("probe_match") else "probe page not where the geometry puts it"
+
+    def echo(g: dict[str, Any]) -> str | None:
+        e = echoes.get(g.get("name"))
+        if e is None:
+            return g.get("error") or "no pattern written"
+        w, s = e["written"], e["sample"]
+        if not w["harness"] == w["peer"] == w["engine"]:
+            return f"peer wrote {w['peer']}, engine read {w['engine']}, harness expects {w['harness']}"
+        return None if s["peer"] == s["engine"] else f"sampled region: peer {s['peer']}, engine {s['engine']}"
+
+    laid_out = ran and not _bad(groups, views) and not _bad(groups, size)
+    registered = lay.spans
+    sizes = {g.name: g.nbytes for g in lay.groups}
+    measured = {g.get("name"): g.get("nbytes_measured") for g in groups}
+    lcm = math.lcm(*spans) if spans else 0
+    missing = [g.get("name") for g in groups if not g.get("found")]
+    conditions = {
+        # What the harness's own peer process saw (observed).
+        "peer_ran": observed(ran, seen["error"] or report.get("error") or f"exit {seen['exit_code']}"),
+        "peer_found_every_group": observed(
+            ran and not missing and not report.get("unexpected"),
+            f"missing {missing}, unexpected {report.get('unexpected')}"
+            if missing or report.get("unexpected")
+            else f"{len(groups)} groups, as the layer pattern gives",
+        ),
+        "peer_allocation_sizes": _each(groups, ran, size, "every allocation as large as the geometry needs"),
+        "peer_views_match_geometry": _each(groups, ran, views, "every view where the geometry puts it"),
+        "peer_alignment": _flag(groups, ran, "alignment_ok", "every allocation starts aligned"),
+        "peer_device": _flag(groups, ran, "device_ok", "every allocation on the device it was exported from"),
+        "peer_read_engine_pattern": _flag(
+            groups, ran, "engine_pattern_ok", "the pattern the engine wrote, in every allocation"
+        ),
+        "peer_echo_round_trip": _each(
+            groups, ran, echo, "the engine read back what the peer wrote and sampled"
+        ),
+        "peer_out_of_bounds_refused": _flag(
+            groups, ran, "out_of_bounds_refused", "a view past each allocation's end was refused"
+        ),
+        "echo_refuses_out_of_bounds": observed(oob_ok, oob_detail),
+        # The engine's registration against the peer's derivation.
+        "registered_spans_match_peer": derived(
+            ran and registered == spans, f"engine registered {registered}, peer derived {spans}"
+        ),
+        "registered_sizes_match_peer": derived(
+            ran and sizes == measured, f"engine registered {sizes}, peer measured {measured}"
+        ),
+        "chunk_is_lcm": derived(lay.chunk == lcm, f"engine chunk {lay.chunk}, lcm of the peer's spans {lcm}"),
+        "ratios_are_chunk_over_span": derived(
+            bool(spans) and lay.ratios == [lay.chunk // s for s in spans] and lay.chunk % lcm == 0,
+            f"engine ratios {lay.ratios}",
+        ),
+        "one_group_per_span": engine_says(len(lay.groups) == len(lay.spans)),
+    }
+    evidence: dict[str, Any] = {
+        "requested": want,
+        "registered": registered,
+        "chunk": lay.chunk,
+        "ratios": lay.ratios,
+        "groups": [g.model_dump(mode="json") for g in lay.groups],
+        "geometry": geometry,
+        "peer": {**seen, "spans": spans, "groups": groups, "unexpected": report.get("unexpected")},
+        "echoes": echoes,
+    }
+    if want is not None:
+        why = None if laid_out else "the allocations are not laid out for the geometry the peer derived from"
+        conditions["spans_equal_request"] = observed(
+            laid_out and spans == want, why if spans == want else f"peer derived {spans}, requested {want}"
+        )
+    else:
+        evidence["demanded"] = "nothing: no --layout was given; the registered layout is recorded only"
+    peer_ok = all(c.holds for k, c in conditions.items() if k.startswith("peer_"))
     ctx.facts["layout"] = {
-        "spans": lay.spans,
+        "spans": registered,
         "chunk": lay.chunk,
         "ratios": lay.ratios,
         "groups": [
             {"index": i, "kind": g.kind, "layers": g.layers, "span": g.span, "nbytes": g.nbytes}
             for i, g in enumerate(lay.groups)
         ],
-        "peer_verified": peer.ok and not bad_groups and len(groups) == len(lay.groups),
+        "peer_verified": peer_ok and conditions["registered_spans_match_peer"].holds,
     }
-    evidence = {
-        "requested": want,
-        "registered": lay.spans,
-        "chunk": lay.chunk,
-        "ratios": lay.ratios,
-        "groups": [g.model_dump(mode="json") for g in lay.groups],
-        "peer": {
-            "ok": peer.ok,
-            "layout_seen": peer.layout_seen,
-            "groups": groups,
-            "error": peer.error,
-            "seconds": peer.seconds,
-        },
-    }
-    # Until the harness launches the peer itself, everything here reaches the harness through the engine:
-    # the engine spawns the peer and relays its answer.
-    conditions = {
-        "chunk_is_lcm": derived(lay.chunk == lcm, f"chunk {lay.chunk}, lcm {lcm}"),
-        "ratios_are_chunk_over_span": derived(
-            lay.ratios == [lay.chunk // s for s in lay.spans] and all(lay.chunk % s == 0 for s in lay.spans),
-            f"ratios {lay.ratios}",
-        ),
-        "one_group_per_span": engine_says(len(lay.groups) == len(lay.spans)),
-        "peer_ok": engine_says(peer.ok, peer.error),
-        "peer_saw_registered_layout": engine_says(
-            peer.layout_seen == lay.spans, f"peer saw {peer.layout_seen}"
-        ),
-        "peer_verified_every_group": engine_says(
-            not bad_groups and len(groups) == len(lay.groups),
-            f"bad groups: {bad_groups}" if bad_groups else None,
-        ),
-    }
-    if want is not None:
-        conditions["spans_equal_request"] = engine_says(
-            lay.spans == want, f"registered {lay.spans} != requested {want}" if lay.spans != want else None
-        )
-    else:
-        evidence["demanded"] = "nothing: no --layout was given; the registered layout is recorded only"
     return fail_unless(conditions, evidence)
 
 
-CHECK = Check("layout", run, timeout_s=90.0)
+CHECK = Check("layout", run, timeout_s=150.0)

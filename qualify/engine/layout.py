@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-ALIGNMENT = 256  # every carved view starts on this many bytes
-PROBE_BYTES = 4096  # a page at the end of each allocation for peer verification (pattern + ack halves)
+from qualify.protocol import KV_ALIGNMENT, KV_PROBE_BYTES
+
+ALIGNMENT = KV_ALIGNMENT  # every carved view starts on this many bytes
+PROBE_BYTES = KV_PROBE_BYTES  # a page at the end of each allocation: engine-written half, peer-written half
 # CPU allocations are files named SHM_PREFIX...; the owning engine holds a shared flock on each for its
 # whole life, so a file nobody holds a lock on belongs to an engine that died (killed, crashed) and is
 # removed by the next engine that starts on this host, whatever PID namespace either ran in.
@@ -263,44 +265,6 @@ def allocate_group(group: KvGroup, cfg, device: torch.device) -> GroupAllocation
     if fd is not None:
         alloc._finalizer = weakref.finalize(alloc, _unlink_and_close, handle["path"], fd)
     return alloc
-
-
-def allocation_extent(handle: dict, keep: list) -> int:
-    """Bytes the imported allocation really has (the file's size, the IPC storage's size), measured on the
-    peer side rather than echoed from the handle, so a short or oversized allocation is caught."""
-    if handle["kind"] == "shm":
-        return os.stat(handle["path"]).st_size
-    return keep[0].nbytes() - handle["storage_offset_bytes"]
-
-
-def import_allocation(handle: dict) -> tuple[torch.Tensor, list]:
-    """The peer side: map an exported allocation as a uint8 tensor (and objects to keep alive)."""
-    if handle["kind"] == "shm":
-        size = os.stat(handle["path"]).st_size
-        if size < handle["nbytes"]:
-            raise LayoutError(
-                f"shared-memory file {handle['path']} holds {size} bytes but the handle claims "
-                f"{handle['nbytes']}; the engine's allocation is not what it registered"
-            )
-        mm = np.memmap(handle["path"], dtype=np.uint8, mode="r+", shape=(handle["nbytes"],))
-        return torch.from_numpy(mm), [mm]
-    if handle["kind"] == "cuda-ipc":
-        torch.cuda._lazy_init()
-        dev = handle["device_index"]
-        ev = handle["event_handle"]
-        storage = torch.UntypedStorage._new_shared_cuda(
-            dev,
-            bytes.fromhex(handle["handle"]),
-            handle["storage_size_bytes"],
-            handle["storage_offset_bytes"],
-            bytes.fromhex(handle["ref_counter_handle"]),
-            handle["ref_counter_offset"],
-            bytes.fromhex(ev) if ev else b"",
-            handle["event_sync_required"],
-        )
-        t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage, 0, (handle["nbytes"],))
-        return t, [storage]
-    raise LayoutError(f"unknown handle kind {handle['kind']!r}; expected 'shm' or 'cuda-ipc'")
 
 
 def release_group(alloc: GroupAllocation) -> None:

@@ -26,13 +26,17 @@ from qualify.protocol import (
     CompletionResponse,
     Describe,
     Health,
-    PeerVerifyResponse,
+    KvDigest,
+    KvEchoRequest,
+    KvFillRequest,
+    KvHandles,
     ProbeResponse,
     ReloadRequest,
     ReloadResponse,
     Usage,
 )
 
+from . import kv_export
 from .arena import CapacityError
 from .engine import Engine
 from .faults import FaultPlan, trigger
@@ -191,11 +195,20 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
     async def reload(req: ReloadRequest) -> ReloadResponse:
         return ReloadResponse.model_validate(await verb("reload", req.path, req.seed))
 
-    @app.post("/qualify/peer-verify")
-    async def peer_verify() -> PeerVerifyResponse:
-        from .peer import verify_with_peer
+    @app.get("/qualify/kv-handles")
+    async def kv_handles() -> KvHandles:
+        return KvHandles.model_validate(await on_worker(kv_export.kv_handles, engine))
 
-        return PeerVerifyResponse.model_validate(await on_worker(verify_with_peer, engine))
+    @app.post("/qualify/kv-fill")
+    async def kv_fill(req: KvFillRequest) -> KvDigest:
+        out = await on_worker(kv_export.kv_fill, engine, req.group, req.offset, req.length, req.nonce)
+        return KvDigest.model_validate(out)
+
+    @app.post("/qualify/kv-echo")
+    async def kv_echo(req: KvEchoRequest) -> KvDigest:
+        return KvDigest.model_validate(
+            await on_worker(kv_export.kv_echo, engine, req.group, req.offset, req.length)
+        )
 
     @app.post("/qualify/capture")
     async def capture() -> CaptureResponse:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from qualify.errors import QualifyError
@@ -70,6 +72,47 @@ class RefusalOutcome:
     output: str
 
 
+# The KV-transfer peer the harness launches beside the engine: its module (run from the harness's own
+# code), and the most bytes of report the harness reads from it.
+PEER_MODULE = "qualify.engine.peer"
+PEER_FILE = Path(__file__).resolve().parents[1] / "engine" / "peer.py"  # a path, never imported here
+MAX_PEER_REPORT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class PeerOutcome:
+    """How the peer process the harness launched ended, and its JSON report (None: no usable report)."""
+
+    command: list[str]
+    exit_code: int | None  # None: still running at the deadline (then killed)
+    seconds: float
+    report: dict[str, Any] | None
+    error: str | None  # why there is no report, in words
+    output: str = ""  # the tail of what it printed besides the report
+
+    @classmethod
+    def from_output(
+        cls, command: list[str], exit_code: int | None, seconds: float, raw: bytes | None, output: str
+    ) -> PeerOutcome:
+        """Parse the report bytes (size-limited, one JSON object) into an outcome."""
+        report: dict[str, Any] | None = None
+        error: str | None = None
+        if exit_code is None:
+            error = f"the peer did not finish within {seconds:.0f} s and was killed"
+        elif not raw:
+            error = f"the peer exited with code {exit_code} without a report"
+        elif len(raw) > MAX_PEER_REPORT_BYTES:
+            error = f"the peer's report is over {MAX_PEER_REPORT_BYTES} bytes"
+        else:
+            try:
+                report = json.loads(raw)
+            except ValueError as exc:
+                error = f"the peer's report is not JSON: {exc}"
+            if report is not None and not isinstance(report, dict):
+                report, error = None, "the peer's report is not a JSON object"
+        return cls(command, exit_code, seconds, report, error, output[-2000:])
+
+
 class Launcher(ABC):
     kind: str
 
@@ -104,3 +147,9 @@ class Launcher(ABC):
         """Another engine of the same build, launched the same way with other options (a reference the
         harness compares against), logging under the run dir's `name` folder. Not restarted."""
         raise NotImplementedError(f"the {self.kind} launcher cannot start a reference engine")
+
+    def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
+        """Launch the KV-transfer peer (the harness's own code, not the engine) where it can import the
+        engine's allocations, give it `spec_path` (JSON: geometry, kv-handles, nonces) and read its report.
+        A launcher that cannot do so says why, and the layout check fails closed."""
+        return PeerOutcome([], None, 0.0, None, f"the {self.kind} launcher cannot launch a peer")

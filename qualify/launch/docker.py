@@ -7,7 +7,10 @@ daemon's `oom` events for the container: OOMKilled is cleared when the restart p
 from __future__ import annotations
 
 import contextlib
+import io
+import math
 import os
+import tarfile
 import threading
 import time
 import uuid
@@ -19,10 +22,12 @@ import httpx
 from qualify.launch.base import (
     DEFAULT_MAX_RESTARTS,
     FAULT_ENV,
+    PEER_FILE,
     EngineOptions,
     Launcher,
     LaunchError,
     LaunchStatus,
+    PeerOutcome,
     RefusalOutcome,
 )
 
@@ -392,6 +397,55 @@ class DockerLauncher(Launcher):
             with contextlib.suppress(Exception):
                 c.remove(force=True)
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out)
+
+    def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
+        """The peer by `docker exec` inside the engine container (its IPC namespace, /dev/shm and GPUs), as
+        the harness's own peer file copied in, so the image under test does not supply the peer's code.
+        `timeout` bounds it inside the container; a thread bounds the exec call outside."""
+        if self._container is None:
+            return PeerOutcome([], None, 0.0, None, "the engine container is not running")
+        where = f"/tmp/qualify-peer-{self.run_id}"
+        cmd = [
+            "timeout", "-k", "2", str(max(1, math.ceil(timeout_s))),
+            "python", f"{where}/peer.py", "--spec", f"{where}/spec.json",
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        done: list[Any] = []
+
+        def run() -> None:
+            try:
+                self._container.put_archive("/tmp", _peer_archive(where, spec_path))
+                done.append(self._container.exec_run(cmd, demux=True))
+            except Exception as exc:  # docker API errors end as an outcome without a report
+                done.append(exc)
+
+        worker = threading.Thread(target=run, name="docker-peer", daemon=True)
+        worker.start()
+        worker.join(timeout_s + 10)
+        seconds = time.monotonic() - t0
+        if not done:
+            return PeerOutcome(
+                cmd, None, seconds, None, f"docker exec did not return within {timeout_s + 10:.0f} s"
+            )
+        if isinstance(done[0], Exception):
+            return PeerOutcome(cmd, None, seconds, None, f"docker exec failed: {_explain(done[0])}")
+        code, (out, err) = done[0].exit_code, done[0].output
+        lines = [ln for ln in (out or b"").splitlines() if ln.startswith(b"{")]
+        exit_code = None if code in (124, 137) else code
+        text = (err or b"").decode(errors="replace")
+        return PeerOutcome.from_output(cmd, exit_code, seconds, lines[-1] if lines else None, text)
+
+
+def _peer_archive(where: str, spec_path: Path) -> bytes:
+    """A tar of the harness's peer file and the spec, to unpack under /tmp in the container."""
+    buf = io.BytesIO()
+    base = where.removeprefix("/tmp/")
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (("peer.py", PEER_FILE.read_bytes()), ("spec.json", spec_path.read_bytes())):
+            info = tarfile.TarInfo(f"{base}/{name}")
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def _healthy(url: str) -> bool:

@@ -20,10 +20,14 @@ from urllib.parse import urlsplit
 from qualify.launch.base import (
     DEFAULT_MAX_RESTARTS,
     FAULT_ENV,
+    MAX_PEER_REPORT_BYTES,
+    PEER_FILE,
+    PEER_MODULE,
     READY_RE,
     EngineOptions,
     Launcher,
     LaunchStatus,
+    PeerOutcome,
     RefusalOutcome,
 )
 
@@ -213,6 +217,34 @@ class LocalLauncher(Launcher):
             out, _ = proc.communicate()
             code = None
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out or "")
+
+    def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
+        """The peer as a sibling subprocess: `python -m qualify.engine.peer` from the harness's own code
+        (never the engine module under test), its report read from a file with a size limit."""
+        root = str(PEER_FILE.parents[2])
+        env = {k: v for k, v in self.env.items() if k not in (FAULT_ENV, ENGINE_MODULE_ENV)}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        out = spec_path.with_name(spec_path.stem + ".report.json")
+        log = spec_path.with_name(spec_path.stem + ".log")
+        out.unlink(missing_ok=True)  # a report left by an earlier peer must not count for this one
+        cmd = [self.python, "-m", PEER_MODULE, "--spec", str(spec_path), "--out", str(out)]
+        t0 = time.monotonic()
+        with log.open("w") as sink:
+            proc = subprocess.Popen(
+                cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                cwd=root, start_new_session=True,
+            )  # fmt: skip
+            try:
+                code: int | None = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _terminate(proc, 1.0)
+                code = None
+        raw = None
+        if out.is_file():
+            with out.open("rb") as f:
+                raw = f.read(MAX_PEER_REPORT_BYTES + 1)
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        return PeerOutcome.from_output(cmd, code, time.monotonic() - t0, raw, text)
 
 
 def _terminate(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:

@@ -22,6 +22,7 @@ from qualify.checks.base import Check, Context, Outcome
 from qualify.client import EngineClient, EngineError, EngineUnreachable
 from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus
 from qualify.run import receipt as rc
+from qualify.run.geometry import geometry_for
 from qualify.run.operator import OperatorKey
 from qualify.run.request import RunRequest
 from qualify.run.verdict import judge
@@ -85,14 +86,13 @@ class RunResult:
         }
 
 
-def dcp_args(dcp: int | None) -> tuple[str, ...]:
-    """--dcp N: N shards, one engine rank each; none: the engine's default (folded in one process)."""
-    return () if dcp is None else ("--dcp-size", str(dcp), "--dcp-ranks", str(dcp))
-
-
 def make_launcher(req: RunRequest, run_dir: Path) -> Launcher:
+    # The KV geometry is asked for explicitly, so the peer's reading of it is the config the harness sent.
     opts = EngineOptions(
-        preset=req.preset, kda_backend=req.kda_backend, num_spec=req.num_spec, extra_args=dcp_args(req.dcp)
+        preset=req.preset,
+        kda_backend=req.kda_backend,
+        num_spec=req.num_spec,
+        extra_args=geometry_for(req).engine_args(),
     )
     if req.launcher == "docker":
         from qualify.launch.docker import DockerLauncher

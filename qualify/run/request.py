@@ -10,16 +10,14 @@ import re
 from dataclasses import dataclass
 
 from qualify.errors import UsageError
+from qualify.run.geometry import GEOMETRY
 
 KDA_BACKENDS = ("auto", "b12x", "triton", "torch")
 LAUNCHERS = ("local", "docker")
 PRESETS = ("tiny", "proxy")
 
-# preset -> (layer pattern, layers per KV group): mirrors the engine's EngineConfig defaults.
-PATTERN_FACTS: dict[str, tuple[str, int]] = {
-    "tiny": ("KKKAKKKA", 2),
-    "proxy": ("KKKAKKKA", 2),
-}
+# preset -> (layer pattern, layers per KV group): the geometry the harness asks for.
+PATTERN_FACTS: dict[str, tuple[str, int]] = {p: (g.layer_pattern, g.group_size) for p, g in GEOMETRY.items()}
 
 MAX_SPEC = 8  # the engine's num_spec bound
 

@@ -1,4 +1,4 @@
-"""The tiny engine on CPU: greedy determinism, prefill/decode agreement, in-place reload, peer, probe."""
+"""The tiny engine on CPU: greedy determinism, prefill/decode agreement, in-place reload, probe."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qualify.engine.peer import verify_group, verify_with_peer
 from qualify.engine.tokenizer import ByteTokenizer
 from qualify.engine.weights import WeightsError
 
@@ -78,37 +77,6 @@ def test_reload_refuses_a_mismatched_file_and_copies_nothing(fresh_engine, tmp_p
     assert tokens(e) == before
 
 
-def test_peer_process_imports_and_verifies_every_allocation(tiny_engine):
-    out = verify_with_peer(tiny_engine)
-    assert out["ok"], out
-    assert out["layout_seen"] == [2304, 2304, 2304, 9216]
-    assert [g["name"] for g in out["groups"]] == ["kda0", "kda1", "kda2", "attention0"]
-    for g in out["groups"]:
-        assert g["ack_ok"] and g["pattern_ok"] and g["out_of_bounds_refused"]
-    # Probe pages are cleared afterwards: verification leaves no trace in the caches.
-    for a in tiny_engine.allocations:
-        assert not a.buffer[a.probe_offset :].any()
-
-
-def test_peer_detects_a_pattern_it_did_not_expect(tiny_engine):
-    a = tiny_engine.allocations[0]
-    g = {
-        "name": a.group.name,
-        "span": a.group.span,
-        "nbytes": a.nbytes,
-        "alignment": 256,
-        "probe_offset": a.probe_offset,
-        "handle": a.handle,
-        "device": {"type": "cpu", "host": "some-other-host:boot"},
-        "pattern_sha256": "0" * 64,
-        "head_sha256": "0" * 64,
-    }
-    res = verify_group(g, "nonce")
-    assert res["nbytes_ok"] and res["alignment_ok"]
-    assert not res["pattern_ok"] and not res["device_ok"]
-    a.buffer[a.probe_offset :].zero_()
-
-
 def test_decode_step_has_no_host_sync_outside_the_kda_backend(tiny_engine):
     """forward_decode_static must be capturable: any .item()/.tolist() may only come from the torch
     reference backend (which graphs never capture), never from the engine's own ops."""
@@ -153,24 +121,3 @@ def test_requests_that_cannot_be_served_are_refused_before_anything_is_admitted(
     with pytest.raises(ValueError, match=needle):
         tiny_engine.generate(prompts, max_tokens)
     assert len(tiny_engine.runner.pool.groups) == tiny_engine.cfg.max_num_seqs
-
-
-def test_the_peer_derives_spans_from_the_geometry_instead_of_echoing_them(tiny_engine):
-    a = next(x for x in tiny_engine.allocations if x.group.kind == "attention")
-    g = {
-        "name": a.group.name,
-        "kind": "attention",
-        "span": tiny_engine.cfg.block_size,  # a wrong registration: the DCP factor is missing
-        "nbytes": a.nbytes,
-        "alignment": 256,
-        "probe_offset": a.probe_offset,
-        "handle": a.handle,
-        "device": {"type": "cpu", "host": "x"},
-        "pattern_sha256": "0" * 64,
-        "head_sha256": "0" * 64,
-    }
-    res = verify_group(g, "nonce", {"block_size": 2304, "dcp_size": 4})
-    assert res["span"] == 9216 and not res["span_ok"]
-    a.buffer[a.probe_offset :].zero_()
-    out = verify_with_peer(tiny_engine)
-    assert out["ok"] and all(grp["span_ok"] for grp in out["groups"])

@@ -10,7 +10,10 @@ import time
 import pytest
 import torch
 
+from qualify.run.geometry import GEOMETRY
+
 pytestmark = pytest.mark.gpu
+GEOMETRY_PROXY_GPU = GEOMETRY["proxy"].for_peer(0, "gpu")
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -39,9 +42,10 @@ def _tokens_per_second(engine, batch: int, new_tokens: int) -> float:
 
 
 def test_proxy_boots_registers_layout_over_cuda_ipc_generates_and_reloads(proxy_engine, record_property):
+    from qualify.engine import kv_export
     from qualify.engine.config import EngineConfig
     from qualify.engine.engine import Engine
-    from qualify.engine.peer import verify_with_peer
+    from tests.engine.test_peer import peer_process
 
     e = proxy_engine
     assert e.resolution.name == "triton", e.resolution
@@ -49,8 +53,15 @@ def test_proxy_boots_registers_layout_over_cuda_ipc_generates_and_reloads(proxy_
     assert d["layout"]["spans"] == [2304, 2304, 2304, 9216] and d["layout"]["ratios"] == [4, 4, 4, 1]
     assert {g["handle_kind"] for g in d["layout"]["groups"]} == {"cuda-ipc"}
 
-    peer = verify_with_peer(e)
-    assert peer["ok"], peer
+    t_peer = time.perf_counter()
+    report = peer_process(e, GEOMETRY_PROXY_GPU)  # CUDA IPC into a process of its own
+    peer = {"seconds": time.perf_counter() - t_peer}
+    assert report["error"] is None and report["spans"] == [2304, 2304, 2304, 9216], report
+    for g in report["groups"]:
+        assert g["size_ok"] and g["views_differ"] is None and g["engine_pattern_ok"], g
+        assert g["device_ok"] and g["out_of_bounds_refused"], g
+        w = g["written"]
+        assert kv_export.kv_echo(e, g["name"], w["offset"], w["length"])["sha256"] == w["sha256"]
 
     probe = e.probe()
     assert "kda::triton" in probe["kernel_names"]

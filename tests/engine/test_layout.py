@@ -106,32 +106,6 @@ def test_an_engine_leaves_no_shm_files_after_close_or_a_failed_boot(_engine_home
     assert _shm_files(os.getpid()) == before  # the failed boot released what it had allocated
 
 
-def test_the_peer_measures_an_allocation_instead_of_trusting_its_handle(tiny_engine, tmp_path):
-    from qualify.engine.layout import import_allocation
-    from qualify.engine.peer import verify_group
-
-    a = tiny_engine.allocations[0]
-    big = tmp_path / "oversized"
-    big.write_bytes(b"\0" * (a.nbytes + 4096))  # more bytes than the engine registered
-    g = {
-        "name": a.group.name,
-        "span": a.group.span,
-        "nbytes": a.nbytes,
-        "alignment": ALIGNMENT,
-        "probe_offset": a.probe_offset,
-        "handle": {**a.handle, "path": str(big)},
-        "device": {"type": "cpu", "host": "x"},
-        "pattern_sha256": "0" * 64,
-        "head_sha256": "0" * 64,
-    }
-    res = verify_group(g, "nonce")
-    assert res["nbytes"] == a.nbytes + 4096 and not res["nbytes_ok"]
-    short = tmp_path / "short"
-    short.write_bytes(b"\0" * 1024)
-    with pytest.raises(LayoutError, match="holds 1024 bytes"):
-        import_allocation({**a.handle, "path": str(short)})
-
-
 def test_spans_come_from_one_place():
     from qualify.engine.config import EngineConfig
     from qualify.engine.layout import group_span

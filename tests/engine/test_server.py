@@ -22,7 +22,8 @@ from qualify.protocol import (
     CompletionResponse,
     Describe,
     Health,
-    PeerVerifyResponse,
+    KvDigest,
+    KvHandles,
     ProbeResponse,
     ReloadResponse,
 )
@@ -110,8 +111,15 @@ def test_qualify_endpoints_answer(client, tiny_engine):
     assert not cap.captured and cap.reason == "CUDA graphs need a CUDA device"
     probe = ProbeResponse.model_validate(client.post("/qualify/probe").json())
     assert "kda::torch" in probe.kernel_names and probe.backend == "torch"
-    peer = PeerVerifyResponse.model_validate(client.post("/qualify/peer-verify").json())
-    assert peer.ok and peer.layout_seen == [2304, 2304, 2304, 9216]
+    handles = KvHandles.model_validate(client.get("/qualify/kv-handles").json())
+    g = handles.groups[0]
+    fill = {"group": g.name, "offset": g.probe.offset, "length": 64, "nonce": "nonce-123"}
+    filled = KvDigest.model_validate(client.post("/qualify/kv-fill", json=fill).json())
+    echo = {"group": g.name, "offset": g.probe.offset, "length": 64}
+    assert KvDigest.model_validate(client.post("/qualify/kv-echo", json=echo).json()).sha256 == filled.sha256
+    past = client.post("/qualify/kv-echo", json={**echo, "offset": g.nbytes - 8})
+    assert past.status_code == 400 and "falls outside" in past.json()["error"]["message"]
+    assert client.post("/qualify/peer-verify").status_code == 404  # the engine no longer vouches for itself
     rel = ReloadResponse.model_validate(client.post("/qualify/reload", json={}).json())
     assert rel.census.addresses_unchanged and rel.census.changed == []
     bad = client.post("/qualify/reload", json={"path": "/nonexistent.safetensors"})

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from qualify.run.verdict import REQUIRED_OBSERVED, observed_shortfalls
+
 from .conftest import LAYOUT, ROOT, SAMPLE_KMSG, Home, check
 
 pytestmark = pytest.mark.slow
@@ -45,6 +47,10 @@ def test_local_run_qualifies_on_cpu_and_signs_a_verifiable_receipt(home: Home) -
     assert p["verdict"] == "qualified" and p["target"] == "cpu"
     assert p["layout"]["spans"] == [2304, 2304, 2304, 9216] and p["layout"]["peer_verified"]
     assert p["layout"]["chunk"] == 9216 and p["layout"]["ratios"] == [4, 4, 4, 1]
+    # The layout is vouched for by the harness's own peer: what a GPU target must have observed is here.
+    layout_patterns = [x for x in REQUIRED_OBSERVED["gpu"] if x.startswith("layout.")]
+    assert observed_shortfalls([check(p, "layout")], layout_patterns) == []
+    assert check(p, "layout")["evidence"]["peer"]["spans"] == [2304, 2304, 2304, 9216]
     assert p["backend"]["resolved"] == "torch" and "kda::torch" in p["backend"]["kernel_names"]
     backend = check(p, "backend")["evidence"]
     assert backend["bogus_refusal"]["exit_code"] not in (None, 0)
@@ -88,9 +94,9 @@ def test_engine_crash_during_a_check_rejects_naming_the_check(home: Home) -> Non
 
 
 def test_hung_engine_is_bounded_by_the_run_timeout(home: Home) -> None:
-    # The peer-verify endpoint hangs the whole server (the fault blocks its event loop), so the layout
+    # The kv-handles endpoint hangs the whole server (the fault blocks its event loop), so the layout
     # check, and every check after it, would wait forever without the run's time limit.
-    env = home.env(QUALIFY_ENGINE_FAULT="hang-on:/qualify/peer-verify")
+    env = home.env(QUALIFY_ENGINE_FAULT="hang-on:/qualify/kv-handles")
     timeout = 18
     ran = home.qualify("run", "--json", "--timeout", str(timeout), env=env, timeout=timeout + 60)
     assert ran.code == 1, ran.stderr[-2000:]

@@ -1,0 +1,78 @@
+"""The harness's side of launching the KV-transfer peer: bounded in time, its report bounded in size and
+parsed strictly, and run from the harness's own peer module whatever engine module is under test."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+from qualify.launch.base import MAX_PEER_REPORT_BYTES, PEER_FILE, EngineOptions, PeerOutcome
+from qualify.launch.local import LocalLauncher
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    """An executable standing in for the interpreter: it gets the peer's argv (-m MODULE --spec S --out O)."""
+    exe = tmp_path / "python"
+    exe.write_text("#!/bin/sh\n" + body + "\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return str(exe)
+
+
+def _launcher(tmp_path: Path, python: str, **env: str) -> LocalLauncher:
+    return LocalLauncher(EngineOptions("tiny", "auto"), tmp_path / "run", python=python, env=env)
+
+
+def test_a_peer_that_does_not_finish_is_killed_at_its_deadline(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text("{}")
+    out = _launcher(tmp_path, _fake_python(tmp_path, "sleep 30")).run_peer(spec, 1.0)
+    assert out.exit_code is None and out.report is None
+    assert "did not finish within" in out.error and out.seconds < 10
+
+
+def test_the_peer_is_the_harness_module_not_the_engine_under_test(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text("{}")
+    # The fake interpreter writes its argv and environment as the report.
+    body = 'printf \'{"argv": "%s", "module": "%s"}\' "$*" "$QUALIFY_ENGINE_MODULE" > "$6"'
+    launcher = _launcher(tmp_path, _fake_python(tmp_path, body), QUALIFY_ENGINE_MODULE="tests.liars.x")
+    out = launcher.run_peer(spec, 10.0)
+    assert out.error is None and out.exit_code == 0, out
+    assert out.report["argv"].startswith("-m qualify.engine.peer --spec " + str(spec))
+    assert out.report["module"] == ""  # the liar's module name does not reach the peer
+    assert PEER_FILE.is_file() and PEER_FILE.parent.name == "engine"
+
+
+def test_reports_are_parsed_strictly_and_bounded_in_size() -> None:
+    def parse(raw: bytes | None, code: int | None = 0) -> PeerOutcome:
+        return PeerOutcome.from_output(["peer"], code, 0.5, raw, "")
+
+    assert parse(json.dumps({"groups": []}).encode()).report == {"groups": []}
+    assert "without a report" in parse(None, 1).error
+    assert "not JSON" in parse(b"{nope").error
+    assert "not a JSON object" in parse(b"[1, 2]").error
+    big = b'{"x": "' + b"a" * MAX_PEER_REPORT_BYTES + b'"}'
+    assert "over" in parse(big).error and parse(big).report is None
+
+
+def test_the_layout_check_fails_closed_when_no_peer_can_be_launched() -> None:
+    import httpx
+
+    from qualify.checks import layout
+
+    from .test_checks_evidence import Engine, _context
+
+    class NoPeerEngine(Engine):
+        def handle(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/qualify/kv-handles":
+                return httpx.Response(200, json={"groups": []})
+            return super().handle(request)
+
+    # The test launcher keeps the contract's default run_peer: it cannot launch a peer.
+    out = layout.run(_context(NoPeerEngine()))
+    assert out.status == "fail"
+    peer = {k: c for k, c in out.conditions.items() if k.startswith("peer_")}
+    assert peer and not any(c.holds for c in peer.values())
+    assert all(c.source == "observed" for c in peer.values())
+    assert "cannot launch a peer" in out.conditions["peer_ran"].detail
