@@ -326,8 +326,16 @@ class KvHandle(_Reply):
     views: list[KvViewInfo]
 
 
-class KvHandles(_Reply):
+class KvRankHandles(_Reply):
+    """One DCP rank's allocations (distributed DCP: every rank registers its own)."""
+
+    rank: int
     groups: list[KvHandle]
+
+
+class KvHandles(_Reply):
+    groups: list[KvHandle]  # the answering process's (rank 0's) allocations
+    ranks: list[KvRankHandles] = []  # distributed DCP: every rank's, in rank order; empty when folded
 
 
 class KvEchoRequest(_Msg):
@@ -336,6 +344,7 @@ class KvEchoRequest(_Msg):
     group: str
     offset: int = Field(ge=0)
     length: int = Field(ge=1, le=KV_ECHO_MAX_BYTES)
+    rank: int = Field(0, ge=0, description="the DCP rank whose allocation (0 when folded)")
 
 
 class KvFillRequest(_Msg):
@@ -345,6 +354,7 @@ class KvFillRequest(_Msg):
     offset: int = Field(ge=0)
     length: int = Field(ge=1, le=KV_PROBE_BYTES)
     nonce: str = Field(min_length=8, max_length=128)
+    rank: int = Field(0, ge=0, description="the DCP rank whose allocation (0 when folded)")
 
 
 class KvDigest(_Reply):
@@ -530,6 +540,7 @@ __all__ = [
     "KvGroupInfo",
     "KvHandle",
     "KvHandles",
+    "KvRankHandles",
     "KvRegion",
     "KvViewInfo",
     "LayoutInfo",

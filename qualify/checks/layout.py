@@ -16,7 +16,7 @@ from typing import Any
 
 from qualify.checks.base import Check, Context, Outcome, derived, engine_says, fail_unless, observed
 from qualify.client import EngineError
-from qualify.protocol import KV_PROBE_BYTES, KvEchoRequest, KvFillRequest, pattern_bytes
+from qualify.protocol import KV_PROBE_BYTES, KvEchoRequest, KvFillRequest, KvHandle, pattern_bytes
 from qualify.run.geometry import geometry_for
 
 PEER_TIMEOUT_S = 90.0  # the peer imports torch (and initialises CUDA) before it maps anything
@@ -50,21 +50,24 @@ def _flag(groups: list[dict[str, Any]], ran: bool, key: str, ok: str) -> Any:
     return observed(not bad, f"not in {bad}" if bad else ok)
 
 
-def _peer(ctx: Context, geometry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fill each probe page through the engine, run the harness's peer on the exported handles, and
-    return (its report or {}, what the harness saw: nonces, fills, the peer's exit)."""
-    handles = ctx.client.kv_handles()
+def _peer(
+    ctx: Context, geometry: dict[str, Any], rank: int, handles: list[KvHandle], single: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fill each probe page of one DCP rank through the engine, run the harness's peer on that rank's
+    exported handles, and return (its report or {}, what the harness saw: nonces, fills, the peer's exit)."""
     read_nonce, write_nonce = secrets.token_hex(16), secrets.token_hex(16)
     half = KV_PROBE_BYTES // 2
     fills = {}
-    for h in handles.groups:
+    for h in handles:
         fill = ctx.client.kv_fill(
-            KvFillRequest(group=h.name, offset=h.probe.offset, length=half, nonce=f"{read_nonce}:{h.name}")
+            KvFillRequest(
+                group=h.name, offset=h.probe.offset, length=half, nonce=f"{read_nonce}:{h.name}", rank=rank
+            )
         )
         fills[h.name] = fill.sha256
     spec = {
         "geometry": geometry,
-        "handles": handles.model_dump(mode="json"),
+        "handles": {"groups": [h.model_dump(mode="json") for h in handles]},
         "read_nonce": read_nonce,
         "write_nonce": write_nonce,
     }
@@ -73,7 +76,7 @@ def _peer(ctx: Context, geometry: dict[str, Any]) -> tuple[dict[str, Any], dict[
     with contextlib.ExitStack() as stack:
         where = Path(run_dir) if run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         where.mkdir(parents=True, exist_ok=True)
-        path = where / "peer-spec.json"
+        path = where / ("peer-spec.json" if single else f"peer-spec-rank{rank}.json")
         path.write_text(json.dumps(spec))
         out = ctx.launcher.run_peer(path, min(PEER_TIMEOUT_S, max(1.0, ctx.remaining())))
     seen = {
@@ -87,7 +90,14 @@ def _peer(ctx: Context, geometry: dict[str, Any]) -> tuple[dict[str, Any], dict[
     return out.report or {}, seen
 
 
-def _echoes(ctx: Context, groups: list[dict[str, Any]], write_nonce: str) -> dict[str, dict[str, Any]]:
+def _why_not(seen: dict[str, Any]) -> str:
+    """Why a peer run gave no usable report: the launcher's error, the peer's, or its exit code."""
+    return str(seen.get("error") or seen.get("report_error") or f"exit {seen.get('exit_code')}")
+
+
+def _echoes(
+    ctx: Context, groups: list[dict[str, Any]], write_nonce: str, rank: int
+) -> dict[str, dict[str, Any]]:
     """Per group: the engine's hash of the bytes the peer wrote and of the region the peer sampled, beside
     what the harness expects (its own hash of the pattern it told the peer to write)."""
     out: dict[str, dict[str, Any]] = {}
@@ -96,8 +106,12 @@ def _echoes(ctx: Context, groups: list[dict[str, Any]], write_nonce: str) -> dic
         if not (isinstance(wrote, dict) and isinstance(sample, dict)):
             continue
         want = _sha(pattern_bytes(f"{write_nonce}:{name}", int(wrote["length"])))
-        echo = ctx.client.kv_echo(KvEchoRequest(group=name, offset=wrote["offset"], length=wrote["length"]))
-        back = ctx.client.kv_echo(KvEchoRequest(group=name, offset=sample["offset"], length=sample["length"]))
+        echo = ctx.client.kv_echo(
+            KvEchoRequest(group=name, offset=wrote["offset"], length=wrote["length"], rank=rank)
+        )
+        back = ctx.client.kv_echo(
+            KvEchoRequest(group=name, offset=sample["offset"], length=sample["length"], rank=rank)
+        )
         out[name] = {
             "written": {"harness": want, "peer": wrote.get("sha256"), "engine": echo.sha256},
             "sample": {"peer": sample.get("sha256"), "engine": back.sha256},
@@ -118,11 +132,32 @@ def run(ctx: Context) -> Outcome:
     lay = d.layout
     want = ctx.request.layout
     geometry = geometry_for(ctx.request).for_peer(ctx.request.num_spec, ctx.target)
-    report, seen = _peer(ctx, geometry)
-    groups = [g for g in report.get("groups", []) if isinstance(g, dict)]
-    spans = report.get("spans") or []
-    echoes = _echoes(ctx, groups, seen["write_nonce"])
-    ran = bool(report) and report.get("error") is None and bool(groups)
+    handles = ctx.client.kv_handles()
+    # Distributed DCP: every rank registers its own allocations, and the peer verifies each rank's.
+    rank_sets = [(r.rank, r.groups) for r in handles.ranks] or [(0, handles.groups)]
+    single = len(rank_sets) == 1
+    groups: list[dict[str, Any]] = []
+    echoes: dict[str, dict[str, Any]] = {}
+    rank_spans: dict[int, list[int]] = {}
+    seen: dict[str, Any] = {}
+    ran = bool(rank_sets)
+    for rank, rank_handles in rank_sets:
+        report, seen_r = _peer(ctx, geometry, rank, rank_handles, single)
+        found = [g for g in report.get("groups", []) if isinstance(g, dict)]
+        label = (lambda n: n) if single else (lambda n, r=rank: f"rank{r}/{n}")
+        for name, e in _echoes(ctx, found, seen_r["write_nonce"], rank).items():
+            echoes[label(name)] = e
+        groups += [{**g, "name": label(g.get("name"))} for g in found]
+        rank_spans[rank] = report.get("spans") or []
+        seen[str(rank)] = {
+            **seen_r,
+            "unexpected": report.get("unexpected"),
+            "report_error": report.get("error"),
+        }
+        ran = ran and bool(report) and report.get("error") is None and bool(found)
+    spans = rank_spans.get(0) or []
+    first = next(iter(seen.values()), {"error": "no allocations exported", "exit_code": None})
+    unexpected = [u for s in seen.values() for u in (s.get("unexpected") or [])]
     oob_ok, oob_detail = (False, "no group to try")
     if lay.groups:
         oob_ok, oob_detail = _oob_echo_refused(ctx, lay.groups[0].name, lay.groups[0].nbytes)
@@ -155,17 +190,25 @@ def run(ctx: Context) -> Outcome:
 
     laid_out = ran and not _bad(groups, views) and not _bad(groups, size)
     registered = lay.spans
-    sizes = {g.name: g.nbytes for g in lay.groups}
+    if single:
+        sizes = {g.name: g.nbytes for g in lay.groups}
+    else:
+        sizes = {f"rank{r.rank}/{g.name}": g.nbytes for r in d.dcp_ranks for g in r.groups}
     measured = {g.get("name"): g.get("nbytes_measured") for g in groups}
     lcm = math.lcm(*spans) if spans else 0
     missing = [g.get("name") for g in groups if not g.get("found")]
     conditions = {
         # What the harness's own peer process saw (observed).
-        "peer_ran": observed(ran, seen["error"] or report.get("error") or f"exit {seen['exit_code']}"),
+        "peer_ran": observed(
+            ran,
+            f"exit {first.get('exit_code')}" + ("" if single else f" on each of {len(seen)} ranks")
+            if ran
+            else "; ".join(f"rank {r}: {_why_not(s)}" for r, s in seen.items()) or "no allocations exported",
+        ),
         "peer_found_every_group": observed(
-            ran and not missing and not report.get("unexpected"),
-            f"missing {missing}, unexpected {report.get('unexpected')}"
-            if missing or report.get("unexpected")
+            ran and not missing and not unexpected,
+            f"missing {missing}, unexpected {unexpected}"
+            if missing or unexpected
             else f"{len(groups)} groups, as the layer pattern gives",
         ),
         "peer_allocation_sizes": _each(groups, ran, size, "every allocation as large as the geometry needs"),
@@ -203,9 +246,19 @@ def run(ctx: Context) -> Outcome:
         "ratios": lay.ratios,
         "groups": [g.model_dump(mode="json") for g in lay.groups],
         "geometry": geometry,
-        "peer": {**seen, "spans": spans, "groups": groups, "unexpected": report.get("unexpected")},
+        "peer": {
+            **(first if single else {"ranks": seen}),
+            "spans": spans,
+            "groups": groups,
+            "unexpected": unexpected,
+        },
         "echoes": echoes,
     }
+    if not single:
+        differ = {r: s for r, s in rank_spans.items() if s != spans}
+        conditions["peer_spans_same_on_every_rank"] = observed(
+            ran and not differ, f"rank 0 {spans}, others {differ}" if differ else f"{len(rank_spans)} ranks"
+        )
     if want is not None:
         why = None if laid_out else "the allocations are not laid out for the geometry the peer derived from"
         conditions["spans_equal_request"] = observed(

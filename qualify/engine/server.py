@@ -82,8 +82,41 @@ def _describe(engine: Engine) -> dict:
     return d
 
 
-# The verbs that step the model: with distributed DCP every rank runs each of them in lockstep.
+def _on_rank(engine: Engine, rank: int, fn, *args):
+    """Run fn on the DCP rank that owns the allocation; every rank takes part in the gather, and rank 0
+    answers with the owner's result (or raises its error). Folded: rank 0 only."""
+    if engine.dcp is None:
+        if rank != 0:
+            raise ValueError(f"rank {rank} does not exist: this engine folds DCP into one process")
+        return fn(engine, *args)
+    if rank >= engine.dcp.world:
+        raise ValueError(f"rank {rank} does not exist: the engine runs {engine.dcp.world} DCP ranks")
+    mine: tuple = ("idle",)
+    if engine.dcp.rank == rank:
+        try:
+            mine = ("ok", fn(engine, *args))
+        except ValueError as exc:  # bad offsets and unknown groups: the client's mistake, answered 400
+            mine = ("error", str(exc))
+    out = engine.dcp.gather_objects(mine)[rank]
+    if out[0] == "error":
+        raise ValueError(out[1])
+    return out[1]
+
+
+def _kv_handles(engine: Engine) -> dict:
+    mine = kv_export.kv_handles(engine)
+    if engine.dcp is None:
+        return mine
+    every = engine.dcp.gather_objects(mine)
+    return {**mine, "ranks": [{"rank": r, "groups": h["groups"]} for r, h in enumerate(every)]}
+
+
+# The verbs that step the model or touch its memory: with distributed DCP every rank runs each of them in
+# lockstep.
 VERBS = {
+    "kv_handles": _kv_handles,
+    "kv_fill": lambda e, rank, *a: _on_rank(e, rank, kv_export.kv_fill, *a),
+    "kv_echo": lambda e, rank, *a: _on_rank(e, rank, kv_export.kv_echo, *a),
     "generate": lambda e, prompts, max_tokens, mode: e.generate(prompts, max_tokens, mode),
     "speculative": _speculative,
     "reload": lambda e, path, seed: e.reload(path, seed),
@@ -197,18 +230,16 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
 
     @app.get("/qualify/kv-handles")
     async def kv_handles() -> KvHandles:
-        return KvHandles.model_validate(await on_worker(kv_export.kv_handles, engine))
+        return KvHandles.model_validate(await verb("kv_handles"))
 
     @app.post("/qualify/kv-fill")
     async def kv_fill(req: KvFillRequest) -> KvDigest:
-        out = await on_worker(kv_export.kv_fill, engine, req.group, req.offset, req.length, req.nonce)
+        out = await verb("kv_fill", req.rank, req.group, req.offset, req.length, req.nonce)
         return KvDigest.model_validate(out)
 
     @app.post("/qualify/kv-echo")
     async def kv_echo(req: KvEchoRequest) -> KvDigest:
-        return KvDigest.model_validate(
-            await on_worker(kv_export.kv_echo, engine, req.group, req.offset, req.length)
-        )
+        return KvDigest.model_validate(await verb("kv_echo", req.rank, req.group, req.offset, req.length))
 
     @app.post("/qualify/capture")
     async def capture() -> CaptureResponse:
