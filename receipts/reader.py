@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from receipts import dsse, merkle
+from receipts import dsse, merkle, receipt_rows
 from receipts.checkpoint import NoteVerifier, open_checkpoint
 from receipts.errors import NotFound, StoreError, TamperError, VerificationError
 from receipts.keylog import KeyHistory
@@ -60,6 +60,46 @@ class Head(NamedTuple):
     checkpoint_size: int | None
     root: bytes | None
     note: str | None
+
+
+def check_receipt_row(record: ReceiptRecord, entry: Any) -> None:
+    """Refuse to serve a `receipts` row that is not what its log entry says: the entry at its index must be
+    a receipt whose bytes hash to the row's id and leaf hash, and the row's fields must be the signed ones
+    (a row planted or edited with plain SQL would otherwise be shown, or proven with another entry)."""
+    where = f"receipt {record.id[:16]}: its query row points at log index {record.log_idx}"
+    data = record.envelope
+    if entry is None or data is None:
+        problem = "which holds no entry"
+    elif entry.kind != "receipt" or hashlib.sha256(data).hexdigest() != record.id:
+        problem = f"which holds another {entry.kind} entry"
+    elif merkle.leaf_hash(data) != bytes(entry.leaf_hash):
+        problem = "whose stored leaf hash is not the hash of its bytes"
+    else:
+        try:
+            signed = receipt_rows.signed_fields(dsse.parse(data))
+        except (*receipt_rows.PARSE_ERRORS, VerificationError) as error:
+            problem = f"whose signed statement does not parse ({error})"
+        else:
+            shown = {
+                "verdict": record.verdict,
+                "target": record.target,
+                "host": record.host,
+                "started_at": record.started_at,
+                "finished_at": record.finished_at,
+                "predicate": record.predicate,
+                "subjects": {s.digest: s.name for s in record.subjects},
+            }
+            wrong = [name for name, value in shown.items() if signed[name] != value]
+            named = {s.keyid for s in dsse.parse(data).signatures}
+            if record.keyid not in named:
+                wrong.append("keyid")
+            if not wrong:
+                return
+            problem = f"whose signed envelope disagrees with the row ({', '.join(wrong)})"
+    raise TamperError(
+        f"{where}, {problem}: the row was planted or edited outside the store; nothing served; "
+        "run: qualify log verify"
+    )
 
 
 class LogReader:
@@ -306,8 +346,10 @@ class LogReader:
         with self.engine.connect() as conn:
             return self._records(conn, conn.execute(query).all())
 
-    def get_receipt(self, id_or_prefix: str) -> ReceiptRecord:
-        """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits)."""
+    def get_receipt(self, id_or_prefix: str, *, checked: bool = True) -> ReceiptRecord:
+        """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits). Its
+        query row is checked against its log entry first (TamperError when they disagree); `checked=False`
+        is for verify_receipt, which reports that itself."""
         prefix = id_or_prefix.strip().lower()
         if prefix.startswith("sha256:"):
             prefix = prefix[len("sha256:") :]
@@ -321,7 +363,13 @@ class LogReader:
                 )
             if len(rows) > 1:
                 raise StoreError(f"receipt id prefix {id_or_prefix!r} is ambiguous; give more digits")
-            return self._records(conn, rows, envelopes=True)[0]
+            record = self._records(conn, rows, envelopes=True)[0]
+            kind = conn.execute(
+                sa.select(ENTRIES.c.kind, ENTRIES.c.leaf_hash).where(ENTRIES.c.idx == record.log_idx)
+            ).first()
+        if checked:
+            check_receipt_row(record, kind)
+        return record
 
     def get_approval(self, approval_id: str) -> ApprovalRecord:
         found = self._approvals(APPROVALS.c.id == approval_id)
@@ -378,7 +426,7 @@ class LogReader:
         """Check one receipt end to end: its bytes and id, its signature against the key history at its
         index, and its inclusion under the latest checkpoint (signature checked with `verifiers`,
         default: the log key recorded in the store)."""
-        record = self.get_receipt(id_or_prefix)
+        record = self.get_receipt(id_or_prefix, checked=False)
         report = ReceiptReport(id=record.id, log_idx=record.log_idx)
         try:
             entry = self.entry(record.log_idx)
@@ -386,6 +434,7 @@ class LogReader:
             report.checks["leaf_hash"] = merkle.leaf_hash(entry.envelope) == entry.leaf_hash
             if not all(report.checks.values()):
                 raise TamperError(f"receipt {record.id[:16]}: stored bytes do not match its id or leaf hash")
+            check_receipt_row(record, entry)
             history = history if history is not None else self.key_history()
             parsed = dsse.parse(entry.envelope)
             report.keyid = history.signers(parsed, entry.idx, "receipt")[0]

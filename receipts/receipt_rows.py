@@ -25,7 +25,7 @@ _COLUMNS = (
     _RECEIPTS.c.keyid,
     *(_RECEIPTS.c[name] for name in _FIELDS[:-1]),
 )
-_PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, ValidationError)
+PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, ValidationError)
 
 
 def _time(value: Any) -> datetime:
@@ -92,7 +92,7 @@ def check(
         payload, keyids = entry
         try:
             expected = _signed_values(payload)
-        except _PARSE_ERRORS as error:
+        except PARSE_ERRORS as error:
             problems.append((log_idx, f"the receipt's signed statement does not parse: {error}"))
             continue
         stored = (*columns, subjects.get(rid, no_subjects))

@@ -107,7 +107,7 @@ def show(receipt_id: str, envelope: bool, db_url: str | None, as_json: bool) -> 
         record = store.get_receipt(receipt_id)
     if envelope:
         assert record.envelope is not None
-        click.echo(record.envelope.decode())
+        click.echo(record.envelope, nl=False)  # the exact stored bytes, nothing added
         return
 
     def human() -> None:
