@@ -21,8 +21,8 @@ def _plant_row_at_index_0(raw) -> None:
     """What a `qualify_writer` member can do with one INSERT: a receipts row pointing at log index 0 (the
     key-trust entry), copied from a real row so that every column is well formed."""
     raw.execute(
-        "INSERT INTO receipts (id, log_idx, verdict, target, host, started_at, finished_at, keyid, predicate) "
-        "SELECT :id, 0, 'qualified', target, host, started_at, finished_at, keyid, predicate "
+        "INSERT INTO receipts "
+        "(id, log_idx, verdict, target, host, started_at, finished_at, keyid, predicate) SELECT :id, 0, 'qualified', target, host, started_at, finished_at, keyid, predicate "
         "FROM receipts WHERE log_idx = 1",
         id=FORGED,
     )
@@ -71,3 +71,10 @@ def test_the_cli_refuses_a_planted_row_with_one_line(cli, db_url, planted: Store
     verified = cli("receipts", "verify", FORGED[:8], "--db", db_url, "--json")
     assert verified.code == 1
     assert not json.loads(verified.out)[0]["ok"]
+
+
+def test_show_envelope_writes_the_exact_stored_bytes(cli, db_url, store: Store, operator) -> None:
+    record = store.append_receipt(synthetic_envelope(operator, 1))
+    result = cli("receipts", "show", record.id, "--envelope", "--db", db_url)
+    assert result.code == 0
+    assert result.out.encode() == store.entry(record.log_idx).envelope  # no newline added
