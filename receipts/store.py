@@ -122,6 +122,9 @@ class Store(LogReader):
         self._origin: str | None = None
         # Key history replayed from key entries below the given index (see _history).
         self._keys_cache: tuple[KeyHistory, int] | None = None
+        # How long an append waits for the single-writer lock before LockTimeout (None: the default,
+        # DEFAULT_LOCK_TIMEOUT_S). A caller with a deadline (qualify run --timeout) sets what is left.
+        self.lock_timeout_s: float | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -133,11 +136,13 @@ class Store(LogReader):
         log_signer: NoteSigner | None = None,
         origin: str | None = None,
         create: bool = True,
+        lock_timeout_s: float | None = None,
     ) -> Store:
         """Connect and bring the schema to head (as the connecting user: migrations need the owner), then
         run every later session as the non-owner writer role where it can (`db_role` says which role and,
         if not the writer role, why). With `create=False`, a store that does not exist yet is a StoreError
-        instead of being created (for read-only commands)."""
+        instead of being created (for read-only commands). `lock_timeout_s` bounds each append's wait for
+        the single-writer lock (default DEFAULT_LOCK_TIMEOUT_S; see `lock_timeout_s` below)."""
         parsed = parse_url(url)
         engine = create_engine(parsed, create=create)
         try:
@@ -155,6 +160,7 @@ class Store(LogReader):
             engine.dispose()
             raise
         store = cls(engine, db_role)
+        store.lock_timeout_s = lock_timeout_s
         if log_signer is not None:
             store.set_log_signer(log_signer, origin)
         return store
@@ -265,7 +271,7 @@ class Store(LogReader):
         if signer is None:
             raise StoreError("appending needs the log's checkpoint key; open the store with log_signer=")
         out: list[Appended] = []
-        with write_transaction(self._writer) as conn:
+        with write_transaction(self._writer, self.lock_timeout_s) as conn:
             origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
             head = self._head(conn)
             idx = head.next
