@@ -8,6 +8,7 @@ completes, its query rows and the new signed checkpoint are written together or 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -103,6 +104,13 @@ def _short(value: object, limit: int = 80) -> str:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def new_log_origin(name: str) -> str:
+    """An origin of its own for a new log: `name` (e.g. qualify.local/<hostname>) and a random id, so that
+    two logs on one host (even with one log key) never sign checkpoints that could be mistaken for each
+    other's. A log keeps the origin it was created with (log_meta)."""
+    return f"{name}/{secrets.token_hex(6)}"
 
 
 class Store(LogReader):

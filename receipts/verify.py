@@ -357,7 +357,14 @@ class _Verifier:
         """A checkpoint kept outside the database: its tree must be a prefix of the recomputed one."""
         origin = self.meta[0] if self.meta else None
         try:
-            cp = open_checkpoint(text, self.verifiers, origin)
+            cp = open_checkpoint(text, self.verifiers)
+            if origin is not None and cp.origin != origin:
+                self.problem(
+                    None,
+                    f"the external checkpoint belongs to log {cp.origin!r}, not to this log ({origin!r}); "
+                    "check it against the store it came from",
+                )
+                return
         except ReceiptsError as error:
             self.problem(None, f"the external checkpoint does not verify with the log key: {error}")
             return
@@ -374,8 +381,9 @@ class _Verifier:
         if self.tree.root(cp.size) != cp.root:
             self.problem(
                 None,
-                f"the first {cp.size} entries no longer hash to the external checkpoint's root: "
-                "history was rewritten",
+                f"the log's first {cp.size} entries no longer hash to the external checkpoint's root: "
+                "history was rewritten (or the checkpoint comes from another log with the same origin "
+                "and log key)",
             )
             return
         try:
@@ -404,7 +412,9 @@ def verify_log(
         first = report.first_problem()
         more = len(report.problems) - 1
         suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-        error = TamperError(f"log verification failed at {first}{suffix}")
+        where = "" if first is None or first.idx is None else f" at index {first.idx}"
+        message = first.message if first is not None else "unknown problem"
+        error = TamperError(f"log verification failed{where}: {message}{suffix}")
         error.report = report  # type: ignore[attr-defined]
         raise error
     return report

@@ -114,7 +114,8 @@ def verify(
     with opened(open_read(db_url)) as store:
         verifiers, source = log_verifiers(store, vkey)
         if text is not None:
-            open_checkpoint(text, verifiers)  # a checkpoint that does not verify is bad input: exit 2
+            # A checkpoint that does not verify, or of another log, is bad input (exit 2), not tampering.
+            open_checkpoint(text, verifiers, store.origin)
         signer = load_log_signer(create=False)
         try:
             report = verify_log(

@@ -22,7 +22,8 @@ def _plant_row_at_index_0(raw) -> None:
     key-trust entry), copied from a real row so that every column is well formed."""
     raw.execute(
         "INSERT INTO receipts "
-        "(id, log_idx, verdict, target, host, started_at, finished_at, keyid, predicate) SELECT :id, 0, 'qualified', target, host, started_at, finished_at, keyid, predicate "
+        "(id, log_idx, verdict, target, host, started_at, finished_at, keyid, predicate) "
+        "SELECT :id, 0, 'qualified', target, host, started_at, finished_at, keyid, predicate "
         "FROM receipts WHERE log_idx = 1",
         id=FORGED,
     )
