@@ -357,16 +357,32 @@ class Store(LogReader):
             appended["idx"], appended["keyid"]
         )
 
+    def _named(self, receipts: list[ParsedReceipt]) -> list[ParsedReceipt]:
+        """Receipts whose signatures lack a keyid, stored with the keyid of the trusted key that signed
+        them (so the stored envelope verifies with securesystemslib too). Which key is valid is decided
+        again under the writer lock, by the same signatures."""
+        if all(s.keyid for r in receipts for s in r.envelope.signatures):
+            return receipts
+        trusted = self.trusted_keys()
+        return [
+            r
+            if all(s.keyid for s in r.envelope.signatures)
+            else parse_receipt(dsse.envelope_bytes(dsse.with_keyids(r.envelope, trusted)))
+            for r in receipts
+        ]
+
     def append_receipt(self, envelope: dsse.EnvelopeInput | ParsedReceipt) -> ReceiptRecord:
-        """Append a signed receipt: its signature must verify with a key valid at its log index."""
+        """Append a signed receipt: its signature must verify with a key valid at its log index. A
+        signature without a keyid is stored with the keyid of the trusted key that made it."""
         receipt = envelope if isinstance(envelope, ParsedReceipt) else parse_receipt(envelope)
+        receipt = self._named([receipt])[0]
         pending, record = self._receipt_pending(receipt)
         self._append([pending])
         return record()
 
     def append_receipts(self, envelopes: Sequence[dsse.EnvelopeInput | ParsedReceipt]) -> list[ReceiptRecord]:
         """Append several receipts in one transaction (all or none), e.g. an import from another node."""
-        receipts = [e if isinstance(e, ParsedReceipt) else parse_receipt(e) for e in envelopes]
+        receipts = self._named([e if isinstance(e, ParsedReceipt) else parse_receipt(e) for e in envelopes])
         if len({r.id for r in receipts}) != len(receipts):
             raise StoreError("the same receipt appears twice in the batch; nothing appended")
         prepared = [self._receipt_pending(r) for r in receipts]

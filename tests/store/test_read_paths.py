@@ -79,3 +79,16 @@ def test_show_envelope_writes_the_exact_stored_bytes(cli, db_url, store: Store, 
     result = cli("receipts", "show", record.id, "--envelope", "--db", db_url)
     assert result.code == 0
     assert result.out.encode() == store.entry(record.log_idx).envelope  # no newline added
+
+
+def test_an_imported_envelope_without_keyid_is_stored_with_the_signers_keyid(store: Store, operator) -> None:
+    from securesystemslib.dsse import Envelope as SslibEnvelope
+
+    envelope = synthetic_envelope(operator, 1)
+    envelope["signatures"] = [{"sig": s["sig"]} for s in envelope["signatures"]]  # DSSE: keyid optional
+    imported = store.append_receipts([envelope])[0]  # what `qualify receipts import` calls
+    assert imported.keyid == operator.keyid
+    stored = store.get_receipt(imported.id)
+    assert [s["keyid"] for s in json.loads(stored.envelope)["signatures"]] == [operator.keyid]
+    theirs = SslibEnvelope.from_dict(json.loads(stored.envelope))
+    assert list(theirs.verify([operator.public_key().to_sslib()], threshold=1)) == [operator.keyid]
