@@ -79,13 +79,13 @@ class LogReport:
         return {
             "ok": self.ok,
             "size": self.size,
-            "root": self.root.hex(),
+            "root_hash": self.root.hex(),
             "entries": self.kinds,
             "checkpoints_checked": self.checkpoints,
             "subtrees_checked": self.subtrees,
             "external_checkpoint": None
             if external is None
-            else {"origin": external.origin, "size": external.size, "root": external.root.hex()},
+            else {"origin": external.origin, "size": external.size, "root_hash": external.root.hex()},
             "first_bad_index": None if first is None else first.idx,
             "problems": [str(p) for p in self.problems],
             "seconds": round(self.seconds, 3),

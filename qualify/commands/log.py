@@ -48,7 +48,7 @@ def checkpoint(out: str | None, db_url: str | None, as_json: bool) -> None:
     cp = Checkpoint.parse(note[: note.rfind("\n\n") + 1])
     if out:
         write_file(out, note)
-    data = {"origin": cp.origin, "size": cp.size, "root": cp.root.hex(), "vkey": vkey, "note": note}
+    data = {"origin": cp.origin, "size": cp.size, "root_hash": cp.root.hex(), "vkey": vkey, "note": note}
 
     def human() -> None:
         if out:

@@ -29,7 +29,7 @@ from qualify.commands._common import (
 from receipts import merkle
 from receipts.checkpoint import format_tlog_proof, open_checkpoint
 from receipts.receipt import parse_receipt
-from receipts.records import ReceiptRecord
+from receipts.records import ReceiptRecord, rfc3339
 from receipts.statement import predicate_json_schema, statement_json_schema
 
 VERDICT_STYLE = {"qualified": "green", "rejected": "red", "aborted": "yellow"}
@@ -85,7 +85,7 @@ def list_(
                 f"[{style}]{r.verdict}[/]",
                 r.target,
                 r.host,
-                r.finished_at.strftime("%Y-%m-%d %H:%M:%SZ"),
+                rfc3339(r.finished_at),
                 _subject_line(r),
             )
         console.print(table)
@@ -114,7 +114,8 @@ def show(receipt_id: str, envelope: bool, db_url: str | None, as_json: bool) -> 
         style = VERDICT_STYLE.get(record.verdict, "")
         console.print(f"receipt {record.id}  [{style}]{record.verdict}[/]  (log index {record.log_idx})")
         console.print(
-            f"  target {record.target} on {record.host}, {record.started_at} → {record.finished_at}"
+            f"  target {record.target} on {record.host}, {rfc3339(record.started_at)} → "
+            f"{rfc3339(record.finished_at)}"
         )
         console.print(f"  signed by key {record.keyid}")
         for s in record.subjects:
@@ -218,7 +219,7 @@ def import_(file: str, db_url: str | None, as_json: bool) -> None:
         records = store.append_receipts(parsed)
     emit(
         as_json,
-        [{"id": r.id, "log_idx": r.log_idx, "verdict": r.verdict} for r in records],
+        [{"id": r.id, "log_index": r.log_idx, "verdict": r.verdict} for r in records],
         lambda: [console.print(f"imported {r.id} at log index {r.log_idx} ({r.verdict})") for r in records],
     )
 

@@ -83,7 +83,7 @@ def test_keys_export_trust_and_revoke_round_trip(cli, home, tmp_path) -> None:
 def test_receipts_list_show_and_filters(cli, node) -> None:
     url = node["url"]
     listed = json.loads(cli("receipts", "list", "--db", url, "--json").out)
-    assert [r["id"] for r in listed] == node["ids"] and [r["log_idx"] for r in listed] == [1, 2, 3]
+    assert [r["id"] for r in listed] == node["ids"] and [r["log_index"] for r in listed] == [1, 2, 3]
     assert json.loads(cli("receipts", "list", "--verdict", "rejected", "--db", url, "--json").out) == []
     assert len(json.loads(cli("receipts", "list", "--since", "2000-01-01", "--db", url, "--json").out)) == 3
     assert json.loads(cli("receipts", "list", "--since", "1d", "--db", url, "--json").out) == []
@@ -91,7 +91,7 @@ def test_receipts_list_show_and_filters(cli, node) -> None:
     by_subject = json.loads(cli("receipts", "list", "--subject", digest, "--db", url, "--json").out)
     assert [r["id"] for r in by_subject] == [node["ids"][1]]
     shown = json.loads(cli("receipts", "show", node["ids"][0][:10], "--db", url, "--json").out)
-    assert shown["predicate"]["verdict"] == "qualified" and shown["log_idx"] == 1
+    assert shown["predicate"]["verdict"] == "qualified" and shown["log_index"] == 1
     envelope = cli("receipts", "show", node["ids"][0], "--envelope", "--db", url).out
     assert json.loads(envelope)["payloadType"] == "application/vnd.in-toto+json"
     human = cli("receipts", "show", node["ids"][0], "--db", url).out
