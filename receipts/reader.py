@@ -236,7 +236,23 @@ class LogReader:
     # keys
 
     def signer_keys(self) -> list[KeyInfo]:
-        """Every signer key ever trusted, in log order, with its revocation if any."""
+        """Every signer key ever trusted, in log order, with its revocation if any: derived from the log's
+        own key entries (whose bytes the signed checkpoints cover), never from the query tables."""
+        return [
+            KeyInfo(
+                keyid,
+                state.key.algorithm,
+                state.key.public_pem().decode("ascii"),
+                state.note,
+                state.trusted_at,
+                state.revoked_at,
+                reason=state.reason,
+            )
+            for keyid, state in sorted(self.key_history().keys.items(), key=lambda kv: kv[1].trusted_at)
+        ]
+
+    def key_rows(self) -> list[KeyInfo]:
+        """The signer_keys/key_revocations query rows as stored (what `log verify` checks against the log)."""
         with self.engine.connect() as conn:
             rows = conn.execute(
                 sa.select(

@@ -338,7 +338,7 @@ class _Verifier:
             }
             end, checkpoints, largest, subtrees = conn.execute(_ORPHANS).one()
             self.orphans = (end, checkpoints, largest, subtrees)
-        self.stored_keys = self.store.signer_keys()
+        self.stored_keys = self.store.key_rows()
 
     def _query_tables(self, size: int, history: KeyHistory) -> None:
         """The receipts/approvals/keys tables agree with the log entries they were derived from."""
@@ -347,11 +347,39 @@ class _Verifier:
             if rows != expected:
                 bad = sorted(set(rows.items()) ^ set(expected.items()))
                 self.problem(bad[0][0], f"the {kind}s table disagrees with the log entries (id or index)")
-        table_keys = {(k.keyid, k.trusted_at, k.revoked_at) for k in self.stored_keys if k.trusted_at < size}
-        log_keys = {(k, s.trusted_at, s.revoked_at) for k, s in history.keys.items()}
+        # Every column: a rewritten public key, note or reason would otherwise be shown as the log's.
+        table_keys = {
+            (k.keyid, k.trusted_at, k.revoked_at, k.algorithm, k.public_pem, k.note, k.reason)
+            for k in self.stored_keys
+            if k.trusted_at < size
+        }
+        log_keys = {
+            (
+                k,
+                s.trusted_at,
+                s.revoked_at,
+                s.key.algorithm,
+                s.key.public_pem().decode("ascii"),
+                s.note,
+                s.reason,
+            )
+            for k, s in history.keys.items()
+        }
         if table_keys != log_keys:
+            names = ("keyid", "trusted_at", "revoked_at", "algorithm", "public_pem", "note", "reason")
             bad = sorted(table_keys ^ log_keys, key=lambda t: t[1])
-            self.problem(bad[0][1], "the signer_keys/key_revocations tables disagree with the key entries")
+            logged = {t[0]: t for t in log_keys}.get(bad[0][0])
+            stored = {t[0]: t for t in table_keys}.get(bad[0][0])
+            wrong = (
+                [n for n, a, b in zip(names, stored, logged, strict=True) if a != b]
+                if stored and logged
+                else ["the row itself"]
+            )
+            self.problem(
+                bad[0][1],
+                f"the signer_keys/key_revocations rows of key {bad[0][0][:16]} disagree with its key entries "
+                f"({', '.join(wrong)}): they were edited or planted",
+            )
 
     def _external(self, text: str, size: int) -> None:
         """A checkpoint kept outside the database: its tree must be a prefix of the recomputed one."""

@@ -189,13 +189,14 @@ def test_truncate_and_reinsert_with_the_log_key_is_caught_only_by_the_external_c
     """The strongest rewrite: whoever holds the log key rebuilds a self-consistent log without one receipt.
     Every stored hash and signature checks out; only the checkpoint kept elsewhere proves the rewrite."""
     envelopes = [json.loads(_envelope(raw, i)) for i in range(1, 7)]
+    origin = raw.scalar("SELECT origin FROM log_meta")  # the rebuilt log keeps the log's own origin
     tables = ", ".join(APPEND_ONLY_TABLES)
     if raw.dialect == "postgresql":
         raw.execute(f"TRUNCATE {tables}")
     else:
         for table in reversed(APPEND_ONLY_TABLES):
             raw.execute(f"DELETE FROM {table}")
-    with Store.open(cli_log["url"], log_signer=load_log_signer(create=False)) as rebuilt:
+    with Store.open(cli_log["url"], log_signer=load_log_signer(create=False), origin=origin) as rebuilt:
         rebuilt.trust_key(cli_log["key"].public_key())
         rebuilt.append_receipts(envelopes[:3] + envelopes[4:])
     assert cli("log", "verify", "--db", cli_log["url"]).code == 0  # self-consistent without the checkpoint
