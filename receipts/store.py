@@ -97,6 +97,13 @@ class _Pending:
 _UNCHOSEN = SessionRole(None, False, "sessions run as the engine's own role (not opened by Store.open)")
 
 
+# What a refused append tells the person who has to fix the log.
+_REPAIR = (
+    "; see what is wrong with: qualify log verify; the store's owner can remove rows beyond the last good "
+    "signed checkpoint with: qualify log repair"
+)
+
+
 def _short(value: object, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -220,23 +227,28 @@ class Store(LogReader):
                     "appended; run: qualify log verify"
                 )
             return merkle.EMPTY_ROOT
-        if head.checkpoint_size != idx or head.note is None:
+        size = head.checkpoint_size
+        if size != idx or head.note is None:
+            if size is not None and size < idx:
+                rows = f"log entry {size}" + (f" (and {idx - 1 - size} after it)" if idx - 1 > size else "")
+                what = f"{rows} is not covered by a signed checkpoint"
+            else:
+                what = f"a checkpoint row of size {size} lies beyond the log's {idx} entries"
             raise TamperError(
                 f"the log holds entries up to index {idx - 1} but its latest signed checkpoint is of size "
-                f"{head.checkpoint_size}: rows were added or removed outside the store; nothing appended; "
-                "run: qualify log verify"
+                f"{size}: {what}, written outside the store; nothing appended{_REPAIR}"
             )
         try:
             cp = open_checkpoint(head.note, [signer.verifier()], origin)
         except ReceiptsError as error:
             raise TamperError(
-                f"the latest checkpoint does not verify with the log key ({error}); nothing appended; "
-                "run: qualify log verify"
+                f"the latest checkpoint (size {idx}) does not verify with the log key ({error}): it was "
+                f"written outside the store; nothing appended{_REPAIR}"
             ) from error
         if cp.size != idx or cp.root != merkle.root_from(reader, idx):
             raise TamperError(
                 f"the stored Merkle tree of size {idx} is not the one the latest signed checkpoint names; "
-                "nothing appended; run: qualify log verify"
+                f"nothing appended{_REPAIR}"
             )
         return cp.root
 
@@ -279,56 +291,65 @@ class Store(LogReader):
         if signer is None:
             raise StoreError("appending needs the log's checkpoint key; open the store with log_signer=")
         out: list[Appended] = []
-        with write_transaction(self._writer, self.lock_timeout_s) as conn:
-            origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
-            head = self._head(conn)
-            idx = head.next
-            reader = SqlSubtrees(conn)
-            cached = self._frontier
-            if (
-                cached is not None
-                and cached[0] == idx
-                and head.checkpoint_size == idx
-                and cached[1] == head.root
-            ):
-                # The head is the one this process signed last: nothing else was appended since.
-                reader.cache.update(cached[2])
-                root = cached[1]
-            else:
-                reader.fetch(frontier(idx))
-                root = self._verified_head(head, signer, origin, reader)
-            history = self._history(conn, idx, root, reader)
-            for item in pending:
-                rows = item.rows(conn, idx, history)
-                leaf = merkle.leaf_hash(item.data)
-                nodes = merkle.new_subtrees(idx, leaf, reader)
-                reader.add(nodes)
-                size = idx + 1
-                root = merkle.root_from(reader, size)
-                note = sign_checkpoint(Checkpoint(origin, size, root), signer)
-                now = _now()
-                conn.execute(
-                    _INSERT_ENTRY,
-                    {
-                        "idx": idx,
-                        "kind": item.kind,
-                        "envelope": item.data,
-                        "leaf_hash": leaf,
-                        "created_at": now,
-                    },
-                )
-                conn.execute(
-                    _INSERT_NODES, [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
-                )
-                for table, values in rows:
-                    if values:
-                        conn.execute(_inserts(table), values)
-                conn.execute(
-                    _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
-                )
-                out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
-                idx = size
-            tip = {key: reader.cache[key] for key in frontier(idx)}
+        try:
+            with write_transaction(self._writer, self.lock_timeout_s) as conn:
+                origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
+                head = self._head(conn)
+                idx = head.next
+                reader = SqlSubtrees(conn)
+                cached = self._frontier
+                if (
+                    cached is not None
+                    and cached[0] == idx
+                    and head.checkpoint_size == idx
+                    and cached[1] == head.root
+                ):
+                    # The head is the one this process signed last: nothing else was appended since.
+                    reader.cache.update(cached[2])
+                    root = cached[1]
+                else:
+                    reader.fetch(frontier(idx))
+                    root = self._verified_head(head, signer, origin, reader)
+                history = self._history(conn, idx, root, reader)
+                for item in pending:
+                    rows = item.rows(conn, idx, history)
+                    leaf = merkle.leaf_hash(item.data)
+                    nodes = merkle.new_subtrees(idx, leaf, reader)
+                    reader.add(nodes)
+                    size = idx + 1
+                    root = merkle.root_from(reader, size)
+                    note = sign_checkpoint(Checkpoint(origin, size, root), signer)
+                    now = _now()
+                    conn.execute(
+                        _INSERT_ENTRY,
+                        {
+                            "idx": idx,
+                            "kind": item.kind,
+                            "envelope": item.data,
+                            "leaf_hash": leaf,
+                            "created_at": now,
+                        },
+                    )
+                    conn.execute(
+                        _INSERT_NODES, [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
+                    )
+                    for table, values in rows:
+                        if values:
+                            conn.execute(_inserts(table), values)
+                    conn.execute(
+                        _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
+                    )
+                    out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
+                    idx = size
+                tip = {key: reader.cache[key] for key in frontier(idx)}
+        except sa.exc.IntegrityError as error:
+            # A row already stands where this append writes (planted outside the store), or an insert guard
+            # refused a row: either way the log is not as this store left it.
+            cause = str(getattr(error, "orig", error)).strip().splitlines() or ["integrity error"]
+            raise TamperError(
+                f"the database refused the append ({cause[0]}): rows were written outside "
+                f"the store; nothing appended{_REPAIR}"
+            ) from error
         # Only after the commit: a rolled-back append must not leave a frontier that never existed.
         self._frontier = (idx, root, tip)
         if self._meta is None:

@@ -79,11 +79,14 @@ def test_postgres_refuses_truncate_even_cascading_and_in_replica_mode(
     for table in APPEND_ONLY_TABLES:
         _refused(raw, f"TRUNCATE {table} CASCADE")
     _refused(raw, "SET session_replication_role = replica; DELETE FROM receipts")
-    _refused(
-        raw,
+    upsert = (
         "INSERT INTO log_meta (id, origin, vkey, created_at) VALUES (1, 'o', 'v', now()) "
-        "ON CONFLICT (id) DO UPDATE SET origin = 'evil'",
+        "ON CONFLICT (id) DO UPDATE SET origin = 'evil'"
     )
+    with pytest.raises(sa.exc.DBAPIError, match="its identity is fixed"):  # the insert guard, first
+        raw.execute(upsert)
+    raw.drop_insert_guards()
+    _refused(raw, upsert)
     assert raw.counts() == before
 
 
@@ -92,6 +95,7 @@ def test_sqlite_refuses_insert_or_replace_and_it_is_the_guard_that_does(
 ) -> None:
     raw = raw_sqlite
     populated = _store_on(sqlite_url, log_signer, operator)
+    raw.drop_insert_guards()  # they would refuse these rows first; the REPLACE guard is what is tested
     before = raw.counts()
     entry = populated.entry(1)
     replace = (
