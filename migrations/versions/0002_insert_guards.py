@@ -102,7 +102,8 @@ BEGIN
             END IF;
             RETURN NEW;
         END IF;
-        SELECT hash INTO left_hash FROM merkle_nodes WHERE level = NEW.level - 1 AND node_index = 2 * NEW.node_index;
+        SELECT hash INTO left_hash FROM merkle_nodes
+            WHERE level = NEW.level - 1 AND node_index = 2 * NEW.node_index;
         SELECT hash INTO right_hash FROM merkle_nodes
             WHERE level = NEW.level - 1 AND node_index = 2 * NEW.node_index + 1;
         IF left_hash IS NULL OR right_hash IS NULL
@@ -183,7 +184,14 @@ _SQLITE_RULES = (
             f"{NEXT} = 0 OR {SEALED}",
             f"{table}: rows are written only with a new entry, before its checkpoint",
         )
-        for table in ("merkle_nodes", "receipts", "receipt_subjects", "approvals", "signer_keys", "key_revocations")
+        for table in (
+            "merkle_nodes",
+            "receipts",
+            "receipt_subjects",
+            "approvals",
+            "signer_keys",
+            "key_revocations",
+        )
     ),
     (
         "merkle_nodes",

@@ -90,7 +90,8 @@ class Raw:
             if self.dialect == "sqlite":
                 rows = conn.execute(
                     sa.text(
-                        "SELECT name, tbl_name FROM sqlite_master WHERE type = 'trigger' AND name LIKE '%_guard_%'"
+                        "SELECT name, tbl_name FROM sqlite_master "
+                        "WHERE type = 'trigger' AND name LIKE '%_guard_%'"
                     )
                 ).all()
             else:

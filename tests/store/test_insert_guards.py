@@ -35,7 +35,8 @@ def _junk_entry(raw, n: int, leaf: bytes | None = None) -> None:
     junk = b'{"junk":true}'
     _as_writer(
         raw,
-        "INSERT INTO log_entries (idx, kind, envelope, leaf_hash, created_at) VALUES (:n, 'receipt', :e, :h, :t)",
+        "INSERT INTO log_entries (idx, kind, envelope, leaf_hash, created_at) "
+        "VALUES (:n, 'receipt', :e, :h, :t)",
         n=n,
         e=junk,
         h=merkle.leaf_hash(junk) if leaf is None else leaf,
@@ -56,7 +57,8 @@ PLANTS = {
     ),
     "a receipts row of another entry": lambda raw, n: _as_writer(
         raw,
-        "INSERT INTO receipts (id, log_idx, verdict, target, host, started_at, finished_at, keyid, predicate) "
+        "INSERT INTO receipts "
+        "(id, log_idx, verdict, target, host, started_at, finished_at, keyid, predicate) "
         "VALUES (:id, 0, 'qualified', 'cpu', 'h', :t, :t, 'k', '{}')",
         id="f" * 64,
         t=NOW,
