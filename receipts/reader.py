@@ -4,15 +4,16 @@ subtrees, checkpoints, keys, receipts and approvals, and verifying one receipt e
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from receipts import dsse, merkle, receipt_rows
+from receipts import approval_rows, dsse, merkle, receipt_rows
 from receipts.checkpoint import NoteVerifier, open_checkpoint
 from receipts.errors import NotFound, StoreError, TamperError, VerificationError
 from receipts.keylog import KeyHistory
@@ -99,6 +100,40 @@ def check_receipt_row(record: ReceiptRecord, entry: Any) -> None:
     raise TamperError(
         f"{where}, {problem}: the row was planted or edited outside the store; nothing served; "
         "run: qualify log verify"
+    )
+
+
+def signed_approval(row: Any) -> ApprovalRecord:
+    """An approval as its signed statement says (subject, decision, policy, receipts, reasons, and the time
+    it was decided), after checking that the row's log entry is that approval; TamperError if not."""
+    where = f"approval {row.id[:16]}: its query row points at log index {row.log_idx}"
+    data = None if row.envelope is None else bytes(row.envelope)
+    if data is None or row.kind != "approval" or hashlib.sha256(data).hexdigest() != row.id:
+        raise TamperError(
+            f"{where}, which holds {'no entry' if data is None else f'another {row.kind} entry'}: the row "
+            "was planted or edited outside the store; nothing served; run: qualify log verify"
+        )
+    envelope = dsse.parse(data)
+    signed = approval_rows.signed_fields(envelope)
+    if row.keyid not in {s.keyid for s in envelope.signatures}:
+        raise TamperError(
+            f"{where}, whose signatures do not name key {row.keyid[:16]}; run: qualify log verify"
+        )
+    decided = json.loads(envelope.payload)["predicate"].get("decided_at")
+    try:
+        created_at = datetime.fromisoformat(decided.replace("Z", "+00:00")).astimezone(UTC)
+    except (AttributeError, TypeError, ValueError):
+        created_at = row.created_at  # an approval signed without a time: the append time (checked by verify)
+    return ApprovalRecord(
+        row.id,
+        row.log_idx,
+        signed["subject"],
+        signed["decision"],
+        signed["policy_digest"],
+        signed["receipt_ids"],
+        signed["reasons"],
+        row.keyid,
+        created_at,
     )
 
 
@@ -401,7 +436,13 @@ class LogReader:
         return self._approvals(None if subject is None else APPROVALS.c.subject == subject, limit, offset)
 
     def _approvals(self, condition: Any, limit: int | None = None, offset: int = 0) -> list[ApprovalRecord]:
-        query = sa.select(APPROVALS).order_by(APPROVALS.c.log_idx)
+        """Approval records as their signed statements give them (each row is checked against its log
+        entry first: TamperError names a row that points at other bytes)."""
+        query = (
+            sa.select(APPROVALS, ENTRIES.c.kind, ENTRIES.c.envelope)
+            .join(ENTRIES, ENTRIES.c.idx == APPROVALS.c.log_idx, isouter=True)
+            .order_by(APPROVALS.c.log_idx)
+        )
         if condition is not None:
             query = query.where(condition)
         if offset:
@@ -410,20 +451,7 @@ class LogReader:
             query = query.limit(limit)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
-        return [
-            ApprovalRecord(
-                r.id,
-                r.log_idx,
-                r.subject,
-                r.decision,
-                r.policy_digest,
-                r.receipt_ids,
-                r.reasons,
-                r.keyid,
-                r.created_at,
-            )
-            for r in rows
-        ]
+        return [signed_approval(r) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """Rows per table (for status output and for tests that check nothing was written)."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from receipts import logscan, merkle
+from receipts import logscan, merkle, time_rows
 from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint
 from receipts.errors import ReceiptsError, TamperError
 from receipts.keylog import KeyHistory
@@ -185,6 +185,8 @@ class _Verifier:
         self._slices(size, history)
         self._upper_subtrees(size)
         self._query_tables(size, history)
+        with self.store.engine.connect() as conn:
+            time_rows.check(conn, size, self.problem)
         self._orphans()
         if checkpoint_text is not None:
             self._external(checkpoint_text, size)
