@@ -186,3 +186,28 @@ def test_log_repair_through_the_cli_after_a_junk_head_entry_on_sqlite(
     assert cli("log", "verify", "--db", sqlite_url).code == 0
     again = cli("log", "repair", "--db", sqlite_url, "--evidence", tmp_path / "e2", "--reason", "x")
     assert again.code == 0 and "nothing to repair" in again.out
+
+
+def test_a_login_member_of_the_writer_role_cannot_repair(
+    pg_url, raw_pg, log_signer, operator, tmp_path
+) -> None:
+    import itertools
+    import os
+
+    from receipts.db import WRITER_ROLE
+    from receipts.errors import StoreError
+
+    with Store.open(pg_url, log_signer=log_signer) as owner:
+        owner.trust_key(operator.public_key())
+        append_synthetic(owner, operator, 1)
+    _forged_append(raw_pg, 2)
+    host = f"repairer{os.getpid()}_{next(itertools.count())}_{tmp_path.name[-6:].replace('-', '_')}"
+    with raw_pg.engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE ROLE {host} LOGIN IN ROLE {WRITER_ROLE}"))
+    url = sa.engine.make_url(pg_url).set(username=host).render_as_string(hide_password=False)
+    before = raw_pg.counts()
+    evidence = tmp_path / "e.jsonl"
+    with pytest.raises(StoreError, match="only the owner of the store's tables can"):
+        repair(url, log_signer.verifier(), evidence, "not mine to do")
+    assert raw_pg.counts() == before and not evidence.exists()
+    assert raw_pg.scalar("SELECT count(*) FROM log_repairs") == 0
