@@ -23,7 +23,7 @@ from receipts import logscan, merkle, time_rows
 from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint
 from receipts.errors import ReceiptsError, TamperError
 from receipts.keylog import KeyHistory
-from receipts.models import ApprovalRow, LogEntry, MerkleNode, ReceiptRow
+from receipts.models import ApprovalRow, LogEntry, LogRepair, MerkleNode, ReceiptRow
 
 if TYPE_CHECKING:
     from receipts.records import KeyInfo
@@ -62,6 +62,8 @@ class LogReport:
     external: Checkpoint | None = None
     problems: list[Problem] = field(default_factory=list)
     seconds: float = 0.0
+    # Owner repairs recorded in log_repairs (not a problem: they are how a stopped log was mended).
+    repairs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -88,6 +90,7 @@ class LogReport:
             else {"origin": external.origin, "size": external.size, "root_hash": external.root.hex()},
             "first_bad_index": None if first is None else first.idx,
             "problems": [str(p) for p in self.problems],
+            "repairs": self.repairs,
             "seconds": round(self.seconds, 3),
         }
 
@@ -187,6 +190,18 @@ class _Verifier:
         self._query_tables(size, history)
         with self.store.engine.connect() as conn:
             time_rows.check(conn, size, self.problem)
+            self.report.repairs = [
+                {
+                    "repaired_at": r.repaired_at.isoformat().replace("+00:00", "Z"),
+                    "kept_size": r.kept_size,
+                    "removed_entries": r.removed_entries,
+                    "removed_rows": r.removed_rows,
+                    "evidence_sha256": r.evidence_sha256,
+                    "by_role": r.by_role,
+                    "reason": r.reason,
+                }
+                for r in conn.execute(sa.select(LogRepair).order_by(LogRepair.id)).all()
+            ]
         self._orphans()
         if checkpoint_text is not None:
             self._external(checkpoint_text, size)

@@ -81,6 +81,12 @@ def _summary(report: LogReport) -> str:
     )
     if report.external is not None:
         text += f"; consistent with the external checkpoint of size {report.external.size}"
+    if report.repairs:
+        last = report.repairs[-1]
+        text += (
+            f"; {len(report.repairs)} owner repair(s) recorded, the latest at {last['repaired_at']} kept "
+            f"size {last['kept_size']} and removed {last['removed_entries']} entries ({last['reason']})"
+        )
     return text
 
 

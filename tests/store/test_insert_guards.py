@@ -183,7 +183,10 @@ def test_log_repair_through_the_cli_after_a_junk_head_entry_on_sqlite(
     assert result.code == 0, result.err
     assert json.loads(result.out)["removed_entries"] == 1
     assert cli("keys", "generate", "--db", sqlite_url, "--out", tmp_path / "third.key").code == 0
-    assert cli("log", "verify", "--db", sqlite_url).code == 0
+    verified = cli("log", "verify", "--db", sqlite_url)
+    assert (
+        verified.code == 0 and "1 owner repair(s) recorded" in verified.out and "junk at head" in verified.out
+    )
     again = cli("log", "repair", "--db", sqlite_url, "--evidence", tmp_path / "e2", "--reason", "x")
     assert again.code == 0 and "nothing to repair" in again.out
 
