@@ -259,7 +259,7 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
         offset: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
     ) -> ReceiptPage:
         records = store.list_receipts(
-            verdict=verdict, since=_utc(since), subject=subject, limit=limit + 1, offset=offset
+            verdict=verdict, since=_utc(since), subject=subject, limit=limit + 1, offset=offset, checked=True
         )
         return ReceiptPage(
             items=[ReceiptSummary(**_summary(r)) for r in records[:limit]],

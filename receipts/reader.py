@@ -379,8 +379,13 @@ class LogReader:
         subject: str | None = None,
         limit: int | None = 100,
         offset: int = 0,
+        *,
+        checked: bool = False,
     ) -> list[ReceiptRecord]:
-        """Receipts in log order, filtered by verdict, finish time (>= since) and subject digest."""
+        """Receipts in log order, filtered by verdict, finish time (>= since) and subject digest. With
+        `checked`, each row is checked against its log entry as get_receipt does (TamperError names the
+        first that disagrees): for listings shown to people; callers that verify every receipt themselves
+        (approve) leave it off."""
         query = sa.select(RECEIPTS).order_by(RECEIPTS.c.log_idx)
         if verdict is not None:
             query = query.where(RECEIPTS.c.verdict == verdict)
@@ -395,7 +400,20 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
-            return self._records(conn, conn.execute(query).all())
+            records = self._records(conn, conn.execute(query).all(), envelopes=checked)
+            if not checked or not records:
+                return records
+            entries = {
+                row.idx: row
+                for row in conn.execute(
+                    sa.select(ENTRIES.c.idx, ENTRIES.c.kind, ENTRIES.c.leaf_hash).where(
+                        ENTRIES.c.idx.in_([r.log_idx for r in records])
+                    )
+                )
+            }
+        for record in records:
+            check_receipt_row(record, entries.get(record.log_idx))
+        return records
 
     def get_receipt(self, id_or_prefix: str, *, checked: bool = True) -> ReceiptRecord:
         """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits). Its

@@ -69,7 +69,7 @@ def list_(
     if store is not None:
         with opened(store):
             records = store.list_receipts(
-                verdict=verdict, since=when, subject=subject, limit=limit, offset=offset
+                verdict=verdict, since=when, subject=subject, limit=limit, offset=offset, checked=True
             )
 
     def human() -> None:

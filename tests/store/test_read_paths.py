@@ -59,7 +59,8 @@ def test_the_api_answers_409_for_a_planted_row_on_every_receipt_route(planted: S
         response = client.get(f"/v1/receipts/{FORGED}{path}")
         assert response.status_code == 409, (path, response.text)
         assert "points at log index 0" in response.json()["detail"]
-    assert client.get("/v1/receipts").status_code == 200
+    listed = client.get("/v1/receipts")  # a listing shows no planted row as qualified either
+    assert listed.status_code == 409 and "points at log index 0" in listed.json()["detail"]
 
 
 def test_the_cli_refuses_a_planted_row_with_one_line(cli, db_url, planted: Store) -> None:
@@ -69,6 +70,8 @@ def test_the_cli_refuses_a_planted_row_with_one_line(cli, db_url, planted: Store
         assert result.out == ""
         lines = result.err.strip().splitlines()
         assert len(lines) == 1 and "points at log index 0" in lines[0], result.err
+    listed = cli("receipts", "list", "--db", db_url)
+    assert listed.code == 2 and "points at log index 0" in listed.err
     verified = cli("receipts", "verify", FORGED[:8], "--db", db_url, "--json")
     assert verified.code == 1
     assert not json.loads(verified.out)[0]["ok"]
