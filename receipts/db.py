@@ -26,8 +26,13 @@ _HINT = "check --db / QUALIFY_DB_URL"
 
 # How long an append waits for the single-writer lock unless told otherwise (Store.lock_timeout_s).
 DEFAULT_LOCK_TIMEOUT_S = 30.0
-# What our PostgreSQL sessions call themselves, so that a writer blocked by one of them can name it.
-APPLICATION_NAME = f"qualify pid {os.getpid()}"
+
+
+def application_name() -> str:
+    """What our PostgreSQL sessions call themselves, so that a writer blocked by one of them can name it."""
+    return f"qualify pid {os.getpid()}"
+
+
 # The holder of the advisory lock: pg_locks splits a bigint key into classid (high) and objid (low).
 _PG_HOLDER = sa.text(
     "SELECT a.pid, a.application_name, a.backend_start, a.usename FROM pg_locks l "
@@ -123,7 +128,7 @@ def create_engine(url: URL, *, create: bool) -> Engine:
         else:
             connect_args: dict[str, Any] = {"connect_timeout": 10}
             if "application_name" not in url.query:
-                connect_args["application_name"] = APPLICATION_NAME
+                connect_args["application_name"] = application_name()
             engine = sa.create_engine(url, connect_args=connect_args, pool_pre_ping=True)
     except (exc.ArgumentError, exc.NoSuchModuleError, ImportError) as error:
         raise StoreError(f"cannot use DB URL {shown(url)}: {_first_line(error)}; {_HINT}") from error

@@ -52,3 +52,23 @@ def test_a_store_level_timeout_bounds_a_sqlite_append_too(sqlite_url: str, log_s
     holder.close()
     assert store.size() == 1
     store.close()
+
+
+def test_a_blocking_qualify_session_names_itself_by_pid(pg_url: str, log_signer, operator) -> None:
+    import os
+
+    from receipts.db import write_transaction
+
+    store = Store.open(pg_url, log_signer=log_signer, lock_timeout_s=0.5)
+    store.trust_key(operator.public_key())
+    other = Store.open(pg_url)
+    try:
+        # Another qualify process would hold the lock the same way.
+        with (
+            write_transaction(other.engine),
+            pytest.raises(LockTimeout, match=rf"application 'qualify pid {os.getpid()}'"),
+        ):
+            store.append_receipt(synthetic_envelope(operator, 1))
+    finally:
+        other.close()
+        store.close()
