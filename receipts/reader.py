@@ -4,10 +4,9 @@ subtrees, checkpoints, keys, receipts and approvals, and verifying one receipt e
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
@@ -61,80 +60,6 @@ class Head(NamedTuple):
     checkpoint_size: int | None
     root: bytes | None
     note: str | None
-
-
-def check_receipt_row(record: ReceiptRecord, entry: Any) -> None:
-    """Refuse to serve a `receipts` row that is not what its log entry says: the entry at its index must be
-    a receipt whose bytes hash to the row's id and leaf hash, and the row's fields must be the signed ones
-    (a row planted or edited with plain SQL would otherwise be shown, or proven with another entry)."""
-    where = f"receipt {record.id[:16]}: its query row points at log index {record.log_idx}"
-    data = record.envelope
-    if entry is None or data is None:
-        problem = "which holds no entry"
-    elif entry.kind != "receipt" or hashlib.sha256(data).hexdigest() != record.id:
-        problem = f"which holds another {entry.kind} entry"
-    elif merkle.leaf_hash(data) != bytes(entry.leaf_hash):
-        problem = "whose stored leaf hash is not the hash of its bytes"
-    else:
-        try:
-            signed = receipt_rows.signed_fields(dsse.parse(data))
-        except (*receipt_rows.PARSE_ERRORS, VerificationError) as error:
-            problem = f"whose signed statement does not parse ({error})"
-        else:
-            shown = {
-                "verdict": record.verdict,
-                "target": record.target,
-                "host": record.host,
-                "started_at": record.started_at,
-                "finished_at": record.finished_at,
-                "predicate": record.predicate,
-                "subjects": {s.digest: s.name for s in record.subjects},
-            }
-            wrong = [name for name, value in shown.items() if signed[name] != value]
-            named = {s.keyid for s in dsse.parse(data).signatures}
-            if record.keyid not in named:
-                wrong.append("keyid")
-            if not wrong:
-                return
-            problem = f"whose signed envelope disagrees with the row ({', '.join(wrong)})"
-    raise TamperError(
-        f"{where}, {problem}: the row was planted or edited outside the store; nothing served; "
-        "run: qualify log verify"
-    )
-
-
-def signed_approval(row: Any) -> ApprovalRecord:
-    """An approval as its signed statement says (subject, decision, policy, receipts, reasons, and the time
-    it was decided), after checking that the row's log entry is that approval; TamperError if not."""
-    where = f"approval {row.id[:16]}: its query row points at log index {row.log_idx}"
-    data = None if row.envelope is None else bytes(row.envelope)
-    if data is None or row.kind != "approval" or hashlib.sha256(data).hexdigest() != row.id:
-        raise TamperError(
-            f"{where}, which holds {'no entry' if data is None else f'another {row.kind} entry'}: the row "
-            "was planted or edited outside the store; nothing served; run: qualify log verify"
-        )
-    envelope = dsse.parse(data)
-    signed = approval_rows.signed_fields(envelope)
-    if row.keyid not in {s.keyid for s in envelope.signatures}:
-        raise TamperError(
-            f"{where}, whose signatures do not name key {row.keyid[:16]}; run: qualify log verify"
-        )
-    decided = json.loads(envelope.payload)["predicate"].get("decided_at")
-    try:
-        created_at = datetime.fromisoformat(decided.replace("Z", "+00:00")).astimezone(UTC)
-    except (AttributeError, TypeError, ValueError):
-        created_at = row.created_at  # an approval signed without a time: the append time (checked by verify)
-    return ApprovalRecord(
-        row.id,
-        row.log_idx,
-        signed["subject"],
-        signed["decision"],
-        signed["policy_digest"],
-        signed["receipt_ids"],
-        signed["reasons"],
-        row.keyid,
-        created_at,
-    )
 
 
 class LogReader:
@@ -412,7 +337,7 @@ class LogReader:
                 )
             }
         for record in records:
-            check_receipt_row(record, entries.get(record.log_idx))
+            receipt_rows.check_served(record, entries.get(record.log_idx))
         return records
 
     def get_receipt(self, id_or_prefix: str, *, checked: bool = True) -> ReceiptRecord:
@@ -438,7 +363,7 @@ class LogReader:
                 sa.select(ENTRIES.c.kind, ENTRIES.c.leaf_hash).where(ENTRIES.c.idx == record.log_idx)
             ).first()
         if checked:
-            check_receipt_row(record, kind)
+            receipt_rows.check_served(record, kind)
         return record
 
     def get_approval(self, approval_id: str) -> ApprovalRecord:
@@ -469,7 +394,7 @@ class LogReader:
             query = query.limit(limit)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
-        return [signed_approval(r) for r in rows]
+        return [approval_rows.served(r) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """Rows per table (for status output and for tests that check nothing was written)."""
