@@ -214,3 +214,22 @@ def test_a_login_member_of_the_writer_role_cannot_repair(
         repair(url, log_signer.verifier(), evidence, "not mine to do")
     assert raw_pg.counts() == before and not evidence.exists()
     assert raw_pg.scalar("SELECT count(*) FROM log_repairs") == 0
+
+
+def test_a_store_with_entries_at_revision_0001_upgrades_and_goes_on(db_url, log_signer, operator) -> None:
+    from alembic import command
+
+    from receipts.db import _alembic_config, create_engine, parse_url, write_transaction
+
+    engine = create_engine(parse_url(db_url), create=True)
+    with write_transaction(engine) as conn:
+        command.upgrade(_alembic_config(conn), "0001_initial")
+    old = Store(engine)  # the store as it was: no insert guards yet
+    old.set_log_signer(log_signer)
+    old.trust_key(operator.public_key())
+    append_synthetic(old, operator, 3)
+    old.close()
+    with Store.open(db_url, log_signer=log_signer) as store:
+        assert store.revision() == "0002_insert_guards"
+        store.append_receipt(synthetic_envelope(operator, 9))
+        assert store.size() == 5 and verify_log(store).ok
