@@ -259,7 +259,7 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
         offset: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
     ) -> ReceiptPage:
         records = store.list_receipts(
-            verdict=verdict, since=_utc(since), subject=subject, limit=limit + 1, offset=offset
+            verdict=verdict, since=_utc(since), subject=subject, limit=limit + 1, offset=offset, checked=True
         )
         return ReceiptPage(
             items=[ReceiptSummary(**_summary(r)) for r in records[:limit]],
@@ -278,7 +278,7 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
     )
     def receipt_envelope(receipt_id: Annotated[str, Path(pattern=RECEIPT_ID)]) -> EnvelopeOut:
         r = store.get_receipt(receipt_id)
-        return EnvelopeOut.model_validate(json.loads(store.entry(r.log_idx).envelope))
+        return EnvelopeOut.model_validate(json.loads(r.envelope or b""))
 
     @app.get(
         "/v1/receipts/{receipt_id}/proof",

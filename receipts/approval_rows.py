@@ -1,17 +1,21 @@
 """Approval entries: the `approvals` query fields derived from the signed approval statement (at append),
-and whether stored `approvals` rows still say what the signed envelopes say (at log verify)."""
+whether stored `approvals` rows still say what the signed envelopes say (at log verify), and approvals
+served from their signed statements (at read)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from receipts import dsse
-from receipts.errors import VerificationError
+from receipts.errors import TamperError, VerificationError
 from receipts.models import ApprovalRow
+from receipts.records import ApprovalRecord
 from receipts.statement import STATEMENT_TYPE
 
 # The predicate type of a signed rollout decision (qualify.approve writes it).
@@ -97,3 +101,37 @@ def check(
                 )
             )
     return problems
+
+
+def served(row: Any) -> ApprovalRecord:
+    """An approval as its signed statement says (subject, decision, policy, receipts, reasons, and the time
+    it was decided), after checking that the row's log entry is that approval; TamperError if not."""
+    where = f"approval {row.id[:16]}: its query row points at log index {row.log_idx}"
+    data = None if row.envelope is None else bytes(row.envelope)
+    if data is None or row.kind != "approval" or hashlib.sha256(data).hexdigest() != row.id:
+        raise TamperError(
+            f"{where}, which holds {'no entry' if data is None else f'another {row.kind} entry'}: the row "
+            "was planted or edited outside the store; nothing served; run: qualify log verify"
+        )
+    envelope = dsse.parse(data)
+    signed = signed_fields(envelope)
+    if row.keyid not in {s.keyid for s in envelope.signatures}:
+        raise TamperError(
+            f"{where}, whose signatures do not name key {row.keyid[:16]}; run: qualify log verify"
+        )
+    decided = json.loads(envelope.payload)["predicate"].get("decided_at")
+    try:
+        created_at = datetime.fromisoformat(decided.replace("Z", "+00:00")).astimezone(UTC)
+    except (AttributeError, TypeError, ValueError):
+        created_at = row.created_at  # an approval signed without a time: the append time (checked by verify)
+    return ApprovalRecord(
+        row.id,
+        row.log_idx,
+        signed["subject"],
+        signed["decision"],
+        signed["policy_digest"],
+        signed["receipt_ids"],
+        signed["reasons"],
+        row.keyid,
+        created_at,
+    )

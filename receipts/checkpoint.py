@@ -330,7 +330,7 @@ def open_checkpoint(
     cp = Checkpoint.parse(open_note(note_text, verifiers))
     if origin is not None and cp.origin != origin:
         raise VerificationError(
-            f"checkpoint is for log {cp.origin!r}, expected {origin!r}; use the checkpoint of the right log"
+            f"this checkpoint belongs to log {cp.origin!r}, not {origin!r}; use a checkpoint of this log"
         )
     return cp
 

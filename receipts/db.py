@@ -4,6 +4,9 @@ applied to head on first use (Alembic, configured in code)."""
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,22 @@ from receipts.models import APPEND_ONLY_TABLES, SCHEMA_REVISION
 PG_WRITER_LOCK = 0x7175616C696679
 
 _HINT = "check --db / QUALIFY_DB_URL"
+
+# How long an append waits for the single-writer lock unless told otherwise (Store.lock_timeout_s).
+DEFAULT_LOCK_TIMEOUT_S = 30.0
+
+
+def application_name() -> str:
+    """What our PostgreSQL sessions call themselves, so that a writer blocked by one of them can name it."""
+    return f"qualify pid {os.getpid()}"
+
+
+# The holder of the advisory lock: pg_locks splits a bigint key into classid (high) and objid (low).
+_PG_HOLDER = sa.text(
+    "SELECT a.pid, a.application_name, a.backend_start, a.usename FROM pg_locks l "
+    "JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = :hi AND l.objid::bigint = :lo"
+)
 
 # The non-owner role of DESIGN §6, created (NOLOGIN, SELECT and INSERT only) by migration 0001 when the
 # migrating user may create roles. The app's sessions SET ROLE to it, so that even with the append-only
@@ -72,14 +91,21 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute(f"PRAGMA busy_timeout={int(DEFAULT_LOCK_TIMEOUT_S * 1000)}")
         cursor.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        # A write transaction takes the database write lock at BEGIN, before it reads the next index.
-        write = conn.get_execution_options().get("qualify_write", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        # A write transaction takes the database write lock at BEGIN, before it reads the next index,
+        # waiting at most its lock timeout for another writer to finish.
+        options = conn.get_execution_options()
+        if options.get("qualify_write", False):
+            busy_ms = options.get("qualify_busy_ms")
+            if busy_ms is not None:
+                conn.exec_driver_sql(f"PRAGMA busy_timeout={int(busy_ms)}")
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            conn.exec_driver_sql("BEGIN")
 
 
 def create_engine(url: URL, *, create: bool) -> Engine:
@@ -100,7 +126,10 @@ def create_engine(url: URL, *, create: bool) -> Engine:
             engine = sa.create_engine(url, connect_args={"timeout": 30})
             _configure_sqlite(engine)
         else:
-            engine = sa.create_engine(url, connect_args={"connect_timeout": 10}, pool_pre_ping=True)
+            connect_args: dict[str, Any] = {"connect_timeout": 10}
+            if "application_name" not in url.query:
+                connect_args["application_name"] = application_name()
+            engine = sa.create_engine(url, connect_args=connect_args, pool_pre_ping=True)
     except (exc.ArgumentError, exc.NoSuchModuleError, ImportError) as error:
         raise StoreError(f"cannot use DB URL {shown(url)}: {_first_line(error)}; {_HINT}") from error
     return engine
@@ -111,17 +140,74 @@ def writer(engine: Engine) -> Engine:
     return engine.execution_options(qualify_write=True)
 
 
+class LockTimeout(StoreError):
+    """Another writer held the log's single-writer lock for longer than the caller would wait."""
+
+
+def _pg_holder(engine: Engine) -> str:
+    """Who holds the advisory writer lock, as far as pg_stat_activity lets this role see."""
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                _PG_HOLDER, {"hi": PG_WRITER_LOCK >> 32, "lo": PG_WRITER_LOCK & 0xFFFFFFFF}
+            ).first()
+    except exc.DBAPIError:
+        row = None
+    if row is None:
+        return "another writer (it finished or is not visible to this role)"
+    since = "" if row.backend_start is None else f", connected since {row.backend_start:%Y-%m-%dT%H:%M:%SZ}"
+    who = f"application {row.application_name!r}" if row.application_name else "no application name"
+    user = f", user {row.usename}" if row.usename else ""
+    return (
+        f"PostgreSQL backend pid {row.pid} ({who}{user}{since}); if it is stuck, an administrator can "
+        f"end it with: SELECT pg_terminate_backend({row.pid})"
+    )
+
+
+def _timed_out(error: exc.DBAPIError) -> bool:
+    orig = getattr(error, "orig", None)
+    if getattr(orig, "sqlstate", None) == "55P03":  # lock_not_available: lock_timeout expired
+        return True
+    return "database is locked" in str(orig)
+
+
 @contextlib.contextmanager
-def write_transaction(engine: Engine) -> Iterator[Connection]:
+def write_transaction(engine: Engine, lock_timeout_s: float | None = None) -> Iterator[Connection]:
     """One write transaction holding the log's single-writer lock; commits on success, else rolls back.
+    Waits at most `lock_timeout_s` (default DEFAULT_LOCK_TIMEOUT_S) for the lock, then raises
+    LockTimeout naming the holder where the database can tell (PostgreSQL: pid, application, start).
 
     Pass `writer(engine)` (kept, since making it costs more than a small append)."""
     if not engine.get_execution_options().get("qualify_write"):
         engine = writer(engine)
-    with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_WRITER_LOCK})
-        yield conn
+    timeout = DEFAULT_LOCK_TIMEOUT_S if lock_timeout_s is None else max(0.0, lock_timeout_s)
+    # At least 1 ms: 0 would mean "wait forever" to PostgreSQL and "never wait" to SQLite.
+    ms = max(1, math.ceil(timeout * 1000))
+    started = time.monotonic()
+    locked = False
+    try:
+        with engine.connect() as conn:
+            if conn.dialect.name == "sqlite":
+                conn.execution_options(qualify_busy_ms=ms)
+            with conn.begin():
+                if conn.dialect.name == "postgresql":
+                    # lock_timeout bounds this wait (and any other lock wait of the transaction).
+                    conn.execute(sa.text("SELECT set_config('lock_timeout', :ms, true)"), {"ms": f"{ms}ms"})
+                    conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_WRITER_LOCK})
+                locked = True
+                yield conn
+    except exc.OperationalError as error:
+        if locked or not _timed_out(error):
+            raise
+        holder = (
+            _pg_holder(engine)
+            if engine.dialect.name == "postgresql"
+            else ("another process writing the same SQLite file (SQLite cannot say which)")
+        )
+        raise LockTimeout(
+            f"the store's writer lock was not free after {time.monotonic() - started:.1f}s "
+            f"(limit {timeout:g}s): it is held by {holder}; nothing appended"
+        ) from error
 
 
 def current_revision(conn: Connection) -> str | None:

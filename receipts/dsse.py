@@ -169,6 +169,29 @@ def verified_keyids(envelope: EnvelopeInput | Envelope, trusted_keys: TrustedKey
     return good
 
 
+def with_keyids(envelope: Envelope, trusted_keys: TrustedKeys) -> Envelope:
+    """The envelope with each signature that carries no keyid given the keyid of the trusted key whose
+    signature it is (signatures of no trusted key keep theirs), so that verifiers which look keys up by
+    keyid (securesystemslib) can verify it. The payload and signature bytes are unchanged."""
+    if all(s.keyid for s in envelope.signatures):
+        return envelope
+    trusted = _trusted_map(trusted_keys)
+    message = envelope.pae()
+    named: list[Signature] = []
+    for signature in envelope.signatures:
+        keyid = signature.keyid
+        if not keyid:
+            for candidate, key in trusted.items():
+                try:
+                    key.verify(signature.sig, message)
+                except VerificationError:
+                    continue
+                keyid = candidate
+                break
+        named.append(Signature(keyid=keyid, sig=signature.sig))
+    return Envelope(envelope.payload_type, envelope.payload, tuple(named))
+
+
 def verify(envelope: EnvelopeInput | Envelope, trusted_keys: TrustedKeys) -> bytes:
     """Return the payload if at least one trusted key signed it (see `verified_keyids`)."""
     parsed = envelope if isinstance(envelope, Envelope) else parse(envelope)

@@ -22,7 +22,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 # The Alembic revision this code expects; a test checks it is the head of migrations/versions.
-SCHEMA_REVISION = "0001_initial"
+SCHEMA_REVISION = "0002_insert_guards"
 
 ENTRY_KINDS = ("receipt", "approval", "key-trust", "key-revoke")
 
@@ -181,3 +181,20 @@ class ApprovalRow(Base):
     reasons: Mapped[list[str]] = mapped_column(JSON)
     keyid: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class LogRepair(Base):
+    """An owner's repair (`qualify log repair`): rows beyond the last good signed checkpoint were removed,
+    and this row, written in the same transaction, says how many and the digest of the saved evidence.
+    Append-only; the writer role may read it but not write it."""
+
+    __tablename__ = "log_repairs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    repaired_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    kept_size: Mapped[int] = mapped_column(BigInteger)
+    removed_entries: Mapped[int] = mapped_column(BigInteger)
+    removed_rows: Mapped[int] = mapped_column(BigInteger)
+    evidence_sha256: Mapped[str] = mapped_column(String(71))
+    by_role: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(Text)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from receipts import dsse, merkle
+from receipts import approval_rows, dsse, merkle, receipt_rows
 from receipts.checkpoint import NoteVerifier, open_checkpoint
 from receipts.errors import NotFound, StoreError, TamperError, VerificationError
 from receipts.keylog import KeyHistory
@@ -196,7 +196,23 @@ class LogReader:
     # keys
 
     def signer_keys(self) -> list[KeyInfo]:
-        """Every signer key ever trusted, in log order, with its revocation if any."""
+        """Every signer key ever trusted, in log order, with its revocation if any: derived from the log's
+        own key entries (whose bytes the signed checkpoints cover), never from the query tables."""
+        return [
+            KeyInfo(
+                keyid,
+                state.key.algorithm,
+                state.key.public_pem().decode("ascii"),
+                state.note,
+                state.trusted_at,
+                state.revoked_at,
+                reason=state.reason,
+            )
+            for keyid, state in sorted(self.key_history().keys.items(), key=lambda kv: kv[1].trusted_at)
+        ]
+
+    def key_rows(self) -> list[KeyInfo]:
+        """The signer_keys/key_revocations query rows as stored (what `log verify` checks against the log)."""
         with self.engine.connect() as conn:
             rows = conn.execute(
                 sa.select(
@@ -288,8 +304,13 @@ class LogReader:
         subject: str | None = None,
         limit: int | None = 100,
         offset: int = 0,
+        *,
+        checked: bool = False,
     ) -> list[ReceiptRecord]:
-        """Receipts in log order, filtered by verdict, finish time (>= since) and subject digest."""
+        """Receipts in log order, filtered by verdict, finish time (>= since) and subject digest. With
+        `checked`, each row is checked against its log entry as get_receipt does (TamperError names the
+        first that disagrees): for listings shown to people; callers that verify every receipt themselves
+        (approve) leave it off."""
         query = sa.select(RECEIPTS).order_by(RECEIPTS.c.log_idx)
         if verdict is not None:
             query = query.where(RECEIPTS.c.verdict == verdict)
@@ -304,7 +325,25 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
-            return self._records(conn, conn.execute(query).all())
+            records = self._records(conn, conn.execute(query).all(), envelopes=checked)
+            return self._checked(conn, records) if checked else records
+
+    def _checked(self, conn: sa.Connection, records: list[ReceiptRecord]) -> list[ReceiptRecord]:
+        """Each record's query row checked against its log entry (TamperError names the first that
+        disagrees); records must carry their envelope bytes."""
+        if not records:
+            return records
+        entries = {
+            row.idx: row
+            for row in conn.execute(
+                sa.select(ENTRIES.c.idx, ENTRIES.c.kind, ENTRIES.c.leaf_hash).where(
+                    ENTRIES.c.idx.in_([r.log_idx for r in records])
+                )
+            )
+        }
+        for record in records:
+            receipt_rows.check_served(record, entries.get(record.log_idx))
+        return records
 
     def find_receipts(
         self,
@@ -317,7 +356,8 @@ class LogReader:
         offset: int = 0,
     ) -> tuple[list[ReceiptRecord], int]:
         """Receipts newest first (by log index) matching every filter given, from `offset`, at most `limit`;
-        and how many match in all. Filters and count run in SQL on the query tables."""
+        and how many match in all. Filters and count run in SQL on the query tables; each row served is
+        checked against its log entry first."""
         where = []
         if verdict is not None:
             where.append(RECEIPTS.c.verdict == verdict)
@@ -335,7 +375,7 @@ class LogReader:
             query = query.limit(limit)
         with self.engine.connect() as conn:
             total = conn.execute(sa.select(sa.func.count()).select_from(RECEIPTS).where(*where)).scalar_one()
-            return self._records(conn, conn.execute(query).all()), total
+            return self._checked(conn, self._records(conn, conn.execute(query).all(), envelopes=True)), total
 
     def receipt_at(self, log_idx: int) -> ReceiptRecord:
         """The receipt at a log index, with its envelope bytes (NotFound when that entry is no receipt)."""
@@ -348,10 +388,13 @@ class LogReader:
                     if kind
                     else f"no log entry at index {log_idx}; list receipts with: qualify receipts list"
                 )
-            return self._records(conn, rows, envelopes=True)[0]
+            return self._checked(conn, self._records(conn, rows, envelopes=True))[0]
 
-    def get_receipt(self, id_or_prefix: str) -> ReceiptRecord:
-        """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits)."""
+    def get_receipt(self, id_or_prefix: str, *, checked: bool = True) -> ReceiptRecord:
+        """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits). Its
+        query row is checked against its log entry first (TamperError when they disagree); `checked=False`
+        is for verify_receipt, which judges the signed bytes themselves (a row pointing at other bytes is
+        a failed check there)."""
         prefix = id_or_prefix.strip().lower()
         if prefix.startswith("sha256:"):
             prefix = prefix[len("sha256:") :]
@@ -365,7 +408,13 @@ class LogReader:
                 )
             if len(rows) > 1:
                 raise StoreError(f"receipt id prefix {id_or_prefix!r} is ambiguous; give more digits")
-            return self._records(conn, rows, envelopes=True)[0]
+            record = self._records(conn, rows, envelopes=True)[0]
+            kind = conn.execute(
+                sa.select(ENTRIES.c.kind, ENTRIES.c.leaf_hash).where(ENTRIES.c.idx == record.log_idx)
+            ).first()
+        if checked:
+            receipt_rows.check_served(record, kind)
+        return record
 
     def get_approval(self, approval_id: str) -> ApprovalRecord:
         found = self._approvals(APPROVALS.c.id == approval_id)
@@ -380,7 +429,13 @@ class LogReader:
         return self._approvals(None if subject is None else APPROVALS.c.subject == subject, limit, offset)
 
     def _approvals(self, condition: Any, limit: int | None = None, offset: int = 0) -> list[ApprovalRecord]:
-        query = sa.select(APPROVALS).order_by(APPROVALS.c.log_idx)
+        """Approval records as their signed statements give them (each row is checked against its log
+        entry first: TamperError names a row that points at other bytes)."""
+        query = (
+            sa.select(APPROVALS, ENTRIES.c.kind, ENTRIES.c.envelope)
+            .join(ENTRIES, ENTRIES.c.idx == APPROVALS.c.log_idx, isouter=True)
+            .order_by(APPROVALS.c.log_idx)
+        )
         if condition is not None:
             query = query.where(condition)
         if offset:
@@ -389,20 +444,7 @@ class LogReader:
             query = query.limit(limit)
         with self.engine.connect() as conn:
             rows = conn.execute(query).all()
-        return [
-            ApprovalRecord(
-                r.id,
-                r.log_idx,
-                r.subject,
-                r.decision,
-                r.policy_digest,
-                r.receipt_ids,
-                r.reasons,
-                r.keyid,
-                r.created_at,
-            )
-            for r in rows
-        ]
+        return [approval_rows.served(r) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """Rows per table (for status output and for tests that check nothing was written)."""
@@ -422,7 +464,7 @@ class LogReader:
         """Check one receipt end to end: its bytes and id, its signature against the key history at its
         index, and its inclusion under the latest checkpoint (signature checked with `verifiers`,
         default: the log key recorded in the store)."""
-        record = self.get_receipt(id_or_prefix)
+        record = self.get_receipt(id_or_prefix, checked=False)
         report = ReceiptReport(id=record.id, log_idx=record.log_idx)
         try:
             entry = self.entry(record.log_idx)

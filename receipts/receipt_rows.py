@@ -1,8 +1,10 @@
 """Whether the `receipts` and `receipt_subjects` query rows say what the signed envelopes say: they are
-derived data, which a plain INSERT (or a superuser's UPDATE) could change without touching the log."""
+derived data, which a plain INSERT (or a superuser's UPDATE) could change without touching the log.
+Checked for the whole log at `log verify`, and for each receipt before it is served."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -11,8 +13,10 @@ import sqlalchemy as sa
 from pydantic import AwareDatetime, TypeAdapter, ValidationError
 from sqlalchemy.engine import Connection
 
-from receipts import dsse
+from receipts import dsse, merkle
+from receipts.errors import TamperError, VerificationError
 from receipts.models import ReceiptRow, ReceiptSubject
+from receipts.records import ReceiptRecord
 
 _RECEIPTS = ReceiptRow.__table__
 _SUBJECTS = ReceiptSubject.__table__
@@ -25,7 +29,7 @@ _COLUMNS = (
     _RECEIPTS.c.keyid,
     *(_RECEIPTS.c[name] for name in _FIELDS[:-1]),
 )
-_PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, ValidationError)
+PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, ValidationError)
 
 
 def _time(value: Any) -> datetime:
@@ -92,7 +96,7 @@ def check(
         payload, keyids = entry
         try:
             expected = _signed_values(payload)
-        except _PARSE_ERRORS as error:
+        except PARSE_ERRORS as error:
             problems.append((log_idx, f"the receipt's signed statement does not parse: {error}"))
             continue
         stored = (*columns, subjects.get(rid, no_subjects))
@@ -113,3 +117,44 @@ def check(
                 )
             )
     return problems
+
+
+def check_served(record: ReceiptRecord, entry: Any) -> None:
+    """Refuse to serve a `receipts` row that is not what its log entry says: the entry at its index must be
+    a receipt whose bytes hash to the row's id and leaf hash, and the row's fields must be the signed ones
+    (a row planted or edited with plain SQL would otherwise be shown, or proven with another entry)."""
+    where = f"receipt {record.id[:16]}: its query row points at log index {record.log_idx}"
+    data = record.envelope
+    if entry is None or data is None:
+        problem = "which holds no entry"
+    elif entry.kind != "receipt" or hashlib.sha256(data).hexdigest() != record.id:
+        problem = f"which holds another {entry.kind} entry"
+    elif merkle.leaf_hash(data) != bytes(entry.leaf_hash):
+        problem = "whose stored leaf hash is not the hash of its bytes"
+    else:
+        try:
+            envelope = dsse.parse(data)
+            signed = signed_fields(envelope)
+        except (*PARSE_ERRORS, VerificationError) as error:
+            problem = f"whose signed statement does not parse ({error})"
+        else:
+            shown = {
+                "verdict": record.verdict,
+                "target": record.target,
+                "host": record.host,
+                "started_at": record.started_at,
+                "finished_at": record.finished_at,
+                "predicate": record.predicate,
+                "subjects": {s.digest: s.name for s in record.subjects},
+            }
+            wrong = [name for name, value in shown.items() if signed[name] != value]
+            named = {s.keyid for s in envelope.signatures}
+            if record.keyid not in named:
+                wrong.append("keyid")
+            if not wrong:
+                return
+            problem = f"whose signed envelope disagrees with the row ({', '.join(wrong)})"
+    raise TamperError(
+        f"{where}, {problem}: the row was planted or edited outside the store; nothing served; "
+        "run: qualify log verify"
+    )

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 
 def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat().replace("+00:00", "Z")
+    return None if value is None else rfc3339(value)
+
+
+def rfc3339(value: datetime) -> str:
+    """A UTC time as RFC 3339 with `Z` (the one spelling of times in output)."""
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class Entry:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "idx": self.idx,
+            "log_index": self.idx,
             "kind": self.kind,
             "leaf_hash": self.leaf_hash.hex(),
             "created_at": _iso(self.created_at),
@@ -58,7 +63,7 @@ class ReceiptRecord:
     def to_json(self, *, predicate: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": self.id,
-            "log_idx": self.log_idx,
+            "log_index": self.log_idx,
             "verdict": self.verdict,
             "target": self.target,
             "host": self.host,
@@ -87,7 +92,7 @@ class ApprovalRecord:
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id,
-            "log_idx": self.log_idx,
+            "log_index": self.log_idx,
             "subject": self.subject,
             "decision": self.decision,
             "policy_digest": self.policy_digest,
@@ -155,7 +160,7 @@ class ReceiptReport:
         return {
             "id": self.id,
             "ok": self.ok,
-            "log_idx": self.log_idx,
+            "log_index": self.log_idx,
             "keyid": self.keyid,
             "checkpoint_size": self.checkpoint_size,
             "checks": self.checks,

@@ -8,6 +8,7 @@ completes, its query rows and the new signed checkpoint are written together or 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -96,6 +97,13 @@ class _Pending:
 _UNCHOSEN = SessionRole(None, False, "sessions run as the engine's own role (not opened by Store.open)")
 
 
+# What a refused append tells the person who has to fix the log.
+_REPAIR = (
+    "; see what is wrong with: qualify log verify; the store's owner can remove rows beyond the last good "
+    "signed checkpoint with: qualify log repair"
+)
+
+
 def _short(value: object, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -103,6 +111,13 @@ def _short(value: object, limit: int = 80) -> str:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def new_log_origin(name: str) -> str:
+    """An origin of its own for a new log: `name` (e.g. qualify.local/<hostname>) and a random id, so that
+    two logs on one host (even with one log key) never sign checkpoints that could be mistaken for each
+    other's. A log keeps the origin it was created with (log_meta)."""
+    return f"{name}/{secrets.token_hex(6)}"
 
 
 class Store(LogReader):
@@ -122,6 +137,9 @@ class Store(LogReader):
         self._origin: str | None = None
         # Key history replayed from key entries below the given index (see _history).
         self._keys_cache: tuple[KeyHistory, int] | None = None
+        # How long an append waits for the single-writer lock before LockTimeout (None: the default,
+        # DEFAULT_LOCK_TIMEOUT_S). A caller with a deadline (qualify run --timeout) sets what is left.
+        self.lock_timeout_s: float | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -133,11 +151,13 @@ class Store(LogReader):
         log_signer: NoteSigner | None = None,
         origin: str | None = None,
         create: bool = True,
+        lock_timeout_s: float | None = None,
     ) -> Store:
         """Connect and bring the schema to head (as the connecting user: migrations need the owner), then
         run every later session as the non-owner writer role where it can (`db_role` says which role and,
         if not the writer role, why). With `create=False`, a store that does not exist yet is a StoreError
-        instead of being created (for read-only commands)."""
+        instead of being created (for read-only commands). `lock_timeout_s` bounds each append's wait for
+        the single-writer lock (default DEFAULT_LOCK_TIMEOUT_S; see `lock_timeout_s` below)."""
         parsed = parse_url(url)
         engine = create_engine(parsed, create=create)
         try:
@@ -155,6 +175,7 @@ class Store(LogReader):
             engine.dispose()
             raise
         store = cls(engine, db_role)
+        store.lock_timeout_s = lock_timeout_s
         if log_signer is not None:
             store.set_log_signer(log_signer, origin)
         return store
@@ -206,23 +227,28 @@ class Store(LogReader):
                     "appended; run: qualify log verify"
                 )
             return merkle.EMPTY_ROOT
-        if head.checkpoint_size != idx or head.note is None:
+        size = head.checkpoint_size
+        if size != idx or head.note is None:
+            if size is not None and size < idx:
+                rows = f"log entry {size}" + (f" (and {idx - 1 - size} after it)" if idx - 1 > size else "")
+                what = f"{rows} is not covered by a signed checkpoint"
+            else:
+                what = f"a checkpoint row of size {size} lies beyond the log's {idx} entries"
             raise TamperError(
                 f"the log holds entries up to index {idx - 1} but its latest signed checkpoint is of size "
-                f"{head.checkpoint_size}: rows were added or removed outside the store; nothing appended; "
-                "run: qualify log verify"
+                f"{size}: {what}, written outside the store; nothing appended{_REPAIR}"
             )
         try:
             cp = open_checkpoint(head.note, [signer.verifier()], origin)
         except ReceiptsError as error:
             raise TamperError(
-                f"the latest checkpoint does not verify with the log key ({error}); nothing appended; "
-                "run: qualify log verify"
+                f"the latest checkpoint (size {idx}) does not verify with the log key ({error}): it was "
+                f"written outside the store; nothing appended{_REPAIR}"
             ) from error
         if cp.size != idx or cp.root != merkle.root_from(reader, idx):
             raise TamperError(
                 f"the stored Merkle tree of size {idx} is not the one the latest signed checkpoint names; "
-                "nothing appended; run: qualify log verify"
+                f"nothing appended{_REPAIR}"
             )
         return cp.root
 
@@ -265,56 +291,65 @@ class Store(LogReader):
         if signer is None:
             raise StoreError("appending needs the log's checkpoint key; open the store with log_signer=")
         out: list[Appended] = []
-        with write_transaction(self._writer) as conn:
-            origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
-            head = self._head(conn)
-            idx = head.next
-            reader = SqlSubtrees(conn)
-            cached = self._frontier
-            if (
-                cached is not None
-                and cached[0] == idx
-                and head.checkpoint_size == idx
-                and cached[1] == head.root
-            ):
-                # The head is the one this process signed last: nothing else was appended since.
-                reader.cache.update(cached[2])
-                root = cached[1]
-            else:
-                reader.fetch(frontier(idx))
-                root = self._verified_head(head, signer, origin, reader)
-            history = self._history(conn, idx, root, reader)
-            for item in pending:
-                rows = item.rows(conn, idx, history)
-                leaf = merkle.leaf_hash(item.data)
-                nodes = merkle.new_subtrees(idx, leaf, reader)
-                reader.add(nodes)
-                size = idx + 1
-                root = merkle.root_from(reader, size)
-                note = sign_checkpoint(Checkpoint(origin, size, root), signer)
-                now = _now()
-                conn.execute(
-                    _INSERT_ENTRY,
-                    {
-                        "idx": idx,
-                        "kind": item.kind,
-                        "envelope": item.data,
-                        "leaf_hash": leaf,
-                        "created_at": now,
-                    },
-                )
-                conn.execute(
-                    _INSERT_NODES, [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
-                )
-                for table, values in rows:
-                    if values:
-                        conn.execute(_inserts(table), values)
-                conn.execute(
-                    _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
-                )
-                out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
-                idx = size
-            tip = {key: reader.cache[key] for key in frontier(idx)}
+        try:
+            with write_transaction(self._writer, self.lock_timeout_s) as conn:
+                origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
+                head = self._head(conn)
+                idx = head.next
+                reader = SqlSubtrees(conn)
+                cached = self._frontier
+                if (
+                    cached is not None
+                    and cached[0] == idx
+                    and head.checkpoint_size == idx
+                    and cached[1] == head.root
+                ):
+                    # The head is the one this process signed last: nothing else was appended since.
+                    reader.cache.update(cached[2])
+                    root = cached[1]
+                else:
+                    reader.fetch(frontier(idx))
+                    root = self._verified_head(head, signer, origin, reader)
+                history = self._history(conn, idx, root, reader)
+                for item in pending:
+                    rows = item.rows(conn, idx, history)
+                    leaf = merkle.leaf_hash(item.data)
+                    nodes = merkle.new_subtrees(idx, leaf, reader)
+                    reader.add(nodes)
+                    size = idx + 1
+                    root = merkle.root_from(reader, size)
+                    note = sign_checkpoint(Checkpoint(origin, size, root), signer)
+                    now = _now()
+                    conn.execute(
+                        _INSERT_ENTRY,
+                        {
+                            "idx": idx,
+                            "kind": item.kind,
+                            "envelope": item.data,
+                            "leaf_hash": leaf,
+                            "created_at": now,
+                        },
+                    )
+                    conn.execute(
+                        _INSERT_NODES, [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
+                    )
+                    for table, values in rows:
+                        if values:
+                            conn.execute(_inserts(table), values)
+                    conn.execute(
+                        _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
+                    )
+                    out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
+                    idx = size
+                tip = {key: reader.cache[key] for key in frontier(idx)}
+        except sa.exc.IntegrityError as error:
+            # A row already stands where this append writes (planted outside the store), or an insert guard
+            # refused a row: either way the log is not as this store left it.
+            cause = str(getattr(error, "orig", error)).strip().splitlines() or ["integrity error"]
+            raise TamperError(
+                f"the database refused the append ({cause[0]}): rows were written outside "
+                f"the store; nothing appended{_REPAIR}"
+            ) from error
         # Only after the commit: a rolled-back append must not leave a frontier that never existed.
         self._frontier = (idx, root, tip)
         if self._meta is None:
@@ -343,16 +378,32 @@ class Store(LogReader):
             appended["idx"], appended["keyid"]
         )
 
+    def _named(self, receipts: list[ParsedReceipt]) -> list[ParsedReceipt]:
+        """Receipts whose signatures lack a keyid, stored with the keyid of the trusted key that signed
+        them (so the stored envelope verifies with securesystemslib too). Which key is valid is decided
+        again under the writer lock, by the same signatures."""
+        if all(s.keyid for r in receipts for s in r.envelope.signatures):
+            return receipts
+        trusted = self.trusted_keys()
+        return [
+            r
+            if all(s.keyid for s in r.envelope.signatures)
+            else parse_receipt(dsse.envelope_bytes(dsse.with_keyids(r.envelope, trusted)))
+            for r in receipts
+        ]
+
     def append_receipt(self, envelope: dsse.EnvelopeInput | ParsedReceipt) -> ReceiptRecord:
-        """Append a signed receipt: its signature must verify with a key valid at its log index."""
+        """Append a signed receipt: its signature must verify with a key valid at its log index. A
+        signature without a keyid is stored with the keyid of the trusted key that made it."""
         receipt = envelope if isinstance(envelope, ParsedReceipt) else parse_receipt(envelope)
+        receipt = self._named([receipt])[0]
         pending, record = self._receipt_pending(receipt)
         self._append([pending])
         return record()
 
     def append_receipts(self, envelopes: Sequence[dsse.EnvelopeInput | ParsedReceipt]) -> list[ReceiptRecord]:
         """Append several receipts in one transaction (all or none), e.g. an import from another node."""
-        receipts = [e if isinstance(e, ParsedReceipt) else parse_receipt(e) for e in envelopes]
+        receipts = self._named([e if isinstance(e, ParsedReceipt) else parse_receipt(e) for e in envelopes])
         if len({r.id for r in receipts}) != len(receipts):
             raise StoreError("the same receipt appears twice in the batch; nothing appended")
         prepared = [self._receipt_pending(r) for r in receipts]

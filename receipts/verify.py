@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from receipts import logscan, merkle
+from receipts import logscan, merkle, time_rows
 from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint
 from receipts.errors import ReceiptsError, TamperError
 from receipts.keylog import KeyHistory
-from receipts.models import ApprovalRow, LogEntry, MerkleNode, ReceiptRow
+from receipts.models import ApprovalRow, LogEntry, LogRepair, MerkleNode, ReceiptRow
 
 if TYPE_CHECKING:
     from receipts.records import KeyInfo
@@ -62,6 +62,8 @@ class LogReport:
     external: Checkpoint | None = None
     problems: list[Problem] = field(default_factory=list)
     seconds: float = 0.0
+    # Owner repairs recorded in log_repairs (not a problem: they are how a stopped log was mended).
+    repairs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -79,15 +81,16 @@ class LogReport:
         return {
             "ok": self.ok,
             "size": self.size,
-            "root": self.root.hex(),
+            "root_hash": self.root.hex(),
             "entries": self.kinds,
             "checkpoints_checked": self.checkpoints,
             "subtrees_checked": self.subtrees,
             "external_checkpoint": None
             if external is None
-            else {"origin": external.origin, "size": external.size, "root": external.root.hex()},
+            else {"origin": external.origin, "size": external.size, "root_hash": external.root.hex()},
             "first_bad_index": None if first is None else first.idx,
             "problems": [str(p) for p in self.problems],
+            "repairs": self.repairs,
             "seconds": round(self.seconds, 3),
         }
 
@@ -185,6 +188,20 @@ class _Verifier:
         self._slices(size, history)
         self._upper_subtrees(size)
         self._query_tables(size, history)
+        with self.store.engine.connect() as conn:
+            time_rows.check(conn, size, self.problem)
+            self.report.repairs = [
+                {
+                    "repaired_at": r.repaired_at.isoformat().replace("+00:00", "Z"),
+                    "kept_size": r.kept_size,
+                    "removed_entries": r.removed_entries,
+                    "removed_rows": r.removed_rows,
+                    "evidence_sha256": r.evidence_sha256,
+                    "by_role": r.by_role,
+                    "reason": r.reason,
+                }
+                for r in conn.execute(sa.select(LogRepair).order_by(LogRepair.id)).all()
+            ]
         self._orphans()
         if checkpoint_text is not None:
             self._external(checkpoint_text, size)
@@ -338,7 +355,7 @@ class _Verifier:
             }
             end, checkpoints, largest, subtrees = conn.execute(_ORPHANS).one()
             self.orphans = (end, checkpoints, largest, subtrees)
-        self.stored_keys = self.store.signer_keys()
+        self.stored_keys = self.store.key_rows()
 
     def _query_tables(self, size: int, history: KeyHistory) -> None:
         """The receipts/approvals/keys tables agree with the log entries they were derived from."""
@@ -347,17 +364,52 @@ class _Verifier:
             if rows != expected:
                 bad = sorted(set(rows.items()) ^ set(expected.items()))
                 self.problem(bad[0][0], f"the {kind}s table disagrees with the log entries (id or index)")
-        table_keys = {(k.keyid, k.trusted_at, k.revoked_at) for k in self.stored_keys if k.trusted_at < size}
-        log_keys = {(k, s.trusted_at, s.revoked_at) for k, s in history.keys.items()}
+        # Every column: a rewritten public key, note or reason would otherwise be shown as the log's.
+        table_keys = {
+            (k.keyid, k.trusted_at, k.revoked_at, k.algorithm, k.public_pem, k.note, k.reason)
+            for k in self.stored_keys
+            if k.trusted_at < size
+        }
+        log_keys = {
+            (
+                k,
+                s.trusted_at,
+                s.revoked_at,
+                s.key.algorithm,
+                s.key.public_pem().decode("ascii"),
+                s.note,
+                s.reason,
+            )
+            for k, s in history.keys.items()
+        }
         if table_keys != log_keys:
+            names = ("keyid", "trusted_at", "revoked_at", "algorithm", "public_pem", "note", "reason")
             bad = sorted(table_keys ^ log_keys, key=lambda t: t[1])
-            self.problem(bad[0][1], "the signer_keys/key_revocations tables disagree with the key entries")
+            logged = {t[0]: t for t in log_keys}.get(bad[0][0])
+            stored = {t[0]: t for t in table_keys}.get(bad[0][0])
+            wrong = (
+                [n for n, a, b in zip(names, stored, logged, strict=True) if a != b]
+                if stored and logged
+                else ["the row itself"]
+            )
+            self.problem(
+                bad[0][1],
+                f"the signer_keys/key_revocations rows of key {bad[0][0][:16]} disagree with its key entries "
+                f"({', '.join(wrong)}): they were edited or planted",
+            )
 
     def _external(self, text: str, size: int) -> None:
         """A checkpoint kept outside the database: its tree must be a prefix of the recomputed one."""
         origin = self.meta[0] if self.meta else None
         try:
-            cp = open_checkpoint(text, self.verifiers, origin)
+            cp = open_checkpoint(text, self.verifiers)
+            if origin is not None and cp.origin != origin:
+                self.problem(
+                    None,
+                    f"the external checkpoint belongs to log {cp.origin!r}, not to this log ({origin!r}); "
+                    "check it against the store it came from",
+                )
+                return
         except ReceiptsError as error:
             self.problem(None, f"the external checkpoint does not verify with the log key: {error}")
             return
@@ -374,8 +426,9 @@ class _Verifier:
         if self.tree.root(cp.size) != cp.root:
             self.problem(
                 None,
-                f"the first {cp.size} entries no longer hash to the external checkpoint's root: "
-                "history was rewritten",
+                f"the log's first {cp.size} entries no longer hash to the external checkpoint's root: "
+                "history was rewritten (or the checkpoint comes from another log with the same origin "
+                "and log key)",
             )
             return
         try:
@@ -404,7 +457,9 @@ def verify_log(
         first = report.first_problem()
         more = len(report.problems) - 1
         suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-        error = TamperError(f"log verification failed at {first}{suffix}")
+        where = "" if first is None or first.idx is None else f" at index {first.idx}"
+        message = first.message if first is not None else "unknown problem"
+        error = TamperError(f"log verification failed{where}: {message}{suffix}")
         error.report = report  # type: ignore[attr-defined]
         raise error
     return report

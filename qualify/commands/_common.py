@@ -28,7 +28,7 @@ from receipts.checkpoint import NoteSigner, NoteVerifier
 from receipts.db import MissingStore
 from receipts.errors import KeyFileError, ReceiptsError, StoreError
 from receipts.statement import parse_time
-from receipts.store import Store
+from receipts.store import Store, new_log_origin
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -228,7 +228,8 @@ def open_append(url: str | None, *, create: bool = True) -> Store:
                 f"this log's checkpoints are signed by {meta[1] if meta else 'another key'}, but there is no "
                 f"log key at {settings.log_key_path()}; append where that key is, or copy it there"
             )
-        store.set_log_signer(signer)
+        # A new log gets an origin of its own (qualify.local/<host>/<random id>); an existing one keeps its.
+        store.set_log_signer(signer, None if meta else new_log_origin(signer.name))
     except BaseException:
         store.close()
         raise

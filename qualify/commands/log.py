@@ -1,5 +1,5 @@
-"""`qualify log`: export the latest signed checkpoint, print the log's verifier key, and verify the whole
-log (optionally against a checkpoint kept outside the database).
+"""`qualify log`: export the latest signed checkpoint, print the log's verifier key, verify the whole log
+(optionally against a checkpoint kept outside the database), and the owner's repair.
 
 Exit codes: 0 verified, 1 verification found tampering, 2 bad input."""
 
@@ -25,6 +25,7 @@ from qualify.commands._common import (
 from qualify.errors import UsageError
 from receipts.checkpoint import Checkpoint, open_checkpoint
 from receipts.errors import TamperError
+from receipts.repair import repair
 from receipts.verify import LogReport, verify_log
 
 
@@ -48,7 +49,7 @@ def checkpoint(out: str | None, db_url: str | None, as_json: bool) -> None:
     cp = Checkpoint.parse(note[: note.rfind("\n\n") + 1])
     if out:
         write_file(out, note)
-    data = {"origin": cp.origin, "size": cp.size, "root": cp.root.hex(), "vkey": vkey, "note": note}
+    data = {"origin": cp.origin, "size": cp.size, "root_hash": cp.root.hex(), "vkey": vkey, "note": note}
 
     def human() -> None:
         if out:
@@ -80,6 +81,12 @@ def _summary(report: LogReport) -> str:
     )
     if report.external is not None:
         text += f"; consistent with the external checkpoint of size {report.external.size}"
+    if report.repairs:
+        last = report.repairs[-1]
+        text += (
+            f"; {len(report.repairs)} owner repair(s) recorded, the latest at {last['repaired_at']} kept "
+            f"size {last['kept_size']} and removed {last['removed_entries']} entries ({last['reason']})"
+        )
     return text
 
 
@@ -114,7 +121,8 @@ def verify(
     with opened(open_read(db_url)) as store:
         verifiers, source = log_verifiers(store, vkey)
         if text is not None:
-            open_checkpoint(text, verifiers)  # a checkpoint that does not verify is bad input: exit 2
+            # A checkpoint that does not verify, or of another log, is bad input (exit 2), not tampering.
+            open_checkpoint(text, verifiers, store.origin)
         signer = load_log_signer(create=False)
         try:
             report = verify_log(
@@ -130,3 +138,42 @@ def verify(
                     click.echo(f"  also: {problem}", err=True)
             ctx.exit(1)
     emit(as_json, {**report.to_json(), "trusted_log_key": source}, lambda: console.print(_summary(report)))
+
+
+@log.command("repair")
+@click.option(
+    "--evidence",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="Where to save the removed rows (JSON Lines, 0600; must not exist).",
+)
+@click.option("--reason", required=True, help="Why the log is repaired (recorded with the repair).")
+@vkey_option
+@db_option
+@json_option
+@store_errors
+def repair_(evidence: str, reason: str, vkey: str | None, db_url: str | None, as_json: bool) -> None:
+    """Owner only: remove rows written outside the store beyond the last checkpoint that verifies with the
+    log key (they stop every append), saving them to --evidence first; the repair is recorded in the
+    append-only log_repairs table. Entries covered by a good signed checkpoint are never touched."""
+    with opened(open_read(db_url)) as store:  # brings the schema to head first, as the owner
+        verifiers, source = log_verifiers(store, vkey)
+        url = store.engine.url.render_as_string(hide_password=False)
+    if source.startswith("the log key recorded in the store"):
+        raise UsageError(
+            "a repair trusts only a log key kept outside the database: pass --vkey, or run it where the "
+            "log key is"
+        )
+    report = repair(url, verifiers[0], Path(evidence), reason)
+    if report is None:
+        emit(as_json, {"repaired": False}, lambda: console.print("nothing to repair: every row is covered"))
+        return
+    emit(
+        as_json,
+        {"repaired": True, **report.to_json()},
+        lambda: console.print(
+            f"removed {report.removed_entries} entries ({report.removed_rows} rows) beyond the signed "
+            f"checkpoint of size {report.kept_size}; evidence {report.evidence} ({report.evidence_sha256}); "
+            "the repair is recorded in log_repairs"
+        ),
+    )

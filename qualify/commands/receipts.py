@@ -5,7 +5,6 @@ Exit codes: 0 done, 1 a verification found a problem, 2 bad input (nothing writt
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 
 import click
 from rich.console import Console
@@ -33,15 +32,11 @@ from qualify.commands._common import (
 from receipts import merkle
 from receipts.checkpoint import format_tlog_proof, open_checkpoint
 from receipts.receipt import parse_receipt
-from receipts.records import ReceiptRecord
+from receipts.records import ReceiptRecord, rfc3339
 from receipts.statement import predicate_json_schema, statement_json_schema
 
 VERDICT_STYLE = {"qualified": "green", "rejected": "red", "aborted": "yellow"}
 CHECK_STYLE = {"pass": "green", "fail": "red", "error": "red", "skip": "yellow"}
-
-
-def rfc3339(value: datetime) -> str:
-    return value.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _subject_line(record: ReceiptRecord) -> str:
@@ -144,7 +139,7 @@ def show(
         record = store.get_receipt(receipt_id) if receipt_id is not None else store.receipt_at(log_index or 0)
     if envelope:
         assert record.envelope is not None
-        click.echo(record.envelope.decode())
+        click.echo(record.envelope, nl=False)  # the exact stored bytes, nothing added
         return
     emit(as_json, record.to_json(), lambda: print_receipt(record))
 
@@ -274,7 +269,7 @@ def import_(file: str, db_url: str | None, as_json: bool) -> None:
         records = store.append_receipts(parsed)
     emit(
         as_json,
-        [{"id": r.id, "log_idx": r.log_idx, "verdict": r.verdict} for r in records],
+        [{"id": r.id, "log_index": r.log_idx, "verdict": r.verdict} for r in records],
         lambda: [console.print(f"imported {r.id} at log index {r.log_idx} ({r.verdict})") for r in records],
     )
 

@@ -253,7 +253,7 @@ def test_a_checkpoint_with_an_edited_size_or_root_is_refused(log_signer):
 
 def test_a_checkpoint_from_another_log_is_refused_when_the_origin_is_given(log_signer):
     note = sign_checkpoint(_cp(), log_signer)
-    with pytest.raises(VerificationError, match="expected 'other.example/log'"):
+    with pytest.raises(VerificationError, match="belongs to log .*, not 'other.example/log'"):
         open_checkpoint(note, [log_signer.verifier()], origin="other.example/log")
 
 

@@ -83,6 +83,29 @@ class Raw:
                 for name, table in rows:
                     conn.execute(sa.text(f'DROP TRIGGER "{name}" ON {table}'))
 
+    def drop_insert_guards(self) -> None:
+        """What the owner can do: remove the insert guards of migration 0002 (keeping the append-only
+        triggers), so that a test can plant rows the writer role may not insert."""
+        with self.engine.begin() as conn:
+            if self.dialect == "sqlite":
+                rows = conn.execute(
+                    sa.text(
+                        "SELECT name, tbl_name FROM sqlite_master "
+                        "WHERE type = 'trigger' AND name LIKE '%_guard_%'"
+                    )
+                ).all()
+            else:
+                rows = conn.execute(
+                    sa.text(
+                        "SELECT tgname, tgrelid::regclass::text FROM pg_trigger WHERE NOT tgisinternal "
+                        "AND (tgname LIKE '%_insert_guard' OR tgname = 'log_entries_sealed')"
+                    )
+                ).all()
+            for name, table in rows:
+                conn.execute(
+                    sa.text(f'DROP TRIGGER "{name}"' + ("" if self.dialect == "sqlite" else f" ON {table}"))
+                )
+
     def close(self) -> None:
         self.engine.dispose()
 

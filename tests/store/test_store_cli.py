@@ -88,14 +88,14 @@ def test_receipts_list_show_and_filters(cli, node) -> None:
 
     newest_first = listed()
     assert [r["id"] for r in newest_first] == node["ids"][::-1]
-    assert [r["log_idx"] for r in newest_first] == [3, 2, 1]
+    assert [r["log_index"] for r in newest_first] == [3, 2, 1]
     assert listed("--verdict", "rejected") == []
     assert len(listed("--since", "2000-01-01")) == 3
     assert listed("--since", "1d") == []
     digest = newest_first[1]["subjects"][0]["digest"]
     assert [r["id"] for r in listed("--subject", digest)] == [node["ids"][1]]
     shown = json.loads(cli("receipts", "show", node["ids"][0][:10], "--db", url, "--json").out)
-    assert shown["predicate"]["verdict"] == "qualified" and shown["log_idx"] == 1
+    assert shown["predicate"]["verdict"] == "qualified" and shown["log_index"] == 1
     envelope = cli("receipts", "show", node["ids"][0], "--envelope", "--db", url).out
     assert json.loads(envelope)["payloadType"] == "application/vnd.in-toto+json"
     human = cli("receipts", "show", node["ids"][0], "--db", url).out

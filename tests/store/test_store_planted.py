@@ -1,6 +1,7 @@
-"""Rows planted with a plain INSERT (which the append-only triggers allow, no superuser needed) must never
-be ratified by the next append: the writer trusts only key entries proven under its own signed checkpoint,
-and refuses to extend a head that its latest signed checkpoint does not cover."""
+"""Rows planted with a plain INSERT must never be ratified by the next append: the writer trusts only key
+entries proven under its own signed checkpoint, and refuses to extend a head that its latest signed
+checkpoint does not cover. The insert guards (migration 0002) refuse these rows from the writer role; the
+tests drop them first, as the owner can, to show that the append does not rely on them."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_a_signer_key_row_planted_by_insert_does_not_let_its_key_append(
 ) -> None:
     append_synthetic(store, operator, 1)  # index 1: a receipt row the planted key row can point at
     attacker = keys.generate("ed25519")
+    raw.drop_insert_guards()
     _plant_signer_key(raw, attacker.public_key(), 1)
     before = raw.counts()["log_entries"]
     # A fresh process, as `qualify receipts import` would be: nothing cached from before the plant.
@@ -75,6 +77,7 @@ def test_an_entry_planted_at_the_head_is_never_covered_by_a_signed_checkpoint(
 ) -> None:
     append_synthetic(store, operator, 2)
     attacker = keys.generate("ed25519")
+    raw.drop_insert_guards()
     planted = _plant_key_trust_entry(db_url, attacker.public_key())
     checkpoints = raw.counts()["checkpoints"]
     writer = store if same_process else Store.open(db_url, log_signer=log_signer)

@@ -79,11 +79,14 @@ def test_postgres_refuses_truncate_even_cascading_and_in_replica_mode(
     for table in APPEND_ONLY_TABLES:
         _refused(raw, f"TRUNCATE {table} CASCADE")
     _refused(raw, "SET session_replication_role = replica; DELETE FROM receipts")
-    _refused(
-        raw,
+    upsert = (
         "INSERT INTO log_meta (id, origin, vkey, created_at) VALUES (1, 'o', 'v', now()) "
-        "ON CONFLICT (id) DO UPDATE SET origin = 'evil'",
+        "ON CONFLICT (id) DO UPDATE SET origin = 'evil'"
     )
+    with pytest.raises(sa.exc.DBAPIError, match="its identity is fixed"):  # the insert guard, first
+        raw.execute(upsert)
+    raw.drop_insert_guards()
+    _refused(raw, upsert)
     assert raw.counts() == before
 
 
@@ -92,6 +95,7 @@ def test_sqlite_refuses_insert_or_replace_and_it_is_the_guard_that_does(
 ) -> None:
     raw = raw_sqlite
     populated = _store_on(sqlite_url, log_signer, operator)
+    raw.drop_insert_guards()  # they would refuse these rows first; the REPLACE guard is what is tested
     before = raw.counts()
     entry = populated.entry(1)
     replace = (
@@ -189,13 +193,14 @@ def test_truncate_and_reinsert_with_the_log_key_is_caught_only_by_the_external_c
     """The strongest rewrite: whoever holds the log key rebuilds a self-consistent log without one receipt.
     Every stored hash and signature checks out; only the checkpoint kept elsewhere proves the rewrite."""
     envelopes = [json.loads(_envelope(raw, i)) for i in range(1, 7)]
+    origin = raw.scalar("SELECT origin FROM log_meta")  # the rebuilt log keeps the log's own origin
     tables = ", ".join(APPEND_ONLY_TABLES)
     if raw.dialect == "postgresql":
         raw.execute(f"TRUNCATE {tables}")
     else:
         for table in reversed(APPEND_ONLY_TABLES):
             raw.execute(f"DELETE FROM {table}")
-    with Store.open(cli_log["url"], log_signer=load_log_signer(create=False)) as rebuilt:
+    with Store.open(cli_log["url"], log_signer=load_log_signer(create=False), origin=origin) as rebuilt:
         rebuilt.trust_key(cli_log["key"].public_key())
         rebuilt.append_receipts(envelopes[:3] + envelopes[4:])
     assert cli("log", "verify", "--db", cli_log["url"]).code == 0  # self-consistent without the checkpoint
