@@ -199,8 +199,10 @@ def test_token_comes_from_the_file_or_the_environment(tmp_path: Path, monkeypatc
     monkeypatch.setenv("QUALIFY_API_TOKEN", "e" * 32)
     assert read_token(None) == "e" * 32
     (tmp_path / "token").write_text("f" * 40 + "\n")
+    (tmp_path / "token").chmod(0o600)
     assert read_token(str(tmp_path / "token")) == "f" * 40
     (tmp_path / "short").write_text("abc")
+    (tmp_path / "short").chmod(0o600)
     with pytest.raises(UsageError, match="at least 16 characters"):
         read_token(str(tmp_path / "short"))
     with pytest.raises(UsageError, match="cannot read the token file"):
@@ -237,6 +239,7 @@ def test_serve_answers_health_and_refuses_decisions_without_the_token(
     cli_log.add()
     token = tmp_path / "token"
     token.write_text("t" * 32)
+    token.chmod(0o600)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
