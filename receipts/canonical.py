@@ -41,7 +41,7 @@ def _bounded_int(text: str) -> int:
 
 
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+    raise ValueError(f"{name} is not JSON")
 
 
 def loads(
