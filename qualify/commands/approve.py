@@ -86,8 +86,12 @@ class _PipeConsole(Console):
 def _silence_stdout() -> None:
     # Later writes, and the interpreter's flush at exit, go nowhere instead of failing (exit 120).
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured): nothing to silence
+        pass
+    finally:
+        os.close(devnull)
 
 
 def print_even_if_closed(show: Callable[[], None]) -> None:
@@ -157,7 +161,7 @@ def approve(
     the store is only read and nothing is signed or written; the exit code is the same.
     """
     if schema:
-        click.echo(json.dumps(policy_json_schema(), indent=2))
+        print_even_if_closed(lambda: click.echo(json.dumps(policy_json_schema(), indent=2)))
         return
     if not policy_path:
         raise UsageError("--policy FILE is required (see qualify approve --schema for its format)")
