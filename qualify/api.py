@@ -3,18 +3,21 @@ approvals; every response a pydantic model) and `POST /v1/decisions` (writes), b
 
 from __future__ import annotations
 
-import hmac
 import json
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 from qualify import __version__
+from qualify.api_guard import BoundedJSONRoute, RequestGuard, token_problem, validation_problem
 from qualify.approve import SUBJECT_DIGEST, Decision, decide, record
+from qualify.limits import MAX_BODY_BYTES
 from qualify.policy import Policy, PolicyError, load_policy_data
 from receipts.checkpoint import Checkpoint, format_tlog_proof
 from receipts.errors import NotFound, ReceiptsError, TamperError
@@ -193,6 +196,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": Problem, "description": "bad input"},
     404: {"model": Problem, "description": "not in the store"},
     409: {"model": Problem, "description": "the stored log contradicts itself (tampering)"},
+    422: {
+        "model": Problem,
+        "description": "a parameter or body field is invalid (one line, input not echoed)",
+    },
     503: {"model": Problem, "description": "the database cannot be reached"},
 }
 
@@ -201,12 +208,18 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(store: Store, *, token: str | None = None, signing_key: SigningKey | None = None) -> FastAPI:
-    """The API over an open store. Decisions need `token` (and `signing_key` to record them)."""
-    app = FastAPI(
+    """The API over an open store. Decisions need `token` (and `signing_key` to record them). /docs and
+    /redoc are served with their assets from the installed package, so they work offline."""
+    app: FastAPI = FastAPIOffline(
         title="qualify",
         version=__version__,
         description="Signed qualification receipts, their Merkle log, and rollout decisions.",
     )
+    app.router.route_class = BoundedJSONRoute
+    app.add_middleware(
+        RequestGuard, limit=MAX_BODY_BYTES, token=token, protected=frozenset({"/v1/decisions"})
+    )
+    app.add_exception_handler(RequestValidationError, validation_problem)
 
     @app.exception_handler(NotFound)
     def _not_found(_: Request, exc: NotFound) -> JSONResponse:
@@ -227,12 +240,10 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
         return JSONResponse(status_code=503, content={"detail": f"database error: {line}"})
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
-        if token is None:
-            raise HTTPException(401, "decisions are disabled: start qualify serve with --token-file")
-        scheme, _, given = (authorization or "").partition(" ")
-        # compare_digest: the time taken does not tell how much of a guess was right.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        # RequestGuard already refused a wrong token before the body was read; this documents the header.
+        problem = token_problem(token, authorization)
+        if problem is not None:
+            raise HTTPException(401, problem, headers={"WWW-Authenticate": "Bearer"})
 
     def _page(offset: int, limit: int, got: int) -> int | None:
         return offset + limit if got > limit else None
@@ -360,16 +371,23 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
     @app.post(
         "/v1/decisions",
         response_model=Decision,
-        responses={**ERRORS, 401: {"model": Problem, "description": "no or wrong bearer token"}},
+        responses={
+            **ERRORS,
+            401: {"model": Problem, "description": "no or wrong bearer token (checked before the body)"},
+            413: {"model": Problem, "description": f"the body is larger than {MAX_BODY_BYTES} bytes"},
+        },
         dependencies=[Depends(require_token)],
         tags=["approvals"],
     )
     def post_decision(body: DecisionRequest) -> Decision:
         try:
-            loaded = load_policy_data(body.policy.model_dump(mode="json"), source="in the request")
+            # Only what the client set: a policy that states no requirement is refused, not defaulted.
+            loaded = load_policy_data(
+                body.policy.model_dump(mode="json", exclude_unset=True), source="in the request"
+            )
+            decision = decide(store, loaded, body.subject)  # PolicyError when over the evaluation budget
         except PolicyError as exc:
             raise HTTPException(400, str(exc)) from None
-        decision = decide(store, loaded, body.subject)
         if body.record:
             if signing_key is None:
                 raise HTTPException(

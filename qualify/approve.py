@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from qualify.cel import Budget, CostLimitError
 from qualify.errors import UsageError
-from qualify.policy import LoadedPolicy
+from qualify.policy import LoadedPolicy, PolicyError
 from receipts import dsse
 from receipts.approval_rows import APPROVAL_PREDICATE_TYPE
 from receipts.canonical import canonical_json
@@ -84,7 +85,15 @@ class Decision(BaseModel):
     receipt_ids: list[str] = Field(description="the receipts the decision relied on (those that counted)")
     hosts: list[str] = Field(description="distinct hosts of the receipts that counted")
     required_hosts: int
-    reasons: list[str] = Field(description="every reason for a denial; notes on receipts that did not count")
+    reasons: list[str] = Field(
+        description="why the build was not approved: the shortfall, and why each verified receipt failed "
+        "the policy; empty when approved"
+    )
+    ignored: list[str] = Field(
+        default_factory=list,
+        description="receipts that did not count and why, apart from the reasons: those that do not verify "
+        "(always), and those that failed the policy when the build was approved anyway",
+    )
     evaluations: list[ReceiptEvaluation]
     tree_size: int | None = Field(
         None, description="size of the signed checkpoint receipts were verified against"
@@ -104,8 +113,9 @@ def _label(candidate: Candidate) -> str:
     return f"receipt {candidate.receipt_id[:12]} (log #{candidate.log_idx}, {host})"
 
 
-def _failures(loaded: LoadedPolicy, candidate: Candidate, now: datetime) -> list[str]:
-    """Every reason this receipt does not count, in policy order; empty when it counts."""
+def _failures(loaded: LoadedPolicy, candidate: Candidate, now: datetime, budget: Budget) -> list[str]:
+    """Every reason this receipt does not count, in policy order; empty when it counts. PolicyError when the
+    conditions spend the decision's evaluation budget."""
     if candidate.problem is not None:
         return [f"does not verify, so it counts for nothing: {candidate.problem}"]
     policy = loaded.policy
@@ -132,7 +142,13 @@ def _failures(loaded: LoadedPolicy, candidate: Candidate, now: datetime) -> list
                 f"finished_at {finished.isoformat()} lies in the future; check the signer's clock"
             )
     for condition in loaded.conditions:
-        why = condition.evaluate(predicate)
+        try:
+            why = condition.evaluate(predicate, budget)
+        except CostLimitError:
+            raise PolicyError(
+                f"policy {loaded.source}: condition {condition.name!r} spent the evaluation budget "
+                f"({budget.describe()}) on {_label(candidate)}; simplify it"
+            ) from None
         if why is not None:
             failures.append(f"condition {condition.name!r} {why}: {condition.expr}")
     return failures
@@ -144,15 +160,20 @@ def evaluate(
     candidates: list[Candidate],
     now: datetime | None = None,
     tree_size: int | None = None,
+    budget: Budget | None = None,
 ) -> Decision:
-    """Judge `candidates` (the subject's receipts) against the policy. Pure: nothing is read or written."""
+    """Judge `candidates` (the subject's receipts) against the policy. Pure: nothing is read or written.
+    All condition evaluations share `budget` (default: DECISION_STEPS / DECISION_SECONDS); PolicyError
+    (bad input, nothing to record) when they spend it."""
     now = now or datetime.now(UTC)
+    budget = budget or Budget()
     policy = loaded.policy
     evaluations: list[ReceiptEvaluation] = []
+    unverified: list[str] = []
     notes: list[str] = []
     counted: list[Candidate] = []
     for candidate in sorted(candidates, key=lambda c: c.log_idx):
-        failures = _failures(loaded, candidate, now)
+        failures = _failures(loaded, candidate, now, budget)
         evaluations.append(
             ReceiptEvaluation(
                 receipt_id=candidate.receipt_id,
@@ -165,7 +186,8 @@ def evaluate(
             )
         )
         if failures:
-            notes.extend(f"{_label(candidate)}: {failure}" for failure in failures)
+            target = unverified if candidate.problem is not None else notes
+            target.extend(f"{_label(candidate)}: {failure}" for failure in failures)
         else:
             counted.append(candidate)
     hosts = sorted({c.host or "" for c in counted})
@@ -180,11 +202,13 @@ def evaluate(
                 f"{len(counted)} qualifying receipt(s) from {len(hosts)} distinct host(s) ({have}); "
                 f"the policy needs {policy.min_hosts}"
             )
-    reasons.extend(notes)
     if enough:
         decision: DecisionValue = "approved"
+        ignored = unverified + notes
     else:
         decision = "warn" if policy.mode == "warn" else "denied"
+        reasons.extend(notes)
+        ignored = unverified
     return Decision(
         decision=decision,
         mode=policy.mode,
@@ -195,6 +219,7 @@ def evaluate(
         hosts=hosts,
         required_hosts=policy.min_hosts,
         reasons=reasons,
+        ignored=ignored,
         evaluations=evaluations,
         tree_size=tree_size,
         decided_at=now,

@@ -1,5 +1,5 @@
-"""Rollout policies: the pydantic model, the TOML/YAML/JSON loader whose errors name line and column, and the
-CEL conditions over a receipt's predicate (exposed to CEL as `receipt`)."""
+"""Rollout policies: the pydantic model and the TOML/YAML/JSON loader (bounded in size and depth, duplicate
+keys refused) whose errors name line and column; the CEL conditions are compiled by qualify.cel."""
 
 from __future__ import annotations
 
@@ -11,22 +11,38 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import celpy
 import yaml
-from celpy import celtypes
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
+from qualify.cel import Budget, CelCompileError, Condition, CostLimitError, compile_condition
 from qualify.errors import UsageError
-from receipts.canonical import sha256_hex
+from qualify.limits import MAX_POLICY_BYTES, read_text_limited
+from receipts.canonical import MAX_DEPTH, loads, nesting_depth, sha256_hex
+
+__all__ = [
+    "Budget",
+    "CelCompileError",
+    "Condition",
+    "CostLimitError",
+    "LoadedPolicy",
+    "Policy",
+    "PolicyError",
+    "compile_condition",
+    "load_policy",
+    "load_policy_data",
+    "parse_policy_text",
+]
 
 # Units a max_age may use; compound values ("1d12h") add up.
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _DURATION = re.compile(r"^(?:\d+[smhdw])+$")
 _KEYID = re.compile(r"^[0-9a-f]{64}$")
 _CONDITION_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-# CEL macros whose first argument names a new variable (`xs.all(x, ...)`), so `x` is not undeclared.
-_BINDING_MACROS = {"all", "exists", "exists_one", "map", "filter"}
-CEL_VARIABLE = "receipt"
+# No receipt is trusted for longer than ten years; longer ages are typos (and overflow a timedelta).
+MAX_AGE_DAYS = 3650
+MAX_HOSTS = 10_000
+# The settings that judge a receipt; a policy must state at least one (`name` and `mode` judge nothing).
+REQUIREMENTS = ("verdict", "conditions", "max_age", "min_hosts", "trusted_keyids")
 
 
 class PolicyError(UsageError):
@@ -36,11 +52,18 @@ class PolicyError(UsageError):
 def parse_duration(text: str) -> timedelta:
     """'7d', '12h', '90m', '1w', '1d12h', '3600s' -> timedelta; ValueError for anything else."""
     text = text.strip()
+    shown = text if len(text) <= 40 else text[:40] + "…"
     if not _DURATION.match(text):
-        raise ValueError(f"duration {text!r} must look like 7d, 12h, 30m, 1w or 1d12h (units s m h d w)")
-    seconds = sum(int(n) * _UNITS[u] for n, u in re.findall(r"(\d+)([smhdw])", text))
+        raise ValueError(f"duration {shown!r} must look like 7d, 12h, 30m, 1w or 1d12h (units s m h d w)")
+    parts = re.findall(r"(\d+)([smhdw])", text)
+    too_long = ValueError(f"duration {shown!r} is longer than {MAX_AGE_DAYS}d (ten years)")
+    if any(len(number) > 12 for number, _ in parts):
+        raise too_long
+    seconds = sum(int(n) * _UNITS[u] for n, u in parts)
     if seconds <= 0:
-        raise ValueError(f"duration {text!r} must be longer than zero")
+        raise ValueError(f"duration {shown!r} must be longer than zero")
+    if seconds > MAX_AGE_DAYS * 86400:
+        raise too_long
     return timedelta(seconds=seconds)
 
 
@@ -63,7 +86,9 @@ class Policy(BaseModel):
         description="receipts older than this (by finished_at) do not count: 7d, 12h, 30m, 1w, 1d12h",
     )
     min_hosts: PositiveInt = Field(
-        1, description="how many qualifying receipts from distinct hosts (host.hostname) are needed"
+        1,
+        le=MAX_HOSTS,
+        description="how many qualifying receipts from distinct hosts (host.hostname) are needed",
     )
     trusted_keyids: list[str] | None = Field(
         None,
@@ -118,85 +143,6 @@ def policy_json_schema() -> dict[str, Any]:
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
-# --------------------------------------------------------------------------- CEL
-
-
-@dataclass(frozen=True)
-class Condition:
-    """A compiled CEL condition."""
-
-    name: str
-    expr: str
-    program: Any  # celpy Runner
-
-    def evaluate(self, predicate: dict[str, Any]) -> str | None:
-        """None when the condition holds for this predicate, else why not (false, or an evaluation error)."""
-        try:
-            result = self.program.evaluate({CEL_VARIABLE: celpy.json_to_cel(predicate)})
-        except celpy.CELEvalError as exc:
-            return f"could not be evaluated: {_cel_message(exc)}"
-        except Exception as exc:  # noqa: BLE001 - an author's expression must never crash a decision
-            return f"could not be evaluated: {type(exc).__name__}: {_cel_message(exc)}"
-        if isinstance(result, celpy.CELEvalError):
-            return f"could not be evaluated: {_cel_message(result)}"
-        if not isinstance(result, celtypes.BoolType | bool):
-            return f"is not true or false (it gave {type(result).__name__} {result!r})"
-        return None if bool(result) else "is false"
-
-
-def _cel_message(exc: BaseException) -> str:
-    first = exc.args[0] if exc.args else exc
-    text = str(first).splitlines()[0] if str(first) else type(exc).__name__
-    return text[:200]
-
-
-class CelCompileError(Exception):
-    """A CEL expression that does not compile; line and column are 1-based within the expression."""
-
-    def __init__(self, message: str, line: int, column: int) -> None:
-        super().__init__(message)
-        self.message, self.line, self.column = message, line, column
-
-
-def compile_condition(name: str, expr: str) -> Condition:
-    """Compile `expr`; CelCompileError on a syntax error or a name other than `receipt`."""
-    env = celpy.Environment()
-    try:
-        ast = env.compile(expr)
-    except celpy.CELParseError as exc:
-        line, column = exc.line or 1, exc.column or 1
-        lines = expr.splitlines() or [""]
-        near = lines[min(line, len(lines)) - 1][column - 1 : column + 19]
-        raise CelCompileError(
-            f"syntax error near {near!r}" if near else "syntax error", line, column
-        ) from None
-    except RecursionError:
-        raise CelCompileError("expression is nested too deeply", 1, 1) from None
-    _check_names(ast)
-    return Condition(name=name, expr=expr, program=env.program(ast))
-
-
-def _check_names(ast: Any) -> None:
-    # celpy resolves names only when evaluating; refuse a misspelt variable now, where the author sees it.
-    bound: set[str] = set()
-    for tree in ast.iter_subtrees():
-        if tree.data == "member_dot_arg" and len(tree.children) >= 3:
-            method, args = tree.children[1], tree.children[2]
-            if str(method) in _BINDING_MACROS and getattr(args, "children", None):
-                idents = [t for t in args.children[0].iter_subtrees() if t.data == "ident"]
-                if len(idents) == 1:
-                    bound.add(str(idents[0].children[0]))
-    for tree in ast.iter_subtrees():
-        if tree.data == "ident":
-            token = tree.children[0]
-            if str(token) not in bound and str(token) != CEL_VARIABLE:
-                raise CelCompileError(
-                    f"unknown name {str(token)!r}; conditions read the receipt predicate as `{CEL_VARIABLE}`",
-                    getattr(token, "line", 1) or 1,
-                    getattr(token, "column", 1) or 1,
-                )
-
-
 # --------------------------------------------------------------------------- loading
 
 
@@ -248,14 +194,27 @@ def _validation_message(source: str, text: str, exc: ValidationError) -> str:
     return f"policy {source} is invalid: " + "; ".join(parts) + more
 
 
+_SET_ONE = (
+    "set at least one of conditions, verdict, max_age, min_hosts or trusted_keyids "
+    "(an empty policy would approve any build with a receipt)"
+)
+
+
 def load_policy_data(data: Any, source: str = "policy", text: str = "") -> LoadedPolicy:
-    """Validate a parsed policy (a dict) and compile its conditions; PolicyError names line and column."""
+    """Validate a parsed policy (a dict) and compile its conditions; PolicyError names line and column.
+    A policy must state at least one requirement (REQUIREMENTS): an empty one is bad input."""
+    if data is None:
+        raise PolicyError(f"policy {source} is empty; {_SET_ONE}")
     if not isinstance(data, dict):
         raise PolicyError(f"policy {source} must be a table/mapping of settings, got {type(data).__name__}")
+    if nesting_depth(data, MAX_DEPTH) > MAX_DEPTH:
+        raise PolicyError(f"policy {source} is nested more than {MAX_DEPTH} deep")
     try:
         policy = Policy.model_validate(data)
     except ValidationError as exc:
         raise PolicyError(_validation_message(source, text, exc)) from None
+    if not any(key in data for key in REQUIREMENTS if key != "conditions") and not policy.conditions:
+        raise PolicyError(f"policy {source} states no requirement; {_SET_ONE}")
     compiled = []
     for name, expr in policy.conditions.items():
         try:
@@ -268,17 +227,60 @@ def load_policy_data(data: Any, source: str = "policy", text: str = "") -> Loade
     return LoadedPolicy(policy=policy, conditions=tuple(compiled), source=source)
 
 
+class _StrictYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a repeated key (not last-wins) and aliases (no expansion bombs)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a policy", self.peek_event().start_mark
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class refuses it with its place
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _json_pairs(text: str) -> Any:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                found = [m.start() for m in re.finditer(re.escape(json.dumps(key)) + r"\s*:", text)]
+                line = f" at line {text.count(chr(10), 0, found[1]) + 1}" if len(found) > 1 else ""
+                raise ValueError(f"duplicate key {key!r}{line}")
+            result[key] = value
+        return result
+
+    return no_duplicates
+
+
 def parse_policy_text(
     text: str, fmt: Literal["toml", "yaml", "json"], source: str = "policy"
 ) -> LoadedPolicy:
-    """Parse policy text in the given format, then validate and compile it."""
+    """Parse policy text in the given format, then validate and compile it. Refused (PolicyError, one line):
+    empty text, repeated keys, values nested more than MAX_DEPTH deep and integers over 4300 digits."""
+    if not text.strip():
+        raise PolicyError(f"policy {source} is empty; {_SET_ONE}")
     try:
         if fmt == "toml":
             data: Any = tomllib.loads(text)
         elif fmt == "yaml":
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
         else:
-            data = json.loads(text)
+            data = loads(text, object_pairs_hook=_json_pairs(text))
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"policy {source} is not valid TOML: {exc}") from None
     except yaml.MarkedYAMLError as exc:
@@ -291,18 +293,21 @@ def parse_policy_text(
         raise PolicyError(
             f"policy {source} is not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
         ) from None
+    except RecursionError:
+        raise PolicyError(f"policy {source} is nested more than {MAX_DEPTH} deep") from None
+    except ValueError as exc:  # JSON duplicates, NaN, long integers; TOML/YAML integers over 4300 digits
+        line = str(exc).splitlines()[0][:200]
+        raise PolicyError(f"policy {source} is not a valid {fmt.upper()} policy: {line}") from None
     return load_policy_data(data, source=source, text=text)
 
 
 def load_policy(path: str | Path) -> LoadedPolicy:
-    """Read a policy file (.toml, .yaml/.yml or .json by suffix; TOML otherwise)."""
+    """Read a policy file (.toml, .yaml/.yml or .json by suffix; TOML otherwise), at most MAX_POLICY_BYTES."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PolicyError(f"policy file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError(f"cannot read policy file {path}: {exc}") from None
+        text = read_text_limited(path, MAX_POLICY_BYTES, "policy file")
+    except UsageError as exc:
+        raise PolicyError(str(exc)) from None
     suffix = path.suffix.lower()
     fmt: Literal["toml", "yaml", "json"] = (
         "yaml" if suffix in (".yaml", ".yml") else "json" if suffix == ".json" else "toml"

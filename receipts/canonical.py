@@ -3,12 +3,64 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Callable
 from typing import Any
 
 import rfc8785
 
 # JCS numbers are IEEE doubles; integers beyond this lose precision, so they travel as strings.
 MAX_SAFE_INTEGER = 2**53 - 1
+# Parse bounds for untrusted JSON: deeper values are refused before anything recurses over them, and
+# integers longer than this many digits (Python's own limit is 4300) are refused as nonsense.
+MAX_DEPTH = 64
+MAX_INT_DIGITS = 40
+
+
+def nesting_depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deeply lists and dicts nest in `value` (a scalar is 0), counted without recursion; stops
+    counting once past `limit`."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            depth += 1
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return deepest
+            stack.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer has {digits} digits; at most {MAX_INT_DIGITS} are accepted")
+    return int(text)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads(
+    text: str | bytes,
+    *,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+    max_depth: int = MAX_DEPTH,
+) -> Any:
+    """`json.loads` for untrusted text: ValueError (one line) for invalid JSON, NaN/Infinity, integers over
+    MAX_INT_DIGITS digits, or values nested deeper than `max_depth`."""
+    try:
+        value = json.loads(
+            text, parse_int=_bounded_int, parse_constant=_no_constant, object_pairs_hook=object_pairs_hook
+        )
+    except RecursionError:
+        raise ValueError(f"it is nested more than {max_depth} deep") from None
+    if nesting_depth(value, max_depth) > max_depth:
+        raise ValueError(f"it is nested more than {max_depth} deep")
+    return value
 
 
 def _safe_integers(obj: Any) -> Any:

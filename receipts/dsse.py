@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from receipts.canonical import canonical_json
+from receipts.canonical import canonical_json, loads
 from receipts.errors import VerificationError
 from receipts.keys import SigningKey, VerifyingKey
 
@@ -99,7 +98,7 @@ def parse(envelope: EnvelopeInput) -> Envelope:
     """Check an envelope's structure and decode it (signatures are NOT checked here)."""
     if isinstance(envelope, bytes | bytearray | str):
         try:
-            envelope = json.loads(envelope)
+            envelope = loads(envelope)
         except (ValueError, UnicodeDecodeError) as exc:
             raise VerificationError(f"envelope is not valid JSON: {exc}") from exc
     if not isinstance(envelope, Mapping):

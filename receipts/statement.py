@@ -5,7 +5,6 @@ Every field an auditor's CEL policy reads is a plain JSON type: strings, numbers
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -23,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from receipts.canonical import canonical_json, sha256_hex
+from receipts.canonical import canonical_json, loads, sha256_hex
 from receipts.errors import VerificationError
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -365,10 +364,6 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def _summarise(exc: ValidationError, limit: int = 3) -> str:
     errors = exc.errors()
     parts = [f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in errors[:limit]]
@@ -379,7 +374,7 @@ def _summarise(exc: ValidationError, limit: int = 3) -> str:
 def parse_statement(payload: bytes | str) -> Statement:
     """Parse and validate a statement payload; VerificationError (one line) on anything malformed."""
     try:
-        data = json.loads(payload, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+        data = loads(payload, object_pairs_hook=_no_duplicate_keys)
     except (ValueError, UnicodeDecodeError) as exc:
         raise VerificationError(f"statement is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):

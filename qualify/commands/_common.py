@@ -24,6 +24,8 @@ from rich.console import Console
 
 from qualify import settings
 from qualify.errors import UsageError
+from qualify.limits import MAX_IMPORT_BYTES, read_text_limited
+from receipts.canonical import loads
 from receipts.checkpoint import NoteSigner, NoteVerifier
 from receipts.db import MissingStore
 from receipts.errors import KeyFileError, ReceiptsError, StoreError
@@ -248,27 +250,24 @@ def opened(store: Store) -> Iterator[Store]:
 
 
 def read_json_documents(path: str) -> list[Any]:
-    """One JSON document, or JSON Lines (one per non-empty line); UsageError for anything else."""
+    """One JSON document, or JSON Lines (one per non-empty line); UsageError for anything else, for a file
+    over MAX_IMPORT_BYTES (at most that much is read), and for NaN, long integers or deep nesting."""
+    text = read_text_limited(path, MAX_IMPORT_BYTES, "file")
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
-    try:
-        return [json.loads(text)]
+        return [loads(text)]
     except json.JSONDecodeError:
-        pass
+        pass  # perhaps JSON Lines
+    except ValueError as error:  # valid JSON, but NaN, a long integer or too deep
+        raise UsageError(f"{path} is not an acceptable envelope: {error}") from None
     documents = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            documents.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            raise UsageError(
-                f"{path} line {number} is not JSON ({error.msg}); expected a DSSE envelope"
-            ) from None
+            documents.append(loads(line))
+        except ValueError as error:
+            why = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
+            raise UsageError(f"{path} line {number} is not JSON ({why}); expected a DSSE envelope") from None
     if not documents:
         raise UsageError(f"{path} is empty; expected a DSSE envelope (JSON) or JSON Lines of them")
     return documents

@@ -1,10 +1,12 @@
 """`qualify approve`: decide from stored, verified receipts whether a build may roll out, and append the
-signed decision to the log. Exit 0 approved (or warn), 1 denied (every reason printed), 2 bad input."""
+signed decision to the log (or not, with --dry-run). Exit 0 approved (or warn), 1 denied, 2 bad input."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -13,12 +15,12 @@ from rich.console import Console
 from qualify import settings
 from qualify.approve import Decision, check_subject, decide, record
 from qualify.commands._common import (
-    console,
     db_option,
     emit,
     json_option,
     log_verifiers,
     open_append,
+    open_read,
     opened,
     parse_vkey,
     store_errors,
@@ -72,6 +74,36 @@ def load_signing_key(store: Store, path: str | None) -> SigningKey:
     return key
 
 
+class _PipeConsole(Console):
+    """A console that, when its reader has gone (`| head -1`), lets the caller decide the exit code
+    (rich's default exits 1, which reads as "denied")."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def _silence_stdout() -> None:
+    # Later writes, and the interpreter's flush at exit, go nowhere instead of failing (exit 120).
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured): nothing to silence
+        pass
+    finally:
+        os.close(devnull)
+
+
+def print_even_if_closed(show: Callable[[], None]) -> None:
+    """Print; a closed stdout stops the printing but changes nothing else (the decision is already
+    recorded and the exit code still says what it was)."""
+    try:
+        show()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+
+
 def print_decision(console: Console, decision: Decision) -> None:
     style = STYLE.get(decision.decision, "bold")
     name = f" {decision.policy_name!r}" if decision.policy_name else ""
@@ -89,10 +121,14 @@ def print_decision(console: Console, decision: Decision) -> None:
         console.print(f"  relied on receipt {rid}", highlight=False)
     for reason in decision.reasons:
         console.print(f"  [red]-[/] {reason}", highlight=False)
+    for note in decision.ignored:
+        console.print(f"  [dim]ignored:[/] {note}", highlight=False)
     if decision.approval_id:
         console.print(
             f"  recorded as approval {decision.approval_id} at log #{decision.log_index}", highlight=False
         )
+    else:
+        console.print("  not recorded (--dry-run)", highlight=False)
 
 
 @click.command("approve")
@@ -103,6 +139,9 @@ def print_decision(console: Console, decision: Decision) -> None:
 @click.option("--key", "key_path", default=None, metavar="PATH", help="Key that signs the decision.")
 @vkey_option
 @json_option
+@click.option(
+    "--dry-run", is_flag=True, help="Evaluate and print the decision without writing it to the log."
+)
 @click.option("--schema", is_flag=True, help="Print the policy file's JSON Schema and exit.")
 @store_errors
 def approve(
@@ -113,14 +152,16 @@ def approve(
     vkey: str | None,
     key_path: str | None,
     as_json: bool,
+    dry_run: bool,
     schema: bool,
 ) -> None:
     """Approve or deny the rollout of a build from its stored receipts, and record the signed decision.
 
-    Exit 0: approved (or denied in warn mode). 1: denied. 2: bad input, nothing written.
+    Exit 0: approved (or denied in warn mode). 1: denied. 2: bad input, nothing written. With --dry-run
+    the store is only read and nothing is signed or written; the exit code is the same.
     """
     if schema:
-        click.echo(json.dumps(policy_json_schema(), indent=2))
+        print_even_if_closed(lambda: click.echo(json.dumps(policy_json_schema(), indent=2)))
         return
     if not policy_path:
         raise UsageError("--policy FILE is required (see qualify approve --schema for its format)")
@@ -131,10 +172,15 @@ def approve(
     digest = check_subject(subject) if subject else check_subject(resolve_image(image or ""))
     pinned = [parse_vkey(vkey)] if vkey else None
     # The store must exist: an approval about a log that was never written is a mistake in --db.
-    with opened(open_append(db_url, create=False)) as store:
-        key = load_signing_key(store, key_path)
+    with opened(open_read(db_url) if dry_run else open_append(db_url, create=False)) as store:
+        key = None if dry_run else load_signing_key(store, key_path)
         # Checkpoints are checked against the local log key (or --vkey), not the one the database names.
         verifiers = pinned or log_verifiers(store)[0]
-        decision = record(store, decide(store, loaded, digest, verifiers=verifiers), loaded, key)
-    emit(as_json, decision.model_dump(mode="json"), lambda: print_decision(console, decision))
+        decision = decide(store, loaded, digest, verifiers=verifiers)
+        if key is not None:
+            decision = record(store, decision, loaded, key)
+    console = _PipeConsole(highlight=False, soft_wrap=True)
+    print_even_if_closed(
+        lambda: emit(as_json, decision.model_dump(mode="json"), lambda: print_decision(console, decision))
+    )
     sys.exit(decision.exit_code)

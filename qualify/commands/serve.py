@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import click
@@ -12,13 +13,31 @@ from qualify.errors import UsageError
 
 TOKEN_ENV = "QUALIFY_API_TOKEN"
 MIN_TOKEN_LENGTH = 16
+MAX_TOKEN_FILE_BYTES = 4096
+# On SIGTERM, requests in flight get this long to finish (a decision's evaluation budget is 20 s).
+SHUTDOWN_GRACE_S = 5
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a token file that others can read or write, as ssh does with private keys."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # reading it says why
+    if stat.S_IMODE(mode) & 0o077:
+        raise UsageError(
+            f"token file {path} is accessible by group or others (mode {stat.S_IMODE(mode):04o}); "
+            f"anyone on this host could write to the log with it: chmod 600 {path}"
+        )
 
 
 def read_token(token_file: str | None) -> str | None:
     """The API token from --token-file, else $QUALIFY_API_TOKEN, else None (decisions disabled)."""
     if token_file:
+        _check_private(Path(token_file))
         try:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
+            with open(token_file, "rb") as handle:
+                token = handle.read(MAX_TOKEN_FILE_BYTES + 1).decode("utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read the token file {token_file}: {exc}") from None
         source = f"token file {token_file}"
@@ -28,10 +47,10 @@ def read_token(token_file: str | None) -> str | None:
             return None
         source = f"${TOKEN_ENV}"
     # A short token can be guessed; the route it guards writes to the log.
-    if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
+    if not MIN_TOKEN_LENGTH <= len(token) <= MAX_TOKEN_FILE_BYTES or any(c.isspace() for c in token):
         raise UsageError(
-            f"the API token from {source} must be at least {MIN_TOKEN_LENGTH} characters without spaces; "
-            "make one with: openssl rand -hex 32"
+            f"the API token from {source} must be at least {MIN_TOKEN_LENGTH} characters "
+            f"(at most {MAX_TOKEN_FILE_BYTES}) without spaces; make one with: openssl rand -hex 32"
         )
     return token
 
@@ -49,7 +68,8 @@ def read_token(token_file: str | None) -> str | None:
 @click.option("--key", "key_path", default=None, metavar="PATH", help="Key that signs recorded decisions.")
 @store_errors
 def serve(host: str, port: int, db_url: str | None, token_file: str | None, key_path: str | None) -> None:
-    """Serve receipts, proofs, checkpoints and approvals over HTTP (OpenAPI at /docs and /openapi.json)."""
+    """Serve receipts, proofs, checkpoints and approvals over HTTP (OpenAPI at /docs, /redoc and
+    /openapi.json; the docs pages need no network). The --token-file must be private (chmod 600)."""
     import uvicorn
 
     from qualify.api import create_app
@@ -62,4 +82,10 @@ def serve(host: str, port: int, db_url: str | None, token_file: str | None, key_
         key = load_signing_key(store, key_path) if token is not None else None
         if token is None:
             click.echo(f"decisions disabled: no --token-file or ${TOKEN_ENV}; serving read-only", err=True)
-        uvicorn.run(create_app(store, token=token, signing_key=key), host=host, port=port, log_level="info")
+        uvicorn.run(
+            create_app(store, token=token, signing_key=key),
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )

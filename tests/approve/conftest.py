@@ -1,5 +1,6 @@
 """Fixtures for the approval, API and report tests: a SQLite store with a trusted operator key, and a way
-to append real signed receipts (realistic predicates from approve_predicates) about a subject."""
+to append real signed receipts (realistic predicates from approve_predicates) about a subject; `home` and
+`cli_log` for the command-line tests (a private QUALIFY_HOME and a store made as `qualify run` makes one)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from qualify.commands._common import load_log_signer
 from receipts import dsse, keys
 from receipts.canonical import canonical_json
 from receipts.checkpoint import NoteSigner
@@ -87,3 +89,23 @@ def make_log(tmp_path: Path) -> Iterator[Callable[[], Log]]:
 @pytest.fixture
 def log(make_log: Callable[[], Log]) -> Log:
     return make_log()
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("QUALIFY_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("QUALIFY_DB_URL", raising=False)
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def cli_log(home: Path, tmp_path: Path):
+    """A store made the way `qualify run` makes one: the log key and operator key in QUALIFY_HOME."""
+    path = tmp_path / "cli.db"
+    store = Store.open(f"sqlite:///{path}", log_signer=load_log_signer(create=True))
+    key = keys.generate()
+    key_path = key.save(home / "keys" / "operator.key")
+    store.trust_key(key.public_key(), "operator")
+    log = Log(store=store, url=f"sqlite:///{path}", path=path, key=key, key_path=key_path)
+    yield log
+    store.close()

@@ -9,37 +9,15 @@ from pathlib import Path
 import pytest
 
 from qualify.cli import main
-from qualify.commands._common import load_log_signer
 from qualify.commands.serve import read_token
 from qualify.errors import UsageError
 from receipts import dsse, keys
 from receipts.canonical import canonical_json
-from receipts.store import Store
 
 from .approve_predicates import predicate
 from .conftest import SUBJECT, Log, statement
 
 FLEET = Path(__file__).parents[2] / "examples" / "fleet.toml"
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("QUALIFY_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("QUALIFY_DB_URL", raising=False)
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def cli_log(home: Path, tmp_path: Path):
-    """A store made the way `qualify run` makes one: the log key and operator key in QUALIFY_HOME."""
-    path = tmp_path / "cli.db"
-    store = Store.open(f"sqlite:///{path}", log_signer=load_log_signer(create=True))
-    key = keys.generate()
-    key_path = key.save(home / "keys" / "operator.key")
-    store.trust_key(key.public_key(), "operator")
-    log = Log(store=store, url=f"sqlite:///{path}", path=path, key=key, key_path=key_path)
-    yield log
-    store.close()
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -199,8 +177,10 @@ def test_token_comes_from_the_file_or_the_environment(tmp_path: Path, monkeypatc
     monkeypatch.setenv("QUALIFY_API_TOKEN", "e" * 32)
     assert read_token(None) == "e" * 32
     (tmp_path / "token").write_text("f" * 40 + "\n")
+    (tmp_path / "token").chmod(0o600)
     assert read_token(str(tmp_path / "token")) == "f" * 40
     (tmp_path / "short").write_text("abc")
+    (tmp_path / "short").chmod(0o600)
     with pytest.raises(UsageError, match="at least 16 characters"):
         read_token(str(tmp_path / "short"))
     with pytest.raises(UsageError, match="cannot read the token file"):
@@ -237,6 +217,7 @@ def test_serve_answers_health_and_refuses_decisions_without_the_token(
     cli_log.add()
     token = tmp_path / "token"
     token.write_text("t" * 32)
+    token.chmod(0o600)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -20,6 +20,7 @@ from .conftest import OTHER_SUBJECT, SUBJECT, Log, statement
 
 
 def policy(body: str = "", **settings: object):
+    settings.setdefault("verdict", "qualified")  # a policy must state a requirement
     head = "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
     return parse_policy_text(head + body, "toml", "test.toml")
 
@@ -157,7 +158,7 @@ def test_a_tampered_receipt_counts_for_nothing(log: Log) -> None:
     assert decision.decision == "denied"
     assert tampered not in decision.receipt_ids
     assert any(
-        tampered[:12] in r and "does not verify, so it counts for nothing" in r for r in decision.reasons
+        tampered[:12] in r and "does not verify, so it counts for nothing" in r for r in decision.ignored
     )
 
 
