@@ -2,11 +2,14 @@
 
 It reads RestartCount (a top-level inspect field), the exit code and State.OOMKilled, and also follows the
 daemon's `oom` events for the container: OOMKilled is cleared when the restart policy restarts it.
+Every container carries its run id and its harness (host, boot, pid, start time) as labels: `reap_orphans`
+removes those whose harness is gone (the next `qualify run --launcher docker`, or `qualify gc`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -18,16 +21,20 @@ import httpx
 
 from qualify.launch.base import (
     DEFAULT_MAX_RESTARTS,
+    EXIT_REFUSED,
     FAULT_ENV,
     EngineOptions,
     Launcher,
     LaunchError,
     LaunchStatus,
     RefusalOutcome,
+    harness_alive,
+    harness_identity,
 )
 
 CONTAINER_PORT = "8000/tcp"
 LABEL = "org.qualify.run"
+HARNESS_LABEL = "org.qualify.harness"  # JSON of qualify.launch.base.harness_identity()
 STOP_GRACE_S = 5
 # Harness variables that configure the engine under test travel into the container.
 FORWARD_ENV_PREFIX = "QUALIFY_ENGINE_"
@@ -68,6 +75,27 @@ def check_image(ref: str) -> None:
         client.close()
 
 
+def reap_orphans(client: Any = None) -> list[str]:
+    """Remove every qualify container whose harness is gone (killed before it could stop it); the names."""
+    own = client is None
+    client = client or connect()
+    removed: list[str] = []
+    try:
+        for c in client.containers.list(all=True, filters={"label": LABEL}):
+            try:
+                ident = json.loads(c.labels.get(HARNESS_LABEL, ""))
+            except ValueError:
+                continue  # made before harness labels, or not by us: not ours to judge
+            if harness_alive(ident) is False:
+                with contextlib.suppress(_docker().errors.APIError):
+                    c.remove(force=True)
+                    removed.append(c.name)
+    finally:
+        if own:
+            client.close()
+    return removed
+
+
 def device_requests(gpus: str | None) -> list[Any]:
     """`all` -> every GPU; `0,1` -> those indices; None -> no GPU request."""
     if gpus is None:
@@ -103,6 +131,7 @@ class DockerLauncher(Launcher):
         self.env["QUALIFY_HOME"] = "/var/lib/qualify"
         self.log_path = run_dir / "engine.log"
         self.run_id = uuid.uuid4().hex[:12]
+        self.labels = {LABEL: self.run_id, HARNESS_LABEL: json.dumps(harness_identity(), sort_keys=True)}
         self._client: Any = None
         self._image: Any = None
         self._container: Any = None
@@ -145,7 +174,7 @@ class DockerLauncher(Launcher):
             "command": self.command(),
             "detach": True,
             "name": f"qualify-engine-{self.run_id}",
-            "labels": {LABEL: self.run_id},
+            "labels": self.labels,
             "environment": self.env,
             "ipc_mode": "host",  # CUDA IPC between the engine and its KV-transfer peer
             "restart_policy": {"Name": "on-failure", "MaximumRetryCount": self.max_restarts},
@@ -178,6 +207,15 @@ class DockerLauncher(Launcher):
         while time.monotonic() < deadline:
             self._container.reload()
             st = self._container.attrs["State"]
+            if st["Status"] in ("exited", "restarting") and st.get("ExitCode") == EXIT_REFUSED:
+                # Refused at construction: the daemon's on-failure policy would boot it again for nothing.
+                with contextlib.suppress(Exception):
+                    self._container.update(restart_policy={"Name": "no"})
+                    self._container.kill()
+                raise RuntimeError(
+                    f"the engine refused its configuration at construction (exit {EXIT_REFUSED}, not "
+                    f"restarted): {_last_line(self.logs_tail(5))}"
+                )
             gave_up = st["Status"] == "exited" or (
                 st["Status"] == "restarting" and self._restarts() >= self.max_restarts
             )
@@ -354,6 +392,10 @@ class DockerLauncher(Launcher):
         }
 
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
+        """A SIGTERM or SIGINT while it waits raises through (RunInterrupted / KeyboardInterrupt are not
+        Exceptions): an interrupted probe aborts the run and never reads as the engine's failure."""
+        import requests  # the docker SDK's transport
+
         docker = _docker()
         image = self._image or self._resolve_image()
         cmd = self.command(kda_backend)
@@ -364,14 +406,14 @@ class DockerLauncher(Launcher):
             command=cmd,
             environment=env,
             detach=True,
-            labels={LABEL: self.run_id},
+            labels=self.labels,
             name=f"qualify-refusal-{self.run_id}",
         )
         try:
             c.start()
             try:
                 code: int | None = int(c.wait(timeout=timeout_s)["StatusCode"])
-            except Exception:  # requests' ReadTimeout / ConnectionError: it did not exit in time
+            except requests.exceptions.RequestException:  # ReadTimeout / ConnectionError: not in time
                 code = None
             out = c.logs().decode(errors="replace")
         except docker.errors.APIError as exc:
