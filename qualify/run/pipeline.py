@@ -175,7 +175,6 @@ class Pipeline:
     def run(self) -> RunResult:
         t0 = time.monotonic()
         run_deadline = t0 + self.req.timeout_s
-        self.rundir.claim(self.req.request_info(), self.req.db_url, self.started, __version__)
         client = EngineClient(lambda: self.launcher.url(), timeout_s=REQUEST_TIMEOUT_S)
         ctx = Context(
             request=self.req,
@@ -186,6 +185,7 @@ class Pipeline:
         )
         try:
             with _signals_raise():
+                self.rundir.claim(self.req.request_info(), self.req.db_url, self.started, __version__)
                 self.kmsg.start()
                 self.nvml.start()
                 ctx.target = self._expected_target()
