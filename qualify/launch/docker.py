@@ -140,6 +140,8 @@ class DockerLauncher(Launcher):
         self._events_thread: threading.Thread | None = None
         self._oom_events = 0
         self._die_codes: list[int] = []
+        self._refused = False
+        self._boot_restarts = 0  # crashes before ready, restarted by the harness
         self._final: LaunchStatus | None = None
 
     def command(self, kda_backend: str | None = None) -> list[str]:
@@ -177,7 +179,10 @@ class DockerLauncher(Launcher):
             "labels": self.labels,
             "environment": self.env,
             "ipc_mode": "host",  # CUDA IPC between the engine and its KV-transfer peer
-            "restart_policy": {"Name": "on-failure", "MaximumRetryCount": self.max_restarts},
+            # No daemon restarts until the engine is ready: a refusal at construction (exit 2) must not be
+            # booted again, and the daemon's policy cannot tell it from a crash. The harness restarts a
+            # crash before ready itself, then hands restarts to the daemon (`on-failure`) once ready.
+            "restart_policy": {"Name": "no"},
             "ports": {CONTAINER_PORT: ("127.0.0.1", None)},
             "shm_size": "1g",
         }
@@ -207,42 +212,33 @@ class DockerLauncher(Launcher):
         while time.monotonic() < deadline:
             self._container.reload()
             st = self._container.attrs["State"]
-            if st["Status"] in ("exited", "restarting") and st.get("ExitCode") == EXIT_REFUSED:
-                # Refused at construction: the daemon's on-failure policy would boot it again for nothing.
-                with contextlib.suppress(Exception):
-                    self._container.update(restart_policy={"Name": "no"})
-                    self._container.kill()
+            if st["Status"] == "exited" and st.get("ExitCode") == EXIT_REFUSED:
+                self._refused = True
                 raise RuntimeError(
                     f"the engine refused its configuration at construction (exit {EXIT_REFUSED}, not "
                     f"restarted): {_last_line(self.logs_tail(5))}"
                 )
-            gave_up = st["Status"] == "exited" or (
-                st["Status"] == "restarting" and self._restarts() >= self.max_restarts
-            )
-            if gave_up and self._wait_exited(5):
-                raise RuntimeError(
-                    f"the engine container exited with code {st.get('ExitCode')} before it was ready "
-                    f"({self._restarts()} restarts): {_last_line(self.logs_tail(5))}"
-                )
+            if st["Status"] == "exited":
+                if self._boot_restarts >= self.max_restarts:
+                    raise RuntimeError(
+                        f"the engine container exited with code {st.get('ExitCode')} before it was ready "
+                        f"({self._restarts()} restarts): {_last_line(self.logs_tail(5))}"
+                    )
+                self._boot_restarts += 1  # a crash before ready: boot it again, as the daemon would
+                self._container.start()
+                continue
             url = self._read_url()
             if url and _healthy(url):
                 self._url = url
+                left = self.max_restarts - self._boot_restarts
+                if left > 0:  # (a MaximumRetryCount of 0 would mean no limit)
+                    policy = {"Name": "on-failure", "MaximumRetryCount": left}
+                    self._container.update(restart_policy=policy)
                 return url
             time.sleep(0.2)
         raise TimeoutError(
             f"the engine container was not ready within {timeout_s:g} s: {_last_line(self.logs_tail(5))}"
         )
-
-    def _wait_exited(self, timeout_s: float) -> bool:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            self._container.reload()
-            if self._container.attrs["State"]["Status"] == "exited":
-                return True
-            if self._container.attrs["State"]["Status"] == "running":
-                return False
-            time.sleep(0.2)
-        return False
 
     def _read_url(self) -> str | None:
         ports = (self._container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
@@ -252,7 +248,7 @@ class DockerLauncher(Launcher):
         return f"http://127.0.0.1:{binding[0]['HostPort']}"
 
     def _restarts(self) -> int:
-        return int(self._container.attrs.get("RestartCount", 0))
+        return int(self._container.attrs.get("RestartCount", 0)) + self._boot_restarts
 
     def _follow_events(self, since: int) -> None:
         try:
@@ -326,6 +322,7 @@ class DockerLauncher(Launcher):
                 "state_oom_killed": bool(st.get("OOMKilled")),
                 "oom_events": self._oom_events,
                 "exit_codes": list(self._die_codes),
+                "refused_at_construction": self._refused,
                 "image_id": self._image.id if self._image is not None else None,
                 "mem_limit": self.mem_limit,
                 "log": str(self.log_path),

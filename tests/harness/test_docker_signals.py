@@ -108,3 +108,14 @@ def test_a_sigkilled_docker_run_is_closed_and_its_container_removed_by_gc(
     (p,) = home.predicates()
     assert p["verdict"] == "aborted" and p["request"]["launcher"] == "docker"
     assert home.verify_all().code == 0
+
+
+def test_a_container_refusing_its_configuration_is_not_restarted(tmp_path: Path, engine_image: str) -> None:
+    opts = EngineOptions(preset="tiny", kda_backend="bogus")
+    launcher = DockerLauncher(opts, engine_image, tmp_path / "run")
+    try:
+        with pytest.raises(RuntimeError, match="refused its configuration"):
+            launcher.start(60)
+    finally:
+        final = launcher.stop()
+    assert final.restart_count == 0 and final.detail["exit_codes"] == [2], final
