@@ -31,6 +31,7 @@ from qualify.launch.base import (
     harness_alive,
     harness_identity,
 )
+from qualify.shm import sweep_stale_shm
 
 CONTAINER_PORT = "8000/tcp"
 LABEL = "org.qualify.run"
@@ -349,6 +350,7 @@ class DockerLauncher(Launcher):
                 self._events.close()
         self._remove()
         self._remove_labelled()
+        sweep_stale_shm()  # ipc_mode=host: a killed engine's allocation files are in this host's /dev/shm
         self._final = final
         return final
 
