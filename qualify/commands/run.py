@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,13 +65,16 @@ STEP_NOTES = {
 
 class LiveReporter:
     """On a terminal: one table that updates in place (the running check with its elapsed seconds and what it
-    is doing). Elsewhere (a pipe, a log file): one plain line per finished check, nothing else."""
+    is doing). Elsewhere (a pipe, a log file): one plain line per finished check, and a plain progress line
+    every `plain_every_s` while a check runs that long (a proxy reload census takes minutes on a CPU)."""
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, plain_every_s: float = 30.0) -> None:
         self.console = console
+        self.plain_every_s = plain_every_s
         self.rows: list[tuple[str, str, float, str | None]] = []
         self.current: tuple[str, float] | None = None
         self._live: Live | None = None
+        self._ticking: threading.Event | None = None
 
     def _table(self) -> Table:
         table = Table(show_edge=False)
@@ -91,13 +95,34 @@ class LiveReporter:
 
     def check_started(self, name: str) -> None:
         self.current = (name, time.monotonic())
-        if self.console.is_terminal and self._live is None:
+        if not self.console.is_terminal:
+            self._tick(name)
+        elif self._live is None:
             self._live = Live(
                 get_renderable=self._table, console=self.console, refresh_per_second=4, transient=False
             )
             self._live.start()
 
+    def _tick(self, name: str) -> None:
+        """Plain output: say every `plain_every_s` that the check still runs, and what it is doing."""
+        stop = self._ticking = threading.Event()
+        t0 = time.monotonic()
+
+        def loop() -> None:
+            while not stop.wait(self.plain_every_s):
+                note = STEP_NOTES.get(name, "")
+                line = f"  {name:<11}still running after {time.monotonic() - t0:.0f} s: {note}"
+                self.console.print(line, markup=False, highlight=False)
+
+        threading.Thread(target=loop, name="run-progress", daemon=True).start()
+
+    def _untick(self) -> None:
+        if self._ticking is not None:
+            self._ticking.set()
+            self._ticking = None
+
     def check_finished(self, name: str, status: str, seconds: float, reason: str | None) -> None:
+        self._untick()
         self.current = None
         self.rows.append((name, status, seconds, reason))
         if self._live is not None:
@@ -110,6 +135,7 @@ class LiveReporter:
         self.console.print(message, highlight=False)
 
     def close(self) -> None:
+        self._untick()
         self.current = None
         if self._live is not None:
             self._live.stop()

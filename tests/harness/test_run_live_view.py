@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import pytest
 from rich.console import Console
@@ -42,6 +43,19 @@ def test_in_a_pipe_each_check_is_one_plain_line() -> None:
     lines = out.getvalue().splitlines()
     assert [ln.split()[0] for ln in lines] == ["boot", "backend", "reload"]
     assert "\x1b[" not in out.getvalue() and "differs" in lines[1]
+
+
+def test_in_a_pipe_a_long_check_says_it_still_runs_and_what_it_does() -> None:
+    out = io.StringIO()
+    reporter = LiveReporter(Console(file=out, force_terminal=False, width=120), plain_every_s=0.2)
+    reporter.check_started("reload")
+    time.sleep(1.0)
+    reporter.check_finished("reload", "pass", 1.0, None)
+    time.sleep(0.3)  # no progress line after the check finished
+    lines = out.getvalue().splitlines()
+    assert lines[-1].split()[:2] == ["reload", "pass"]
+    progress = lines[:-1]
+    assert len(progress) >= 1 and all("still running after" in ln and "census" in ln for ln in progress)
 
 
 @pytest.mark.slow
