@@ -302,7 +302,7 @@ class Pipeline:
         ctx = getattr(self, "_ctx", None)
         if ctx is None:
             return
-        engine, weights = self._engine(ctx) if ctx.describe is not None else (None, None)
+        engine, weights = self._engine(ctx)  # before boot: what was asked, and the image or code on disk
         restarts = 0
         with contextlib.suppress(Exception):
             restarts = self.launcher.status().restart_count
@@ -313,7 +313,7 @@ class Pipeline:
                 "target": ctx.target,
                 "engine": engine,
                 "weights_digest": weights,
-                "identity": self._identity() if ctx.describe is not None else None,
+                "identity": self._identity(),
                 "backend": ctx.facts.get("backend"),
                 "layout": ctx.facts.get("layout"),
                 "restart_count": restarts,

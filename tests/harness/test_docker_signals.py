@@ -107,6 +107,7 @@ def test_a_sigkilled_docker_run_is_closed_and_its_container_removed_by_gc(
     assert set(out["removed_containers"]) & set(run_id_containers)
     (p,) = home.predicates()
     assert p["verdict"] == "aborted" and p["request"]["launcher"] == "docker"
+    assert p["engine"]["image_digest"], "the closed run names the image it was qualifying"
     assert home.verify_all().code == 0
 
 
