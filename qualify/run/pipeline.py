@@ -170,6 +170,7 @@ class Pipeline:
         self.interrupted: str | None = None
         self.unresponsive = False  # a request timed out: the engine may not honour SIGTERM either
         self.cgroup_oom_before = cgroup_oom_kills()
+        self._ctx: Context | None = None  # set once the run starts: what progress.json records
 
     # ------------------------------------------------------------ the run
     def run(self) -> RunResult:
@@ -299,7 +300,7 @@ class Pipeline:
 
     def _progress(self, current: str | None) -> None:
         """What a later process needs to close this run if its harness is killed (qualify.run.recover)."""
-        ctx = getattr(self, "_ctx", None)
+        ctx = self._ctx
         if ctx is None:
             return
         engine, weights = self._engine(ctx)  # before boot: what was asked, and the image or code on disk
@@ -477,22 +478,17 @@ class Pipeline:
             "engine_dead": bool(dead),
         }
 
-    def _exit_evidence(self, final: LaunchStatus) -> dict[str, Any]:
-        """How each engine ended, and for a SIGKILL whether the kernel's OOM killer sent it (observed only
-        from the kernel's own record; a person's kill -9 and an OOM kill exit alike)."""
+    def _with_exit_evidence(self, faults: dict[str, Any], final: LaunchStatus) -> dict[str, Any]:
+        """Adds how each engine ended (`engine_exits`) and, for a SIGKILL, whether the kernel's OOM killer
+        sent it (`oom.kernel`: observed only from the kernel's own record, since a person's kill -9 and an
+        OOM kill exit alike). Both are optional fields of the receipt's Faults."""
         codes = [int(c) for c in final.detail.get("exit_codes", [])]
         pids = [int(p) for p in final.detail.get("pids", [])]
-        with self.kmsg._lock:
-            kernel_pids = list(self.kmsg.oom_killed_pids)
-        kernel = kernel_oom(codes, pids, kernel_pids, self.cgroup_oom_before, cgroup_oom_kills())
+        kernel = kernel_oom(codes, pids, self.kmsg.oom_kills(), self.cgroup_oom_before, cgroup_oom_kills())
         if kernel is not None and self.launcher.kind == "docker" and final.oom_killed:
             kernel = "observed"  # the daemon's OOMKilled / `oom` event is the kernel's record for its cgroup
-        return {"engine_exits": [describe_exit(c) for c in codes], "oom_kernel": kernel}
-
-    def _with_exit_evidence(self, faults: dict[str, Any], final: LaunchStatus) -> dict[str, Any]:
-        extra = self._exit_evidence(final)
-        faults["oom"]["kernel"] = extra["oom_kernel"]
-        faults["engine_exits"] = extra["engine_exits"]
+        faults["oom"]["kernel"] = kernel
+        faults["engine_exits"] = [describe_exit(c) for c in codes]
         return faults
 
     def _gpus(self, ctx: Context) -> list[dict[str, Any]]:

@@ -81,6 +81,11 @@ class KmsgWatcher:
         if self.status == "watching":
             self.status = "stopped"
 
+    def oom_kills(self) -> list[int]:
+        """PIDs the kernel log says the OOM killer killed, as seen so far."""
+        with self._lock:
+            return list(self.oom_killed_pids)
+
     def snapshot(self) -> list[XidEvent]:
         with self._lock:
             return list(self.events)

@@ -200,3 +200,21 @@ def test_a_crashed_engines_shared_memory_is_swept_by_its_supervisor(tmp_path: Pa
         assert launcher.status().detail["exits"] == ["exited with code 3"]
     finally:
         launcher.stop()
+
+
+def test_the_cgroups_oom_kill_count_is_the_kernels_record_too(tmp_path: Path) -> None:
+    from qualify.watch.oom import cgroup_oom_kills, kernel_oom
+
+    (tmp_path / "proc-cgroup").write_text("0::/user.slice/run-1.scope\n")
+    events = tmp_path / "cg" / "user.slice" / "run-1.scope" / "memory.events"
+    events.parent.mkdir(parents=True)
+    events.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    before = cgroup_oom_kills(tmp_path / "cg", tmp_path / "proc-cgroup")
+    events.write_text("low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n")
+    after = cgroup_oom_kills(tmp_path / "cg", tmp_path / "proc-cgroup")
+    assert (before, after) == (1, 2)
+    assert kernel_oom([-9], [10], [], before, after) == "observed"
+    assert kernel_oom([-9], [10], [], after, after) == "unknown"
+    assert kernel_oom([-9], [10], [], None, None) == "unknown"  # no cgroup v2 here: unknown, never False
+    assert kernel_oom([3], [10], [10], before, after) is None  # not SIGKILLed: nothing to say
+    assert cgroup_oom_kills(tmp_path / "nowhere", tmp_path / "proc-cgroup") is None
