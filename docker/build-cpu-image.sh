@@ -13,7 +13,7 @@ TORCH_SPEC='torch==2.13.0+cpu'
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
 # What the engine image contains (and so what its tag hashes): the engine, its protocol, the kernels.
-ENGINE_PATHS=(pyproject.toml README.md qualify/__init__.py qualify/settings.py qualify/protocol.py qualify/engine kernels)
+ENGINE_PATHS=(pyproject.toml README.md qualify/__init__.py qualify/settings.py qualify/protocol.py qualify/shm.py qualify/engine kernels)
 
 log() { echo "build-cpu-image: $*" >&2; }
 

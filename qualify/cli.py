@@ -20,6 +20,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("approve", "approve"),
     ("serve", "serve"),
     ("audit", "audit"),
+    ("gc", "gc"),
 ]
 
 

@@ -198,6 +198,13 @@ class XidEvent(_Model):
 class OomInfo(_Model):
     container: bool = Field(False, description="the container was killed for memory (docker)")
     cuda_oom_count: NonNegativeInt = 0
+    # Optional (added after 0.1.0 receipts): a SIGKILLed local engine looks the same whether the kernel's OOM
+    # killer or a person sent the signal; only the kernel's own record tells them apart.
+    kernel: Literal["observed", "unknown"] | None = Field(
+        None,
+        description="an engine was killed by signal 9: observed = the kernel's OOM-kill record (kernel log "
+        "or cgroup memory.events) names it; unknown = no such record; null = no engine was SIGKILLed",
+    )
 
 
 class Faults(_Model):
@@ -209,6 +216,10 @@ class Faults(_Model):
     xid_watch_reason: str | None = Field(None, description="why the Xid watcher could not run, if so")
     oom: OomInfo = Field(default_factory=OomInfo)
     engine_dead: bool = False
+    # Optional (added after 0.1.0 receipts): how each engine incarnation ended, in words.
+    engine_exits: list[str] = Field(
+        default_factory=list, description='e.g. "killed by signal 9 (SIGKILL)", "exited with code 3"'
+    )
 
     def blocking(self, target: str) -> list[str]:
         """The faults that keep a run from qualifying, in words; empty when none. The one place that says

@@ -6,14 +6,17 @@ Exit 0 qualified, 1 rejected or aborted (the receipt is stored), 2 bad input (no
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
@@ -24,6 +27,7 @@ from qualify.run.request import (
     LAUNCHERS,
     PRESETS,
     RunRequest,
+    backend_refusal,
     parse_dcp,
     parse_gpus,
     parse_layout,
@@ -49,27 +53,94 @@ def host_has_cuda_gpu() -> bool:
     return out.returncode == 0 and "GPU " in out.stdout
 
 
-class RichReporter:
-    """One line per check: a spinner while it runs, then its status and seconds."""
+# What a check is doing while it runs, for the live view (the long ones say so).
+STEP_NOTES = {
+    "boot": "starting the engine and waiting for its ready line",
+    "backend": "profiling a step; a second engine must refuse a bogus backend",
+    "layout": "a peer process imports every KV allocation",
+    "capture": "capturing CUDA graphs",
+    "reload": "reloading the weights in place and taking the census (minutes for proxy on a CPU)",
+    "generation": "greedy generation before and after reload",
+}
 
-    def __init__(self, console: Console) -> None:
+
+class LiveReporter:
+    """On a terminal: one table that updates in place (the running check with its elapsed seconds and what it
+    is doing). Elsewhere (a pipe, a log file): one plain line per finished check, and a plain progress line
+    every `plain_every_s` while a check runs that long (a proxy reload census takes minutes on a CPU)."""
+
+    def __init__(self, console: Console, plain_every_s: float = 30.0) -> None:
         self.console = console
-        self._status = None
+        self.plain_every_s = plain_every_s
+        self.rows: list[tuple[str, str, float, str | None]] = []
+        self.current: tuple[str, float] | None = None
+        self._live: Live | None = None
+        self._ticking: threading.Event | None = None
+
+    def _table(self) -> Table:
+        table = Table(show_edge=False)
+        table.add_column("check")
+        table.add_column("status")
+        table.add_column("seconds", justify="right")
+        table.add_column("reason", overflow="fold")
+        for name, status, seconds, reason in self.rows:
+            style = STATUS_STYLE.get(status, "white")
+            table.add_row(name, f"[{style}]{status}[/]", f"{seconds:.2f}", escape(reason or ""))
+        if self.current is not None:
+            name, t0 = self.current
+            note = STEP_NOTES.get(name, "")
+            table.add_row(
+                name, "[cyan]running[/]", f"{time.monotonic() - t0:.1f}", f"[dim]{escape(note)} …[/]"
+            )
+        return table
 
     def check_started(self, name: str) -> None:
-        self._status = self.console.status(f"[bold]{name}[/] …", spinner="dots")
-        self._status.start()
+        self.current = (name, time.monotonic())
+        if not self.console.is_terminal:
+            self._tick(name)
+        elif self._live is None:
+            self._live = Live(
+                get_renderable=self._table, console=self.console, refresh_per_second=4, transient=False
+            )
+            self._live.start()
+
+    def _tick(self, name: str) -> None:
+        """Plain output: say every `plain_every_s` that the check still runs, and what it is doing."""
+        stop = self._ticking = threading.Event()
+        t0 = time.monotonic()
+
+        def loop() -> None:
+            while not stop.wait(self.plain_every_s):
+                note = STEP_NOTES.get(name, "")
+                line = f"  {name:<11}still running after {time.monotonic() - t0:.0f} s: {note}"
+                self.console.print(line, markup=False, highlight=False)
+
+        threading.Thread(target=loop, name="run-progress", daemon=True).start()
+
+    def _untick(self) -> None:
+        if self._ticking is not None:
+            self._ticking.set()
+            self._ticking = None
 
     def check_finished(self, name: str, status: str, seconds: float, reason: str | None) -> None:
-        if self._status is not None:
-            self._status.stop()
-            self._status = None
-        style = STATUS_STYLE.get(status, "white")
-        tail = f"  [dim]{escape(reason)}[/]" if reason and status != "pass" else ""
-        self.console.print(f"  {name:<11}[{style}]{status:<6}[/]{seconds:7.2f} s{tail}", highlight=False)
+        self._untick()
+        self.current = None
+        self.rows.append((name, status, seconds, reason))
+        if self._live is not None:
+            self._live.refresh()
+            return
+        tail = f"  {reason}" if reason and status != "pass" else ""
+        self.console.print(f"  {name:<11}{status:<6}{seconds:7.2f} s{tail}", markup=False, highlight=False)
 
     def note(self, message: str) -> None:
         self.console.print(message, highlight=False)
+
+    def close(self) -> None:
+        self._untick()
+        self.current = None
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
 
 def build_request(
@@ -107,6 +178,15 @@ def build_request(
         _check_key_file(key)
     if launcher == "local" and (image or mem_v):
         raise UsageError("--image and --mem-limit apply to --launcher docker only")
+    target = _target_before_boot(launcher, gpus_v)
+    if launcher == "local" and gpus_v is not None and target == "cpu":
+        raise UsageError(
+            f"--gpus {gpus_v}: this host has no CUDA GPU the local engine could use (nvidia-smi lists none, "
+            "or CUDA_VISIBLE_DEVICES hides them); drop --gpus"
+        )
+    why = backend_refusal(kda_backend, target, launcher, dict(os.environ))
+    if why:
+        raise UsageError(why)
     return RunRequest(
         layout=layout_v,
         kda_backend=kda_backend,
@@ -123,6 +203,16 @@ def build_request(
         json_output=as_json,
         dcp=dcp_v,
     )
+
+
+def _target_before_boot(launcher: str, gpus: str | None) -> str:
+    """The target as the harness knows it before boot (the pipeline decides it again, from NVML too): a
+    container sees a GPU only when --gpus asks; a local engine sees the host's unless CUDA_VISIBLE_DEVICES
+    hides them all (the local launcher applies --gpus as CUDA_VISIBLE_DEVICES)."""
+    if launcher == "docker":
+        return "gpu" if gpus else "cpu"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    return "gpu" if not hidden and host_has_cuda_gpu() else "cpu"
 
 
 def _check_key_file(path: str) -> None:
@@ -194,33 +284,44 @@ def run(ctx: click.Context, **opts: object) -> None:
             )
         elif key.newly_trusted:
             console.print(f"trusted signing key {key.path} (keyid {key.key.keyid[:16]}) in the store")
+        _close_leftovers(console, req, store, key)
         console.print(
             f"qualify run: {req.launcher} launcher, preset {req.preset}, backend {req.kda_backend}, "
             f"spec {req.spec}, layout {','.join(map(str, req.layout)) if req.layout else 'any'}"
         )
-        result = Pipeline(req, store, key, RichReporter(console)).run()
+        reporter = LiveReporter(console)
+        try:
+            result = Pipeline(req, store, key, reporter).run()
+        finally:
+            reporter.close()
     finally:
         store.close()
     elapsed = time.monotonic() - t0
     if req.json_output:
         click.echo(json.dumps({**result.summary(), "wall_seconds": round(elapsed, 3)}, indent=2))
     else:
-        _print_table(console, result, elapsed)
+        _print_verdict(console, result, elapsed)
     ctx.exit(0 if result.verdict == "qualified" else 1)
 
 
-def _print_table(console: Console, result, elapsed: float) -> None:  # type: ignore[no-untyped-def]
-    table = Table(title=None, show_edge=False)
-    table.add_column("check")
-    table.add_column("status")
-    table.add_column("seconds", justify="right")
-    table.add_column("reason", overflow="fold")
-    for c in result.checks:
-        style = STATUS_STYLE.get(c["status"], "white")
-        table.add_row(
-            c["name"], f"[{style}]{c['status']}[/]", f"{c['seconds']:.2f}", escape(c["reason"] or "")
+def _close_leftovers(console: Console, req: RunRequest, store, key) -> None:  # type: ignore[no-untyped-def]
+    """What an earlier harness killed by SIGKILL left: its run gets an aborted receipt, its containers go."""
+    from qualify.run.recover import close_abandoned
+
+    for r in close_abandoned(store, key.key, req.db_url):
+        console.print(
+            f"closed run {r.run_dir} whose harness was killed: aborted receipt {r.receipt_id} "
+            f"(log index {r.log_idx})"
         )
-    console.print(table)
+    if req.launcher == "docker":
+        from qualify.launch.docker import reap_orphans
+
+        for name in reap_orphans():
+            console.print(f"removed container {name}: its harness is gone")
+
+
+def _print_verdict(console: Console, result, elapsed: float) -> None:  # type: ignore[no-untyped-def]
+    """The checks are already on screen (the live table, or a line each): the verdict and its reasons."""
     style = VERDICT_STYLE.get(result.verdict, "bold")
     console.print(
         f"verdict [{style}]{result.verdict}[/] (target {result.target}) in {elapsed:.1f} s — "

@@ -8,6 +8,7 @@ When ready it prints `QUALIFY_ENGINE_READY url=http://HOST:PORT pid=PID` and wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,10 @@ import sys
 import threading
 import time
 
-EXIT_BAD_CONFIG = 2
+EXIT_BAD_CONFIG = 2  # refused at construction: launchers do not restart an engine that exits so
+# The read end of a pipe whose write end only the harness holds (qualify.launch.base.HARNESS_FD_ENV).
+HARNESS_FD_ENV = "QUALIFY_HARNESS_FD"
+HARNESS_GONE_GRACE_S = 10.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,7 +84,68 @@ def _config_fields(args: argparse.Namespace) -> dict:
     return fields
 
 
+def _watch_harness() -> None:
+    """Exit when the harness that started us is gone, however it went (SIGKILL included).
+
+    Why a pipe and not prctl(PR_SET_PDEATHSIG): the death signal follows the *thread* that forked us (the
+    harness's supervisor thread, which ends between restarts), races with a parent that dies before the
+    prctl runs, and kills without cleanup. A pipe's read end sees EOF exactly when the last write end
+    closes, which the kernel does when the harness process dies by any means; we then stop as on SIGTERM
+    (allocations released), and die hard only if that does not finish within a grace period."""
+    raw = os.environ.get(HARNESS_FD_ENV)
+    if not raw:
+        return
+    try:
+        fd = int(raw)
+        os.fstat(fd)
+    except (ValueError, OSError):
+        _fail(f"{HARNESS_FD_ENV}={raw!r} is not an open file descriptor")
+    os.environ.pop(HARNESS_FD_ENV)  # not inherited by the peer process: it is the engine's watch only
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(fd, 64):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        with contextlib.suppress(OSError):  # our stdout went with the harness: EPIPE, not a reason to stay
+            print("qualify engine: the harness is gone; stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(HARNESS_GONE_GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="harness-watch", daemon=True).start()
+
+
 def serve(args: argparse.Namespace) -> None:
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal with the handler that
+    # was installed before it: with the default one the process dies inside server.run and no `finally`
+    # runs, leaking the engine's shared-memory allocations. Ours turns it into an exception, so the
+    # allocations are released, then dies of the same signal (the exit status launchers expect). It is
+    # installed before the engine is built, so a stop during construction also unwinds (and releases).
+    stopped: list[int] = []
+
+    def _stop(sig: int, _frame) -> None:
+        stopped.append(sig)
+        raise SystemExit(128 + sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    _watch_harness()
+    try:
+        _serve(args)
+    except SystemExit:
+        if not stopped:
+            raise
+    if stopped:
+        signal.signal(stopped[0], signal.SIG_DFL)
+        signal.raise_signal(stopped[0])
+
+
+def _serve(args: argparse.Namespace) -> None:
     # CUDA IPC export of the KV allocations needs plain (non-expandable) segments.
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments:True" in alloc_conf:
@@ -163,30 +228,12 @@ def serve(args: argparse.Namespace) -> None:
         arm_timers(faults)
 
     threading.Thread(target=announce, daemon=True).start()
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal with the handler that
-    # was installed before it: with the default one the process dies inside server.run and no `finally`
-    # runs, leaking the engine's shared-memory allocations. Ours turns it into an exception, so the
-    # allocations are released, then dies of the same signal (the exit status launchers expect).
-    stopped: list[int] = []
-
-    def _stop(sig: int, _frame) -> None:
-        stopped.append(sig)
-        raise SystemExit(128 + sig)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop)
     try:
         server.run(sockets=[sock])
-    except SystemExit:
-        if not stopped:
-            raise
     finally:
         if followers is not None:
             followers.stop()
         engine.close()
-    if stopped:
-        signal.signal(stopped[0], signal.SIG_DFL)
-        signal.raise_signal(stopped[0])
 
 
 def _follower_argv(argv: list[str]) -> list[str]:

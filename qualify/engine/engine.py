@@ -33,10 +33,15 @@ class EngineConfigError(ValueError):
 
 
 def code_digest() -> str:
-    """sha256 over the engine's source: qualify/engine, qualify/protocol.py and the kernels package."""
+    """sha256 over the engine's source: qualify/engine, qualify/protocol.py, qualify/shm.py and kernels."""
     root = _ENGINE_DIR.parent.parent
     files = sorted(
-        [*_ENGINE_DIR.rglob("*.py"), root / "qualify" / "protocol.py", *(root / "kernels").rglob("*.py")]
+        [
+            *_ENGINE_DIR.rglob("*.py"),
+            root / "qualify" / "protocol.py",
+            root / "qualify" / "shm.py",
+            *(root / "kernels").rglob("*.py"),
+        ]
     )
     h = hashlib.sha256()
     for f in files:

@@ -8,7 +8,6 @@ import contextlib
 import fcntl
 import math
 import os
-import tempfile
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -16,14 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+# The files, their flock and the sweep live in qualify.shm, which the harness (no torch) shares.
 from qualify.protocol import KV_ALIGNMENT, KV_PROBE_BYTES
+from qualify.shm import SHM_PREFIX, shm_dir, sweep_stale_shm  # noqa: F401
 
 ALIGNMENT = KV_ALIGNMENT  # every carved view starts on this many bytes
 PROBE_BYTES = KV_PROBE_BYTES  # a page at the end of each allocation: engine-written half, peer-written half
-# CPU allocations are files named SHM_PREFIX...; the owning engine holds a shared flock on each for its
-# whole life, so a file nobody holds a lock on belongs to an engine that died (killed, crashed) and is
-# removed by the next engine that starts on this host, whatever PID namespace either ran in.
-SHM_PREFIX = "qualify-kv-lk-"
 
 
 class LayoutError(ValueError):
@@ -165,36 +162,7 @@ def group_view_specs(group: KvGroup, cfg) -> list[ViewSpec]:
 
 
 def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def sweep_stale_shm(base: str | None = None) -> list[str]:
-    """Remove CPU allocation files whose owner died (no lock held on them); return the names removed."""
-    base = base or _shm_dir()
-    removed = []
-    try:
-        names = [n for n in os.listdir(base) if n.startswith(SHM_PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(base, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # gone already, or not ours to open
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while any live engine holds its lock
-        except OSError:
-            os.close(fd)
-            continue
-        try:
-            os.unlink(path)
-            removed.append(name)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
+    return shm_dir()
 
 
 def _unlink_and_close(path: str, fd: int) -> None:

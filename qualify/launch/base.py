@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +17,66 @@ from qualify.errors import QualifyError
 READY_RE = re.compile(r"QUALIFY_ENGINE_READY url=(?P<url>\S+)(?: pid=(?P<pid>\d+))?")
 FAULT_ENV = "QUALIFY_ENGINE_FAULT"
 DEFAULT_MAX_RESTARTS = 2
+# The engine's exit status when it refuses its configuration at construction (python -m qualify.engine's
+# EXIT_BAD_CONFIG): a refusal is an answer, not a crash, so no launcher restarts it.
+EXIT_REFUSED = 2
+# The local engine's end of the harness pipe (python -m qualify.engine watches it, exits on EOF).
+HARNESS_FD_ENV = "QUALIFY_HARNESS_FD"
+
+
+def describe_exit(code: int | None) -> str | None:
+    """-9 (a subprocess) or 137 (a container) -> "killed by signal 9 (SIGKILL)"; 3 -> "exited with code 3"."""
+    if code is None:
+        return None
+    sig = -code if code < 0 else code - 128 if 128 < code < 160 else None
+    if sig is None:
+        return f"exited with code {code}"
+    try:
+        name = f" ({signal.Signals(sig).name})"
+    except ValueError:
+        name = ""
+    return f"killed by signal {sig}{name}"
+
+
+def _proc_start_ticks(pid: int) -> str | None:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, starttime, after the command name
+
+
+def _boot_id() -> str:
+    try:
+        return open("/proc/sys/kernel/random/boot_id").read().strip()  # noqa: SIM115
+    except OSError:
+        return "unknown"
+
+
+def harness_identity() -> dict[str, str]:
+    """This harness process, as a later process on this host can tell whether it still lives (a PID alone
+    may be reused: the boot and the process's start time make it unique)."""
+    pid = os.getpid()
+    return {
+        "host": socket.gethostname(),
+        "boot_id": _boot_id(),
+        "pid": str(pid),
+        "start": _proc_start_ticks(pid) or "unknown",
+    }
+
+
+def harness_alive(ident: dict[str, str]) -> bool | None:
+    """True while that harness runs; False once it is gone; None when this host cannot tell (another host)."""
+    if ident.get("host") != socket.gethostname():
+        return None
+    if ident.get("boot_id") != _boot_id():
+        return False  # the host rebooted since: every process of that boot is gone
+    try:
+        pid = int(ident.get("pid", ""))
+    except ValueError:
+        return None
+    start = _proc_start_ticks(pid)
+    return start is not None and start == ident.get("start")
 
 
 class LaunchError(QualifyError):

@@ -2,12 +2,15 @@
 
 It reads RestartCount (a top-level inspect field), the exit code and State.OOMKilled, and also follows the
 daemon's `oom` events for the container: OOMKilled is cleared when the restart policy restarts it.
+Every container carries its run id and its harness (host, boot, pid, start time) as labels: `reap_orphans`
+removes those whose harness is gone (the next `qualify run --launcher docker`, or `qualify gc`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import tarfile
@@ -21,6 +24,7 @@ import httpx
 
 from qualify.launch.base import (
     DEFAULT_MAX_RESTARTS,
+    EXIT_REFUSED,
     FAULT_ENV,
     PEER_FILE,
     EngineOptions,
@@ -29,10 +33,14 @@ from qualify.launch.base import (
     LaunchStatus,
     PeerOutcome,
     RefusalOutcome,
+    harness_alive,
+    harness_identity,
 )
+from qualify.shm import sweep_stale_shm
 
 CONTAINER_PORT = "8000/tcp"
 LABEL = "org.qualify.run"
+HARNESS_LABEL = "org.qualify.harness"  # JSON of qualify.launch.base.harness_identity()
 STOP_GRACE_S = 5
 # Harness variables that configure the engine under test travel into the container.
 FORWARD_ENV_PREFIX = "QUALIFY_ENGINE_"
@@ -73,6 +81,27 @@ def check_image(ref: str) -> None:
         client.close()
 
 
+def reap_orphans(client: Any = None) -> list[str]:
+    """Remove every qualify container whose harness is gone (killed before it could stop it); the names."""
+    own = client is None
+    client = client or connect()
+    removed: list[str] = []
+    try:
+        for c in client.containers.list(all=True, filters={"label": LABEL}):
+            try:
+                ident = json.loads(c.labels.get(HARNESS_LABEL, ""))
+            except ValueError:
+                continue  # made before harness labels, or not by us: not ours to judge
+            if harness_alive(ident) is False:
+                with contextlib.suppress(_docker().errors.APIError):
+                    c.remove(force=True)
+                    removed.append(c.name)
+    finally:
+        if own:
+            client.close()
+    return removed
+
+
 def device_requests(gpus: str | None) -> list[Any]:
     """`all` -> every GPU; `0,1` -> those indices; None -> no GPU request."""
     if gpus is None:
@@ -109,6 +138,7 @@ class DockerLauncher(Launcher):
         self.log_path = run_dir / "engine.log"
         self._env_source = dict(src)
         self.run_id = uuid.uuid4().hex[:12]
+        self.labels = {LABEL: self.run_id, HARNESS_LABEL: json.dumps(harness_identity(), sort_keys=True)}
         self._client: Any = None
         self._image: Any = None
         self._container: Any = None
@@ -117,6 +147,8 @@ class DockerLauncher(Launcher):
         self._events_thread: threading.Thread | None = None
         self._oom_events = 0
         self._die_codes: list[int] = []
+        self._refused = False
+        self._boot_restarts = 0  # crashes before ready, restarted by the harness
         self._final: LaunchStatus | None = None
 
     def command(self, kda_backend: str | None = None) -> list[str]:
@@ -151,10 +183,13 @@ class DockerLauncher(Launcher):
             "command": self.command(),
             "detach": True,
             "name": f"qualify-engine-{self.run_id}",
-            "labels": {LABEL: self.run_id},
+            "labels": self.labels,
             "environment": self.env,
             "ipc_mode": "host",  # CUDA IPC between the engine and its KV-transfer peer
-            "restart_policy": {"Name": "on-failure", "MaximumRetryCount": self.max_restarts},
+            # No daemon restarts until the engine is ready: a refusal at construction (exit 2) must not be
+            # booted again, and the daemon's policy cannot tell it from a crash. The harness restarts a
+            # crash before ready itself, then hands restarts to the daemon (`on-failure`) once ready.
+            "restart_policy": {"Name": "no"},
             "ports": {CONTAINER_PORT: ("127.0.0.1", None)},
             "shm_size": "1g",
         }
@@ -184,33 +219,33 @@ class DockerLauncher(Launcher):
         while time.monotonic() < deadline:
             self._container.reload()
             st = self._container.attrs["State"]
-            gave_up = st["Status"] == "exited" or (
-                st["Status"] == "restarting" and self._restarts() >= self.max_restarts
-            )
-            if gave_up and self._wait_exited(5):
+            if st["Status"] == "exited" and st.get("ExitCode") == EXIT_REFUSED:
+                self._refused = True
                 raise RuntimeError(
-                    f"the engine container exited with code {st.get('ExitCode')} before it was ready "
-                    f"({self._restarts()} restarts): {_last_line(self.logs_tail(5))}"
+                    f"the engine refused its configuration at construction (exit {EXIT_REFUSED}, not "
+                    f"restarted): {_last_line(self.logs_tail(5))}"
                 )
+            if st["Status"] == "exited":
+                if self._boot_restarts >= self.max_restarts:
+                    raise RuntimeError(
+                        f"the engine container exited with code {st.get('ExitCode')} before it was ready "
+                        f"({self._restarts()} restarts): {_last_line(self.logs_tail(5))}"
+                    )
+                self._boot_restarts += 1  # a crash before ready: boot it again, as the daemon would
+                self._container.start()
+                continue
             url = self._read_url()
             if url and _healthy(url):
                 self._url = url
+                left = self.max_restarts - self._boot_restarts
+                if left > 0:  # (a MaximumRetryCount of 0 would mean no limit)
+                    policy = {"Name": "on-failure", "MaximumRetryCount": left}
+                    self._container.update(restart_policy=policy)
                 return url
             time.sleep(0.2)
         raise TimeoutError(
             f"the engine container was not ready within {timeout_s:g} s: {_last_line(self.logs_tail(5))}"
         )
-
-    def _wait_exited(self, timeout_s: float) -> bool:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            self._container.reload()
-            if self._container.attrs["State"]["Status"] == "exited":
-                return True
-            if self._container.attrs["State"]["Status"] == "running":
-                return False
-            time.sleep(0.2)
-        return False
 
     def _read_url(self) -> str | None:
         ports = (self._container.attrs.get("NetworkSettings") or {}).get("Ports") or {}
@@ -220,7 +255,7 @@ class DockerLauncher(Launcher):
         return f"http://127.0.0.1:{binding[0]['HostPort']}"
 
     def _restarts(self) -> int:
-        return int(self._container.attrs.get("RestartCount", 0))
+        return int(self._container.attrs.get("RestartCount", 0)) + self._boot_restarts
 
     def _follow_events(self, since: int) -> None:
         try:
@@ -294,6 +329,7 @@ class DockerLauncher(Launcher):
                 "state_oom_killed": bool(st.get("OOMKilled")),
                 "oom_events": self._oom_events,
                 "exit_codes": list(self._die_codes),
+                "refused_at_construction": self._refused,
                 "image_id": self._image.id if self._image is not None else None,
                 "mem_limit": self.mem_limit,
                 "log": str(self.log_path),
@@ -320,6 +356,7 @@ class DockerLauncher(Launcher):
                 self._events.close()
         self._remove()
         self._remove_labelled()
+        sweep_stale_shm()  # ipc_mode=host: a killed engine's allocation files are in this host's /dev/shm
         self._final = final
         return final
 
@@ -371,6 +408,10 @@ class DockerLauncher(Launcher):
         }
 
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
+        """A SIGTERM or SIGINT while it waits raises through (RunInterrupted / KeyboardInterrupt are not
+        Exceptions): an interrupted probe aborts the run and never reads as the engine's failure."""
+        import requests  # the docker SDK's transport
+
         docker = _docker()
         image = self._image or self._resolve_image()
         cmd = self.command(kda_backend)
@@ -381,14 +422,14 @@ class DockerLauncher(Launcher):
             command=cmd,
             environment=env,
             detach=True,
-            labels={LABEL: self.run_id},
+            labels=self.labels,
             name=f"qualify-refusal-{self.run_id}",
         )
         try:
             c.start()
             try:
                 code: int | None = int(c.wait(timeout=timeout_s)["StatusCode"])
-            except Exception:  # requests' ReadTimeout / ConnectionError: it did not exit in time
+            except requests.exceptions.RequestException:  # ReadTimeout / ConnectionError: not in time
                 code = None
             out = c.logs().decode(errors="replace")
         except docker.errors.APIError as exc:

@@ -1,7 +1,9 @@
 """Local launcher: the engine as a supervised subprocess with an on-failure restart policy.
 
 The engine's address comes from its ready line; after the first boot its port is pinned, so a restarted
-engine answers at the same URL. Logs of every incarnation go to one file in the run directory.
+engine answers at the same URL. Logs of every incarnation go to one file in the run directory. Every engine
+holds the read end of a pipe only this harness writes to: it exits when the harness dies, even by SIGKILL.
+After each exit the supervisor sweeps the shared-memory files a crashed engine could not release.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from urllib.parse import urlsplit
 
 from qualify.launch.base import (
     DEFAULT_MAX_RESTARTS,
+    EXIT_REFUSED,
     FAULT_ENV,
+    HARNESS_FD_ENV,
     MAX_PEER_REPORT_BYTES,
     PEER_FILE,
     PEER_MODULE,
@@ -29,7 +33,9 @@ from qualify.launch.base import (
     LaunchStatus,
     PeerOutcome,
     RefusalOutcome,
+    describe_exit,
 )
+from qualify.shm import sweep_stale_shm
 
 STOP_GRACE_S = 5.0
 # The module run as the engine (`python -m MODULE serve ...`); the reference engine by default. Another
@@ -68,8 +74,13 @@ class LocalLauncher(Launcher):
         self._pid: int | None = None
         self._exit_code: int | None = None
         self._exit_codes: list[int] = []
+        self._pids: list[int] = []
         self._restarts = 0
         self._boots = 0
+        self._refused = False
+        self._swept: list[str] = []
+        # Non-inheritable by default: only the engines get the read end (pass_fds), nobody the write end.
+        self._watch_r, self._watch_w = os.pipe()
 
     # ------------------------------------------------------------ commands
     @property
@@ -90,8 +101,13 @@ class LocalLauncher(Launcher):
                 assert self._url is not None
                 return self._url
             if self._done.is_set():
+                if self._refused:
+                    raise RuntimeError(
+                        f"the engine refused its configuration at construction (exit {EXIT_REFUSED}, "
+                        f"not restarted): {_last_line(self.logs_tail(5))}"
+                    )
                 raise RuntimeError(
-                    f"the engine exited with code {self._exit_code} before it was ready "
+                    f"the engine {describe_exit(self._exit_code)} before it was ready "
                     f"({self._restarts} restarts); see {self.log_path}"
                 )
         raise TimeoutError(f"the engine was not ready within {timeout_s:g} s; see {self.log_path}")
@@ -111,23 +127,31 @@ class LocalLauncher(Launcher):
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
-                        env=self.env,
+                        env=self._engine_env(self.env),
                         text=True,
                         bufsize=1,
                         start_new_session=True,
+                        pass_fds=(self._watch_r,),
                     )
                     self._boots += 1
                     self._pid = self._proc.pid
+                    self._pids.append(self._pid)
                 self._pump(self._proc.stdout, log)
                 rc = self._proc.wait()
-                log.write(f"# qualify: engine exited with code {rc}\n")
+                log.write(f"# qualify: engine {describe_exit(rc)}\n")
+                swept = sweep_stale_shm()  # what a crashed or killed engine could not release
+                if swept:
+                    log.write(f"# qualify: removed {len(swept)} shared-memory files it left\n")
                 with self._lock:
                     self._exit_code = rc
                     self._exit_codes.append(rc)
+                    self._swept.extend(swept)
                     self._ready.clear()
-                    if self._stopping or rc == 0 or self._restarts >= self.max_restarts:
+                    # A refusal at construction is the engine's answer; restarting it would only repeat it.
+                    self._refused = rc == EXIT_REFUSED
+                    if self._stopping or rc == 0 or self._refused or self._restarts >= self.max_restarts:
                         break
-                    self._restarts += 1  # on-failure policy: a non-zero exit earns a restart
+                    self._restarts += 1  # on-failure policy: a crash earns a restart
                 time.sleep(0.2)
         self._done.set()
 
@@ -166,8 +190,12 @@ class LocalLauncher(Launcher):
                 restart_count=self._restarts,
                 detail={
                     "pid": self._pid,
+                    "pids": list(self._pids),
                     "boots": self._boots,
                     "exit_codes": list(self._exit_codes),
+                    "exits": [describe_exit(c) for c in self._exit_codes],
+                    "refused_at_construction": self._refused,
+                    "shm_swept": len(self._swept),
                     "log": str(self.log_path),
                 },
             )
@@ -180,7 +208,20 @@ class LocalLauncher(Launcher):
             _terminate(proc, grace_s)
         if self._thread is not None:
             self._thread.join(timeout=grace_s + 5)
+        self._close_watch()
+        with self._lock:
+            self._swept.extend(sweep_stale_shm())
         return self.status()
+
+    def _engine_env(self, env: dict[str, str]) -> dict[str, str]:
+        return {**env, HARNESS_FD_ENV: str(self._watch_r)}
+
+    def _close_watch(self) -> None:
+        """Closing the write end tells any engine still alive that its harness is gone."""
+        for fd in (self._watch_w, self._watch_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._watch_w = self._watch_r = -1
 
     def logs_tail(self, lines: int = 30) -> str:
         try:
@@ -205,9 +246,10 @@ class LocalLauncher(Launcher):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=self._engine_env(env),
             text=True,
             start_new_session=True,
+            pass_fds=(self._watch_r,),
         )
         try:
             out, _ = proc.communicate(timeout=timeout_s)
@@ -216,6 +258,9 @@ class LocalLauncher(Launcher):
             _terminate(proc)
             out, _ = proc.communicate()
             code = None
+        except BaseException:  # interrupted (SIGTERM, SIGINT...): the probe goes with the run
+            _terminate(proc, 1.0)
+            raise
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out or "")
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
@@ -257,3 +302,8 @@ def _terminate(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> No
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=5)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("# qualify:")]
+    return lines[-1][:300] if lines else "(no output)"

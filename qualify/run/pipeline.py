@@ -1,5 +1,7 @@
 """The run: boot the engine, start the watchers, run the checks in order within their time budgets, stop,
-judge, and always write a receipt — also when a check hangs, the engine dies, or SIGINT/SIGTERM arrives."""
+judge, and always write a receipt — also when a check hangs, the engine dies, or SIGINT, SIGTERM, SIGHUP or
+SIGQUIT arrives. The run directory holds the request and the results so far under the harness's lock, so a
+run whose harness is SIGKILLed is closed by the next `qualify run` or `qualify gc` (qualify.run.recover)."""
 
 from __future__ import annotations
 
@@ -20,14 +22,16 @@ from qualify import __version__, settings
 from qualify.checks import checks_for
 from qualify.checks.base import Check, Context, Outcome
 from qualify.client import EngineClient, EngineError, EngineUnreachable
-from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus
+from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus, describe_exit
 from qualify.run import receipt as rc
 from qualify.run.geometry import geometry_for
 from qualify.run.operator import OperatorKey
 from qualify.run.request import RunRequest
+from qualify.run.rundir import RunDir
 from qualify.run.verdict import judge
 from qualify.watch.kmsg import KmsgWatcher
 from qualify.watch.nvml import NvmlWatcher
+from qualify.watch.oom import cgroup_oom_kills, kernel_oom
 from qualify.watch.xid import XidEvent, table_evidence
 from receipts.statement import Faults, config_digest
 from receipts.store import Store
@@ -47,8 +51,14 @@ class Reporter(Protocol):
     def note(self, message: str) -> None: ...
 
 
-class RunInterrupted(Exception):
-    """SIGTERM (or SIGINT) arrived: stop, and still write the receipt."""
+# Signals that end a run with an aborted receipt (SIGINT raises KeyboardInterrupt). SIGKILL cannot be caught:
+# the engine watches a pipe from this process instead, and the next run closes the run directory.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+class RunInterrupted(BaseException):
+    """A stop signal arrived: stop, and still write the receipt. A BaseException, like KeyboardInterrupt, so
+    no `except Exception` on the way (a Docker call, a check) can turn an interruption into a failure."""
 
 
 @dataclass
@@ -109,7 +119,7 @@ def make_launcher(req: RunRequest, run_dir: Path) -> Launcher:
 
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[None]:
-    """SIGTERM raises RunInterrupted in the main thread (SIGINT already raises KeyboardInterrupt)."""
+    """SIGTERM, SIGHUP and SIGQUIT raise RunInterrupted in the main thread (SIGINT: KeyboardInterrupt)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -117,11 +127,12 @@ def _signals_raise() -> Iterator[None]:
     def on_term(signum: int, _frame: Any) -> None:
         raise RunInterrupted(f"received {signal.Signals(signum).name}")
 
-    old = signal.signal(signal.SIGTERM, on_term)
+    old = {s: signal.signal(s, on_term) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 @contextlib.contextmanager
@@ -130,7 +141,7 @@ def _signals_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, *STOP_SIGNALS)}
     try:
         yield
     finally:
@@ -158,18 +169,20 @@ class Pipeline:
         self.started = datetime.now(UTC)
         stamp = self.started.strftime("%Y%m%dT%H%M%SZ")
         self.run_dir = settings.data_dir() / "runs" / f"{stamp}-{uuid.uuid4().hex[:6]}"
+        self.rundir = RunDir(self.run_dir)
         self.launcher = launcher or make_launcher(req, self.run_dir)
         self.kmsg = KmsgWatcher()
         self.nvml = NvmlWatcher()
         self.results: list[dict[str, Any]] = []
         self.interrupted: str | None = None
         self.unresponsive = False  # a request timed out: the engine may not honour SIGTERM either
+        self.cgroup_oom_before = cgroup_oom_kills()
+        self._ctx: Context | None = None  # set once the run starts: what progress.json records
 
     # ------------------------------------------------------------ the run
     def run(self) -> RunResult:
         t0 = time.monotonic()
         run_deadline = t0 + self.req.timeout_s
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         client = EngineClient(lambda: self.launcher.url(), timeout_s=REQUEST_TIMEOUT_S)
         ctx = Context(
             request=self.req,
@@ -180,9 +193,12 @@ class Pipeline:
         )
         try:
             with _signals_raise():
+                self.rundir.claim(self.req.request_info(), self.req.db_url, self.started, __version__)
                 self.kmsg.start()
                 self.nvml.start()
                 ctx.target = self._expected_target()
+                self._ctx = ctx
+                self._progress(None)
                 self._checks(ctx, run_deadline)
         except (KeyboardInterrupt, RunInterrupted) as exc:
             self.interrupted = str(exc) or "interrupted (SIGINT)"
@@ -190,7 +206,10 @@ class Pipeline:
                 self.interrupted = "interrupted (SIGINT)"
         finally:
             with _signals_deferred():
-                result = self._finish(ctx, client, t0)
+                try:
+                    result = self._finish(ctx, client, t0)
+                finally:
+                    self.rundir.release()
         return result
 
     def _checks(self, ctx: Context, run_deadline: float) -> None:
@@ -209,6 +228,13 @@ class Pipeline:
             ctx.client.deadline = ctx.deadline
             outcome, seconds, trouble = self._one(check, ctx)
             self._record(check.name, outcome, seconds)
+            if outcome.status != "pass" and time.monotonic() >= run_deadline:
+                # The run's limit ended this check (a boot slower than --timeout): the run was cut short,
+                # which says nothing against the build.
+                self.interrupted = (
+                    f"run timeout: --timeout {self.req.timeout_s:g} s reached during {check.name}"
+                )
+                return
             if check.name == "boot" and outcome.status != "pass" and ctx.describe is None:
                 return  # nothing to check without an engine; the verdict names the checks not run
             if trouble is not None:
@@ -224,6 +250,7 @@ class Pipeline:
 
     def _one(self, check: Check, ctx: Context) -> tuple[Outcome, float, EngineUnreachable | None]:
         self.reporter.check_started(check.name)
+        self._progress(check.name)
         t = time.monotonic()
         trouble: EngineUnreachable | None = None
         try:
@@ -277,6 +304,30 @@ class Pipeline:
             }
         )
         self.reporter.check_finished(name, outcome.status, seconds, outcome.reason)
+        self._progress(None)
+
+    def _progress(self, current: str | None) -> None:
+        """What a later process needs to close this run if its harness is killed (qualify.run.recover)."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        engine, weights = self._engine(ctx)  # before boot: what was asked, and the image or code on disk
+        restarts = 0
+        with contextlib.suppress(Exception):
+            restarts = self.launcher.status().restart_count
+        self.rundir.progress(
+            {
+                "current": current,
+                "checks": self.results,
+                "target": ctx.target,
+                "engine": engine,
+                "weights_digest": weights,
+                "identity": self._identity(),
+                "backend": ctx.facts.get("backend"),
+                "layout": ctx.facts.get("layout"),
+                "restart_count": restarts,
+            }
+        )
 
     # ------------------------------------------------------------ the end
     def _xid_events(self) -> list[XidEvent]:
@@ -327,7 +378,7 @@ class Pipeline:
         finished = datetime.now(UTC)
         # Faults are read after the engine stopped, so the verdict covers the whole run: a restart, Xid, OOM
         # or death that arrives after the faults check still rejects it.
-        faults = self._faults(ctx, final, pre)
+        faults = self._with_exit_evidence(self._faults(ctx, final, pre), final)
         required = [c.name for c in checks_for(self.req)]
         j = judge(self.results, ctx.target, self.interrupted, Faults(**faults).blocking(ctx.target), required)
         engine, weights = self._engine(ctx)
@@ -436,6 +487,19 @@ class Pipeline:
             },
             "engine_dead": bool(dead),
         }
+
+    def _with_exit_evidence(self, faults: dict[str, Any], final: LaunchStatus) -> dict[str, Any]:
+        """Adds how each engine ended (`engine_exits`) and, for a SIGKILL, whether the kernel's OOM killer
+        sent it (`oom.kernel`: observed only from the kernel's own record, since a person's kill -9 and an
+        OOM kill exit alike). Both are optional fields of the receipt's Faults."""
+        codes = [int(c) for c in final.detail.get("exit_codes", [])]
+        pids = [int(p) for p in final.detail.get("pids", [])]
+        kernel = kernel_oom(codes, pids, self.kmsg.oom_kills(), self.cgroup_oom_before, cgroup_oom_kills())
+        if kernel is not None and self.launcher.kind == "docker" and final.oom_killed:
+            kernel = "observed"  # the daemon's OOMKilled / `oom` event is the kernel's record for its cgroup
+        faults["oom"]["kernel"] = kernel
+        faults["engine_exits"] = [describe_exit(c) for c in codes]
+        return faults
 
     def _gpus(self, ctx: Context) -> list[dict[str, Any]]:
         if self.nvml.devices:

@@ -35,8 +35,9 @@ def bare_hex(digest: str | None) -> str | None:
 
 def engine_code_digest_on_disk() -> str:
     """sha256 over the engine's source as the engine itself digests it (qualify.engine's code_digest): every
-    .py under qualify/engine, qualify/protocol.py and every .py under kernels/, sorted by path, each as
-    (path relative to their common root, NUL, bytes, NUL). Found without importing the engine or kernels."""
+    .py under qualify/engine, qualify/protocol.py, qualify/shm.py and every .py under kernels/, sorted by
+    path, each as (path relative to their common root, NUL, bytes, NUL). Found without importing the engine
+    or kernels."""
     spec = importlib.util.find_spec("qualify.engine")
     if spec is None or not spec.submodule_search_locations:
         return "sha256:" + hashlib.sha256(b"qualify.engine not installed").hexdigest()
@@ -48,7 +49,8 @@ def engine_code_digest_on_disk() -> str:
         if kernels is not None and kernels.submodule_search_locations
         else root / "kernels"
     )
-    files = sorted([*engine_dir.rglob("*.py"), root / "qualify" / "protocol.py", *kernels_dir.rglob("*.py")])
+    own = [root / "qualify" / "protocol.py", root / "qualify" / "shm.py"]
+    files = sorted([*engine_dir.rglob("*.py"), *own, *kernels_dir.rglob("*.py")])
     h = hashlib.sha256()
     for f in files:
         if f.is_file():

@@ -20,6 +20,8 @@ PRESETS = ("tiny", "proxy")
 PATTERN_FACTS: dict[str, tuple[str, int]] = {p: (g.layer_pattern, g.group_size) for p, g in GEOMETRY.items()}
 
 MAX_SPEC = 8  # the engine's num_spec bound
+# No engine registers a KV span this long (the proxy's largest is 9216 tokens); beyond it is a typo.
+MAX_SPAN = 1 << 20
 
 
 def max_groups(preset: str) -> int:
@@ -44,6 +46,11 @@ def parse_layout(text: str | None, preset: str) -> list[int] | None:
         v = int(p)
         if v <= 0:
             raise UsageError(f"--layout {text!r}: span {i} is {v}; spans must be positive integers")
+        if v > MAX_SPAN:
+            raise UsageError(
+                f"--layout: span {i} ({p[:24]}{'…' if len(p) > 24 else ''}) is beyond any engine's KV span "
+                f"(at most {MAX_SPAN} tokens)"
+            )
         spans.append(v)
     bound = max_groups(preset)
     if len(spans) > bound:
@@ -53,6 +60,23 @@ def parse_layout(text: str | None, preset: str) -> list[int] | None:
             f"registers at most {bound} KV groups"
         )
     return spans
+
+
+def backend_refusal(kda_backend: str, target: str, launcher: str, env: dict[str, str]) -> str | None:
+    """Why an explicit --kda-backend cannot run on this run's target, known before boot (None: it may).
+    b12x needs CUDA; triton on a CPU needs the Triton interpreter (TRITON_INTERPRET=1), which a local
+    engine inherits from this environment (a container's own environment is the image's to say)."""
+    if target != "cpu":
+        return None
+    if kda_backend == "b12x":
+        return "--kda-backend b12x needs a CUDA GPU and this run's target is the CPU; use auto or torch"
+    interpreting = env.get("TRITON_INTERPRET", "") == "1"
+    if kda_backend == "triton" and launcher == "local" and not interpreting:
+        return (
+            "--kda-backend triton needs a CUDA GPU or the Triton interpreter, and this run's target is the "
+            "CPU without TRITON_INTERPRET=1; use auto or torch, or set TRITON_INTERPRET=1"
+        )
+    return None
 
 
 def parse_spec(text: str) -> int:

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from qualify.watch.oom import oom_killed_pid
 from qualify.watch.xid import XidEvent, classify
 
 KMSG_SOURCE_ENV = "QUALIFY_KMSG_SOURCE"
@@ -52,6 +53,7 @@ class KmsgWatcher:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
         self.events: list[XidEvent] = []
+        self.oom_killed_pids: list[int] = []  # "Killed process PID" lines (the kernel's OOM killer)
         self.lines_read = 0
         self.source: str | None = None
         self.status = "not_started"  # watching | unavailable | stopped
@@ -78,6 +80,11 @@ class KmsgWatcher:
                 self._proc.wait(timeout=2)
         if self.status == "watching":
             self.status = "stopped"
+
+    def oom_kills(self) -> list[int]:
+        """PIDs the kernel log says the OOM killer killed, as seen so far."""
+        with self._lock:
+            return list(self.oom_killed_pids)
 
     def snapshot(self) -> list[XidEvent]:
         with self._lock:
@@ -136,6 +143,10 @@ class KmsgWatcher:
     def _record(self, line: str) -> None:
         self.lines_read += 1
         ev = parse_line(line, source="kmsg")
+        pid = oom_killed_pid(line)
+        if pid is not None:
+            with self._lock:
+                self.oom_killed_pids.append(pid)
         if ev is not None:
             with self._lock:
                 self.events.append(ev)
