@@ -111,8 +111,16 @@ class EngineInfo(_Model):
     version: str | None = None
     image_digest: str | None = Field(None, pattern=_SHA256_REF, description="docker: the image id")
     code_digest: str | None = Field(None, pattern=_SHA256_REF, description="local: installed code + weights")
+    code_scope: str | None = Field(
+        None, max_length=1000, description="what code_digest covers and who computed it (harness or engine)"
+    )
     config_digest: str = Field(pattern=_SHA256_REF, description="sha256 of the RFC 8785 bytes of config")
-    config: dict[str, Any]
+    config: dict[str, Any] = Field(
+        description="the configuration the harness sent the engine (its launch options), digested by it"
+    )
+    described_config: dict[str, Any] | None = Field(
+        None, description="the engine's own account of its full configuration (its word; boot compares it)"
+    )
 
     @model_validator(mode="after")
     def _identity(self) -> EngineInfo:

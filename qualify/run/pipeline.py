@@ -4,6 +4,7 @@ judge, and always write a receipt — also when a check hangs, the engine dies, 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -19,8 +20,10 @@ from typing import Any, Protocol
 from qualify import __version__, settings
 from qualify.checks import CHECKS
 from qualify.checks.base import Check, Context, Outcome
+from qualify.checks.boot import sent_config
 from qualify.client import EngineClient, EngineError, EngineUnreachable
 from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus
+from qualify.launch.local import DEFAULT_ENGINE_MODULE
 from qualify.run import receipt as rc
 from qualify.run.operator import OperatorKey
 from qualify.run.request import RunRequest
@@ -173,6 +176,7 @@ class Pipeline:
             client=client,
             xid_events=self._xid_events,
             xid_watch=self._xid_watch,
+            gpu_pids=self.nvml.compute_pids,
         )
         try:
             with _signals_raise():
@@ -389,36 +393,47 @@ class Pipeline:
             return {"launcher": self.launcher.kind}
 
     def _engine(self, ctx: Context) -> tuple[dict[str, Any], str | None]:
+        """The engine's identity as the harness knows it: the config it sent (digested here; the engine's own
+        account is kept beside it), the code it hashed (local) or the image docker names, and the weights
+        file it hashed (local; None when it could not)."""
         d = ctx.describe
-        ident = self._identity()
-        image = ident.get("image_id")
-        if d is not None:
-            config = _json_safe(d.config)
-            code = d.engine.code_digest
-            code = f"sha256:{rc.bare_hex(code)}" if rc.bare_hex(code) else None
-            return {
-                "name": d.engine.name,
-                "version": d.engine.version,
-                "image_digest": image,
-                "code_digest": code,
-                "config_digest": config_digest(config),
-                "config": config,
-            }, d.engine.weights_digest
-        # The engine never described itself: record what was asked and what the harness can see.
-        config = {
-            "preset": self.req.preset,
-            "kda_decode_backend": self.req.kda_backend,
-            "num_spec": self.req.num_spec,
-            "described": False,
-        }
+        image = self._identity().get("image_id")
+        sent = sent_config(ctx)
+        code, scope = self._code(d)
+        if code is None and image is None:  # nothing else identifies it: the code on disk, and say so
+            code = rc.engine_code_digest_on_disk()
+            scope = "the harness's digest of the engine code on disk; the engine never identified itself"
+        weights = ctx.facts.get("weights_file") or {}
         return {
-            "name": "qualify-engine",
-            "version": None,
+            "name": d.engine.name if d else "qualify-engine",
+            "version": d.engine.version if d else None,
             "image_digest": image,
-            "code_digest": None if image else rc.engine_code_digest_on_disk(),
-            "config_digest": config_digest(config),
-            "config": config,
-        }, None
+            "code_digest": code,
+            "code_scope": scope,
+            "config_digest": config_digest(sent),
+            "config": sent,
+            "described_config": _json_safe(d.config) if d else None,
+        }, weights.get("digest")
+
+    def _code(self, d: Any) -> tuple[str | None, str]:
+        """Local: the harness's digest of the engine code on disk, extended by the source of a non-default
+        QUALIFY_ENGINE_MODULE (so a wrapped engine never shares the reference's code subject); docker: the
+        engine's own report (the image digest is the identity there)."""
+        if self.launcher.kind != "local":
+            own = rc.bare_hex(d.engine.code_digest) if d else None
+            return (
+                f"sha256:{own}" if own else None
+            ), "the engine's own report; the image digest identifies it"
+        base = rc.engine_code_digest_on_disk()
+        scope = "qualify/engine, qualify/protocol.py and kernels, hashed by the harness"
+        module = getattr(self.launcher, "module", DEFAULT_ENGINE_MODULE)
+        if module == DEFAULT_ENGINE_MODULE:
+            return base, scope
+        digest, where = rc.module_source_digest(module)
+        if digest is None:
+            return base, f"{scope}; NOT the engine module actually run: {where}"
+        combined = hashlib.sha256(f"{base}\0{module}\0{digest}".encode()).hexdigest()
+        return f"sha256:{combined}", f"{scope}, plus {where}: {digest}"
 
     def _faults(self, ctx: Context, final: LaunchStatus, pre: LaunchStatus | None) -> dict[str, Any]:
         """Read after the engine stopped, so it covers the whole run: a restart, Xid, OOM or death after the

@@ -27,6 +27,7 @@ class NvmlWatcher:
         self._nvml: Any = None
         self._set: Any = None
         self._handles: dict[Any, str] = {}
+        self._device_handles: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -64,6 +65,7 @@ class NvmlWatcher:
                 except pynvml.NVMLError as exc:
                     info["xid_events"] = f"not supported: {exc}"
                 self._handles[_addr(h)] = pci
+                self._device_handles.append(h)
                 self.devices.append(info)
         except pynvml.NVMLError as exc:
             self.status, self.reason = "error", f"NVML setup failed: {exc}"
@@ -89,6 +91,20 @@ class NvmlWatcher:
         if self.status == "watching":
             return self._thread is not None and self._thread.is_alive()
         return self.status == "stopped"
+
+    def compute_pids(self) -> dict[int, list[int]] | None:
+        """pid -> indices of the GPUs it runs compute work on, as the driver lists them; None when NVML is
+        not running here. The harness's own view of which process is on which GPU."""
+        if self._nvml is None or not self._device_handles:
+            return None
+        out: dict[int, list[int]] = {}
+        try:
+            for index, handle in enumerate(self._device_handles):
+                for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    out.setdefault(int(proc.pid), []).append(index)
+        except self._nvml.NVMLError:
+            return None
+        return out
 
     def _lose(self, reason: str) -> None:
         self.lost_at = datetime.now(UTC).isoformat().replace("+00:00", "Z")

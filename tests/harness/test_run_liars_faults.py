@@ -5,9 +5,11 @@ file. Each run is rejected, and its receipt's faults block and verdict agree."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
+from qualify.run.receipt import engine_code_digest_on_disk, file_digest
 from receipts.statement import Faults
 
 from .conftest import ROOT, SAMPLE_KMSG, Home, check
@@ -35,6 +37,16 @@ def test_an_engine_that_dies_after_the_faults_check_is_rejected(home: Home, when
     blocking = Faults.model_validate(p["faults"]).blocking(p["target"])
     assert blocking, p["faults"]
     assert [r for r in s["reasons"] if r.startswith("fault: ")] == [f"fault: {b}" for b in blocking]
+    # The receipt identifies what ran, as the harness saw it: the code subject covers the wrapper module,
+    # the config is what the harness sent, the weights digest is the harness's hash of the file.
+    assert "tests.liars.late_exit" in p["engine"]["code_scope"]
+    subjects = {sub["name"].rsplit("-", 1)[-1]: sub["digest"]["sha256"] for sub in s["subjects"]}
+    assert "sha256:" + subjects["code"] == p["engine"]["code_digest"] != engine_code_digest_on_disk()
+    assert p["engine"]["config"] == {"preset": "tiny", "kda_decode_backend": "auto", "num_spec": 0}
+    assert p["engine"]["described_config"]["preset"] == "tiny"
+    weights = check(p, "boot")["evidence"]["weights_file"]
+    assert weights["hashed"] and file_digest(Path(weights["path"])) == "sha256:" + subjects["weights"]
+    assert weights["digest"] != check(p, "boot")["evidence"]["engine"]["weights_digest"]
     if when == "sigterm":  # alive until stopped, then exit 1 instead of dying of SIGTERM
         assert p["faults"]["stop_exit_code"] == 1 and not p["faults"]["engine_dead"]
     else:  # gone before the stop: restarted by the supervisor, dead, or exit 1 at the stop (a race)
