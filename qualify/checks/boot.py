@@ -3,9 +3,12 @@ harness hashes the weights file itself (local launcher) and, on a GPU, sees the 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from qualify import settings
 from qualify.checks.base import Check, Cond, Context, Outcome, derived, engine_says, fail_unless, observed
@@ -56,6 +59,35 @@ def _device(ctx: Context, d: Describe, engine_pid: int | None) -> Cond:
     )
 
 
+def holds_listener(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds the TCP socket listening on `port` (Linux /proc: the listening socket's
+    inode among the process's open files); None when /proc cannot say."""
+    inodes: set[str] = set()
+    tables = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        tables += 1
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f[9])
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    if not tables:
+        return None
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
 def run(ctx: Context) -> Outcome:
     t0 = time.monotonic()
     try:
@@ -99,14 +131,21 @@ def run(ctx: Context) -> Outcome:
     }
     differ = {k: (v, described[k]) for k, v in sent.items() if described[k] != v}
     conditions = {
-        # The launcher saw the engine come up (its ready line and /health) within the boot budget.
-        "ready_within_timeout": observed(True, f"ready after {ready_s:.1f} s"),
         # What the harness sent is the receipt's config; the engine's account of it must agree.
         "described_config_agrees_with_sent": engine_says(
             not differ, f"sent vs described: {differ}" if differ else None
         ),
         "device_matches_target": _device(ctx, d, launcher_pid if isinstance(launcher_pid, int) else None),
     }
+    port = urlsplit(ctx.url).port
+    if ctx.launcher.kind == "local" and isinstance(launcher_pid, int) and port is not None:
+        # The process the harness launched is the one listening where the harness sends its requests.
+        held = holds_listener(launcher_pid, port)
+        evidence["listener"] = {"pid": launcher_pid, "port": port, "held": held}
+        if held is not None:
+            conditions["launched_process_serves_the_port"] = observed(
+                held, None if held else f"pid {launcher_pid} does not hold the listener on port {port}"
+            )
     if weights_cond is not None:
         conditions["weights_file_hashed"] = weights_cond
     if disk_digest is not None:

@@ -12,7 +12,7 @@ CONFIG = {"preset": "tiny", "block_size": 2304, "dcp_size": 4}
 IMAGE = "sha256:" + "ab" * 32
 # What a GPU `qualify run --spec mtp:3` records as observed: what examples/fleet.toml requires observed.
 OBSERVED = {
-    "boot": ["ready_within_timeout"],
+    "boot": ["launched_process_serves_the_port", "weights_file_hashed"],
     "backend": ["bogus_backend_refused"],
     "layout": ["spans_equal_request", "peer_ok", "peer_verified_every_group"],
     "capture": ["replay_equals_eager"],

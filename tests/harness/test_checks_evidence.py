@@ -8,6 +8,7 @@ thing an honest engine would do and shows which condition catches it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -317,3 +318,30 @@ def test_engine_code_digest_on_disk_is_the_engines_own_definition(tmp_path: Path
         capture_output=True, text=True, cwd=ROOT, timeout=120, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == engine_code_digest_on_disk()
+
+
+def test_the_harness_sees_which_process_holds_the_engine_port() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    listener = "import socket,sys,time; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen(); " \
+        "print(s.getsockname()[1], flush=True); time.sleep(30)"  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", listener], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        assert boot.holds_listener(child.pid, port) is True
+        # Another process (this one) does not hold it; nor does the child hold a port nobody listens on.
+        assert boot.holds_listener(os.getpid(), port) is False
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            unused = free.getsockname()[1]
+        assert boot.holds_listener(child.pid, unused) is False
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_container_oom_is_a_condition_only_where_docker_could_kill_for_memory() -> None:
+    assert "no_container_oom" not in faults.run(_context(Engine())).conditions

@@ -44,9 +44,13 @@ def test_an_engine_that_dies_after_the_faults_check_is_rejected(home: Home, when
     assert "sha256:" + subjects["code"] == p["engine"]["code_digest"] != engine_code_digest_on_disk()
     assert p["engine"]["config"] == {"preset": "tiny", "kda_decode_backend": "auto", "num_spec": 0}
     assert p["engine"]["described_config"]["preset"] == "tiny"
-    weights = check(p, "boot")["evidence"]["weights_file"]
+    boot = check(p, "boot")
+    assert boot["conditions"]["launched_process_serves_the_port"] == {
+        "holds": True, "source": "observed", "detail": None
+    }  # fmt: skip
+    weights = boot["evidence"]["weights_file"]
     assert weights["hashed"] and file_digest(Path(weights["path"])) == "sha256:" + subjects["weights"]
-    assert weights["digest"] != check(p, "boot")["evidence"]["engine"]["weights_digest"]
+    assert weights["digest"] != boot["evidence"]["engine"]["weights_digest"]
     if when == "sigterm":  # alive until stopped, then exit 1 instead of dying of SIGTERM
         assert p["faults"]["stop_exit_code"] == 1 and not p["faults"]["engine_dead"]
     else:  # gone before the stop: restarted by the supervisor, dead, or exit 1 at the stop (a race)
