@@ -44,19 +44,19 @@ def _weights(ctx: Context, d: Describe) -> tuple[dict[str, Any], Cond | None]:
 
 def _device(ctx: Context, d: Describe, engine_pid: int | None) -> Cond:
     """On a GPU target with NVML running, the harness sees whether the engine's process is on a GPU;
-    elsewhere (a CPU target, docker's own pid namespace, no NVML) only the engine's word is left."""
+    elsewhere (a CPU target, docker's own pid namespace, no NVML, or an NVML whose pids are not this pid
+    namespace's, as inside some containers) only the engine's word is left, and the source says so."""
     device_target = "gpu" if d.device.type == "cuda" else "cpu"
     said = f"engine device {device_target}, target {ctx.target}"
     pids = ctx.gpu_pids() if ctx.target == "gpu" and ctx.launcher.kind == "local" else None
     if pids is None or engine_pid is None:
         return engine_says(device_target == ctx.target, said)
     on = pids.get(engine_pid, [])
-    return observed(
-        bool(on),
-        f"NVML lists engine pid {engine_pid} on GPU {on}"
-        if on
-        else f"NVML does not list engine pid {engine_pid} on any GPU (compute pids {sorted(pids)}); {said}",
-    )
+    if on:
+        return observed(True, f"NVML lists engine pid {engine_pid} on GPU {on}")
+    if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+        return engine_says(device_target == ctx.target, f"{said}; NVML lists no pid of this namespace")
+    return observed(False, f"NVML does not list engine pid {engine_pid} on any GPU (it lists {sorted(pids)})")
 
 
 def holds_listener(pid: int, port: int) -> bool | None:

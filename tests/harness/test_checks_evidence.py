@@ -272,10 +272,25 @@ def test_on_a_gpu_the_harness_sees_the_engine_pid_on_the_gpu_itself() -> None:
     # An engine that says "cuda" but whose process NVML does not list on any GPU fails, whatever it says.
     ctx = _context(Engine())
     ctx.launcher.pid = 4242
-    ctx.gpu_pids = lambda: {99: [0]}
+    ctx.gpu_pids = lambda: {os.getpid(): [0]}  # another process of this namespace is on the GPU
     out = boot.run(ctx)
     assert _failed(out) == {"device_matches_target"}
     assert out.conditions["device_matches_target"].source == "observed"
+    # NVML pids from another pid namespace (some containers) say nothing here: the engine's word remains.
+    ctx = _context(Engine())
+    ctx.launcher.pid = 4242
+    ctx.gpu_pids = lambda: {2**22 + 7: [0]}
+    assert boot.run(ctx).conditions["device_matches_target"].source == "engine"
+
+
+def test_a_docker_engine_is_not_hashed_by_the_harness_and_says_so() -> None:
+    ctx = _context(Engine())
+    ctx.launcher.kind = "docker"
+    out = boot.run(ctx)
+    assert out.status == "pass" and "weights_file_hashed" not in out.conditions
+    assert out.evidence["weights_file"] == {
+        "hashed": False, "why": "docker launcher: the weights are inside the container"
+    }  # fmt: skip
 
 
 def test_a_code_digest_that_is_not_the_code_on_disk_fails_boot() -> None:

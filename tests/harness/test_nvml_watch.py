@@ -53,6 +53,10 @@ def _stand_in_pynvml(*, devices: int, refuse_register: set[int], wait_fails: thr
         raise _Timeout()
 
     m.nvmlDeviceRegisterEvents, m.nvmlEventSetWait_v2 = register, wait
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        types.SimpleNamespace(pid=4000),
+        types.SimpleNamespace(pid=h),
+    ]
     return m
 
 
@@ -73,6 +77,7 @@ def test_registered_on_every_gpu_with_a_running_loop_is_live(stand_in) -> None:
     w = NvmlWatcher().start()
     try:
         assert w.status == "watching" and w.registered_all and w.live()
+        assert w.compute_pids() == {4000: [0, 1], 0: [0], 1: [1]}  # pid -> the GPUs it computes on
     finally:
         w.stop()
     assert w.status == "stopped" and w.live()
@@ -120,6 +125,7 @@ def test_nvml_registers_xid_events_on_every_gpu() -> None:
         assert w.devices and all(d["pci"] for d in w.devices)
         assert all(d["xid_events"] == "registered" for d in w.devices), w.devices
         assert w.registered_all and w.live()
+        assert isinstance(w.compute_pids(), dict)  # the driver answers which processes run on each GPU
         time.sleep(1.2)  # more than two event waits: the loop is still running
         assert w.live(), w.reason
     finally:
