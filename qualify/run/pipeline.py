@@ -313,17 +313,19 @@ class Pipeline:
             return {
                 "state": "replayed",
                 "reason": f"kernel log replayed from {km.source}, not a live watch; {nv_text}{note}",
-                "since": since,
             }
-        if nv.live():
-            n = len(nv.devices)
-            return {"state": "active", "reason": f"NVML Xid events registered on all {n} GPU(s){note}"}
         tail = (
             f"kernel log {km.source} {km.status}: {km.lines_read} lines"
             + (f" ({km.reason})" if km.reason else "")
             if km.source
             else f"kernel log unavailable: {km.reason}"
         )
+        if nv.live():
+            n = len(nv.devices)
+            return {
+                "state": "active",
+                "reason": f"NVML Xid events registered on all {n} GPU(s); {tail}{note}",
+            }
         if km.live():
             return {"state": "active", "reason": f"{tail}; {nv_text}{note}"}
         if not self._host_has_gpu():
