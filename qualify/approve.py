@@ -3,6 +3,7 @@ and append the signed decision to the log (`record`)."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from dataclasses import dataclass
@@ -151,7 +152,35 @@ def _failures(loaded: LoadedPolicy, candidate: Candidate, now: datetime, budget:
             ) from None
         if why is not None:
             failures.append(f"condition {condition.name!r} {why}: {condition.expr}")
+    failures.extend(_observed_failures(policy.require_observed, predicate))
     return failures
+
+
+def _observed_failures(patterns: list[str], predicate: dict[str, Any]) -> list[str]:
+    """require_observed: each pattern must match a check condition of the receipt, and every condition it
+    matches must hold with source `observed` (not `derived`, not the engine's word)."""
+    if not patterns:
+        return []
+    flat: dict[str, Any] = {}
+    checks = predicate.get("checks")
+    for check in checks if isinstance(checks, list) else []:
+        conditions = check.get("conditions") if isinstance(check, dict) else None
+        if isinstance(conditions, dict):
+            flat.update({f"{check.get('name')}.{name}": c for name, c in conditions.items()})
+    out: list[str] = []
+    for pattern in patterns:
+        hits = sorted(k for k in flat if fnmatch.fnmatchcase(k, pattern))
+        if not hits:
+            out.append(f"require_observed {pattern!r}: no such condition in the receipt")
+        for key in hits:
+            c = flat[key] if isinstance(flat[key], dict) else {}
+            if c.get("source") != "observed":
+                out.append(
+                    f"require_observed {key}: source is {c.get('source')}, the policy requires observed"
+                )
+            elif c.get("holds") is not True:
+                out.append(f"require_observed {key}: does not hold")
+    return out
 
 
 def evaluate(

@@ -42,7 +42,9 @@ _CONDITION_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 MAX_AGE_DAYS = 3650
 MAX_HOSTS = 10_000
 # The settings that judge a receipt; a policy must state at least one (`name` and `mode` judge nothing).
-REQUIREMENTS = ("verdict", "conditions", "max_age", "min_hosts", "trusted_keyids")
+REQUIREMENTS = ("verdict", "conditions", "max_age", "min_hosts", "trusted_keyids", "require_observed")
+# "check.condition" with shell wildcards on either side, e.g. "layout.peer_*" or "generation.*"
+_OBSERVED_PATTERN = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+\.[A-Za-z0-9_*?\[\]!-]+$")
 
 
 class PolicyError(UsageError):
@@ -98,6 +100,12 @@ class Policy(BaseModel):
     mode: Literal["enforce", "warn"] = Field(
         "enforce", description="warn: a denial is reported and recorded as 'warn' but does not block"
     )
+    require_observed: list[Annotated[str, Field(max_length=200)]] = Field(
+        default_factory=list,
+        max_length=100,
+        description='"check.condition" shell patterns (e.g. "layout.peer_*"): each must match a condition '
+        "in the receipt, and every condition it matches must hold with source `observed`",
+    )
 
     @field_validator("max_age")
     @classmethod
@@ -114,6 +122,17 @@ class Policy(BaseModel):
                 raise ValueError(f"condition name {name!r} may use only letters, digits, '_', '.', '-'")
             if not expr.strip():
                 raise ValueError(f"condition {name!r} is empty")
+        return value
+
+    @field_validator("require_observed")
+    @classmethod
+    def _observed_patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not _OBSERVED_PATTERN.match(pattern):
+                raise ValueError(
+                    f"require_observed pattern {pattern!r} must look like check.condition "
+                    "(letters, digits, '_', '-', and the wildcards * ? [ ] !)"
+                )
         return value
 
     @field_validator("trusted_keyids")
@@ -134,7 +153,12 @@ class Policy(BaseModel):
 
     def digest(self) -> str:
         """'sha256:<hex>' of the RFC 8785 bytes of the policy: the same for a TOML, YAML or JSON spelling."""
-        return "sha256:" + sha256_hex(self.model_dump(mode="json"))
+        data = self.model_dump(mode="json")
+        if not data["require_observed"]:
+            del data[
+                "require_observed"
+            ]  # a policy without it keeps the digest it had before the field existed
+        return "sha256:" + sha256_hex(data)
 
 
 def policy_json_schema() -> dict[str, Any]:

@@ -55,6 +55,8 @@ class EngineInfo(_Reply):
     version: str
     code_digest: str  # sha256 over the engine's source files
     weights_digest: str
+    # The weights file the engine loaded (None: none named); the harness hashes it where it can read it.
+    weights_path: str | None = None
 
 
 class BackendInfo(_Reply):

@@ -111,8 +111,16 @@ class EngineInfo(_Model):
     version: str | None = None
     image_digest: str | None = Field(None, pattern=_SHA256_REF, description="docker: the image id")
     code_digest: str | None = Field(None, pattern=_SHA256_REF, description="local: installed code + weights")
+    code_scope: str | None = Field(
+        None, max_length=1000, description="what code_digest covers and who computed it (harness or engine)"
+    )
     config_digest: str = Field(pattern=_SHA256_REF, description="sha256 of the RFC 8785 bytes of config")
-    config: dict[str, Any]
+    config: dict[str, Any] = Field(
+        description="the configuration the harness sent the engine (its launch options), digested by it"
+    )
+    described_config: dict[str, Any] | None = Field(
+        None, description="the engine's own account of its full configuration (its word; boot compares it)"
+    )
 
     @model_validator(mode="after")
     def _identity(self) -> EngineInfo:
@@ -207,19 +215,39 @@ class OomInfo(_Model):
     )
 
 
+# Exit statuses of an engine the harness stopped: none recorded, a clean exit, or death by the signal the
+# harness sent (SIGTERM, then SIGKILL after the grace period), as Popen (negative) or docker (128+n) reports.
+CLEAN_STOP_EXIT_CODES: frozenset[int | None] = frozenset({None, 0, -15, 143, -9, 137})
+
+
 class Faults(_Model):
     restart_count: NonNegativeInt = 0
     xid_events: list[XidEvent] = Field(default_factory=list)
-    # active: watched for the whole run; not_applicable: no NVIDIA GPU on the host; unavailable: a GPU host
-    # where neither NVML nor the kernel log could be watched (a GPU target cannot qualify so)
-    xid_watch: Literal["active", "not_applicable", "unavailable"]
+    # active: a live source (NVML registered on every GPU, or the kernel log being read) watched the whole
+    # run; replayed: a recorded kernel log was read (tests and CPU targets only, never a live watch);
+    # not_applicable: no NVIDIA GPU on the host; unavailable: a GPU host where no live source was watched,
+    # or the one that was failed mid-run (a GPU target cannot qualify unless the watch is active)
+    xid_watch: Literal["active", "replayed", "not_applicable", "unavailable"]
     xid_watch_reason: str | None = Field(None, description="why the Xid watcher could not run, if so")
+    xid_watch_lost_at: AwareDatetime | None = Field(
+        None, description="when a live Xid source failed mid-run (unavailable from then on)"
+    )
     oom: OomInfo = Field(default_factory=OomInfo)
     engine_dead: bool = False
     # Optional (added after 0.1.0 receipts): how each engine incarnation ended, in words.
     engine_exits: list[str] = Field(
         default_factory=list, description='e.g. "killed by signal 9 (SIGKILL)", "exited with code 3"'
     )
+    stop_exit_code: int | None = Field(
+        None,
+        description="the engine's exit status when the harness stopped it; 0, or death by the harness's "
+        "SIGTERM/SIGKILL (-15/143, -9/137), is a clean stop; anything else is a fault",
+    )
+
+    @field_validator("xid_watch_lost_at")
+    @classmethod
+    def _lost_in_utc(cls, value: datetime | None) -> datetime | None:
+        return _utc(value)
 
     def blocking(self, target: str) -> list[str]:
         """The faults that keep a run from qualifying, in words; empty when none. The one place that says
@@ -236,6 +264,10 @@ class Faults(_Model):
             out.append(f"CUDA out of memory {self.oom.cuda_oom_count} time(s)")
         if self.engine_dead:
             out.append("engine dead before the run ended")
+        if self.stop_exit_code not in CLEAN_STOP_EXIT_CODES:
+            out.append(
+                f"engine exited with status {self.stop_exit_code} when stopped, not by its stop signal"
+            )
         if target == "gpu" and self.xid_watch != "active":
             out.append(f"Xid watch {self.xid_watch} on a gpu target")
         return out

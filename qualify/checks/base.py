@@ -78,6 +78,8 @@ class Context:
     xid_events: Callable[[], list[Any]] = list
     # The Xid watch as the run sees it: {"state": active | not_applicable | unavailable, "reason": ...}
     xid_watch: Callable[[], dict[str, Any]] = lambda: {"state": "unavailable", "reason": "no watcher"}
+    # pid -> GPU indices with compute work, as NVML lists them (the harness's view); None: no NVML here
+    gpu_pids: Callable[[], dict[int, list[int]] | None] = lambda: None
     deadline: float = float("inf")  # monotonic: the current check's budget, within the run's
 
     def remaining(self) -> float:

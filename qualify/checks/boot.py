@@ -1,12 +1,91 @@
-"""boot: the engine becomes healthy within the timeout; versions, device, driver and identity recorded."""
+"""boot: the engine becomes healthy within the timeout; versions, device, driver and identity recorded; the
+harness hashes the weights file itself (local launcher) and, on a GPU, sees the engine's pid on the GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
-from qualify.checks.base import Check, Context, Outcome, derived, engine_says, fail_unless, observed
-from qualify.run.receipt import bare_hex, engine_code_digest_on_disk
-from receipts.statement import config_digest
+from qualify import settings
+from qualify.checks.base import Check, Cond, Context, Outcome, derived, engine_says, fail_unless, observed
+from qualify.protocol import Describe
+from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_digest
+
+
+def sent_config(ctx: Context) -> dict[str, Any]:
+    """What the harness asked the engine to be (its launch options): the config the receipt digests."""
+    r = ctx.request
+    return {"preset": r.preset, "kda_decode_backend": r.kda_backend, "num_spec": r.num_spec}
+
+
+def _weights(ctx: Context, d: Describe) -> tuple[dict[str, Any], Cond | None]:
+    """Local launcher: hash the weights file the engine names, which must lie in the data dir the harness and
+    the engine share; docker: say that the harness could not (the file is inside the container)."""
+    if ctx.launcher.kind != "local":
+        return {"hashed": False, "why": "docker launcher: the weights are inside the container"}, None
+    named = d.engine.weights_path
+    if not named:
+        return {"hashed": False, "why": "the engine named no weights file"}, observed(
+            False, "the engine named no weights file"
+        )
+    path = Path(named).resolve()
+    home = settings.data_dir().resolve()
+    if not path.is_relative_to(home) or not path.is_file():
+        why = f"{path} is not a file under the data dir {home}"
+        return {"hashed": False, "path": str(path), "why": why}, observed(False, why)
+    digest = file_digest(path)
+    facts = {"hashed": True, "path": str(path), "digest": digest, "bytes": path.stat().st_size}
+    return facts, observed(True, f"{path.name}: {digest}")
+
+
+def _device(ctx: Context, d: Describe, engine_pid: int | None) -> Cond:
+    """On a GPU target with NVML running, the harness sees whether the engine's process is on a GPU;
+    elsewhere (a CPU target, docker's own pid namespace, no NVML, or an NVML whose pids are not this pid
+    namespace's, as inside some containers) only the engine's word is left, and the source says so."""
+    device_target = "gpu" if d.device.type == "cuda" else "cpu"
+    said = f"engine device {device_target}, target {ctx.target}"
+    pids = ctx.gpu_pids() if ctx.target == "gpu" and ctx.launcher.kind == "local" else None
+    if pids is None or engine_pid is None:
+        return engine_says(device_target == ctx.target, said)
+    on = pids.get(engine_pid, [])
+    if on:
+        return observed(True, f"NVML lists engine pid {engine_pid} on GPU {on}")
+    if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+        return engine_says(device_target == ctx.target, f"{said}; NVML lists no pid of this namespace")
+    return observed(False, f"NVML does not list engine pid {engine_pid} on any GPU (it lists {sorted(pids)})")
+
+
+def holds_listener(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds the TCP socket listening on `port` (Linux /proc: the listening socket's
+    inode among the process's open files); None when /proc cannot say."""
+    inodes: set[str] = set()
+    tables = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        tables += 1
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f[9])
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    if not tables:
+        return None
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
 
 
 def run(ctx: Context) -> Outcome:
@@ -25,42 +104,50 @@ def run(ctx: Context) -> Outcome:
     health = ctx.client.health()
     d = ctx.client.describe()
     ctx.describe = d
-    ours = config_digest(d.config)
-    # The target is what the harness knows of the host and the launch (set before boot), never what the
-    # engine says of itself: an engine on a GPU host that came up on the CPU must not qualify as a CPU target.
-    device_target = "gpu" if d.device.type == "cuda" else "cpu"
-    # A local engine runs the code installed beside the harness: its self-reported code digest, which
-    # becomes the receipt's subject, must equal the digest the harness computes from the same files.
+    sent = sent_config(ctx)
+    described = {"preset": d.config.get("preset"), "kda_decode_backend": d.config.get("kda_decode_backend"),
+                 "num_spec": d.capacity.num_spec}  # fmt: skip
+    # A local engine runs the code installed beside the harness: its self-reported code digest must equal
+    # the digest the harness computes from the same files (the receipt's code subject is the harness's).
     disk_digest = engine_code_digest_on_disk() if ctx.launcher.kind == "local" else None
+    launcher_pid = ctx.launcher.status().detail.get("pid")
+    weights, weights_cond = _weights(ctx, d)
+    ctx.facts["weights_file"] = weights
     evidence = {
         "url": ctx.url,
         "ready_seconds": round(ready_s, 3),
         "pid": health.pid,
+        "launcher_pid": launcher_pid,
         "engine": d.engine.model_dump(mode="json"),
         "device": d.device.model_dump(mode="json"),
         "driver": d.device.driver,
         "versions": d.versions.model_dump(mode="json"),
-        "config_digest": {"engine": d.config_digest, "harness": ours},
-        "target": {"expected": ctx.target, "engine_device": device_target},
+        "config": {"sent": sent, "described": described, "described_digest": d.config_digest},
+        "target": {"expected": ctx.target, "engine_device": d.device.type},
         "code_digest": {"engine": d.engine.code_digest, "harness_on_disk": disk_digest},
+        "weights_file": weights,
         "cudagraph_mode": d.cudagraph_mode,
         "launcher": ctx.launcher.identity(),
     }
+    differ = {k: (v, described[k]) for k, v in sent.items() if described[k] != v}
     conditions = {
-        # The launcher saw the engine come up (its ready line and /health) within the boot budget.
-        "ready_within_timeout": observed(True, f"ready after {ready_s:.1f} s"),
-        "preset_as_requested": engine_says(
-            d.config.get("preset") == ctx.request.preset,
-            f"engine config preset {d.config.get('preset')!r}, requested {ctx.request.preset!r}",
+        # What the harness sent is the receipt's config; the engine's account of it must agree.
+        "described_config_agrees_with_sent": engine_says(
+            not differ, f"sent vs described: {differ}" if differ else None
         ),
-        "num_spec_as_requested": engine_says(
-            d.capacity.num_spec == ctx.request.num_spec,
-            f"engine num_spec {d.capacity.num_spec}, requested {ctx.request.num_spec}",
-        ),
-        "device_matches_target": engine_says(
-            device_target == ctx.target, f"engine device {device_target}, target {ctx.target}"
-        ),
+        "device_matches_target": _device(ctx, d, launcher_pid if isinstance(launcher_pid, int) else None),
     }
+    port = urlsplit(ctx.url).port
+    if ctx.launcher.kind == "local" and isinstance(launcher_pid, int) and port is not None:
+        # The process the harness launched is the one listening where the harness sends its requests.
+        held = holds_listener(launcher_pid, port)
+        evidence["listener"] = {"pid": launcher_pid, "port": port, "held": held}
+        if held is not None:
+            conditions["launched_process_serves_the_port"] = observed(
+                held, None if held else f"pid {launcher_pid} does not hold the listener on port {port}"
+            )
+    if weights_cond is not None:
+        conditions["weights_file_hashed"] = weights_cond
     if disk_digest is not None:
         # The harness hashed the code it launched; the engine's claim about itself must agree with it.
         conditions["code_digest_matches_disk"] = derived(

@@ -44,12 +44,13 @@ def run(ctx: Context) -> Outcome:
         # The supervisor (local) or docker inspect (container) counts restarts: the harness's own view.
         "no_restarts": observed(status.restart_count == 0, f"restart count {status.restart_count}"),
         "no_fatal_xid": observed(not fatal, f"fatal Xid {[e.code for e in fatal]}" if fatal else None),
-        "no_container_oom": observed(not status.oom_killed),
         # CUDA OOM is counted inside the engine: only its word.
         "no_cuda_oom": engine_says((cuda_oom or 0) == 0 and not metrics_oom, f"cuda_oom {cuda_oom}"),
         "engine_alive": observed(status.alive),
         "engine_answers": observed(bool(answer.get("answered")), answer.get("error")),
     }
+    if ctx.launcher.kind == "docker":  # only docker can kill for memory; locally it could never fail
+        conditions["no_container_oom"] = observed(not status.oom_killed)
     if ctx.request.dcp is not None:
         # Rank 0 names a lost follower rank in its log before it exits (qualify/engine/dcp.py).
         lost = [ln.strip() for ln in ctx.launcher.logs_tail(2000).splitlines() if RANK_LOST in ln]

@@ -187,6 +187,7 @@ class Engine:
                 "version": _qualify_version(),
                 "code_digest": code_digest(),
                 "weights_digest": self.weights_digest,
+                "weights_path": str(self.weights_path),
             },
             "config": cfg.public_dict(),
             "config_digest": cfg.digest(),

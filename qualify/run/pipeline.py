@@ -6,6 +6,7 @@ run whose harness is SIGKILLed is closed by the next `qualify run` or `qualify g
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -21,8 +22,10 @@ from typing import Any, Protocol
 from qualify import __version__, settings
 from qualify.checks import checks_for
 from qualify.checks.base import Check, Context, Outcome
+from qualify.checks.boot import sent_config
 from qualify.client import EngineClient, EngineError, EngineUnreachable
 from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus, describe_exit
+from qualify.launch.local import DEFAULT_ENGINE_MODULE
 from qualify.run import receipt as rc
 from qualify.run.geometry import geometry_for
 from qualify.run.operator import OperatorKey
@@ -36,6 +39,9 @@ from qualify.watch.xid import XidEvent, table_evidence
 from receipts.statement import Faults, config_digest
 from receipts.store import Store
 
+# Tests only: treat this host as a GPU host (target gpu) so the Xid-watch rules of a GPU target can be driven
+# through `qualify run` on a CPU machine; the receipt's Xid watch reason records that it was set.
+SIMULATE_GPU_HOST_ENV = "QUALIFY_TEST_SIMULATE_GPU_HOST"
 RECOVERY_WAIT_S = 30.0  # how long to wait for a restarted engine before the next check
 # One request's limit; every request is further bounded by its check's budget and the run's --timeout.
 # Generous because on a GPU the first profiled step, the capture warm-up and a reload that generates and
@@ -190,6 +196,7 @@ class Pipeline:
             client=client,
             xid_events=self._xid_events,
             xid_watch=self._xid_watch,
+            gpu_pids=self.nvml.compute_pids,
         )
         try:
             with _signals_raise():
@@ -334,8 +341,10 @@ class Pipeline:
         return self.kmsg.snapshot() + self.nvml.snapshot()
 
     def _host_has_gpu(self) -> bool:
+        if os.environ.get(SIMULATE_GPU_HOST_ENV) == "1":
+            return True  # tests only: the receipt's Xid watch reason says the GPU host was simulated
         files = any(os.path.exists(p) for p in ("/dev/nvidia0", "/proc/driver/nvidia/version"))
-        return files or self.nvml.status == "watching"
+        return files or bool(self.nvml.devices)
 
     def _expected_target(self) -> str:
         """What the engine must run on, from the host and the launch, decided before it boots: docker sees a
@@ -348,24 +357,42 @@ class Pipeline:
         return "gpu" if self._host_has_gpu() and not hidden else "cpu"
 
     def _xid_watch(self) -> dict[str, Any]:
-        """active: a source of Xids was watched; not_applicable: no NVIDIA GPU here; unavailable: a GPU host
-        where neither NVML nor the kernel log could be watched (a GPU target cannot vouch for its faults)."""
+        """active: a live source watched (NVML registered on every GPU with its event loop running, or the
+        kernel log being read); replayed: a file named by QUALIFY_KMSG_SOURCE was read (tests, CPU targets:
+        never a live watch); not_applicable: no NVIDIA GPU here; unavailable: a GPU host where no live source
+        was watched, or the one that was failed (`since` says when). Asked again after stop, it covers the
+        whole run."""
         nv, km = self.nvml, self.kmsg
-        registered = [d for d in nv.devices if d.get("xid_events") == "registered"]
-        if nv.status in ("watching", "stopped") and registered:
-            return {"state": "active", "reason": None, "nvml_devices": len(registered), "kmsg": km.source}
-        if km.source is not None and km.source.startswith("file:"):
-            return {"state": "active", "reason": f"kernel log replayed from {km.source}; NVML: {nv.reason}"}
+        simulated = os.environ.get(SIMULATE_GPU_HOST_ENV) == "1"
+        note = f" (GPU host simulated by {SIMULATE_GPU_HOST_ENV}=1, tests only)" if simulated else ""
+        since = km.lost_at or nv.lost_at
+        nv_text = f"NVML {nv.status}" + (f" ({nv.reason})" if nv.reason else "")
+        if km.kind == "file":
+            return {
+                "state": "replayed",
+                "reason": f"kernel log replayed from {km.source}, not a live watch; {nv_text}{note}",
+            }
         tail = (
-            f"kernel log {km.source} tailed: {km.lines_read} lines"
+            f"kernel log {km.source} {km.status}: {km.lines_read} lines"
+            + (f" ({km.reason})" if km.reason else "")
             if km.source
             else f"kernel log unavailable: {km.reason}"
         )
+        if nv.live():
+            n = len(nv.devices)
+            return {
+                "state": "active",
+                "reason": f"NVML Xid events registered on all {n} GPU(s); {tail}{note}",
+            }
+        if km.live():
+            return {"state": "active", "reason": f"{tail}; {nv_text}{note}"}
         if not self._host_has_gpu():
-            return {"state": "not_applicable", "reason": f"no NVIDIA GPU: {nv.reason}; {tail}"}
-        if km.source is not None and km.status in ("watching", "stopped"):
-            return {"state": "active", "reason": f"NVML: {nv.status} ({nv.reason}); {tail}"}
-        return {"state": "unavailable", "reason": f"GPU host, but NVML is {nv.status} ({nv.reason}); {tail}"}
+            return {"state": "not_applicable", "reason": f"no NVIDIA GPU: {nv_text}; {tail}"}
+        return {
+            "state": "unavailable",
+            "reason": f"GPU host, but no live Xid source: {nv_text}; {tail}{note}",
+            "since": since,
+        }
 
     def _finish(self, ctx: Context, client: EngineClient, t0: float) -> RunResult:
         pre: LaunchStatus | None = None
@@ -427,46 +454,56 @@ class Pipeline:
             return {"launcher": self.launcher.kind}
 
     def _engine(self, ctx: Context) -> tuple[dict[str, Any], str | None]:
+        """The engine's identity as the harness knows it: the config it sent (digested here; the engine's own
+        account is kept beside it), the code it hashed (local) or the image docker names, and the weights
+        file it hashed (local; None when it could not)."""
         d = ctx.describe
-        ident = self._identity()
-        image = ident.get("image_id")
-        if d is not None:
-            config = _json_safe(d.config)
-            code = d.engine.code_digest
-            code = f"sha256:{rc.bare_hex(code)}" if rc.bare_hex(code) else None
-            return {
-                "name": d.engine.name,
-                "version": d.engine.version,
-                "image_digest": image,
-                "code_digest": code,
-                "config_digest": config_digest(config),
-                "config": config,
-            }, d.engine.weights_digest
-        # The engine never described itself: record what was asked and what the harness can see.
-        config = {
-            "preset": self.req.preset,
-            "kda_decode_backend": self.req.kda_backend,
-            "num_spec": self.req.num_spec,
-            "described": False,
-        }
+        image = self._identity().get("image_id")
+        sent = sent_config(ctx)
+        code, scope = self._code(d)
+        if code is None and image is None:  # nothing else identifies it: the code on disk, and say so
+            code = rc.engine_code_digest_on_disk()
+            scope = "the harness's digest of the engine code on disk; the engine never identified itself"
+        weights = ctx.facts.get("weights_file") or {}
         return {
-            "name": "qualify-engine",
-            "version": None,
+            "name": d.engine.name if d else "qualify-engine",
+            "version": d.engine.version if d else None,
             "image_digest": image,
-            "code_digest": None if image else rc.engine_code_digest_on_disk(),
-            "config_digest": config_digest(config),
-            "config": config,
-        }, None
+            "code_digest": code,
+            "code_scope": scope,
+            "config_digest": config_digest(sent),
+            "config": sent,
+            "described_config": _json_safe(d.config) if d else None,
+        }, weights.get("digest")
+
+    def _code(self, d: Any) -> tuple[str | None, str]:
+        """Local: the harness's digest of the engine code on disk, extended by the source of a non-default
+        QUALIFY_ENGINE_MODULE (so a wrapped engine never shares the reference's code subject); docker: the
+        engine's own report (the image digest is the identity there)."""
+        if self.launcher.kind != "local":
+            own = rc.bare_hex(d.engine.code_digest) if d else None
+            return (
+                f"sha256:{own}" if own else None
+            ), "the engine's own report; the image digest identifies it"
+        base = rc.engine_code_digest_on_disk()
+        scope = "qualify/engine, qualify/protocol.py and kernels, hashed by the harness"
+        module = getattr(self.launcher, "module", DEFAULT_ENGINE_MODULE)
+        if module == DEFAULT_ENGINE_MODULE:
+            return base, scope
+        digest, where = rc.module_source_digest(module)
+        if digest is None:
+            return base, f"{scope}; NOT the engine module actually run: {where}"
+        combined = hashlib.sha256(f"{base}\0{module}\0{digest}".encode()).hexdigest()
+        return f"sha256:{combined}", f"{scope}, plus {where}: {digest}"
 
     def _faults(self, ctx: Context, final: LaunchStatus, pre: LaunchStatus | None) -> dict[str, Any]:
+        """Read after the engine stopped, so it covers the whole run: a restart, Xid, OOM or death after the
+        faults check, or an engine that exited on its own (or not by its stop signal) is here too."""
         events = self._xid_events()
         w = self._xid_watch()
-        watch = w["state"] if w["state"] in ("active", "not_applicable", "unavailable") else "unavailable"
-        why = w.get("reason")
         cuda_oom = int(ctx.facts.get("cuda_oom", 0))
-        dead = ctx.facts.get("engine_dead")
-        if dead is None:
-            dead = not (pre.alive if pre is not None else False)
+        # Dead when the faults check found it not answering, or the launcher saw it gone before the stop.
+        dead = bool(ctx.facts.get("engine_dead")) or not (pre.alive if pre is not None else False)
         return {
             "restart_count": max(final.restart_count, pre.restart_count if pre else 0),
             "xid_events": [
@@ -479,13 +516,15 @@ class Pipeline:
                 }
                 for e in events
             ],
-            "xid_watch": watch,
-            "xid_watch_reason": why,
+            "xid_watch": w["state"],
+            "xid_watch_reason": w.get("reason"),
+            "xid_watch_lost_at": w.get("since"),
             "oom": {
                 "container": bool(final.oom_killed or (pre.oom_killed if pre else False)),
                 "cuda_oom_count": cuda_oom,
             },
-            "engine_dead": bool(dead),
+            "engine_dead": dead,
+            "stop_exit_code": final.exit_code if pre is not None and pre.alive else None,
         }
 
     def _with_exit_evidence(self, faults: dict[str, Any], final: LaunchStatus) -> dict[str, Any]:

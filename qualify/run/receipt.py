@@ -58,6 +58,33 @@ def engine_code_digest_on_disk() -> str:
     return "sha256:" + h.hexdigest()
 
 
+def module_source_digest(module: str) -> tuple[str | None, str]:
+    """sha256 over the source of `module` (every .py of a package, sorted, as path NUL bytes NUL), found
+    without importing it (its parent packages are imported); (None, why) when its source cannot be read."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        return None, f"module {module} cannot be found: {exc}"
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None, f"module {module} has no Python source to hash"
+    origin = Path(spec.origin).resolve()
+    root = origin.parent
+    files = sorted(root.rglob("*.py")) if spec.submodule_search_locations else [origin]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return "sha256:" + h.hexdigest(), f"module {module} ({len(files)} file(s) under {root})"
+
+
+def file_digest(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file's bytes, read in chunks (weights files run to gigabytes)."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
 def host_info() -> dict[str, Any]:
     os_name = platform.system()
     try:

@@ -1,7 +1,9 @@
 """Kernel-log Xid watcher: parses `NVRM: Xid (PCI:...): NN, ...` lines and tails the kernel log during a run.
 
 Sources, first that applies: $QUALIFY_KMSG_SOURCE (a file, read from its start and followed: tests and
-replays of recorded logs), /dev/kmsg (only records written after the watcher started), `dmesg --follow-new`.
+replays of recorded logs, never a live watch), /dev/kmsg (only records written after the watcher started),
+`dmesg --follow-new`. A live source that fails mid-run (a read error, dmesg exiting) is `unavailable` from
+then on, with the time it was lost.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 from qualify.watch.oom import oom_killed_pid
@@ -42,11 +46,21 @@ def parse_line(line: str, source: str = "kmsg") -> XidEvent | None:
     )
 
 
+def _read_record(fd: int) -> bytes:
+    return os.read(fd, 8192)  # /dev/kmsg hands out one record per read
+
+
 class KmsgWatcher:
     """Collects Xid events from the kernel log on a background thread until `stop()`."""
 
-    def __init__(self, source: str | os.PathLike[str] | None = None, poll_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | None = None,
+        poll_s: float = 0.2,
+        kmsg_path: str = "/dev/kmsg",
+    ) -> None:
         self._explicit = str(source) if source is not None else os.environ.get(KMSG_SOURCE_ENV)
+        self._kmsg_path = kmsg_path  # tests point it elsewhere to reach the dmesg fallback
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,17 +70,28 @@ class KmsgWatcher:
         self.oom_killed_pids: list[int] = []  # "Killed process PID" lines (the kernel's OOM killer)
         self.lines_read = 0
         self.source: str | None = None
-        self.status = "not_started"  # watching | unavailable | stopped
+        self.kind: str | None = None  # file | kmsg | dmesg
+        # watching | stopped (live until stop) | replaying | replayed (a file) | unavailable (never or lost)
+        self.status = "not_started"
         self.reason: str | None = None
+        self.lost_at: str | None = None  # RFC 3339: when a live source stopped being read
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> KmsgWatcher:
         target = self._open()
         if target is not None:
-            self.status = "watching"
-            self._thread = threading.Thread(target=target, name="kmsg-watch", daemon=True)
+            self.status = "replaying" if self.kind == "file" else "watching"
+            self._thread = threading.Thread(
+                target=self._guarded, args=(target,), name="kmsg-watch", daemon=True
+            )
             self._thread.start()
         return self
+
+    def _guarded(self, follow: Callable[[], None]) -> None:
+        try:
+            follow()
+        except Exception as exc:  # a reader that dies must not leave the watch reading "watching"
+            self._lose(f"{self.source} reader failed: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         """Stop tailing; lines already written to a file source are read to its end first."""
@@ -80,6 +105,22 @@ class KmsgWatcher:
                 self._proc.wait(timeout=2)
         if self.status == "watching":
             self.status = "stopped"
+        elif self.status == "replaying":
+            self.status = "replayed"
+
+    def live(self) -> bool:
+        """True when a live kernel log (not a file) is being read, or was read until `stop()` without a
+        failure: the thread that reads it is running, or finished only because it was stopped."""
+        if self.kind not in ("kmsg", "dmesg"):
+            return False
+        if self.status == "watching":
+            return self._thread is not None and self._thread.is_alive()
+        return self.status == "stopped"
+
+    def _lose(self, reason: str) -> None:
+        """A live source failed: unavailable from now on, and the receipt says since when."""
+        self.lost_at = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+        self.status, self.reason = "unavailable", f"{reason} at {self.lost_at}"
 
     def oom_kills(self) -> list[int]:
         """PIDs the kernel log says the OOM killer killed, as seen so far."""
@@ -96,6 +137,7 @@ class KmsgWatcher:
             "status": self.status,
             "source": self.source,
             "reason": self.reason,
+            "lost_at": self.lost_at,
             "lines_read": self.lines_read,
             "events": [e.to_evidence() for e in events],
         }
@@ -107,16 +149,16 @@ class KmsgWatcher:
             if not path.is_file():
                 self.status, self.reason = "unavailable", f"{KMSG_SOURCE_ENV}={path} is not a readable file"
                 return None
-            self.source = f"file:{path}"
+            self.source, self.kind = f"file:{path}", "file"
             return lambda: self._follow_file(path)
         try:
-            fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+            fd = os.open(self._kmsg_path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
-            kmsg_reason = f"/dev/kmsg: {exc.strerror}"
+            kmsg_reason = f"{self._kmsg_path}: {exc.strerror}"
         else:
             # Seek to the end: only records written during this run count, not old boots' history.
             os.lseek(fd, 0, os.SEEK_END)
-            self.source = "/dev/kmsg"
+            self.source, self.kind = self._kmsg_path, "kmsg"
             return lambda: self._follow_kmsg(fd)
         dmesg = shutil.which("dmesg")
         if dmesg:
@@ -135,7 +177,7 @@ class KmsgWatcher:
                 self.status = "unavailable"
                 self.reason = f"{kmsg_reason}; dmesg --follow-new exited {self._proc.returncode}"
                 return None
-            self.source = "dmesg --follow-new"
+            self.source, self.kind = "dmesg --follow-new", "dmesg"
             return self._follow_proc
         self.status, self.reason = "unavailable", f"{kmsg_reason}; no dmesg on PATH"
         return None
@@ -171,17 +213,17 @@ class KmsgWatcher:
     def _follow_kmsg(self, fd: int) -> None:
         try:
             while not self._stop.is_set():
-                ready, _, _ = select.select([fd], [], [], self._poll_s)
-                if not ready:
-                    continue
                 try:
-                    data = os.read(fd, 8192)  # one record per read
+                    ready, _, _ = select.select([fd], [], [], self._poll_s)
+                    if not ready:
+                        continue
+                    data = _read_record(fd)
                 except OSError as exc:
                     if exc.errno == errno.EAGAIN:
                         continue
                     if exc.errno == errno.EPIPE:  # records overwritten before we read them: go on
                         continue
-                    self.reason = f"/dev/kmsg read failed: {exc.strerror}"
+                    self._lose(f"{self._kmsg_path} read failed: {exc.strerror or exc}")
                     return
                 # Record: "prio,seq,usec,flags;message\n continuation lines"
                 text = data.decode("utf-8", "replace")
@@ -194,4 +236,8 @@ class KmsgWatcher:
         for line in self._proc.stdout:
             self._record(line)
             if self._stop.is_set():
-                break
+                return
+        if not self._stop.is_set():  # dmesg ended on its own: nothing is being watched any more
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=2)
+            self._lose(f"dmesg --follow-new exited {self._proc.returncode}")

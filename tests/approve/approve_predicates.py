@@ -10,12 +10,23 @@ from receipts.statement import QualificationPredicate, config_digest
 
 CONFIG = {"preset": "tiny", "block_size": 2304, "dcp_size": 4}
 IMAGE = "sha256:" + "ab" * 32
+# What a GPU `qualify run --spec mtp:3` records as observed: what examples/fleet.toml requires observed.
+OBSERVED = {
+    "boot": ["launched_process_serves_the_port", "weights_file_hashed"],
+    "backend": ["bogus_backend_refused"],
+    "layout": ["spans_equal_request", "peer_ok", "peer_verified_every_group"],
+    "capture": ["replay_equals_eager"],
+    "reload": ["other_weights_replay_equals_eager", "replay_after_reload_equals_fresh_eager"],
+    "generation": ["replay_vs_eager", "before_vs_after_reload", "speculative_vs_plain"],
+    "faults": ["no_restarts", "no_fatal_xid", "xid_watched", "engine_answers"],
+}
+SECONDS = {"boot": 2.5, "backend": 0.4, "layout": 1.1, "capture": 3.0, "reload": 4.0, "generation": 1.0}
 
 
 def predicate(
     *,
     host: str = "node-a",
-    verdict: str = "qualified",
+    verdict: str | None = None,
     finished: datetime | None = None,
     spans: list[int] | None = None,
     backend: str = "triton",
@@ -23,14 +34,37 @@ def predicate(
     xids: list[tuple[int, bool]] | None = None,
     failed_check: str | None = None,
     cuda_oom: int = 0,
+    target: str = "gpu",
+    sources: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A predicate as `qualify run` would write it; the keyword arguments change what policies look at."""
+    """A predicate as `qualify run` would write it; the keyword arguments change what policies look at.
+    `sources` overrides the source of named "check.condition"s (every listed one is observed otherwise).
+    The verdict defaults to what `qualify run` would judge from the faults: a restart, a fatal Xid or a CUDA
+    OOM rejects the run (a qualified receipt with such a faults block does not validate)."""
+    if verdict is None:
+        fatal = any(f for _, f in (xids or []))
+        verdict = "rejected" if restarts or fatal or cuda_oom or failed_check else "qualified"
     finished = finished or datetime.now(UTC) - timedelta(minutes=5)
     spans = spans if spans is not None else [2304, 2304, 2304, 9216]
+    sources = sources or {}
     checks = [
-        {"name": name, "status": "pass", "evidence": {}, "seconds": seconds}
-        for name, seconds in (("boot", 2.5), ("backend", 0.4), ("layout", 1.1), ("faults", 0.2))
+        {
+            "name": name,
+            "status": "pass",
+            "conditions": {
+                c: {"holds": True, "source": sources.get(f"{name}.{c}", "observed"), "detail": None}
+                for c in conditions
+            },
+            "evidence": {},
+            "seconds": SECONDS.get(name, 0.2),
+        }
+        for name, conditions in OBSERVED.items()
     ]
+    if target == "cpu":  # as a CPU run records it: capture skipped, no Xid watch to demand
+        for check in checks:
+            if check["name"] == "capture":
+                check.update(status="skip", conditions={}, reason="CUDA graphs need a CUDA device")
+            check["conditions"].pop("xid_watched", None)
     if failed_check:
         for check in checks:
             if check["name"] == failed_check:
@@ -54,12 +88,12 @@ def predicate(
         "faults": {
             "restart_count": restarts,
             "xid_events": [{"code": c, "fatal": f, "source": "kmsg"} for c, f in (xids or [])],
-            "xid_watch": "active",
+            "xid_watch": "active" if target == "gpu" else "not_applicable",
             "oom": {"container": False, "cuda_oom_count": cuda_oom},
             "engine_dead": False,
         },
         "verdict": verdict,
-        "target": "gpu",
+        "target": target,
         "host": {"hostname": host, "os": "linux", "kernel": "6.8"},
         "started_at": (finished - timedelta(seconds=30)).isoformat(),
         "finished_at": finished.isoformat(),

@@ -145,6 +145,7 @@ def test_json_schema_describes_every_setting() -> None:
         "min_hosts",
         "trusted_keyids",
         "mode",
+        "require_observed",
     }
     assert schema["additionalProperties"] is False
 

@@ -52,6 +52,7 @@ def test_health_and_describe_answer_in_protocol_shapes(client):
     assert d.backend.requested == "auto" and d.backend.resolved == "torch" and d.backend.reason
     assert d.dcp_mode == "folded" and d.cudagraph_mode == "none"
     assert d.engine.code_digest.startswith("sha256:") and d.config_digest.startswith("sha256:")
+    assert d.engine.weights_path and Path(d.engine.weights_path).is_file()  # the file the harness hashes
     assert d.arenas["state_slots"].capacity == 8 and d.arenas["state_slots"].address > 0
     assert d.capacity.live_slots == 8 and d.device.type == "cpu"
 

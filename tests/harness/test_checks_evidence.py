@@ -8,17 +8,19 @@ thing an honest engine would do and shows which condition catches it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from qualify import settings
 from qualify.checks import backend, boot, capture, faults, generation, reload
 from qualify.checks.base import PROMPTS, Context
 from qualify.client import EngineClient
 from qualify.launch.base import Launcher, LaunchStatus, RefusalOutcome
-from qualify.run.receipt import engine_code_digest_on_disk
+from qualify.run.receipt import engine_code_digest_on_disk, file_digest
 from qualify.run.request import RunRequest
 from qualify.watch.xid import classify
 from receipts.statement import config_digest
@@ -35,12 +37,21 @@ class Engine:
         self.captures = self.replays = 0
         self.weights = W0
         self.captured = False
-        self.config: dict[str, Any] = {"preset": "proxy", "seed": 0, "capture_sizes": [1, 2, 4, 8]}
+        preset = "tiny" if lie == "config" else "proxy"
+        self.config: dict[str, Any] = {
+            "preset": preset, "seed": 0, "kda_decode_backend": "auto", "capture_sizes": [1, 2, 4, 8]
+        }  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         code = "sha256:" + "c" * 64 if self.lie == "code" else engine_code_digest_on_disk()
         return {
-            "engine": {"name": "e", "version": "1", "code_digest": code, "weights_digest": self.weights},
+            "engine": {
+                "name": "e",
+                "version": "1",
+                "code_digest": code,
+                "weights_digest": self.weights,
+                "weights_path": "/etc/hostname" if self.lie == "weights-outside" else str(weights_file()),
+            },  # fmt: skip
             "config": self.config,
             "config_digest": config_digest(self.config),
             "backend": {"requested": "auto", "resolved": "triton", "reason": "r", "prefill_path": "p"},
@@ -127,10 +138,20 @@ class Engine:
         return httpx.Response(200, json=out)
 
 
+def weights_file() -> Path:
+    """A weights file in the data dir the harness and a local engine share (QUALIFY_HOME of the tests)."""
+    path = settings.data_dir() / "weights" / "evidence-test.safetensors"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"weights the harness hashes itself")
+    return path
+
+
 class StandingLauncher(Launcher):
     """An engine that is already up: the checks' view of a launcher, nothing more."""
 
     kind = "local"
+    pid: int | None = None
 
     def start(self, timeout_s: float) -> str:
         return "http://engine"
@@ -139,7 +160,7 @@ class StandingLauncher(Launcher):
         return "http://engine"
 
     def status(self) -> LaunchStatus:
-        return LaunchStatus(alive=True, exit_code=None, restart_count=0)
+        return LaunchStatus(alive=True, exit_code=None, restart_count=0, detail={"pid": self.pid})
 
     def stop(self, grace_s: float = 5.0) -> LaunchStatus:
         return self.status()
@@ -222,6 +243,56 @@ def test_an_engine_on_the_cpu_of_a_gpu_host_fails_boot() -> None:
     assert _failed(out) == {"device_matches_target"}
 
 
+def test_boot_hashes_the_weights_file_itself_and_records_the_config_it_sent() -> None:
+    out = boot.run(_context(Engine()))
+    assert out.status == "pass"
+    w = out.evidence["weights_file"]
+    assert w["hashed"] and w["digest"] == file_digest(weights_file()) != W0  # not the engine's digest
+    assert out.conditions["weights_file_hashed"].source == "observed"
+    assert out.evidence["config"]["sent"] == {"preset": "proxy", "kda_decode_backend": "auto", "num_spec": 0}
+
+
+def test_weights_outside_the_data_dir_are_not_hashed_and_fail_boot() -> None:
+    out = boot.run(_context(Engine(lie="weights-outside")))
+    assert _failed(out) == {"weights_file_hashed"} and not out.evidence["weights_file"]["hashed"]
+
+
+def test_an_engine_that_describes_another_config_than_sent_fails_boot() -> None:
+    out = boot.run(_context(Engine(lie="config")))
+    assert _failed(out) == {"described_config_agrees_with_sent"}
+    assert "preset" in (out.conditions["described_config_agrees_with_sent"].detail or "")
+
+
+def test_on_a_gpu_the_harness_sees_the_engine_pid_on_the_gpu_itself() -> None:
+    ctx = _context(Engine())
+    ctx.launcher.pid = 4242
+    ctx.gpu_pids = lambda: {4242: [0]}
+    cond = boot.run(ctx).conditions["device_matches_target"]
+    assert cond.holds and cond.source == "observed" and "GPU [0]" in (cond.detail or "")
+    # An engine that says "cuda" but whose process NVML does not list on any GPU fails, whatever it says.
+    ctx = _context(Engine())
+    ctx.launcher.pid = 4242
+    ctx.gpu_pids = lambda: {os.getpid(): [0]}  # another process of this namespace is on the GPU
+    out = boot.run(ctx)
+    assert _failed(out) == {"device_matches_target"}
+    assert out.conditions["device_matches_target"].source == "observed"
+    # NVML pids from another pid namespace (some containers) say nothing here: the engine's word remains.
+    ctx = _context(Engine())
+    ctx.launcher.pid = 4242
+    ctx.gpu_pids = lambda: {2**22 + 7: [0]}
+    assert boot.run(ctx).conditions["device_matches_target"].source == "engine"
+
+
+def test_a_docker_engine_is_not_hashed_by_the_harness_and_says_so() -> None:
+    ctx = _context(Engine())
+    ctx.launcher.kind = "docker"
+    out = boot.run(ctx)
+    assert out.status == "pass" and "weights_file_hashed" not in out.conditions
+    assert out.evidence["weights_file"] == {
+        "hashed": False, "why": "docker launcher: the weights are inside the container"
+    }  # fmt: skip
+
+
 def test_a_code_digest_that_is_not_the_code_on_disk_fails_boot() -> None:
     out = boot.run(_context(Engine(lie="code")))
     assert _failed(out) == {"code_digest_matches_disk"}
@@ -262,3 +333,30 @@ def test_engine_code_digest_on_disk_is_the_engines_own_definition(tmp_path: Path
         capture_output=True, text=True, cwd=ROOT, timeout=120, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == engine_code_digest_on_disk()
+
+
+def test_the_harness_sees_which_process_holds_the_engine_port() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    listener = "import socket,sys,time; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen(); " \
+        "print(s.getsockname()[1], flush=True); time.sleep(30)"  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", listener], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        assert boot.holds_listener(child.pid, port) is True
+        # Another process (this one) does not hold it; nor does the child hold a port nobody listens on.
+        assert boot.holds_listener(os.getpid(), port) is False
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            unused = free.getsockname()[1]
+        assert boot.holds_listener(child.pid, unused) is False
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_container_oom_is_a_condition_only_where_docker_could_kill_for_memory() -> None:
+    assert "no_container_oom" not in faults.run(_context(Engine())).conditions

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -295,3 +296,43 @@ def test_statement_schema_accepts_a_receipt_and_applies_our_predicate_schema() -
     # The same odd predicate is fine under another predicate type.
     other = _with(_with(good, "predicate.verdict", "approved"), "predicateType", "https://example.com/x")
     assert validator.is_valid(other)
+
+
+@pytest.mark.parametrize(
+    ("faults", "named"),
+    [
+        ({"restart_count": 1}, "engine restarted 1 time(s)"),
+        ({"engine_dead": True}, "engine dead"),
+        ({"stop_exit_code": 1}, "exited with status 1 when stopped"),
+    ],
+)
+def test_a_qualified_receipt_whose_faults_block_blocks_is_refused(faults: dict[str, Any], named: str) -> None:
+    block = {"xid_watch": "not_applicable", "xid_watch_reason": "no NVIDIA GPU", **faults}
+    with pytest.raises(ValidationError, match="disagrees with the faults block"):
+        QualificationPredicate.model_validate(predicate_dict(faults=block))
+    payload = canonical_json(
+        {**statement().to_json(), "predicate": predicate_dict(faults=block)}
+    )  # the same receipt as signed bytes: parse_statement refuses it too, naming the fault
+    with pytest.raises(VerificationError, match=re.escape(named)):
+        parse_statement(payload)
+    assert QualificationPredicate.model_validate(predicate_dict(faults=block, verdict="rejected"))
+
+
+@pytest.mark.parametrize("code", [None, 0, -15, 143, -9, 137])
+def test_an_engine_that_died_of_the_stop_signal_stopped_cleanly(code: int | None) -> None:
+    block = {"xid_watch": "not_applicable", "stop_exit_code": code}
+    assert QualificationPredicate.model_validate(predicate_dict(faults=block)).verdict == "qualified"
+
+
+def test_a_replayed_kernel_log_qualifies_a_cpu_target_but_never_a_gpu_one() -> None:
+    block = {"xid_watch": "replayed", "xid_watch_reason": "kernel log replayed from file:x"}
+    assert QualificationPredicate.model_validate(predicate_dict(faults=block)).faults.blocking("cpu") == []
+    gpu = predicate_dict(faults=block, target="gpu", checks=[predicate_dict()["checks"][0]])
+    with pytest.raises(ValidationError, match="Xid watch replayed on a gpu target"):
+        QualificationPredicate.model_validate(gpu)
+
+
+def test_a_lost_xid_watch_records_when_in_utc() -> None:
+    block = {"xid_watch": "unavailable", "xid_watch_lost_at": "2026-12-01T15:00:00+01:00"}
+    pred = QualificationPredicate.model_validate(predicate_dict(faults=block, verdict="rejected"))
+    assert pred.model_dump(mode="json")["faults"]["xid_watch_lost_at"] == "2026-12-01T14:00:00Z"
