@@ -13,13 +13,25 @@ from urllib.parse import urlsplit
 from qualify import settings
 from qualify.checks.base import Check, Cond, Context, Outcome, derived, engine_says, fail_unless, observed
 from qualify.protocol import Describe
+from qualify.run.geometry import geometry_for
 from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_digest
 
 
 def sent_config(ctx: Context) -> dict[str, Any]:
     """What the harness asked the engine to be (its launch options): the config the receipt digests."""
     r = ctx.request
-    return {"preset": r.preset, "kda_decode_backend": r.kda_backend, "num_spec": r.num_spec}
+    g = geometry_for(r)  # the KV geometry is sent as explicit flags too (qualify/run/geometry.py)
+    return {
+        "preset": r.preset,
+        "kda_decode_backend": r.kda_backend,
+        "num_spec": r.num_spec,
+        "layer_pattern": g.layer_pattern,
+        "block_size": g.block_size,
+        "dcp_size": g.dcp_size,
+        "dcp_ranks": g.dcp_ranks,
+        "max_num_seqs": g.max_num_seqs,
+        "max_model_len": g.max_model_len,
+    }
 
 
 def _weights(ctx: Context, d: Describe) -> tuple[dict[str, Any], Cond | None]:
@@ -105,8 +117,8 @@ def run(ctx: Context) -> Outcome:
     d = ctx.client.describe()
     ctx.describe = d
     sent = sent_config(ctx)
-    described = {"preset": d.config.get("preset"), "kda_decode_backend": d.config.get("kda_decode_backend"),
-                 "num_spec": d.capacity.num_spec}  # fmt: skip
+    described = {k: d.config.get(k) for k in sent}
+    described["num_spec"] = d.capacity.num_spec
     # A local engine runs the code installed beside the harness: its self-reported code digest must equal
     # the digest the harness computes from the same files (the receipt's code subject is the harness's).
     disk_digest = engine_code_digest_on_disk() if ctx.launcher.kind == "local" else None

@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     for action in s._actions:
         if action.option_strings and action.dest != "help":
             f._add_action(action)
+    o = sub.add_parser("openapi", help="print the engine protocol's OpenAPI document (JSON)")
+    o.add_argument("--out", default=None, help="write it to this file instead")
     f.add_argument("--dcp-rank", dest="dcp_rank", type=int, required=True)
     f.add_argument("--dcp-init", dest="dcp_init", required=True)
     return p
@@ -297,6 +299,15 @@ def main(argv: list[str] | None = None) -> None:
         serve(args)
     elif args.command == "follow":
         follow_rank(args)
+    elif args.command == "openapi":
+        from .server import protocol_openapi
+
+        text = json.dumps(protocol_openapi(), indent=2, sort_keys=True) + "\n"
+        if args.out:
+            with open(args.out, "w") as fh:
+                fh.write(text)
+        else:
+            sys.stdout.write(text)
 
 
 if __name__ == "__main__":

@@ -272,3 +272,21 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def protocol_openapi() -> dict:
+    """The engine protocol as an OpenAPI document: the routes and messages of `create_app`, built around a
+    stand-in that has only the device the worker thread needs (nothing is served or run)."""
+    from types import SimpleNamespace
+
+    from qualify.protocol import PROTOCOL_VERSION
+
+    app = create_app(SimpleNamespace(device=torch.device("cpu")))  # type: ignore[arg-type]
+    app.state.engine_worker.shutdown(wait=False)
+    doc = app.openapi()
+    doc["info"] = {
+        "title": "qualify engine protocol",
+        "version": PROTOCOL_VERSION,
+        "description": "What an engine serves to be qualified by `qualify run` (docs/PROTOCOL.md).",
+    }
+    return doc

@@ -49,6 +49,7 @@ RECOVERY_WAIT_S = 30.0  # how long to wait for a restarted engine before the nex
 REQUEST_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL; an engine that stopped answering gets the short one
 STOP_GRACE_UNRESPONSIVE_S = 1.0
+APPEND_GRACE_S = 2.0  # the store's lock wait once the run's --timeout is spent
 
 
 class Reporter(Protocol):
@@ -184,11 +185,12 @@ class Pipeline:
         self.unresponsive = False  # a request timed out: the engine may not honour SIGTERM either
         self.cgroup_oom_before = cgroup_oom_kills()
         self._ctx: Context | None = None  # set once the run starts: what progress.json records
+        self.run_deadline = float("inf")
 
     # ------------------------------------------------------------ the run
     def run(self) -> RunResult:
         t0 = time.monotonic()
-        run_deadline = t0 + self.req.timeout_s
+        run_deadline = self.run_deadline = t0 + self.req.timeout_s
         client = EngineClient(lambda: self.launcher.url(), timeout_s=REQUEST_TIMEOUT_S)
         ctx = Context(
             request=self.req,
@@ -428,6 +430,9 @@ class Pipeline:
             finished_at=finished,
         )
         subjects = rc.subjects(engine, self._identity(), weights)
+        # --timeout bounds the append too: a writer lock held elsewhere is waited on only for what is left
+        # of the run (a short grace once it is spent); the signed receipt is saved in the run dir first.
+        self.store.lock_timeout_s = max(APPEND_GRACE_S, self.run_deadline - time.monotonic())
         record, _ = rc.sign_and_append(
             self.store, self.key.key, predicate, subjects, save_to=self.run_dir / "receipt.dsse.json"
         )

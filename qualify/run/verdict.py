@@ -54,7 +54,7 @@ REQUIRED_OBSERVED: dict[str, tuple[str, ...]] = {
 # observed like the ones above. The engine's own speculation reports are named spec_* and stay outside.
 OBSERVED_WHERE_PRESENT: dict[str, tuple[str, ...]] = {
     "cpu": (),
-    "gpu": ("generation.speculative_*",),
+    "gpu": ("generation.speculative_*", "dcp.dcp_vs_dcp1*", "dcp.every_rank_is_a_live_process_of_the_engine"),
 }
 
 
