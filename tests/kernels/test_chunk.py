@@ -1,10 +1,9 @@
-"""Chunked KDA: chunk reference vs the recurrence, chunk metadata, the Triton prefill (interpreter)."""
+"""Chunked KDA: chunk reference vs the recurrence, chunk metadata, the Triton prefill (interpreter; the
+root conftest sets TRITON_INTERPRET for a process without a GPU)."""
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
