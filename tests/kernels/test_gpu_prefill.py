@@ -16,9 +16,17 @@ H, K, V = 32, 128, 128
 
 
 def _case(
-    lens: list[int], has_init: list[bool], *, device_count: bool, seed: int, null: tuple[int, ...] = ()
+    lens: list[int],
+    has_init: list[bool],
+    *,
+    device_count: bool,
+    seed: int,
+    null: tuple[int, ...] = (),
+    split: bool = True,
+    a_shift: float = 0.0,
 ):
-    """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched)."""
+    """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched).
+    split: scratch holds every chunk's state, so the output is a parallel pass after the state pass."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(seed)
     cu = [0]
@@ -30,7 +38,7 @@ def _case(
         return (torch.randn(*shape, generator=gen, device=dev) * s).to(bf)
 
     q, k, v, z = rnd(tot, H, K), rnd(tot, H, K), rnd(tot, H, V), rnd(tot, H, V)
-    a, b = rnd(tot, H, K, s=2.0), rnd(tot, H)
+    a, b = (rnd(tot, H, K, s=2.0).float() + a_shift).to(bf), rnd(tot, H)
     A_log = torch.randn(H, generator=gen, device=dev) * 0.5
     dt_bias = torch.randn(H * K, generator=gen, device=dev)
     w = torch.rand(V, generator=gen, device=dev) + 0.5
@@ -43,9 +51,8 @@ def _case(
     idx, offs = idx.to(dev), offs.to(dev)
     num_chunks = torch.tensor([n], dtype=torch.int32, device=dev) if device_count else n
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
-    scratch = {
-        m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
-    }
+    specs = prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0] if split else None)
+    scratch = {m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in specs.items()}
     prefill(
         q,
         k,
@@ -96,6 +103,13 @@ def test_prefill_matches_chunk_reference_at_production_shapes(lens: list[int], h
     _case(lens, has_init, device_count=True, seed=len(lens))
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["parallel-output-pass", "output-in-state-pass"])
+def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(split: bool) -> None:
+    lens = [1, 63, 64, 65, 1000, 4097]
+    has_init = [True, False, True, True, False, True]
+    _case(lens, has_init, device_count=True, seed=13, null=(2,), split=split, a_shift=6.0)
+
+
 def test_prefill_with_w_and_u_inside_the_solve_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     # The alternative launch shape (W, U per 16-row block in the solve kernel, no X scratch round trip).
     import kernels.kda.chunk as chunk
@@ -125,7 +139,8 @@ def test_prefill_replays_under_cuda_graph_capture() -> None:
     idx, offs, nc = idx.to(dev), offs.to(dev), torch.tensor([n], dtype=torch.int32, device=dev)
     slots, has = torch.tensor([1, 2], dtype=torch.int32, device=dev), torch.tensor([True, True], device=dev)
     scratch = {
-        m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
+        m: torch.empty(s, dtype=d, device=dev)
+        for m, (s, d) in prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0]).items()
     }
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
     args = (x["q"], x["k"], v, x["a"], b, A_log, dt_bias, z, w)
