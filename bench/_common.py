@@ -43,13 +43,17 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> dict[str, object]:
-    """The commit whose code produced the result: the checkout's HEAD (and whether code was modified), or
-    BENCH_COMMIT where the tree travelled without its .git (scripts/gpu-check passes it on)."""
+    """The commit whose code produced the result: BENCH_COMMIT where it is set (scripts/gpu-check passes
+    it on when the tree travelled to the GPU machine as a copy, possibly inside another checkout), else
+    the HEAD of the git checkout whose root is this tree, with whether its code was modified."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"], "commit_source": "BENCH_COMMIT"}
+    top = _git("rev-parse", "--show-toplevel")
     head = _git("rev-parse", "HEAD")
-    if head:
+    if top and head and os.path.realpath(top) == os.path.realpath(ROOT):
         dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
         return {"commit": head, "commit_source": "git", "modified": bool(dirty)}
-    return {"commit": os.environ.get("BENCH_COMMIT") or None, "commit_source": "BENCH_COMMIT"}
+    return {"commit": None, "commit_source": "none: no BENCH_COMMIT and no git checkout rooted here"}
 
 
 def device() -> dict[str, object]:

@@ -29,7 +29,7 @@ H, K, V = 32, 128, 128
 SHAPES = ((1, 8192), (8, 1024), (1, 32768))
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
-VARIANTS: dict[str, dict[str, object]] = {"ours_fused_output": {"_SPLIT_OUTPUT": False}}
+VARIANTS: dict[str, dict[str, object]] = {"ours_split_output": {"_SPLIT_OUTPUT": True}}
 
 
 def _with(settings: dict[str, object], fn: Callable[[], None]) -> Callable[[], None]:

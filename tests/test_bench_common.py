@@ -46,6 +46,7 @@ def test_each_result_names_the_commit_and_the_committed_script_that_wrote_it(pat
 
 def test_a_written_result_is_headed_by_its_provenance(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("BENCH_COMMAND", "scripts/gpu-check kda")
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
     out = tmp_path / "r.json"
     write_result({"x": 1}, str(out))
     data = json.loads(out.read_text())
@@ -56,9 +57,40 @@ def test_a_written_result_is_headed_by_its_provenance(tmp_path: Path, monkeypatc
     assert set(prov["versions"]) == {"python", "torch", "triton", "fla", "b12x"}
 
 
-def test_provenance_takes_the_commit_from_bench_commit_where_there_is_no_git(monkeypatch) -> None:
-    monkeypatch.setattr(_common, "_git", lambda *args: None)
+def test_provenance_takes_the_commit_from_bench_commit_before_any_enclosing_checkout(monkeypatch) -> None:
+    # On the GPU machine the tree is a copy inside another checkout, whose HEAD is not this code's.
+    monkeypatch.setattr(
+        _common, "_git", lambda *args: "/elsewhere" if "--show-toplevel" in args else "b" * 40
+    )
     monkeypatch.setenv("BENCH_COMMIT", "a" * 40)
     prov = _common.provenance(["bench/kda.py", "--quick"])
     assert prov["commit"] == "a" * 40 and prov["commit_source"] == "BENCH_COMMIT"
     assert prov["script"] == "bench/kda.py" and prov["command"] == "python bench/kda.py --quick"
+
+
+def test_provenance_names_no_commit_from_a_checkout_rooted_elsewhere(monkeypatch) -> None:
+    monkeypatch.setattr(
+        _common, "_git", lambda *args: "/elsewhere" if "--show-toplevel" in args else "b" * 40
+    )
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
+    assert _common.commit()["commit"] is None
+
+
+def test_a_decode_step_must_read_every_used_weight_once_one_embedding_row_the_states_and_the_kv() -> None:
+    from bench.graphs import step_bytes
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.engine import Engine
+
+    e = Engine(EngineConfig(preset="tiny", device="cpu"))
+    try:
+        s, m = e.cfg.shape, e.model
+        need = step_bytes(e, context_tokens=10)
+        params = {id(p) for p in m.mtp.parameters()} | {id(p) for p in m.embed.parameters()}
+        used = sum(p.numel() * p.element_size() for p in m.parameters() if id(p) not in params)
+        assert need["weights"] == used + s.hidden * m.embed.weight.element_size()
+        assert need["kda_state"] == e.cfg.layer_pattern.count("K") * s.kda_heads * s.kda_head_dim**2 * 4
+        kv_row = 2 * s.attn_kv_heads * s.attn_head_dim * m.embed.weight.element_size()  # K and V, model dtype
+        assert need["kv"] == e.cfg.layer_pattern.count("A") * 10 * kv_row
+        assert need["total"] == need["weights"] + need["kda_state"] + need["kv"]
+    finally:
+        e.close()

@@ -26,8 +26,10 @@ _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop;
 # SPLIT_OUTPUT: the sequential pass only carries the state (storing each chunk's entering state in
 # scratch["h"] and Δ over U), and a fully parallel pass per (chunk, head) computes O = Q̃·S_0 + P·Δ with the
 # gated RMSNorm fused (fla's chunk_fwd_h / chunk_fwd_o split). Needs scratch["h"] for every chunk (see
-# prefill_scratch_specs's max_chunks); without it the output is computed inside the sequential pass.
-_SPLIT_OUTPUT, _OUT_WARPS = True, 8
+# prefill_scratch_specs's max_chunks). Off: on the H200 (2026-12-01, graph-timed, H=32, K=V=128) it ran
+# 1.28 / 1.37 / 4.97 ms at 1x8192 / 8x1024 / 1x32768 against 1.17 / 1.26 / 4.57 ms with the output inside
+# the state pass: the state pass got only ~10% shorter and the output pass cost 165 µs at 1x8192.
+_SPLIT_OUTPUT, _OUT_WARPS = False, 8
 
 
 def build_chunk_metadata(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.kda.chunk as chunk
 from kernels.kda import bounded_gate, build_chunk_metadata, chunk_reference, gated_rmsnorm, prefill
 from kernels.kda.chunk import prefill_scratch_specs
 
@@ -53,26 +54,30 @@ def _case(
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
     specs = prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0] if split else None)
     scratch = {m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in specs.items()}
-    prefill(
-        q,
-        k,
-        v,
-        a,
-        b,
-        A_log,
-        dt_bias,
-        z,
-        w,
-        pool,
-        torch.tensor(cu, dtype=torch.int32, device=dev),
-        torch.tensor(slots, dtype=torch.int32, device=dev),
-        torch.tensor(has_init, device=dev),
-        idx,
-        offs,
-        num_chunks,
-        out,
-        scratch=scratch,
-    )
+    saved, chunk._SPLIT_OUTPUT = chunk._SPLIT_OUTPUT, split
+    try:
+        prefill(
+            q,
+            k,
+            v,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            z,
+            w,
+            pool,
+            torch.tensor(cu, dtype=torch.int32, device=dev),
+            torch.tensor(slots, dtype=torch.int32, device=dev),
+            torch.tensor(has_init, device=dev),
+            idx,
+            offs,
+            num_chunks,
+            out,
+            scratch=scratch,
+        )
+    finally:
+        chunk._SPLIT_OUTPUT = saved
     torch.cuda.synchronize()
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if slots[i] == 0:
