@@ -29,7 +29,11 @@ H, K, V = 32, 128, 128
 SHAPES = ((1, 8192), (8, 1024), (1, 32768))
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
-VARIANTS: dict[str, dict[str, object]] = {"ours_split_output": {"_SPLIT_OUTPUT": True}}
+VARIANTS: dict[str, dict[str, object]] = {
+    "ours_split_output": {"_SPLIT_OUTPUT": True},
+    "ours_solve_doubling": {"_SOLVE_DOUBLING": True},
+    "ours_solve_doubling_intra_warps_8": {"_SOLVE_DOUBLING": True, "_INTRA_WARPS": 8},
+}
 
 
 def _with(settings: dict[str, object], fn: Callable[[], None]) -> Callable[[], None]:

@@ -30,6 +30,10 @@ _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop;
 # 1.28 / 1.37 / 4.97 ms at 1x8192 / 8x1024 / 1x32768 against 1.17 / 1.26 / 4.57 ms with the output inside
 # the state pass: the state pass got only ~10% shorter and the output pass cost 165 µs at 1x8192.
 _SPLIT_OUTPUT, _OUT_WARPS = False, 8
+# SOLVE_DOUBLING: the diagonal 16×16 inverses by six small products ((I + M)(I + M²)(I + M⁴)(I + M⁸))
+# instead of 15 serial substitution steps. Not yet timed on a GPU (bench/kda_prefill.py times it as a
+# variant): off until it is measured faster.
+_SOLVE_DOUBLING = False
 
 
 def build_chunk_metadata(
@@ -517,6 +521,7 @@ def prefill(
             BC=_SUB,
             DEVICE_COUNT=dev,
             SOLVE_UNROLL=_SOLVE_UNROLL,
+            SOLVE_DOUBLING=_SOLVE_DOUBLING,
             SPLIT_WU=_SPLIT_WU,
             AP_DT=tl.float32 if _INTERPRET else _AP_DT,
             num_warps=_INTRA_WARPS,

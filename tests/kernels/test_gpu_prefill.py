@@ -23,11 +23,13 @@ def _case(
     device_count: bool,
     seed: int,
     null: tuple[int, ...] = (),
-    split: bool = True,
+    split: bool = False,
+    doubling: bool = False,
     a_shift: float = 0.0,
 ):
     """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched).
-    split: scratch holds every chunk's state, so the output is a parallel pass after the state pass."""
+    split: the output is a parallel pass after the state pass (scratch holds every chunk's state);
+    doubling: the diagonal inverses by repeated squaring (both kernels.kda.chunk variants)."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(seed)
     cu = [0]
@@ -54,7 +56,8 @@ def _case(
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
     specs = prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0] if split else None)
     scratch = {m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in specs.items()}
-    saved, chunk._SPLIT_OUTPUT = chunk._SPLIT_OUTPUT, split
+    saved = chunk._SPLIT_OUTPUT, chunk._SOLVE_DOUBLING
+    chunk._SPLIT_OUTPUT, chunk._SOLVE_DOUBLING = split, doubling
     try:
         prefill(
             q,
@@ -77,7 +80,7 @@ def _case(
             scratch=scratch,
         )
     finally:
-        chunk._SPLIT_OUTPUT = saved
+        chunk._SPLIT_OUTPUT, chunk._SOLVE_DOUBLING = saved
     torch.cuda.synchronize()
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if slots[i] == 0:
@@ -108,11 +111,15 @@ def test_prefill_matches_chunk_reference_at_production_shapes(lens: list[int], h
     _case(lens, has_init, device_count=True, seed=len(lens))
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["parallel-output-pass", "output-in-state-pass"])
-def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(split: bool) -> None:
+@pytest.mark.parametrize(
+    ("split", "doubling"),
+    [(False, False), (True, False), (False, True)],
+    ids=["output-in-state-pass", "parallel-output-pass", "inverse-by-doubling"],
+)
+def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(split: bool, doubling: bool) -> None:
     lens = [1, 63, 64, 65, 1000, 4097]
     has_init = [True, False, True, True, False, True]
-    _case(lens, has_init, device_count=True, seed=13, null=(2,), split=split, a_shift=6.0)
+    _case(lens, has_init, device_count=True, seed=13, null=(2,), split=split, doubling=doubling, a_shift=6.0)
 
 
 def test_prefill_with_w_and_u_inside_the_solve_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
