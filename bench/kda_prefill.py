@@ -32,7 +32,9 @@ ROUNDS = 10
 VARIANTS: dict[str, dict[str, object]] = {
     "ours_split_output": {"_SPLIT_OUTPUT": True},
     "ours_solve_doubling": {"_SOLVE_DOUBLING": True},
-    "ours_solve_doubling_intra_warps_8": {"_SOLVE_DOUBLING": True, "_INTRA_WARPS": 8},
+    "ours_intra_warps_8": {"_INTRA_WARPS": 8},
+    "ours_two_launch_intra": {"_INTRA_STAGES": 2},
+    "ours_two_launch_intra_warps_8": {"_INTRA_STAGES": 2, "_INTRA_WARPS": 8},
 }
 
 

@@ -34,6 +34,11 @@ _SPLIT_OUTPUT, _OUT_WARPS = False, 8
 # instead of 15 serial substitution steps. Not yet timed on a GPU (bench/kda_prefill.py times it as a
 # variant): off until it is measured faster.
 _SOLVE_DOUBLING = False
+# INTRA_STAGES: 2 runs the intra-chunk kernel as two launches (A and P, then the solve, A through the X
+# scratch). Compiled for sm_90 (Triton 3.6, offline) at 4 warps the one-launch kernel needs 255 registers
+# and a 648-byte stack per thread; the A/P launch 255 and 360 bytes, the solve 218 and none. Not yet
+# timed on a GPU (bench/kda_prefill.py times it as a variant). Needs SPLIT_WU.
+_INTRA_STAGES = 1
 
 
 def build_chunk_metadata(
@@ -497,35 +502,38 @@ def prefill(
             DEVICE_COUNT=dev,
             num_warps=_GATE_WARPS,
         )
-        intra_kernel[(grid_chunks, H)](
-            q,
-            k,
-            v,
-            b,
-            scratch["gcum"],
-            scratch["q_tilde"],
-            scratch["k_bar"],
-            scratch["w"],
-            scratch["u"],
-            scratch["p"],
-            scratch["x"],
-            cu_seqlens,
-            chunk_indices,
-            n_ptr,
-            n_host,
-            scale,
-            H=H,
-            K=K,
-            V=V,
-            BT=BT,
-            BC=_SUB,
-            DEVICE_COUNT=dev,
-            SOLVE_UNROLL=_SOLVE_UNROLL,
-            SOLVE_DOUBLING=_SOLVE_DOUBLING,
-            SPLIT_WU=_SPLIT_WU,
-            AP_DT=tl.float32 if _INTERPRET else _AP_DT,
-            num_warps=_INTRA_WARPS,
-        )
+        stages = (1, 2) if _INTRA_STAGES == 2 and _SPLIT_WU else (0,)
+        for stage in stages:
+            intra_kernel[(grid_chunks, H)](
+                q,
+                k,
+                v,
+                b,
+                scratch["gcum"],
+                scratch["q_tilde"],
+                scratch["k_bar"],
+                scratch["w"],
+                scratch["u"],
+                scratch["p"],
+                scratch["x"],
+                cu_seqlens,
+                chunk_indices,
+                n_ptr,
+                n_host,
+                scale,
+                H=H,
+                K=K,
+                V=V,
+                BT=BT,
+                BC=_SUB,
+                DEVICE_COUNT=dev,
+                SOLVE_UNROLL=_SOLVE_UNROLL,
+                SOLVE_DOUBLING=_SOLVE_DOUBLING,
+                SPLIT_WU=_SPLIT_WU,
+                AP_DT=tl.float32 if _INTERPRET else _AP_DT,
+                STAGE=stage,
+                num_warps=_INTRA_WARPS,
+            )
         if _SPLIT_WU:
             wu_kernel[(grid_chunks, H)](
                 k,

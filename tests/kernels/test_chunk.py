@@ -187,17 +187,17 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
 
 
 @pytest.mark.parametrize(
-    ("split", "doubling"),
-    [(True, False), (False, False), (False, True)],
-    ids=["parallel-output-pass", "output-in-state-pass", "inverse-by-doubling"],
+    "variant",
+    [{"_SPLIT_OUTPUT": True}, {}, {"_SOLVE_DOUBLING": True}, {"_INTRA_STAGES": 2}],
+    ids=["parallel-output-pass", "output-in-state-pass", "inverse-by-doubling", "two-launch-intra"],
 )
-def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(split, doubling, monkeypatch) -> None:
+def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
     # Lengths around the chunk size (and one past two chunks), decays near the bound e^-5 per step on
-    # most channels, one sequence on the null slot; both ways of computing the output and the inverse.
+    # most channels, one sequence on the null slot; every variant of the Triton prefill.
     import kernels.kda.chunk as chunk
 
-    monkeypatch.setattr(chunk, "_SPLIT_OUTPUT", split)
-    monkeypatch.setattr(chunk, "_SOLVE_DOUBLING", doubling)
+    for name, value in variant.items():
+        monkeypatch.setattr(chunk, name, value)
     lens, slots, has_init = [1, 63, 64, 65, 130], [1, 2, 0, 3, 4], [True, False, True, True, False]
     out, o_ref, pool, pool0, states = _run_prefill(
         lens, slots, has_init, chunk=64, device_count=True, seed=6, a_shift=6.0
@@ -299,13 +299,16 @@ def _intermediates_reference(q, k, v, g, beta, chunk: int):
     return back(Tm @ (kc * torch.exp(gam))), back(Tm @ vc), back(_decay_products(qc, kc, gam, 16))
 
 
-@pytest.mark.parametrize("doubling", [False, True], ids=["substitution", "doubling"])
-def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys(
-    doubling, monkeypatch
-) -> None:
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"_SOLVE_DOUBLING": True}, {"_INTRA_STAGES": 2}],
+    ids=["substitution", "inverse-by-doubling", "two-launch-intra"],
+)
+def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys(variant, monkeypatch) -> None:
     import kernels.kda.chunk as chunk
 
-    monkeypatch.setattr(chunk, "_SOLVE_DOUBLING", doubling)
+    for name, value in variant.items():
+        monkeypatch.setattr(chunk, name, value)
     # Keys share a dominant direction, β is near 1 and the decay is slow, so (I + A) is far from the
     # identity in every 16x16 block, including the cross-sub-chunk ones the blockwise inverse assembles.
     T, H, K, V, C = 128, 2, 32, 16, 64

@@ -23,13 +23,12 @@ def _case(
     device_count: bool,
     seed: int,
     null: tuple[int, ...] = (),
-    split: bool = False,
-    doubling: bool = False,
+    variant: dict[str, object] | None = None,
     a_shift: float = 0.0,
 ):
     """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched).
-    split: the output is a parallel pass after the state pass (scratch holds every chunk's state);
-    doubling: the diagonal inverses by repeated squaring (both kernels.kda.chunk variants)."""
+    variant: kernels.kda.chunk constants to set for this run (the prefill's alternative paths); scratch
+    holds every chunk's state (max_chunks) so the parallel-output path can run."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(seed)
     cu = [0]
@@ -54,10 +53,12 @@ def _case(
     idx, offs = idx.to(dev), offs.to(dev)
     num_chunks = torch.tensor([n], dtype=torch.int32, device=dev) if device_count else n
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
-    specs = prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0] if split else None)
+    specs = prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0])
     scratch = {m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in specs.items()}
-    saved = chunk._SPLIT_OUTPUT, chunk._SOLVE_DOUBLING
-    chunk._SPLIT_OUTPUT, chunk._SOLVE_DOUBLING = split, doubling
+    variant = variant or {}
+    saved = {name: getattr(chunk, name) for name in variant}
+    for name, value in variant.items():
+        setattr(chunk, name, value)
     try:
         prefill(
             q,
@@ -80,7 +81,8 @@ def _case(
             scratch=scratch,
         )
     finally:
-        chunk._SPLIT_OUTPUT, chunk._SOLVE_DOUBLING = saved
+        for name, value in saved.items():
+            setattr(chunk, name, value)
     torch.cuda.synchronize()
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if slots[i] == 0:
@@ -111,15 +113,20 @@ def test_prefill_matches_chunk_reference_at_production_shapes(lens: list[int], h
     _case(lens, has_init, device_count=True, seed=len(lens))
 
 
-@pytest.mark.parametrize(
-    ("split", "doubling"),
-    [(False, False), (True, False), (False, True)],
-    ids=["output-in-state-pass", "parallel-output-pass", "inverse-by-doubling"],
-)
-def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(split: bool, doubling: bool) -> None:
+VARIANTS = {
+    "default": {},
+    "parallel-output-pass": {"_SPLIT_OUTPUT": True},
+    "inverse-by-doubling": {"_SOLVE_DOUBLING": True},
+    "two-launch-intra": {"_INTRA_STAGES": 2},
+    "intra-8-warps": {"_INTRA_WARPS": 8},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant: str) -> None:
     lens = [1, 63, 64, 65, 1000, 4097]
     has_init = [True, False, True, True, False, True]
-    _case(lens, has_init, device_count=True, seed=13, null=(2,), split=split, doubling=doubling, a_shift=6.0)
+    _case(lens, has_init, device_count=True, seed=13, null=(2,), variant=VARIANTS[variant], a_shift=6.0)
 
 
 def test_prefill_with_w_and_u_inside_the_solve_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
