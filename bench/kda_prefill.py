@@ -35,6 +35,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ours_intra_warps_8": {"_INTRA_WARPS": 8},
     "ours_two_launch_intra": {"_INTRA_STAGES": 2},
     "ours_two_launch_intra_warps_8": {"_INTRA_STAGES": 2, "_INTRA_WARPS": 8},
+    "ours_ap_columns": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
+    "ours_ap_columns_bk16_w4": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True, "_COLS_BK": 16, "_COLS_WARPS": 4},
 }
 
 

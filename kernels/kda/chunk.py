@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kda.chunk_cols import ap_columns_kernel
 from kernels.kda.chunk_ref import chunk_reference
 from kernels.kda.chunk_solve import _chunk_bounds, intra_kernel, wu_kernel
 
@@ -39,6 +40,10 @@ _SOLVE_DOUBLING = False
 # and a 648-byte stack per thread; the A/P launch 255 and 360 bytes, the solve 218 and none. Not yet
 # timed on a GPU (bench/kda_prefill.py times it as a variant). Needs SPLIT_WU.
 _INTRA_STAGES = 1
+# AP_COLUMNS: with two stages, A and P come from kernels/kda/chunk_cols.py (one BT-row product per column
+# block instead of six 16-row cross products, K in _COLS_BK-wide blocks). Offline sm_90 compile: no stack
+# at 8 warps with 32-wide K blocks (736 bytes at 4 warps). Not yet timed on a GPU.
+_AP_COLUMNS, _COLS_WARPS, _COLS_BK = False, 8, 32
 
 
 def build_chunk_metadata(
@@ -503,6 +508,31 @@ def prefill(
             num_warps=_GATE_WARPS,
         )
         stages = (1, 2) if _INTRA_STAGES == 2 and _SPLIT_WU else (0,)
+        if stages[0] == 1 and _AP_COLUMNS:
+            stages = (2,)
+            ap_columns_kernel[(grid_chunks, H)](
+                q,
+                k,
+                b,
+                scratch["gcum"],
+                scratch["q_tilde"],
+                scratch["k_bar"],
+                scratch["p"],
+                scratch["x"],
+                cu_seqlens,
+                chunk_indices,
+                n_ptr,
+                n_host,
+                scale,
+                H=H,
+                K=K,
+                BT=BT,
+                BC=_SUB,
+                BKC=min(K, _COLS_BK),
+                DEVICE_COUNT=dev,
+                DT=tl.float32 if _INTERPRET else _AP_DT,
+                num_warps=_COLS_WARPS,
+            )
         for stage in stages:
             intra_kernel[(grid_chunks, H)](
                 q,

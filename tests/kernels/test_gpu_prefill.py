@@ -119,6 +119,7 @@ VARIANTS = {
     "inverse-by-doubling": {"_SOLVE_DOUBLING": True},
     "two-launch-intra": {"_INTRA_STAGES": 2},
     "intra-8-warps": {"_INTRA_WARPS": 8},
+    "a-and-p-by-columns": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
 }
 
 
