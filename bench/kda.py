@@ -206,6 +206,7 @@ def bench_decode(batches: tuple[int, ...], T: int, *, peers: bool = True, sweep:
                 min(streamed.values()) / row["ours"]["us_streamed"], 3
             )
         rows.append(row)
+        print(f"kda: T={T} batch={n} done", file=sys.stderr, flush=True)
         del t, calls
         torch.cuda.empty_cache()
     return rows

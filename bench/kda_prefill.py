@@ -34,9 +34,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ours_solve_doubling": {"_SOLVE_DOUBLING": True},
     "ours_intra_warps_8": {"_INTRA_WARPS": 8},
     "ours_two_launch_intra": {"_INTRA_STAGES": 2},
-    "ours_two_launch_intra_warps_8": {"_INTRA_STAGES": 2, "_INTRA_WARPS": 8},
     "ours_ap_columns": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
-    "ours_ap_columns_bk16_w4": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True, "_COLS_BK": 16, "_COLS_WARPS": 4},
 }
 
 
@@ -168,7 +166,10 @@ def main() -> None:
     else:
         why = "fla-core chunk_kda, with our gated RMSNorm kernel on its output (fla+norm)"
     warm_up_clocks()
-    rows = [bench_shape(n, s, fla, breakdown=not args.no_breakdown) for n, s in SHAPES]
+    rows = []
+    for n, s in SHAPES:
+        rows.append(bench_shape(n, s, fla, breakdown=not args.no_breakdown))
+        print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
     result = {
         "bench": "kda_prefill",
         "shape": {"H": H, "K": K, "V": V, "chunk": 64},
