@@ -17,7 +17,6 @@ graphs, wall-clock timing) it runs small shapes as a smoke test: those figures a
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -159,12 +158,7 @@ def main() -> None:
     med = {n: statistics.median(xs) for n, xs in samples.items()}
     result = {
         "bench": "dcp",
-        "script": "bench/dcp.py",
-        "command": " ".join([sys.executable, *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (gloo smoke test)",
         "gpus_on_host": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
         "timing": "CUDA graph replays, CUDA events on rank 0, interleaved rounds"
         if a.device == "cuda"
         else "wall clock, eager (CPU smoke test; not a GPU figure)",

@@ -11,7 +11,6 @@ from the speculative engine's own plain decode, so only a near tie between the p
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench._common import write_result  # noqa: E402
+from bench._gpu import copy_bandwidth, kernel_breakdown, warm_up_clocks  # noqa: E402
 
 NUM_SPEC = 3
 GEN_TOKENS = 64
@@ -84,6 +84,66 @@ def step_latency(engine, batch: int, steps: int) -> dict:
             r.release(q)
 
 
+def step_bytes(engine, context_tokens: int) -> dict[str, int]:
+    """The fewest bytes one decode step of one request must read from device memory: every weight the
+    step multiplies by (the embedding's one row; the MTP head is not used by a plain step), each KDA
+    layer's fp32 state, and the attention layers' KV cache over `context_tokens` tokens."""
+    m, cfg = engine.model, engine.cfg
+    shape = m.shape
+
+    def nbytes(mod) -> int:
+        return sum(p.numel() * p.element_size() for p in mod.parameters())
+
+    emb = m.embed.weight
+    weights = nbytes(m) - nbytes(m.mtp) - nbytes(m.embed) + emb.shape[1] * emb.element_size()
+    kda = cfg.layer_pattern.count("K") * shape.kda_heads * shape.kda_head_dim**2 * 4
+    kv_row = 2 * shape.attn_kv_heads * shape.attn_head_dim * emb.element_size()
+    kv = cfg.layer_pattern.count("A") * context_tokens * kv_row
+    return {"weights": weights, "kda_state": kda, "kv": kv, "total": weights + kda + kv}
+
+
+def roofline(engine, copy: dict, steps: int) -> dict:
+    """Batch 1: the replayed step's time against the bytes it must read at the measured copy bandwidth,
+    and the profiler's per-kernel split of one replayed step."""
+    r, g = engine.runner, engine.runner.graphs
+    prompt = _prompts(1)[0]
+    reqs = [r.admit(prompt, 8)]
+    try:
+        toks, gaps = r.pick(r.prefill(reqs))
+        r._append(reqs[0], toks[0], gaps[0])
+        n_pad = g.padded_size(1, 1)
+        r.stage_decode(reqs, n_pad)
+
+        def replay() -> None:
+            g.replay(n_pad, 1)
+
+        for _ in range(5):
+            replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            replay()
+        end.record()
+        end.synchronize()
+        step_us = start.elapsed_time(end) * 1e3 / steps
+        need = step_bytes(engine, len(prompt) + 1)
+        ceiling = copy["max"]
+        return {
+            "bytes": need,
+            "replay_us": round(step_us, 2),
+            "replay_definition": f"{steps} replays back to back (staging once before), GPU events / {steps}",
+            "copy_TBps": ceiling,
+            "read_TBps": round(need["total"] / (step_us * 1e-6) / 1e12, 3),
+            "fraction_of_copy_bandwidth": round(need["total"] / (step_us * 1e-6) / 1e12 / ceiling, 3),
+            "floor_us_at_copy_bandwidth": round(need["total"] / (ceiling * 1e12) * 1e6, 2),
+            "kernels": kernel_breakdown(replay, calls=5, top=20),
+        }
+    finally:
+        for q in reqs:
+            r.release(q)
+
+
 def tokens_per_second(fn, prompts, tokens: int) -> dict:
     fn(prompts, 8)  # warm-up
     _sync()
@@ -125,14 +185,8 @@ def main() -> None:
         sys.exit("bench/graphs.py needs a CUDA device")
     from qualify.engine.spec import speculative_generate
 
-    p = torch.cuda.get_device_properties(0)
-    result: dict = {
-        "bench": "graphs",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": {"name": p.name, "capability": f"{p.major}.{p.minor}"},
-        "torch": torch.__version__,
-        "preset": args.preset,
-    }
+    warm_up_clocks()
+    result: dict = {"bench": "graphs", "preset": args.preset, "copy_TBps": copy_bandwidth()}
     plain, cap = _engine(args.preset)
     if not cap["captured"]:
         sys.exit(f"no graphs captured: {cap['reason']}")
@@ -142,6 +196,7 @@ def main() -> None:
     result["step_latency"] = {str(b): step_latency(plain, b, args.steps) for b in sorted({1, 4, max_batch})}
     result["target_replay_speedup_at_batch_1"] = 3.0
     result["target_met"] = result["step_latency"]["1"]["speedup"] >= 3.0
+    result["roofline_batch_1"] = roofline(plain, result["copy_TBps"], args.steps)
 
     spec, spec_cap = _engine(args.preset, num_spec=NUM_SPEC)
     result["spec_backend"] = spec.resolution.name

@@ -1,18 +1,16 @@
-"""KDA decode/verify benchmark: ours vs fla-core 0.6.0 and b12x 1.5.1 side by side in one process (KDA.md §6).
+"""KDA decode/verify benchmark: ours vs fla-core 0.6.0 and b12x 1.5.1 side by side in one process.
 
-Every timing is a CUDA-graph replay (warmed up; median of many replays). Prints JSON and writes it to --out.
-Peers are optional: a peer that cannot run is recorded as "unavailable: <reason>".
+Prefill is bench/kda_prefill.py. Every contender is captured in a CUDA graph and timed by GPU events in
+interleaved rounds (bench/_gpu.py); eager timings are reported beside, labelled. b12x is prepared with its
+autotuner on. Prints JSON and writes it to --out. A peer that cannot run is recorded as
+"unavailable: <reason>".
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib
-import importlib.metadata
 import os
 import sys
-import traceback
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,95 +19,13 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench._common import interleaved_medians, write_result  # noqa: E402
+from bench._common import write_result  # noqa: E402
+from bench._gpu import TIMING, copy_bandwidth, time_contenders, warm_up_clocks  # noqa: E402
 
 H, K, V = 32, 128, 128
 DECODE_BATCHES = (1, 8, 64, 256, 1024)
 VERIFY_BATCHES = (1, 64, 256)
 VERIFY_T = 4
-
-
-def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """fn warmed up on a side stream, then captured in a CUDA graph of its own."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
-def _single(graph: torch.cuda.CUDAGraph) -> float:
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    graph.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3
-
-
-def _streamed(graph: torch.cuda.CUDAGraph, n: int = 10) -> float:
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        graph.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / n
-
-
-def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], *, rounds: int = 20, per_round: int = 10) -> dict:
-    """Median µs per replay for each graph, timed in interleaved rounds (bench/_common.py).
-    us: one replay timed alone; us_streamed: 10 replays in a row / 10."""
-    for g in graphs.values():
-        for _ in range(5):
-            g.replay()
-    torch.cuda.synchronize()
-
-    def measure(g: torch.cuda.CUDAGraph) -> dict[str, list[float]]:
-        return {"us": [_single(g) for _ in range(per_round)], "us_streamed": [_streamed(g)]}
-
-    medians = interleaved_medians({k: lambda g=g: measure(g) for k, g in graphs.items()}, rounds)
-    return {k: {m: round(x, 2) for m, x in ms.items()} for k, ms in medians.items()}
-
-
-def time_graph(fn: Callable[[], None], *, rounds: int = 20) -> dict[str, float]:
-    """One contender on its own (used for the copy-bandwidth reference)."""
-    return time_graphs({"x": capture(fn)}, rounds=rounds)["x"]
-
-
-def warm_up_clocks(seconds: float = 0.5) -> None:
-    """Keep the GPU busy for a moment so the first contender does not pay for the clocks ramping up."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        for _ in range(20):
-            a @ a
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) > seconds * 1e3:
-            return
-
-
-def copy_bandwidth() -> dict[str, float]:
-    """Device copy bandwidth (read + write) in TB/s at a few sizes, timed like the kernels (graph, median)."""
-    result = {}
-    for mib in (256, 1024):
-        nbytes = mib << 20
-        src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-        dst = torch.empty_like(src)
-        t = time_graph(lambda src=src, dst=dst: dst.copy_(src), rounds=5)
-        result[f"{mib}MiB"] = round(2 * nbytes / (t["us_streamed"] * 1e-6) / 1e12, 3)
-        del src, dst
-    result["max"] = max(result.values())
-    return result
 
 
 def make_inputs(n: int, T: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -190,14 +106,23 @@ def fla(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:
     )
 
 
-def b12x(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:
+B12X_ADAPTER = (
+    "b12x: our adapter's run() as the engine calls it; at T > 1 that is one extra torch.mul launch per call "
+    "(num_tokens = num_live * T on the device), charged to b12x; b12x_kernel: b12x's run_kda alone, "
+    "num_tokens computed once before timing. Both prepared with b12x's autotuner on, benchmarking the real "
+    "step; q/k/v are adjacent views of one packed row, so the adapter copies nothing."
+)
+
+
+def b12x(t: dict[str, torch.Tensor], n: int, T: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(adapter call, kernel-only call) over one binding, prepared once with the autotuner on."""
     from kernels.kda.b12x import B12xBackend, b12x_status
     from kernels.kda.backend import Caps
 
     ok, why = b12x_status("cuda")
     if not ok:
         raise RuntimeError(why)
-    be = B12xBackend()
+    be = B12xBackend(autotune=True)
     plan = be.plan(Caps(H, K, V, n, T, t["state"].shape[0], device="cuda"))
     scratch = {
         m: torch.zeros(s.shape, dtype=s.dtype, device="cuda") for m, s in be.scratch_specs(plan).items()
@@ -205,7 +130,12 @@ def b12x(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:
     binding = be.bind(plan, scratch=scratch, **t)
     if binding.native[2]:
         raise RuntimeError("q/k/v were not packed adjacently; b12x would pay an extra copy")
-    return lambda: be.run(binding)
+    from b12x.sequence.gdn_decode import run_kda
+
+    if T > 1:
+        torch.mul(t["num_live"], T, out=scratch["num_tokens"])
+    native, c = binding.native[0], plan.caps
+    return (lambda: be.run(binding)), (lambda: run_kda(native, lower_bound=c.lower_bound, eps=c.norm_eps))
 
 
 def state_tbps(n: int, T: int, us: float) -> float:
@@ -218,6 +148,9 @@ def with_rates(t: dict[str, float], n: int, T: int) -> dict[str, float]:
         "state_TBps": state_tbps(n, T, t["us"]),
         "state_TBps_streamed": state_tbps(n, T, t["us_streamed"]),
     }
+
+
+PEERS = ("fla+norm", "b12x", "b12x_kernel")  # like for like with ours (gated RMSNorm included)
 
 
 SWEEP = ((128, 8), (128, 4), (128, 2), (64, 2), (32, 1), (32, 2), (16, 1), (16, 2), (8, 1), (8, 2))
@@ -239,21 +172,42 @@ def bench_decode(batches: tuple[int, ...], T: int, *, peers: bool = True, sweep:
                 return lambda: (f(), g())
 
             builders["fla+norm"] = fla_norm
-            builders["b12x"] = lambda t=t, n=n: b12x(t, n, T)
+            pair: list = []
+
+            def b12x_call(i: int, t=t, n=n, pair=pair) -> Callable[[], None]:
+                if not pair:
+                    pair.extend(b12x(t, n, T))
+                return pair[i]
+
+            builders["b12x"] = lambda: b12x_call(0)
+            builders["b12x_kernel"] = lambda: b12x_call(1)
         row: dict[str, object] = {"batch": n, "T": T}
-        graphs = {}
+        calls = {}
         for label, build in builders.items():
             try:
-                graphs[label] = capture(build())
+                calls[label] = build()
             except Exception as e:
                 row[label] = {"unavailable": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
-        for label, timing in time_graphs(graphs).items():
+        timings, failed = time_contenders(calls)
+        for label, why in failed.items():
+            row[label] = {"unavailable": why}
+        for label, timing in timings.items():
             row[label] = with_rates(timing, n, T)
-        for peer in ("fla+norm", "fla", "b12x"):
-            if "us" in row.get(peer, {}) and "us" in row["ours"]:
-                row[f"speedup_vs_{peer}"] = round(row[peer]["us"] / row["ours"]["us"], 3)
+        ours_us = row["ours"].get("us") if isinstance(row.get("ours"), dict) else None
+        peer_us = {p: row[p]["us"] for p in PEERS if "us" in row.get(p, {})}
+        if ours_us and peer_us:
+            fastest = min(peer_us, key=peer_us.get)
+            for p, us in peer_us.items():
+                row[f"speedup_vs_{p}"] = round(us / ours_us, 3)
+            row["fastest_peer"] = fastest
+            row["speedup_vs_fastest_peer"] = round(peer_us[fastest] / ours_us, 3)
+            streamed = {p: row[p]["us_streamed"] for p in peer_us}
+            row["speedup_vs_fastest_peer_streamed"] = round(
+                min(streamed.values()) / row["ours"]["us_streamed"], 3
+            )
         rows.append(row)
-        del t, graphs
+        print(f"kda: T={T} batch={n} done", file=sys.stderr, flush=True)
+        del t, calls
         torch.cuda.empty_cache()
     return rows
 
@@ -274,58 +228,31 @@ def check_agreement(n: int = 8, T: int = VERIFY_T) -> dict[str, float]:
     return out
 
 
-def run_prefill(sweep: bool = False) -> object:
-    for mod in ("bench.kda_prefill", "kda_prefill"):
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue
-        if hasattr(m, "bench_prefill"):
-            try:
-                return m.bench_prefill(sweep=sweep)
-            except Exception as e:
-                return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
-    return "skipped: bench/kda_prefill.py with bench_prefill() not found"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", help="also write the JSON here")
-    ap.add_argument("--quick", action="store_true", help="batches 1 and 64 only, no prefill")
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 64 only")
     ap.add_argument(
         "--sweep", action="store_true", help="also time our kernel at several (block_v, num_warps)"
     )
-    ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kda.py needs a CUDA device")
-    import triton
-
     decode_batches = (1, 64) if args.quick else DECODE_BATCHES
     verify_batches = (1, 64) if args.quick else VERIFY_BATCHES
+    warm_up_clocks()
     result: dict[str, object] = {
-        "device": torch.cuda.get_device_name(),
-        "capability": list(torch.cuda.get_device_capability()),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        "bench": "kda",
         "shape": {"H": H, "K": K, "V": V},
         "state_TBps_definition": "batch*H*K*V*4 bytes*(1 read + T writes) / time",
-        "timing": "CUDA graph of one call per contender, all of a row captured first and then timed in 20 "
-        "interleaved rounds (order rotating); us: median single replay; "
-        "us_streamed: 10 replays in a row / 10",
-        "copy_TBps": (warm_up_clocks(), copy_bandwidth())[1],
+        "timing": TIMING.format(rounds=20, streamed=10),
+        "peers": "fla: fused_recurrent_kda_fwd (no gated norm); fla+norm: it plus our gated RMSNorm kernel; "
+        + B12X_ADAPTER,
+        "copy_TBps": copy_bandwidth(),
     }
-    for name in ("fla", "b12x"):
-        try:
-            result[f"{name}_version"] = importlib.metadata.version("fla-core" if name == "fla" else "b12x")
-        except Exception as e:
-            result[f"{name}_version"] = f"unavailable: {e}"
     result["decode"] = bench_decode(decode_batches, 1, sweep=args.sweep)
     result["verify"] = bench_decode(verify_batches, VERIFY_T, sweep=args.sweep)
     result["agreement"] = check_agreement()
-    if not (args.quick or args.no_prefill):
-        result["prefill"] = run_prefill(sweep=args.sweep)
     write_result(result, args.out, indent=1)
 
 

@@ -1,170 +1,187 @@
-"""Prefill timing: our Triton varlen KDA prefill vs fla's chunk_kda (optional peer), H=32, K=V=128, bf16."""
+"""Prefill benchmark: our Triton varlen KDA prefill vs fla's chunk_kda plus the same gated RMSNorm, H=32,
+K=V=128, bf16, at 1x8192, 8x1024 and 1x32768 tokens. Prints JSON and writes it to --out.
+
+Equal work and equal timing: every contender's host-side metadata is built once before timing (ours: the
+chunk list; fla: cu_seqlens_cpu, from which fla caches its chunk indices), every call is captured in a
+CUDA graph and timed by GPU events in interleaved rounds; eager timings beside, labelled (bench/_gpu.py).
+"""
 
 from __future__ import annotations
 
-import datetime
-import json
+import argparse
+import os
 import sys
-from pathlib import Path
+from collections.abc import Callable
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
 
-from bench._common import interleaved_medians  # noqa: E402
+from bench._common import write_result  # noqa: E402
+from bench._gpu import TIMING, kernel_breakdown, time_contenders, warm_up_clocks  # noqa: E402
 from kernels.kda import build_chunk_metadata, prefill  # noqa: E402
+from kernels.kda import chunk as chunk_mod  # noqa: E402
 from kernels.kda.chunk import prefill_scratch_specs  # noqa: E402
 
 H, K, V = 32, 128, 128
-SHAPES = [(1, 8192), (8, 1024), (1, 32768)]
+SHAPES = ((1, 8192), (8, 1024), (1, 32768))
+ROUNDS = 10
+# Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
+VARIANTS: dict[str, dict[str, object]] = {
+    "ours_split_output": {"_SPLIT_OUTPUT": True},
+    "ours_solve_doubling": {"_SOLVE_DOUBLING": True},
+    "ours_intra_warps_8": {"_INTRA_WARPS": 8},
+    "ours_two_launch_intra": {"_INTRA_STAGES": 2},
+    "ours_ap_columns": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
+}
 
 
-def _time_ms(fn, iters: int = 10) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+def _with(settings: dict[str, object], fn: Callable[[], None]) -> Callable[[], None]:
+    """fn run with kernels.kda.chunk's constants set as given (restored after each call)."""
 
-
-def _time_interleaved(fns: dict[str, object], rounds: int = 6) -> dict[str, float]:
-    """Median ms per call for each contender, timed in alternating rounds so neither gets the warm GPU."""
-    for fn in fns.values():
-        for _ in range(3):
+    def call() -> None:
+        saved = {name: getattr(chunk_mod, name) for name in settings}
+        try:
+            for name, value in settings.items():
+                setattr(chunk_mod, name, value)
             fn()
-    torch.cuda.synchronize()
-    medians = interleaved_medians({k: lambda fn=fn: {"ms": [_time_ms(fn)]} for k, fn in fns.items()}, rounds)
-    return {k: ms["ms"] for k, ms in medians.items()}
+        finally:
+            for name, value in saved.items():
+                setattr(chunk_mod, name, value)
+
+    return call
 
 
-def _fla_chunk_kda():
-    try:
-        from fla.ops.kda import chunk_kda
-    except Exception as exc:  # the peer is optional: record why it is missing
-        return None, f"fla-core not importable: {type(exc).__name__}: {exc}"
-    return chunk_kda, None
+def _gated_norm(out: torch.Tensor, z: torch.Tensor, w: torch.Tensor, cu: torch.Tensor) -> None:
+    """Our prefill's own gated RMSNorm kernel, in place on a [.., total, H, V] output."""
+    import triton
+
+    tot = z.shape[0]
+    chunk_mod._gated_norm_kernel[(triton.cdiv(tot * H, 16),)](
+        out, z, w, cu, cu.shape[0] - 1, 1e-5, tot * H, H=H, V=V, ROWS=16
+    )
 
 
-SWEEP = [(bv, w, st) for bv in (16, 32) for w in (4, 8) for st in (1, 2, 3, 4)] + [(64, 4, 2), (64, 8, 2)]
+def _fla_call(fla, x: dict[str, torch.Tensor], *, norm: bool, use_graph: bool) -> Callable[[], None]:
+    """fla's serving configuration (bounded gate, β sigmoid and L2 norm in kernel, V-first state), with
+    cu_seqlens_cpu made once here so fla's chunk-index cache hits on every call."""
+    q, k, v, a, b = (x[n][None] for n in ("q", "k", "v", "a", "b"))
+    kwargs = dict(
+        initial_state=x["h0"], state_v_first=True, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+        A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=x["cu_long"], cu_seqlens_cpu=x["cu_cpu"],
+    )  # fmt: skip
+    if use_graph:
+        kwargs["use_graph"] = True
+
+    def call() -> None:
+        with torch.inference_mode():
+            o = fla(q, k, v, a, b, **kwargs)[0]
+            if norm:
+                _gated_norm(o, x["z"], x["w"], x["cu"])
+
+    return call
 
 
-def _bench_shape(nseq: int, seqlen: int, dev: torch.device, fla, sweep: bool = False) -> dict:
-    bf = torch.bfloat16
+def _inputs(nseq: int, seqlen: int) -> dict[str, torch.Tensor]:
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(nseq * seqlen)
     tot = nseq * seqlen
     cu_list = [i * seqlen for i in range(nseq + 1)]
-    q, k, a = (torch.randn(tot, H, K, device=dev).to(bf) for _ in range(3))
-    v, z = torch.randn(tot, H, V, device=dev).to(bf), torch.randn(tot, H, V, device=dev).to(bf)
-    b = torch.randn(tot, H, device=dev).to(bf)
-    A_log, dt_bias = torch.randn(H, device=dev) * 0.5, torch.randn(H * K, device=dev)
-    w = torch.ones(V, device=dev)
-    pool = torch.zeros(nseq + 1, H, V, K, device=dev)
+
+    def rnd(*shape: int, s: float = 1.0, dtype: torch.dtype = bf) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=dev) * s).to(dtype)
+
     idx = torch.zeros(tot // 64 + nseq, 2, dtype=torch.int32)
     offs = torch.zeros(nseq + 1, dtype=torch.int32)
     n = build_chunk_metadata(cu_list, 64, idx, offs)
-    idx, offs = idx.to(dev), offs.to(dev)
-    nc = torch.tensor([n], dtype=torch.int32, device=dev)
     cu = torch.tensor(cu_list, dtype=torch.int32, device=dev)
-    slots = torch.arange(1, nseq + 1, dtype=torch.int32, device=dev)
-    has = torch.ones(nseq, dtype=torch.bool, device=dev)
-    out = torch.empty(tot, H, V, dtype=bf, device=dev)
+    return {
+        "q": rnd(tot, H, K), "k": rnd(tot, H, K), "a": rnd(tot, H, K), "v": rnd(tot, H, V),
+        "z": rnd(tot, H, V), "b": rnd(tot, H), "A_log": rnd(H, s=0.5, dtype=torch.float32),
+        "dt_bias": rnd(H * K, dtype=torch.float32), "w": rnd(V, s=0.1, dtype=torch.float32) + 1,
+        "pool": rnd(nseq + 1, H, V, K, s=0.05, dtype=torch.float32), "h0": rnd(nseq, H, V, K, s=0.05,
+        dtype=torch.float32), "idx": idx.to(dev), "offs": offs.to(dev),
+        "nc": torch.tensor([n], dtype=torch.int32, device=dev), "cu": cu, "cu_long": cu.long(),
+        "cu_cpu": cu.long().cpu(), "slots": torch.arange(1, nseq + 1, dtype=torch.int32, device=dev),
+        "has": torch.ones(nseq, dtype=torch.bool, device=dev), "out": torch.empty(tot, H, V, dtype=bf,
+        device=dev),
+    }  # fmt: skip
+
+
+def _ours(x: dict[str, torch.Tensor]) -> Callable[[], None]:
+    tot = x["q"].shape[0]
     scratch = {
-        m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
+        m: torch.empty(s, dtype=d, device="cuda")
+        for m, (s, d) in prefill_scratch_specs(tot, H, K, V, max_chunks=x["idx"].shape[0]).items()
     }
+    names = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "z", "w", "pool", "cu", "slots", "has", "idx")
+    args = [x[n] for n in names] + [x["offs"], x["nc"], x["out"]]
+    return lambda: prefill(*args, scratch=scratch)
 
-    def run_ours() -> None:
-        args = (q, k, v, a, b, A_log, dt_bias, z, w, pool, cu, slots, has, idx, offs, nc, out)
-        prefill(*args, scratch=scratch)
 
-    contenders = {"ours": run_ours}
+def bench_shape(nseq: int, seqlen: int, fla, *, breakdown: bool) -> dict:
+    x = _inputs(nseq, seqlen)
+    ours = _ours(x)
+    calls: dict[str, Callable[[], None]] = {"ours": ours}
+    calls.update({name: _with(settings, ours) for name, settings in VARIANTS.items()})
     row: dict = {"tokens": f"{nseq}x{seqlen}"}
     if fla is not None:
-        h0 = torch.zeros(nseq, H, V, K, device=dev)  # V-first, like our pool
-        cu_long = cu.long()
-
-        def run_fla() -> None:
-            # fla's serving configuration: bounded gate and β sigmoid in kernel, L2 norm in kernel.
-            fla(
-                q[None],
-                k[None],
-                v[None],
-                a[None],
-                b[None],
-                initial_state=h0,
-                state_v_first=True,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True,
-                safe_gate=True,
-                lower_bound=-5.0,
-                A_log=A_log,
-                dt_bias=dt_bias,
-                cu_seqlens=cu_long,
-                cu_seqlens_cpu=cu_long.cpu(),
-            )
-
-        def run_fla_inference() -> None:
-            with torch.inference_mode():
-                run_fla()
-
-        try:
-            run_fla_inference()
-            contenders["fla"] = run_fla_inference
-        except Exception as exc:
-            row |= {"fla_ms": None, "fla_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-    ms = _time_interleaved(contenders)
-    row["ours_ms"] = round(ms["ours"], 4)
-    if "fla" in ms:
-        row |= {"fla_ms": round(ms["fla"], 4), "fla_over_ours": round(ms["fla"] / ms["ours"], 3)}
-    if sweep:
-        row["state_launch_sweep"] = _sweep_state_launch(run_ours)
+        calls["fla+norm"] = _fla_call(fla, x, norm=True, use_graph=False)
+        calls["fla+norm(use_graph)"] = _fla_call(fla, x, norm=True, use_graph=True)
+        calls["fla"] = _fla_call(fla, x, norm=False, use_graph=False)
+    timings, failed = time_contenders(calls, rounds=ROUNDS, singles=3, streamed=5)
+    row.update({k: {"unavailable": why} for k, why in failed.items()})
+    row.update(
+        {k: {m.replace("us", "ms"): round(us / 1e3, 4) for m, us in t.items()} for k, t in timings.items()}
+    )
+    peers = [p for p in ("fla+norm", "fla+norm(use_graph)") if p in timings]
+    if "ours" in timings and peers:
+        fastest = min(peers, key=lambda p: timings[p]["us"])
+        row["fastest_peer"] = fastest
+        row["speedup_vs_fastest_peer"] = round(timings[fastest]["us"] / timings["ours"]["us"], 3)
+        row["speedup_vs_fastest_peer_eager"] = round(
+            min(timings[p]["eager_us"] for p in peers) / timings["ours"]["eager_us"], 3
+        )
+    if breakdown:
+        row["kernels_us"] = {k: kernel_breakdown(calls[k]) for k in ("ours", "fla+norm") if k in timings}
+    del x
+    torch.cuda.empty_cache()
     return row
 
 
-def _sweep_state_launch(run_ours) -> list[dict]:
-    """Our prefill with the chunk-recurrence kernel at other (BV, warps, stages); defaults restored after."""
-    from kernels.kda import chunk
-
-    saved = chunk._STATE_BV, chunk._STATE_WARPS, chunk._STATE_STAGES
-    rows = []
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's per-kernel split")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kda_prefill.py needs a CUDA device")
     try:
-        for bv, warps, stages in SWEEP:
-            chunk._STATE_BV, chunk._STATE_WARPS, chunk._STATE_STAGES = bv, warps, stages
-            try:
-                ms = _time_interleaved({"x": run_ours}, rounds=3)["x"]
-                rows.append({"BV": bv, "num_warps": warps, "num_stages": stages, "ms": round(ms, 4)})
-            except Exception as exc:
-                rows.append({"BV": bv, "num_warps": warps, "num_stages": stages, "error": str(exc)[:200]})
-    finally:
-        chunk._STATE_BV, chunk._STATE_WARPS, chunk._STATE_STAGES = saved
-    return sorted(rows, key=lambda r: r.get("ms", 1e9))
-
-
-def bench_prefill(device: str = "cuda", sweep: bool = False) -> dict:
-    """Each shape: ours and fla timed in alternating rounds; with sweep, the longest shape also times our
-    chunk-recurrence kernel at other launch shapes (the one sequential loop, so the one that scales)."""
-    dev = torch.device(device)
-    fla, fla_reason = _fla_chunk_kda()
-    rows = [
-        _bench_shape(nseq, seqlen, dev, fla, sweep=sweep and seqlen == max(s for _, s in SHAPES))
-        for nseq, seqlen in SHAPES
-    ]
-    import triton
-
-    return {
-        "device": torch.cuda.get_device_name(dev),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        from fla.ops.kda import chunk_kda as fla
+    except Exception as exc:  # the peer is optional: record why it is missing
+        fla, why = None, f"unavailable: fla-core not importable: {type(exc).__name__}: {exc}"
+    else:
+        why = "fla-core chunk_kda, with our gated RMSNorm kernel on its output (fla+norm)"
+    warm_up_clocks()
+    rows = []
+    for n, s in SHAPES:
+        rows.append(bench_shape(n, s, fla, breakdown=not args.no_breakdown))
+        print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
+    result = {
+        "bench": "kda_prefill",
         "shape": {"H": H, "K": K, "V": V, "chunk": 64},
-        "note": "ours includes gate, beta sigmoid, L2 norm and gated RMSNorm; fla excludes the gated RMSNorm",
-        "timing": "eager calls, 6 alternating rounds of 10, median ms per call",
-        "fla": "fla-core chunk_kda" if fla is not None else f"unavailable: {fla_reason}",
+        "work": "ours: gate, beta sigmoid, L2 norm, chunked recurrence and gated RMSNorm into a pool slot; "
+        "fla+norm: the same in chunk_kda plus our gated RMSNorm kernel; fla: chunk_kda alone",
+        "variants": {k: {n: str(v) for n, v in s.items()} for k, s in VARIANTS.items()},
+        "peer": why,
+        "timing": TIMING.format(rounds=ROUNDS, streamed=5).replace("us", "ms") + "; figures in ms",
         "prefill": rows,
     }
+    write_result(result, args.out, indent=1)
 
 
 if __name__ == "__main__":
-    print(json.dumps(bench_prefill(sweep="--sweep" in sys.argv), indent=2))
+    main()

@@ -1,8 +1,16 @@
-"""The benchmarks' shared timing schedule: every contender once per round, the order rotating."""
+"""The benchmarks' shared timing schedule (every contender once per round, the order rotating) and the
+provenance every committed result carries."""
 
 from __future__ import annotations
 
-from bench._common import interleaved_medians
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from bench import _common
+from bench._common import interleaved_medians, write_result
 
 
 def test_contenders_take_turns_first_and_each_measure_is_the_median_of_all_rounds() -> None:
@@ -20,3 +28,69 @@ def test_contenders_take_turns_first_and_each_measure_is_the_median_of_all_round
     # a's single samples: 1, 3 | 1, 9 | 1, 11 | 1, 17 -> median of eight is (1 + 3) / 2.
     assert result["a"] == {"single": 2.0, "streamed": 1.0}
     assert result["b"] == {"single": 12.0, "streamed": 10.0}  # 10 x4, 14, 16, 22, 24
+
+
+RESULTS = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[p.name for p in RESULTS])
+def test_each_result_names_the_commit_and_the_committed_script_that_wrote_it(path: Path) -> None:
+    root = path.parents[2]
+    prov = json.loads(path.read_text())["provenance"]
+    assert re.fullmatch(r"[0-9a-f]{40}", prov["commit"] or ""), prov.get("commit")
+    assert prov.get("modified") is not True  # written by committed code, not a working copy's edits
+    assert prov["script"].startswith("bench/") and (root / prov["script"]).is_file()
+    assert prov["command"].startswith(f"python {prov['script']}")
+    assert {"date", "device", "versions"} <= set(prov)
+
+
+def test_a_written_result_is_headed_by_its_provenance(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("BENCH_COMMAND", "scripts/gpu-check kda")
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
+    out = tmp_path / "r.json"
+    write_result({"x": 1}, str(out))
+    data = json.loads(out.read_text())
+    assert list(data) == ["provenance", "x"]
+    prov = data["provenance"]
+    assert prov["invoked_by"] == "scripts/gpu-check kda"
+    assert prov["commit_source"] in ("git", "BENCH_COMMIT")
+    assert set(prov["versions"]) == {"python", "torch", "triton", "fla", "b12x"}
+
+
+def test_provenance_takes_the_commit_from_bench_commit_before_any_enclosing_checkout(monkeypatch) -> None:
+    # On the GPU machine the tree is a copy inside another checkout, whose HEAD is not this code's.
+    monkeypatch.setattr(
+        _common, "_git", lambda *args: "/elsewhere" if "--show-toplevel" in args else "b" * 40
+    )
+    monkeypatch.setenv("BENCH_COMMIT", "a" * 40)
+    prov = _common.provenance(["bench/kda.py", "--quick"])
+    assert prov["commit"] == "a" * 40 and prov["commit_source"] == "BENCH_COMMIT"
+    assert prov["script"] == "bench/kda.py" and prov["command"] == "python bench/kda.py --quick"
+
+
+def test_provenance_names_no_commit_from_a_checkout_rooted_elsewhere(monkeypatch) -> None:
+    monkeypatch.setattr(
+        _common, "_git", lambda *args: "/elsewhere" if "--show-toplevel" in args else "b" * 40
+    )
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
+    assert _common.commit()["commit"] is None
+
+
+def test_a_decode_step_must_read_every_used_weight_once_one_embedding_row_the_states_and_the_kv() -> None:
+    from bench.graphs import step_bytes
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.engine import Engine
+
+    e = Engine(EngineConfig(preset="tiny", device="cpu"))
+    try:
+        s, m = e.cfg.shape, e.model
+        need = step_bytes(e, context_tokens=10)
+        params = {id(p) for p in m.mtp.parameters()} | {id(p) for p in m.embed.parameters()}
+        used = sum(p.numel() * p.element_size() for p in m.parameters() if id(p) not in params)
+        assert need["weights"] == used + s.hidden * m.embed.weight.element_size()
+        assert need["kda_state"] == e.cfg.layer_pattern.count("K") * s.kda_heads * s.kda_head_dim**2 * 4
+        kv_row = 2 * s.attn_kv_heads * s.attn_head_dim * m.embed.weight.element_size()  # K and V, model dtype
+        assert need["kv"] == e.cfg.layer_pattern.count("A") * 10 * kv_row
+        assert need["total"] == need["weights"] + need["kda_state"] + need["kv"]
+    finally:
+        e.close()

@@ -26,4 +26,4 @@ def test_dcp_bench_compares_rank_counts_in_one_run_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert set(res["median_us"]) == {"1", "2"} and all(v > 0 for v in res["median_us"].values())
     assert res["speedup_vs_dcp1"]["1"] == 1.0 and "not a GPU figure" in res["timing"]
-    assert res["script"] == "bench/dcp.py" and "excluded" in res["what"]
+    assert res["provenance"]["script"] == "bench/dcp.py" and "excluded" in res["what"]

@@ -145,9 +145,16 @@ def packed_qkv_view(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
 
 
 class B12xBackend:
-    """b12x decode behind our contract; prefill delegates to our Triton prefill."""
+    """b12x decode behind our contract; prefill delegates to our Triton prefill.
+
+    With `autotune`, bind() lets b12x's autotuner choose its launch configuration by timing the bound
+    step itself (which updates the bound state pool: for benchmarks); without it, b12x's default
+    configuration is compiled and primed with zero live rows (nothing in the pool touched)."""
 
     name = "b12x"
+
+    def __init__(self, *, autotune: bool = False) -> None:
+        self.autotune = autotune
 
     def plan(self, caps: Caps) -> DecodePlan:
         check_caps(caps)
@@ -213,15 +220,24 @@ class B12xBackend:
                     output=t["out"],
                 )
 
-            session = PreparationSession(device=device)
-            session.prepare(
-                (
-                    bplan.request(
-                        name=f"qualify-kda-decode-{id(bplan)}", prepare_call=prime, benchmark_call=prime
+            def live(state: object) -> PreparedCall:
+                args = [native_tensors[name] for name in _B12X_OPERANDS]
+                return PreparedCall(
+                    run=lambda: state.run_tensors(
+                        *args, eps=c.norm_eps, scale=K**-0.5, lower_bound=c.lower_bound
                     ),
-                ),
-                autotune=False,
+                    output=t["out"],
+                )
+
+            if self.autotune and T > 1:
+                torch.mul(t["num_live"], T, out=scratch["num_tokens"])
+            session = PreparationSession(device=device, autotune=self.autotune)
+            request = bplan.request(
+                name=f"qualify-kda-decode-{id(bplan)}",
+                prepare_call=prime,
+                benchmark_call=live if self.autotune else prime,
             )
+            session.prepare((request,), autotune=self.autotune)
             native = gd.bind_kda(bplan, scratch=scratch["b12x"], **native_tensors)
         except (TypeError, ValueError) as e:
             raise ValueError(f"b12x refused the binding: {e}") from e

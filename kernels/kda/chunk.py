@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kda.chunk_cols import ap_columns_kernel
 from kernels.kda.chunk_ref import chunk_reference
 from kernels.kda.chunk_solve import _chunk_bounds, intra_kernel, wu_kernel
 
@@ -23,6 +24,26 @@ _SUB = 16  # sub-chunk: the span over which one exp factor may grow (≤ e^{5·8
 _GATE_BK, _GATE_WARPS, _INTRA_WARPS, _SOLVE_UNROLL, _STATE_BV, _STATE_WARPS = 32, 4, 4, False, 32, 4
 _SPLIT_WU, _WU_WARPS, _WU_DT, _AP_DT = True, 4, tl.bfloat16, tl.bfloat16
 _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop; None: Triton's default
+# SPLIT_OUTPUT: the sequential pass only carries the state (storing each chunk's entering state in
+# scratch["h"] and Δ over U), and a fully parallel pass per (chunk, head) computes O = Q̃·S_0 + P·Δ with the
+# gated RMSNorm fused (fla's chunk_fwd_h / chunk_fwd_o split). Needs scratch["h"] for every chunk (see
+# prefill_scratch_specs's max_chunks). Off: on the H200 (2026-12-01, graph-timed, H=32, K=V=128) it ran
+# 1.28 / 1.37 / 4.97 ms at 1x8192 / 8x1024 / 1x32768 against 1.17 / 1.26 / 4.57 ms with the output inside
+# the state pass: the state pass got only ~10% shorter and the output pass cost 165 µs at 1x8192.
+_SPLIT_OUTPUT, _OUT_WARPS = False, 8
+# SOLVE_DOUBLING: the diagonal 16×16 inverses by six small products ((I + M)(I + M²)(I + M⁴)(I + M⁸))
+# instead of 15 serial substitution steps. Not yet timed on a GPU (bench/kda_prefill.py times it as a
+# variant): off until it is measured faster.
+_SOLVE_DOUBLING = False
+# INTRA_STAGES: 2 runs the intra-chunk kernel as two launches (A and P, then the solve, A through the X
+# scratch). Compiled for sm_90 (Triton 3.6, offline) at 4 warps the one-launch kernel needs 255 registers
+# and a 648-byte stack per thread; the A/P launch 255 and 360 bytes, the solve 218 and none. Not yet
+# timed on a GPU (bench/kda_prefill.py times it as a variant). Needs SPLIT_WU.
+_INTRA_STAGES = 1
+# AP_COLUMNS: with two stages, A and P come from kernels/kda/chunk_cols.py (one BT-row product per column
+# block instead of six 16-row cross products, K in _COLS_BK-wide blocks). Offline sm_90 compile: no stack
+# at 8 warps with 32-wide K blocks (736 bytes at 4 warps). Not yet timed on a GPU.
+_AP_COLUMNS, _COLS_WARPS, _COLS_BK = False, 8, 32
 
 
 def build_chunk_metadata(
@@ -62,13 +83,16 @@ def build_chunk_metadata(
 
 
 def prefill_scratch_specs(
-    max_tokens: int, H: int, K: int, V: int, chunk_size: int = 64
+    max_tokens: int, H: int, K: int, V: int, chunk_size: int = 64, *, max_chunks: int | None = None
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Scratch the prefill needs for up to `max_tokens` packed tokens: name -> (shape, dtype).
 
-    All are indexed by token row, so they serve any varlen split of the same token capacity.
+    All but "h" are indexed by token row, so they serve any varlen split of the same token capacity.
+    With `max_chunks` (the chunk_indices capacity), "h" holds each chunk's entering state, which lets
+    the output be computed by a parallel pass after the sequential one (the faster path).
     """
-    return {
+    h = {} if max_chunks is None else {"h": ((max_chunks, H, K, V), torch.bfloat16)}
+    return h | {
         "gcum": ((max_tokens, H, K), torch.float32),  # Γ, within-chunk cumulative log decay
         "q_tilde": ((max_tokens, H, K), torch.bfloat16),  # q̂·exp(Γ)
         "k_bar": ((max_tokens, H, K), torch.bfloat16),  # k̂·exp(Γ_C − Γ)
@@ -162,6 +186,102 @@ def _chunk_step(
 
 
 @triton.jit
+def _carry_step(
+    S,
+    cc,
+    c0,
+    bos,
+    eos,
+    h,
+    d,
+    e,
+    r,
+    gcum,
+    k_bar,
+    w,
+    u,
+    hbuf,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """One chunk of the state-only pass: store S_0 (as the dots will use it) to h, Δ = U − W·S_0 over U,
+    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ."""
+    t0 = bos + cc * BT
+    n = tl.minimum(BT, eos - t0)
+    mr = (r < n)[:, None]
+    rows = (t0 + r) * H + h
+    offk = rows[:, None] * K + d[None, :]
+    offv = rows[:, None] * V + e[None, :]
+    Sb = S.to(DT)
+    tl.store(
+        hbuf + (((c0 + cc) * H + h) * K + d[:, None]).to(tl.int64) * V + e[None, :],
+        Sb.to(hbuf.dtype.element_ty),
+    )
+    wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
+    delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
+    db = delta.to(DT)
+    tl.store(u + offv, db.to(u.dtype.element_ty), mask=mr)
+    g_last = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
+    kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
+    return S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
+
+
+@triton.jit
+def _output_kernel(
+    q_tilde,
+    p,
+    u,
+    hbuf,
+    z,
+    weight,
+    out,
+    slots,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    eps,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Per (chunk, head), all chunks at once: O = Q̃·S_0 + P·Δ, then out = RMSNorm(O)·weight·sigmoid(z).
+    A chunk of a sequence on the null slot outputs zero."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    if DEVICE_COUNT:
+        n_chunks = tl.load(n_chunks_ptr)
+    if c >= n_chunks:
+        return
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
+    slot = tl.load(slots + tl.load(chunk_indices + 2 * c))
+    r = tl.arange(0, BT)
+    d = tl.arange(0, K)
+    e = tl.arange(0, V)
+    mr = (r < n)[:, None]
+    rows = (t0 + r) * H + h
+    offv = rows[:, None] * V + e[None, :]
+    if slot == 0:
+        tl.store(out + offv, tl.zeros([BT, V], dtype=tl.float32).to(out.dtype.element_ty), mask=mr)
+        return
+    qc = tl.load(q_tilde + rows[:, None] * K + d[None, :], mask=mr, other=0.0).to(DT)
+    s0 = tl.load(hbuf + ((c * H + h) * K + d[:, None]).to(tl.int64) * V + e[None, :]).to(DT)
+    pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0).to(DT)
+    db = tl.load(u + offv, mask=mr, other=0.0).to(DT)
+    o = tl.dot(qc, s0) + tl.dot(pc, db)
+    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / V + eps)
+    zz = tl.load(z + offv, mask=mr, other=0.0).to(tl.float32)
+    y = o * rstd[:, None] * tl.load(weight + e).to(tl.float32)[None, :] * tl.sigmoid(zz)
+    tl.store(out + offv, y.to(out.dtype.element_ty), mask=mr)
+
+
+@triton.jit
 def _state_kernel(
     gcum,
     q_tilde,
@@ -170,6 +290,7 @@ def _state_kernel(
     u,
     p,
     out,
+    hbuf,
     state,
     cu_seqlens,
     chunk_offsets,
@@ -182,9 +303,11 @@ def _state_kernel(
     BV: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
     DT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
-    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot."""
+    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot.
+    With SPLIT, O is left to _output_kernel: each chunk's S goes to hbuf and Δ over U instead."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -198,6 +321,8 @@ def _state_kernel(
     d = tl.arange(0, K)
     e = vb * BV + tl.arange(0, BV)
     r = tl.arange(0, BT)
+    if slot == 0 and SPLIT:
+        return  # _output_kernel writes the zero output
     if slot == 0:
         # The null slot (KDA.md §2), as in the decode kernel and the torch prefill: output zero (the gated
         # norm keeps zero rows zero), state neither read nor written.
@@ -213,7 +338,16 @@ def _state_kernel(
     S = tl.zeros([K, BV], dtype=tl.float32)
     if tl.load(has_initial + i) != 0:
         S = tl.load(s_ptr)
-    if WHILE_LOOP:
+    if SPLIT:
+        if WHILE_LOOP:
+            cc = 0
+            while cc < nc:
+                S = _carry_step(S, cc, c0, bos, eos, h, d, e, r, gcum, k_bar, w, u, hbuf, H, K, V, BT, DT)
+                cc += 1
+        else:
+            for cc in range(nc):
+                S = _carry_step(S, cc, c0, bos, eos, h, d, e, r, gcum, k_bar, w, u, hbuf, H, K, V, BT, DT)
+    elif WHILE_LOOP:
         # The interpreter cannot index a range by a loaded scalar; compiled code keeps the for loop.
         cc = 0
         while cc < nc:
@@ -290,7 +424,8 @@ def prefill(
     chunk_indices capacity, surplus programs exit): the latter needs no host sync, so it captures.
     `scratch` is caller-owned (see `prefill_scratch_specs`); if None it is allocated here (eager only).
     Empty sequences read and write nothing; a sequence on slot 0 (the null slot) gets zero output and
-    touches no state. The core output is rounded to bf16 in `out` before the norm.
+    touches no state. With scratch["h"] (the split path) the norm is applied to the fp32 core output;
+    otherwise the core output is rounded to bf16 in `out` before the norm.
     """
     total, H, K = q.shape
     V = v.shape[-1]
@@ -328,19 +463,28 @@ def prefill(
         _check(t.is_contiguous(), f"{name} must be contiguous")
     if scale is None:
         scale = K**-0.5
-    specs = prefill_scratch_specs(total, H, K, V, BT)
+    if isinstance(num_chunks, torch.Tensor):
+        grid_chunks, n_ptr, n_host, dev = chunk_indices.shape[0], num_chunks, 0, True
+    else:
+        grid_chunks, n_ptr, n_host, dev = int(num_chunks), cu_seqlens, int(num_chunks), False
+    specs = prefill_scratch_specs(total, H, K, V, BT, max_chunks=grid_chunks if _SPLIT_OUTPUT else None)
     if scratch is None:
         scratch = {n: torch.empty(s, dtype=dt, device=q.device) for n, (s, dt) in specs.items()}
+    hbuf = scratch.get("h")
+    split = _SPLIT_OUTPUT and hbuf is not None
+    if split:
+        _check(
+            hbuf.dtype == torch.bfloat16 and hbuf.shape[1:] == (H, K, V) and hbuf.is_contiguous(),
+            f"scratch['h'] must be contiguous bfloat16 [max_chunks, {H}, {K}, {V}]",
+        )
+        split = hbuf.shape[0] >= grid_chunks  # too small for this launch: the output stays in the state pass
+    specs.pop("h", None)
     for n, (s, dt) in specs.items():
         t = scratch[n]
         _check(
             t.dtype == dt and t.shape[1:] == s[1:] and t.shape[0] >= total and t.is_contiguous(),
             f"scratch[{n!r}] must be contiguous {dt} [≥{total}, {', '.join(map(str, s[1:]))}]",
         )
-    if isinstance(num_chunks, torch.Tensor):
-        grid_chunks, n_ptr, n_host, dev = chunk_indices.shape[0], num_chunks, 0, True
-    else:
-        grid_chunks, n_ptr, n_host, dev = int(num_chunks), cu_seqlens, int(num_chunks), False
     has_init = (
         has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     )
@@ -363,34 +507,63 @@ def prefill(
             DEVICE_COUNT=dev,
             num_warps=_GATE_WARPS,
         )
-        intra_kernel[(grid_chunks, H)](
-            q,
-            k,
-            v,
-            b,
-            scratch["gcum"],
-            scratch["q_tilde"],
-            scratch["k_bar"],
-            scratch["w"],
-            scratch["u"],
-            scratch["p"],
-            scratch["x"],
-            cu_seqlens,
-            chunk_indices,
-            n_ptr,
-            n_host,
-            scale,
-            H=H,
-            K=K,
-            V=V,
-            BT=BT,
-            BC=_SUB,
-            DEVICE_COUNT=dev,
-            SOLVE_UNROLL=_SOLVE_UNROLL,
-            SPLIT_WU=_SPLIT_WU,
-            AP_DT=tl.float32 if _INTERPRET else _AP_DT,
-            num_warps=_INTRA_WARPS,
-        )
+        stages = (1, 2) if _INTRA_STAGES == 2 and _SPLIT_WU else (0,)
+        if stages[0] == 1 and _AP_COLUMNS:
+            stages = (2,)
+            ap_columns_kernel[(grid_chunks, H)](
+                q,
+                k,
+                b,
+                scratch["gcum"],
+                scratch["q_tilde"],
+                scratch["k_bar"],
+                scratch["p"],
+                scratch["x"],
+                cu_seqlens,
+                chunk_indices,
+                n_ptr,
+                n_host,
+                scale,
+                H=H,
+                K=K,
+                BT=BT,
+                BC=_SUB,
+                BKC=min(K, _COLS_BK),
+                DEVICE_COUNT=dev,
+                DT=tl.float32 if _INTERPRET else _AP_DT,
+                num_warps=_COLS_WARPS,
+            )
+        for stage in stages:
+            intra_kernel[(grid_chunks, H)](
+                q,
+                k,
+                v,
+                b,
+                scratch["gcum"],
+                scratch["q_tilde"],
+                scratch["k_bar"],
+                scratch["w"],
+                scratch["u"],
+                scratch["p"],
+                scratch["x"],
+                cu_seqlens,
+                chunk_indices,
+                n_ptr,
+                n_host,
+                scale,
+                H=H,
+                K=K,
+                V=V,
+                BT=BT,
+                BC=_SUB,
+                DEVICE_COUNT=dev,
+                SOLVE_UNROLL=_SOLVE_UNROLL,
+                SOLVE_DOUBLING=_SOLVE_DOUBLING,
+                SPLIT_WU=_SPLIT_WU,
+                AP_DT=tl.float32 if _INTERPRET else _AP_DT,
+                STAGE=stage,
+                num_warps=_INTRA_WARPS,
+            )
         if _SPLIT_WU:
             wu_kernel[(grid_chunks, H)](
                 k,
@@ -422,6 +595,7 @@ def prefill(
             scratch["u"],
             scratch["p"],
             out,
+            hbuf if split else out,
             state,
             cu_seqlens,
             chunk_offsets,
@@ -434,9 +608,35 @@ def prefill(
             BV=BV,
             WHILE_LOOP=_INTERPRET,
             DT=tl.float32 if _INTERPRET else tl.bfloat16,
+            SPLIT=split,
             num_warps=_STATE_WARPS,
             **({} if _STATE_STAGES is None else {"num_stages": _STATE_STAGES}),
         )
+    if split:
+        if grid_chunks > 0:
+            _output_kernel[(grid_chunks, H)](
+                scratch["q_tilde"],
+                scratch["p"],
+                scratch["u"],
+                hbuf,
+                z,
+                norm_weight,
+                out,
+                slots,
+                cu_seqlens,
+                chunk_indices,
+                n_ptr,
+                n_host,
+                norm_eps,
+                H=H,
+                K=K,
+                V=V,
+                BT=BT,
+                DEVICE_COUNT=dev,
+                DT=tl.float32 if _INTERPRET else tl.bfloat16,
+                num_warps=_OUT_WARPS,
+            )
+        return
     rows = 16
     _gated_norm_kernel[(triton.cdiv(total * H, rows),)](
         out,

@@ -159,6 +159,21 @@ def _inv_unit_lower(A0, A1, A2, A3, BC: tl.constexpr, UNROLL: tl.constexpr):
 
 
 @triton.jit
+def _inv_by_doubling(A, BC: tl.constexpr):
+    """(I + A)^{-1} for a strictly lower BC×BC block (BC = 16) without a serial loop: with M = −A,
+    nilpotent (M^16 = 0), the inverse is Σ_k M^k = (I + M)(I + M²)(I + M⁴)(I + M⁸): six fp32 products."""
+    c = tl.arange(0, BC)
+    eye = tl.where(c[:, None] == c[None, :], 1.0, 0.0)
+    m1 = -A
+    m2 = _mm(m1, m1)
+    m4 = _mm(m2, m2)
+    m8 = _mm(m4, m4)
+    x = _mm(eye + m1, eye + m2)
+    x = _mm(x, eye + m4)
+    return _mm(x, eye + m8)
+
+
+@triton.jit
 def _mm(x, y):
     # The solve's 16×16 products stay full fp32: their errors would be amplified through the inverse.
     return tl.dot(x, y, input_precision="ieee")
@@ -236,12 +251,15 @@ def intra_kernel(
     BC: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     SOLVE_UNROLL: tl.constexpr,
+    SOLVE_DOUBLING: tl.constexpr,
     SPLIT_WU: tl.constexpr,
     AP_DT: tl.constexpr,
+    STAGE: tl.constexpr,
 ):
     """Per (chunk, head), in four BC-row sub-chunks (those past BT, or past the chunk's end, are all-zero
     and solve to the identity): A, P, Q̃, K̄; X = (I + A)^{-1} blockwise from the diagonal inverses;
-    W = X·Diag(β)·K̃, U = X·Diag(β)·V."""
+    W = X·Diag(β)·K̃, U = X·Diag(β)·V. STAGE 0 does it all; STAGE 1 stops after A (stored to x_inv) and
+    STAGE 2 starts from it, so neither holds A's ten blocks beside the K-wide operands (fewer registers)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     if DEVICE_COUNT:
@@ -249,39 +267,73 @@ def intra_kernel(
     if c >= n_chunks:
         return
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
-    g_end = _g_row(gcum, t0, h, n - 1, H, K)
-    # Row sub-chunk 0.
-    A00, kr, qr, rb, mb, beta, g_bnd = _row_block(
-        q, k, b, gcum, q_tilde, k_bar, p, t0, n, h, g_end, scale, 0, H, K, BT, BC, AP_DT
-    )
-    off0 = ((t0 + rb) * H + h)[:, None] * K + tl.arange(0, K)[None, :]
-    mb0 = mb
-    # Row sub-chunk 1.
-    A11, kr, qr, rb, mb, beta, g_bnd = _row_block(
-        q, k, b, gcum, q_tilde, k_bar, p, t0, n, h, g_end, scale, 1, H, K, BT, BC, AP_DT
-    )
-    A10 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 0, H, K, BT, BC)
-    off1 = ((t0 + rb) * H + h)[:, None] * K + tl.arange(0, K)[None, :]
-    mb1 = mb
-    # Row sub-chunk 2.
-    A22, kr, qr, rb, mb, beta, g_bnd = _row_block(
-        q, k, b, gcum, q_tilde, k_bar, p, t0, n, h, g_end, scale, 2, H, K, BT, BC, AP_DT
-    )
-    A20 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 0, H, K, BT, BC)
-    A21 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 1, H, K, BT, BC)
-    off2 = ((t0 + rb) * H + h)[:, None] * K + tl.arange(0, K)[None, :]
-    mb2 = mb
-    # Row sub-chunk 3.
-    A33, kr, qr, rb, mb, beta, g_bnd = _row_block(
-        q, k, b, gcum, q_tilde, k_bar, p, t0, n, h, g_end, scale, 3, H, K, BT, BC, AP_DT
-    )
-    A30 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 0, H, K, BT, BC)
-    A31 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 1, H, K, BT, BC)
-    A32 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 2, H, K, BT, BC)
-    off3 = ((t0 + rb) * H + h)[:, None] * K + tl.arange(0, K)[None, :]
-    mb3 = mb
+    if STAGE == 2:
+        A00, A11 = _get(x_inv, t0, h, n, 0, 0, H, BT, BC), _get(x_inv, t0, h, n, 1, 1, H, BT, BC)
+        A22, A33 = _get(x_inv, t0, h, n, 2, 2, H, BT, BC), _get(x_inv, t0, h, n, 3, 3, H, BT, BC)
+        A10, A20 = _get(x_inv, t0, h, n, 1, 0, H, BT, BC), _get(x_inv, t0, h, n, 2, 0, H, BT, BC)
+        A21, A30 = _get(x_inv, t0, h, n, 2, 1, H, BT, BC), _get(x_inv, t0, h, n, 3, 0, H, BT, BC)
+        A31, A32 = _get(x_inv, t0, h, n, 3, 1, H, BT, BC), _get(x_inv, t0, h, n, 3, 2, H, BT, BC)
+    else:
+        g_end = _g_row(gcum, t0, h, n - 1, H, K)
+        # Row sub-chunk 0.
+        A00, kr, qr, rb, mb, beta, g_bnd = _row_block(
+            q, k, b, gcum, q_tilde, k_bar, p, t0, n, h, g_end, scale, 0, H, K, BT, BC, AP_DT
+        )
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 0, 0, A00, H, BT, BC)
+        # Row sub-chunk 1.
+        A11, kr, qr, rb, mb, beta, g_bnd = _row_block(
+            q, k, b, gcum, q_tilde, k_bar, p, t0, n, h, g_end, scale, 1, H, K, BT, BC, AP_DT
+        )
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 1, 1, A11, H, BT, BC)
+        A10 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 0, H, K, BT, BC)
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 1, 0, A10, H, BT, BC)
+        # Row sub-chunk 2.
+        A22, kr, qr, rb, mb, beta, g_bnd = _row_block(
+            q, k, b, gcum, q_tilde, k_bar, p, t0, n, h, g_end, scale, 2, H, K, BT, BC, AP_DT
+        )
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 2, 2, A22, H, BT, BC)
+        A20 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 0, H, K, BT, BC)
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 2, 0, A20, H, BT, BC)
+        A21 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 1, H, K, BT, BC)
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 2, 1, A21, H, BT, BC)
+        # Row sub-chunk 3.
+        A33, kr, qr, rb, mb, beta, g_bnd = _row_block(
+            q, k, b, gcum, q_tilde, k_bar, p, t0, n, h, g_end, scale, 3, H, K, BT, BC, AP_DT
+        )
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 3, 3, A33, H, BT, BC)
+        A30 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 0, H, K, BT, BC)
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 3, 0, A30, H, BT, BC)
+        A31 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 1, H, K, BT, BC)
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 3, 1, A31, H, BT, BC)
+        A32 = _cross(kr, qr, k, gcum, p, t0, n, h, g_bnd, rb, mb, beta, 2, H, K, BT, BC)
+        if STAGE == 1:
+            _put(x_inv, t0, h, n, 3, 2, A32, H, BT, BC)
+    if STAGE == 1:
+        return
+    d = tl.arange(0, K)
+    rc = tl.arange(0, BC)
+    mb0, mb1, mb2, mb3 = rc < n, BC + rc < n, 2 * BC + rc < n, 3 * BC + rc < n
+    off0 = ((t0 + rc) * H + h)[:, None] * K + d[None, :]
+    off1 = ((t0 + BC + rc) * H + h)[:, None] * K + d[None, :]
+    off2 = ((t0 + 2 * BC + rc) * H + h)[:, None] * K + d[None, :]
+    off3 = ((t0 + 3 * BC + rc) * H + h)[:, None] * K + d[None, :]
     # X = (I + A)^{-1}: diagonal blocks by substitution, then X_ij = −D_i·Σ_{j≤m<i} A_im·X_mj.
-    D0, D1, D2, D3 = _inv_unit_lower(A00, A11, A22, A33, BC, SOLVE_UNROLL)
+    if SOLVE_DOUBLING:
+        D0 = _inv_by_doubling(A00, BC)
+        D1 = _inv_by_doubling(A11, BC)
+        D2 = _inv_by_doubling(A22, BC)
+        D3 = _inv_by_doubling(A33, BC)
+    else:
+        D0, D1, D2, D3 = _inv_unit_lower(A00, A11, A22, A33, BC, SOLVE_UNROLL)
     X10 = -_mm(D1, _mm(A10, D0))
     X21 = -_mm(D2, _mm(A21, D1))
     X20 = -_mm(D2, _mm(A20, D0) + _mm(A21, X10))
@@ -299,6 +351,28 @@ def intra_kernel(
         _store_wu(k, v, b, gcum, w, u, t0, n, h, off1, mb1, X10, D1, D1, D1, 1, H, K, V, BC)
         _store_wu(k, v, b, gcum, w, u, t0, n, h, off2, mb2, X20, X21, D2, D2, 2, H, K, V, BC)
         _store_wu(k, v, b, gcum, w, u, t0, n, h, off3, mb3, X30, X31, X32, D3, 3, H, K, V, BC)
+
+
+@triton.jit
+def _put(x_inv, t0, h, n, i: tl.constexpr, j: tl.constexpr, blk, H: tl.constexpr, BT: tl.constexpr,
+         BC: tl.constexpr):  # fmt: skip
+    """Block (i, j) of a chunk's BT×BT matrix into the token-row scratch (rows past the chunk untouched)."""
+    c = tl.arange(0, BC)
+    if j * BC < BT:
+        ptr = x_inv + ((t0 + i * BC + c) * H + h)[:, None] * BT + (j * BC + c)[None, :]
+        tl.store(ptr, blk, mask=(i * BC + c < n)[:, None])
+
+
+@triton.jit
+def _get(x_inv, t0, h, n, i: tl.constexpr, j: tl.constexpr, H: tl.constexpr, BT: tl.constexpr,
+         BC: tl.constexpr):  # fmt: skip
+    """Block (i, j) as _put left it; zero on rows past the chunk (or past BT)."""
+    c = tl.arange(0, BC)
+    if j * BC < BT:
+        ptr = x_inv + ((t0 + i * BC + c) * H + h)[:, None] * BT + (j * BC + c)[None, :]
+        return tl.load(ptr, mask=(i * BC + c < n)[:, None], other=0.0)
+    else:
+        return tl.zeros([BC, BC], dtype=tl.float32)
 
 
 @triton.jit

@@ -140,8 +140,8 @@ def _gated_rmsnorm_kernel(
 
 
 DEFAULT_LAUNCH_WHY = (
-    "one size for every batch: in the H200 sweep of 2026-11-30 (bench/results/kda-h200-2026-11-30.json, "
-    "contenders timed in interleaved rounds) 8-row one-warp V tiles were fastest or within 1% at every "
+    "one size for every batch: in the H200 sweep of 2026-11-30 (bench/kda.py --sweep, contenders timed "
+    "in interleaved rounds) 8-row one-warp V tiles were fastest or within 1% at every "
     "batch from 1 to 1024 (4.00 TB/s at 1024; the fused whole-row program 3.41); at batch 1 this launch, "
     "fla, fla+norm and b12x all took 13.5-13.9 us per single graph replay, which is launch latency"
 )

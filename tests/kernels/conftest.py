@@ -1,16 +1,10 @@
-"""Kernel-test fixtures: Triton interprets when there is no GPU; one decode-step input factory."""
+"""Kernel-test fixtures: one decode-step input factory (the root conftest makes Triton interpret
+without a GPU)."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Must be set before any @triton.jit kernel is defined (kernels.kda imports decode at package import).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,10 +1,9 @@
-"""Chunked KDA: chunk reference vs the recurrence, chunk metadata, the Triton prefill (interpreter)."""
+"""Chunked KDA: chunk reference vs the recurrence, chunk metadata, the Triton prefill (interpreter; the
+root conftest sets TRITON_INTERPRET for a process without a GPU)."""
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -117,7 +116,7 @@ def _oracle(q, k, v, a, b, A_log, dt_bias, z, w, pool0, cu, slots, has_init):
 
 
 def _run_prefill(
-    lens, slots, has_init, *, H=2, K=16, V=32, chunk=16, device_count=False, seed=0, backend=None
+    lens, slots, has_init, *, H=2, K=16, V=32, chunk=16, device_count=False, seed=0, backend=None, a_shift=0.0
 ):
     gen = torch.Generator().manual_seed(seed)
     cu = [0]
@@ -126,7 +125,10 @@ def _run_prefill(
     tot, bf = cu[-1], torch.bfloat16
     q, k = torch.randn(tot, H, K, generator=gen).to(bf), torch.randn(tot, H, K, generator=gen).to(bf)
     v, z = torch.randn(tot, H, V, generator=gen).to(bf), torch.randn(tot, H, V, generator=gen).to(bf)
-    a, b = (torch.randn(tot, H, K, generator=gen) * 2).to(bf), torch.randn(tot, H, generator=gen).to(bf)
+    a, b = (
+        (torch.randn(tot, H, K, generator=gen) * 2 + a_shift).to(bf),
+        torch.randn(tot, H, generator=gen).to(bf),
+    )
     A_log, dt_bias, w = (
         torch.randn(H, generator=gen) * 0.5,
         torch.randn(H * K, generator=gen),
@@ -134,7 +136,8 @@ def _run_prefill(
     )
     pool = torch.randn(6, H, V, K, generator=gen)
     pool0 = pool.clone()
-    idx, offs = torch.zeros(32, 2, dtype=torch.int32), torch.zeros(len(lens) + 1, dtype=torch.int32)
+    idx = torch.zeros(tot // chunk + len(lens) + 4, 2, dtype=torch.int32)
+    offs = torch.zeros(len(lens) + 1, dtype=torch.int32)
     n = build_chunk_metadata(cu, chunk, idx, offs)
     num_chunks = torch.tensor([n], dtype=torch.int32) if device_count else n
     out = torch.zeros(tot, H, V, dtype=bf)
@@ -181,6 +184,47 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         torch.testing.assert_close(pool[slot], st, **STATE_TOL)
     for untouched in (0, 3, 4):
         assert torch.equal(pool[untouched], pool0[untouched])
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"_SPLIT_OUTPUT": True},
+        {},
+        {"_SOLVE_DOUBLING": True},
+        {"_INTRA_STAGES": 2},
+        {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
+    ],
+    ids=[
+        "parallel-output-pass",
+        "output-in-state-pass",
+        "inverse-by-doubling",
+        "two-launch-intra",
+        "a-and-p-by-columns",
+    ],
+)
+def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
+    # Lengths around the chunk size (and one past two chunks), decays near the bound e^-5 per step on
+    # most channels, one sequence on the null slot; every variant of the Triton prefill.
+    import kernels.kda.chunk as chunk
+
+    for name, value in variant.items():
+        monkeypatch.setattr(chunk, name, value)
+    lens, slots, has_init = [1, 63, 64, 65, 130], [1, 2, 0, 3, 4], [True, False, True, True, False]
+    out, o_ref, pool, pool0, states = _run_prefill(
+        lens, slots, has_init, chunk=64, device_count=True, seed=6, a_shift=6.0
+    )
+    assert torch.equal(out[64:128].float(), torch.zeros(64, *out.shape[1:]))
+    live = torch.cat([torch.arange(0, 64), torch.arange(128, 323)])
+    torch.testing.assert_close(out[live].float(), o_ref[live].float(), **OUT_TOL)
+    for slot in (1, 2, 3, 4):
+        torch.testing.assert_close(pool[slot], states[slot], **STATE_TOL)
+    assert torch.equal(pool[[0, 5]], pool0[[0, 5]])
+
+
+def test_prefill_scratch_holds_each_chunks_state_only_when_asked_for_max_chunks() -> None:
+    assert "h" not in prefill_scratch_specs(100, 2, 16, 32, 64)
+    assert prefill_scratch_specs(100, 2, 16, 32, 64, max_chunks=5)["h"] == ((5, 2, 16, 32), torch.bfloat16)
 
 
 def test_empty_padding_sequence_reads_and_writes_nothing() -> None:
@@ -267,7 +311,16 @@ def _intermediates_reference(q, k, v, g, beta, chunk: int):
     return back(Tm @ (kc * torch.exp(gam))), back(Tm @ vc), back(_decay_products(qc, kc, gam, 16))
 
 
-def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys() -> None:
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"_SOLVE_DOUBLING": True}, {"_INTRA_STAGES": 2}, {"_INTRA_STAGES": 2, "_AP_COLUMNS": True}],
+    ids=["substitution", "inverse-by-doubling", "two-launch-intra", "a-and-p-by-columns"],
+)
+def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys(variant, monkeypatch) -> None:
+    import kernels.kda.chunk as chunk
+
+    for name, value in variant.items():
+        monkeypatch.setattr(chunk, name, value)
     # Keys share a dominant direction, β is near 1 and the decay is slow, so (I + A) is far from the
     # identity in every 16x16 block, including the cross-sub-chunk ones the blockwise inverse assembles.
     T, H, K, V, C = 128, 2, 32, 16, 64

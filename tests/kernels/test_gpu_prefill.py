@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.kda.chunk as chunk
 from kernels.kda import bounded_gate, build_chunk_metadata, chunk_reference, gated_rmsnorm, prefill
 from kernels.kda.chunk import prefill_scratch_specs
 
@@ -16,9 +17,18 @@ H, K, V = 32, 128, 128
 
 
 def _case(
-    lens: list[int], has_init: list[bool], *, device_count: bool, seed: int, null: tuple[int, ...] = ()
+    lens: list[int],
+    has_init: list[bool],
+    *,
+    device_count: bool,
+    seed: int,
+    null: tuple[int, ...] = (),
+    variant: dict[str, object] | None = None,
+    a_shift: float = 0.0,
 ):
-    """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched)."""
+    """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched).
+    variant: kernels.kda.chunk constants to set for this run (the prefill's alternative paths); scratch
+    holds every chunk's state (max_chunks) so the parallel-output path can run."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(seed)
     cu = [0]
@@ -30,7 +40,7 @@ def _case(
         return (torch.randn(*shape, generator=gen, device=dev) * s).to(bf)
 
     q, k, v, z = rnd(tot, H, K), rnd(tot, H, K), rnd(tot, H, V), rnd(tot, H, V)
-    a, b = rnd(tot, H, K, s=2.0), rnd(tot, H)
+    a, b = (rnd(tot, H, K, s=2.0).float() + a_shift).to(bf), rnd(tot, H)
     A_log = torch.randn(H, generator=gen, device=dev) * 0.5
     dt_bias = torch.randn(H * K, generator=gen, device=dev)
     w = torch.rand(V, generator=gen, device=dev) + 0.5
@@ -43,29 +53,36 @@ def _case(
     idx, offs = idx.to(dev), offs.to(dev)
     num_chunks = torch.tensor([n], dtype=torch.int32, device=dev) if device_count else n
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
-    scratch = {
-        m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
-    }
-    prefill(
-        q,
-        k,
-        v,
-        a,
-        b,
-        A_log,
-        dt_bias,
-        z,
-        w,
-        pool,
-        torch.tensor(cu, dtype=torch.int32, device=dev),
-        torch.tensor(slots, dtype=torch.int32, device=dev),
-        torch.tensor(has_init, device=dev),
-        idx,
-        offs,
-        num_chunks,
-        out,
-        scratch=scratch,
-    )
+    specs = prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0])
+    scratch = {m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in specs.items()}
+    variant = variant or {}
+    saved = {name: getattr(chunk, name) for name in variant}
+    for name, value in variant.items():
+        setattr(chunk, name, value)
+    try:
+        prefill(
+            q,
+            k,
+            v,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            z,
+            w,
+            pool,
+            torch.tensor(cu, dtype=torch.int32, device=dev),
+            torch.tensor(slots, dtype=torch.int32, device=dev),
+            torch.tensor(has_init, device=dev),
+            idx,
+            offs,
+            num_chunks,
+            out,
+            scratch=scratch,
+        )
+    finally:
+        for name, value in saved.items():
+            setattr(chunk, name, value)
     torch.cuda.synchronize()
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if slots[i] == 0:
@@ -94,6 +111,23 @@ def _case(
 )
 def test_prefill_matches_chunk_reference_at_production_shapes(lens: list[int], has_init: list[bool]) -> None:
     _case(lens, has_init, device_count=True, seed=len(lens))
+
+
+VARIANTS = {
+    "default": {},
+    "parallel-output-pass": {"_SPLIT_OUTPUT": True},
+    "inverse-by-doubling": {"_SOLVE_DOUBLING": True},
+    "two-launch-intra": {"_INTRA_STAGES": 2},
+    "intra-8-warps": {"_INTRA_WARPS": 8},
+    "a-and-p-by-columns": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant: str) -> None:
+    lens = [1, 63, 64, 65, 1000, 4097]
+    has_init = [True, False, True, True, False, True]
+    _case(lens, has_init, device_count=True, seed=13, null=(2,), variant=VARIANTS[variant], a_shift=6.0)
 
 
 def test_prefill_with_w_and_u_inside_the_solve_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,7 +159,8 @@ def test_prefill_replays_under_cuda_graph_capture() -> None:
     idx, offs, nc = idx.to(dev), offs.to(dev), torch.tensor([n], dtype=torch.int32, device=dev)
     slots, has = torch.tensor([1, 2], dtype=torch.int32, device=dev), torch.tensor([True, True], device=dev)
     scratch = {
-        m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
+        m: torch.empty(s, dtype=d, device=dev)
+        for m, (s, d) in prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0]).items()
     }
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
     args = (x["q"], x["k"], v, x["a"], b, A_log, dt_bias, z, w)

@@ -1,0 +1,134 @@
+"""GPU timing the benchmarks share: each contender captured in a CUDA graph and timed by GPU events in
+interleaved rounds, eager timings beside (labelled), the copy ceiling, a profiler's per-kernel split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from bench._common import interleaved_medians
+
+TIMING = (
+    "each contender's call prepared once (host metadata built before timing), captured in a CUDA graph of "
+    "its own and timed by CUDA events in {rounds} interleaved rounds, the order rotating; us: one replay "
+    "alone; us_streamed: {streamed} replays back to back / {streamed}; eager_us: {streamed} eager calls "
+    "back to back / {streamed} (the same events, host launch gaps included); medians over all rounds"
+)
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn warmed up on a side stream, then captured in a CUDA graph of its own."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def events_us(fn: Callable[[], object], n: int = 1) -> float:
+    """GPU time of n calls of fn back to back, by events, per call in µs."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3 / n
+
+
+def time_contenders(
+    calls: dict[str, Callable[[], object]],
+    *,
+    rounds: int = 20,
+    singles: int = 10,
+    streamed: int = 10,
+    eager: bool = True,
+) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+    """Capture every call, then time all of them in interleaved rounds: µs per call (see TIMING).
+    Returns (timings, unavailable) where unavailable names the calls that failed to run or capture."""
+    graphs, failed = {}, {}
+    for label, fn in calls.items():
+        try:
+            graphs[label] = capture(fn)
+        except Exception as e:  # a peer that cannot run or capture is reported, not dropped
+            failed[label] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    for g in graphs.values():
+        for _ in range(3):
+            g.replay()
+    torch.cuda.synchronize()
+
+    def measure(label: str) -> dict[str, list[float]]:
+        g = graphs[label]
+        out = {
+            "us": [events_us(g.replay) for _ in range(singles)],
+            "us_streamed": [events_us(g.replay, streamed)],
+        }
+        if eager:
+            out["eager_us"] = [events_us(calls[label], streamed)]
+        return out
+
+    medians = interleaved_medians({k: lambda k=k: measure(k) for k in graphs}, rounds)
+    return {k: {m: round(x, 2) for m, x in ms.items()} for k, ms in medians.items()}, failed
+
+
+def warm_up_clocks(seconds: float = 0.5) -> None:
+    """Keep the GPU busy for a moment so the first contender does not pay for the clocks ramping up."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(20):
+            a @ a
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > seconds * 1e3:
+            return
+
+
+def copy_bandwidth(sizes_mib: tuple[int, ...] = (256, 1024)) -> dict[str, object]:
+    """Device copy bandwidth (bytes read + written) in TB/s, each size timed both eagerly and captured in
+    a graph (interleaved); `max` is the larger of all, the ceiling the kernels are held against."""
+    result: dict[str, object] = {}
+    for mib in sizes_mib:
+        nbytes = mib << 20
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+        dst = torch.empty_like(src)
+        t, _ = time_contenders({"copy": lambda src=src, dst=dst: dst.copy_(src)}, rounds=5)
+        c = t["copy"]
+        result[f"{mib}MiB"] = {
+            "graph_TBps": round(2 * nbytes / (c["us_streamed"] * 1e-6) / 1e12, 3),
+            "eager_TBps": round(2 * nbytes / (c["eager_us"] * 1e-6) / 1e12, 3),
+        }
+        del src, dst
+    result["max"] = max(v for r in result.values() if isinstance(r, dict) for v in r.values())
+    return result
+
+
+def kernel_breakdown(fn: Callable[[], object], *, calls: int = 5, top: int = 12) -> list[dict[str, object]]:
+    """GPU time per kernel name for one call of fn (profiler, mean over `calls` calls), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = totals.setdefault(ev.name, [0.0, 0])
+            t[0] += ev.time_range.elapsed_us()
+            t[1] += 1
+    rows = [
+        {"kernel": name[:120], "us_per_call": round(us / calls, 2), "launches_per_call": n / calls}
+        for name, (us, n) in totals.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_call"])[:top]
