@@ -1,5 +1,7 @@
-"""`qualify run` on the proxy preset with the local launcher, timed end to end; its JSON report and the
-wall time are written to --out with the run's provenance."""
+"""`qualify run` on the proxy preset with the local launcher, timed end to end; its JSON report, the wall
+time, every check condition with its source and (with --spec) the acceptance histogram the harness drove,
+read back from the stored receipt, are written to --out with the run's provenance; --show-out keeps the
+human `qualify receipts show` of that receipt."""
 
 from __future__ import annotations
 
@@ -23,8 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is stopped")
+    ap.add_argument("--spec", default="none", help="none | mtp:N, passed to qualify run")
+    ap.add_argument("--show-out", help="write `qualify receipts show` of the receipt here")
     args = ap.parse_args()
-    cmd = [sys.executable, *CLI]
+    cli = [*CLI, "--spec", args.spec]
+    cmd = [sys.executable, *cli]
     start = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
@@ -35,14 +40,46 @@ def main() -> None:
         report = json.loads(r.stdout)
     except json.JSONDecodeError:
         sys.exit(f"qualify run exited {r.returncode} without a JSON report: {r.stderr.strip()[-500:]}")
+    receipt = _receipt(report.get("receipt_id"), args.show_out)
     result = {
         "bench": "qualify_run",
-        "cli": " ".join(["python", *CLI]),
+        "cli": " ".join(["python", *cli]),
         "exit_code": r.returncode,
         "wall_s": round(wall, 2),
         "run": report,
+        **receipt,
     }
     write_result(result, args.out)
+
+
+def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
+    """Conditions (holds, source) per check and the generation check's acceptance histograms, read back
+    from the stored receipt by `qualify receipts show`, never from the run's own summary."""
+    if not receipt_id:
+        return {"receipt": None}
+    base = [sys.executable, "-m", "qualify.cli", "receipts", "show", receipt_id]
+    r = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if r.returncode != 0:
+        return {"receipt": f"receipts show exited {r.returncode}: {r.stderr.strip()[-300:]}"}
+    predicate = json.loads(r.stdout).get("predicate", {})
+    checks = predicate.get("checks", [])
+    generation = next((c for c in checks if c.get("name") == "generation"), {})
+    spec = generation.get("evidence", {}).get("speculation", generation.get("evidence", {}))
+    if show_out:
+        shown = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        with open(show_out, "w") as f:
+            f.write(shown.stdout + shown.stderr)
+    return {
+        "verdict": predicate.get("verdict"),
+        "target": predicate.get("target"),
+        "conditions": {
+            c["name"]: {k: [v.get("holds"), v.get("source")] for k, v in (c.get("conditions") or {}).items()}
+            for c in checks
+        },
+        "acceptance_histogram": spec.get("acceptance_histogram"),
+        "mtp_acceptance_histogram": spec.get("mtp_acceptance_histogram"),
+        "xid_watch": predicate.get("faults", {}).get("xid_watch"),
+    }
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ OBSERVED = {
     "generation": ["replay_vs_eager", "before_vs_after_reload", "speculative_vs_plain"],
     "faults": ["no_restarts", "no_fatal_xid", "xid_watched", "engine_answers"],
 }
-SECONDS = {"boot": 2.5, "backend": 0.4, "layout": 1.1, "capture": 3.0, "reload": 4.0, "generation": 1.0}
+SECONDS = {"boot": 2.5, "backend": 0.4, "layout": 1.1, "capture": 3.1, "reload": 4.2, "generation": 1.3}
 
 
 def predicate(

@@ -238,12 +238,12 @@ def test_a_field_read_through_a_non_object_is_named() -> None:
 
 def test_an_approval_keeps_receipts_that_did_not_count_apart_from_its_reasons(log: Log) -> None:
     good = log.add(host="node-a")
-    bad = log.add(host="node-b", restarts=3)
-    loaded = parse_policy_text("[conditions]\nno-restarts = 'receipt.faults.restart_count == 0'\n", "toml")
+    bad = log.add(host="node-b", backend="torch")
+    loaded = parse_policy_text("[conditions]\ntriton = 'receipt.backend.resolved == \"triton\"'\n", "toml")
     decision = decide(log.store, loaded, SUBJECT)
     assert decision.decision == "approved" and decision.receipt_ids == [good]
     assert decision.reasons == []
-    assert [bad[:12] in note and "'no-restarts' is false" in note for note in decision.ignored] == [True]
+    assert [bad[:12] in note and "'triton' is false" in note for note in decision.ignored] == [True]
 
 
 def test_a_denial_gives_its_reasons_and_lists_unverifiable_receipts_as_ignored(log: Log) -> None:

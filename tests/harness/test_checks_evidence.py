@@ -21,6 +21,7 @@ from qualify.checks.base import PROMPTS, Context
 from qualify.client import EngineClient
 from qualify.launch.base import Launcher, LaunchStatus, RefusalOutcome
 from qualify.run.receipt import engine_code_digest_on_disk, file_digest
+from qualify.run.geometry import GEOMETRY
 from qualify.run.request import RunRequest
 from qualify.watch.xid import classify
 from receipts.statement import config_digest
@@ -38,8 +39,11 @@ class Engine:
         self.weights = W0
         self.captured = False
         preset = "tiny" if lie == "config" else "proxy"
+        g = GEOMETRY["proxy"]  # the KV geometry the harness sends as flags, echoed in the described config
         self.config: dict[str, Any] = {
-            "preset": preset, "seed": 0, "kda_decode_backend": "auto", "capture_sizes": [1, 2, 4, 8]
+            "preset": preset, "seed": 0, "kda_decode_backend": "auto", "capture_sizes": [1, 2, 4, 8],
+            "layer_pattern": g.layer_pattern, "block_size": g.block_size, "dcp_size": g.dcp_size,
+            "dcp_ranks": g.dcp_ranks, "max_num_seqs": g.max_num_seqs, "max_model_len": g.max_model_len,
         }  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
@@ -249,7 +253,12 @@ def test_boot_hashes_the_weights_file_itself_and_records_the_config_it_sent() ->
     w = out.evidence["weights_file"]
     assert w["hashed"] and w["digest"] == file_digest(weights_file()) != W0  # not the engine's digest
     assert out.conditions["weights_file_hashed"].source == "observed"
-    assert out.evidence["config"]["sent"] == {"preset": "proxy", "kda_decode_backend": "auto", "num_spec": 0}
+    sent = out.evidence["config"]["sent"]
+    assert {k: sent[k] for k in ("preset", "kda_decode_backend", "num_spec")} == {
+        "preset": "proxy", "kda_decode_backend": "auto", "num_spec": 0
+    }  # fmt: skip
+    # The KV geometry is sent as explicit flags, so it is part of the config the receipt names.
+    assert sent["dcp_size"] == 4 and sent["block_size"] == 2304 and sent["layer_pattern"] == "KKKAKKKA"
 
 
 def test_weights_outside_the_data_dir_are_not_hashed_and_fail_boot() -> None:

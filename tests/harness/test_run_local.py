@@ -172,5 +172,5 @@ def test_proxy_preset_qualifies_on_a_gpu_with_full_capture_and_reload(home: Home
     rel = check(p, "reload")["evidence"]
     assert rel["output_changed_with_other_weights"] and rel["other_weights_replay_vs_eager"]["agrees"]
     assert set(rel["modes_used"]) == {"graph"}
+    # Wall time is measured by bench/qualify_run.py (speed targets live in bench/, not in tests).
     print("GPU qualify run:", {c["name"]: c["seconds"] for c in s["checks"]}, "total", s["seconds"])
-    assert s["seconds"] < 120
