@@ -20,8 +20,8 @@ from qualify.checks import backend, boot, capture, faults, generation, reload
 from qualify.checks.base import PROMPTS, Context
 from qualify.client import EngineClient
 from qualify.launch.base import Launcher, LaunchStatus, RefusalOutcome
-from qualify.run.receipt import engine_code_digest_on_disk, file_digest
 from qualify.run.geometry import GEOMETRY
+from qualify.run.receipt import engine_code_digest_on_disk, file_digest
 from qualify.run.request import RunRequest
 from qualify.watch.xid import classify
 from receipts.statement import config_digest

@@ -42,7 +42,11 @@ def test_an_engine_that_dies_after_the_faults_check_is_rejected(home: Home, when
     assert "tests.liars.late_exit" in p["engine"]["code_scope"]
     subjects = {sub["name"].rsplit("-", 1)[-1]: sub["digest"]["sha256"] for sub in s["subjects"]}
     assert "sha256:" + subjects["code"] == p["engine"]["code_digest"] != engine_code_digest_on_disk()
-    assert p["engine"]["config"] == {"preset": "tiny", "kda_decode_backend": "auto", "num_spec": 0}
+    sent = p["engine"]["config"]
+    assert {k: sent[k] for k in ("preset", "kda_decode_backend", "num_spec")} == {
+        "preset": "tiny", "kda_decode_backend": "auto", "num_spec": 0
+    }  # fmt: skip
+    assert sent["dcp_size"] == 4 and sent["max_num_seqs"] == 8  # the geometry flags it sent, too
     assert p["engine"]["described_config"]["preset"] == "tiny"
     boot = check(p, "boot")
     assert boot["conditions"]["launched_process_serves_the_port"] == {

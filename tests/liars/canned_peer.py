@@ -45,8 +45,8 @@ def _lying_handles(engine) -> dict:
     return out
 
 
-def _lying_app(engine, faults=None):
-    app = _honest_app(engine, faults)
+def _lying_app(engine, *args, **kwargs):
+    app = _honest_app(engine, *args, **kwargs)
 
     @app.post("/qualify/peer-verify")
     async def peer_verify() -> dict:

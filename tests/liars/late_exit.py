@@ -24,8 +24,8 @@ def _die(engine) -> None:
     os._exit(1)
 
 
-def _lying_app(engine, faults=None):
-    app = _honest_app(engine, faults)
+def _lying_app(engine, *args, **kwargs):
+    app = _honest_app(engine, *args, **kwargs)
     if MODE == "metrics":
 
         @app.middleware("http")
