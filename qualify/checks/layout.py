@@ -195,6 +195,17 @@ def run(ctx: Context) -> Outcome:
     else:
         sizes = {f"rank{r.rank}/{g.name}": g.nbytes for r in d.dcp_ranks for g in r.groups}
     measured = {g.get("name"): g.get("nbytes_measured") for g in groups}
+    expected = {g.get("name"): g.get("nbytes_expected") for g in groups}
+
+    def sizes_agree() -> bool:
+        """The engine registered the size the geometry needs, and the peer found at least that much: a
+        shared-memory file measures exactly its size, a CUDA allocation's driver extent is rounded up to
+        the allocator's granularity."""
+        return sizes.keys() == measured.keys() and all(
+            sizes[k] == expected[k] and isinstance(measured[k], int) and measured[k] >= sizes[k]
+            for k in sizes
+        )
+
     lcm = math.lcm(*spans) if spans else 0
     missing = [g.get("name") for g in groups if not g.get("found")]
     conditions = {
@@ -230,7 +241,8 @@ def run(ctx: Context) -> Outcome:
             ran and registered == spans, f"engine registered {registered}, peer derived {spans}"
         ),
         "registered_sizes_match_peer": derived(
-            ran and sizes == measured, f"engine registered {sizes}, peer measured {measured}"
+            ran and sizes_agree(),
+            f"engine registered {sizes}, the geometry needs {expected}, peer measured {measured}",
         ),
         "chunk_is_lcm": derived(lay.chunk == lcm, f"engine chunk {lay.chunk}, lcm of the peer's spans {lcm}"),
         "ratios_are_chunk_over_span": derived(
