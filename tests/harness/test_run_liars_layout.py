@@ -46,7 +46,9 @@ def test_an_engine_laid_out_for_another_dcp_size_that_reports_the_asked_for_span
         and "attention0: layer 3 k shape [9, 2, 2304, 1, 16] != [9, 4, 2304, 1, 16]" in (views["detail"])
     )
     assert not cond["spans_equal_request"]["holds"] and cond["spans_equal_request"]["source"] == "observed"
-    assert cond["registered_sizes_match_peer"]["holds"]  # it registered the sizes it has, not the spans
+    # It registered the sizes it has, which are not what the asked-for geometry needs.
+    assert not cond["registered_sizes_match_peer"]["holds"]
+    assert "the geometry needs" in cond["registered_sizes_match_peer"]["detail"]
 
 
 def test_block_size_halved_with_dcp_doubled_keeps_the_bytes_but_not_the_views(home: Home):
