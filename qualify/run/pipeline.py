@@ -88,7 +88,7 @@ class RunResult:
     def summary(self) -> dict[str, Any]:
         return {
             "receipt_id": self.receipt_id,
-            "log_idx": self.log_idx,
+            "log_index": self.log_idx,
             "verdict": self.verdict,
             "reasons": self.reasons,
             "target": self.target,

@@ -71,7 +71,7 @@ def test_local_run_qualifies_on_cpu_and_signs_a_verifiable_receipt(home: Home) -
     again = home.qualify("run", "--spec", "mtp:2", "--json")
     assert again.code == 0, again.stderr[-2000:]
     assert "created signing key" not in again.stderr
-    assert again.summary()["log_idx"] > s["log_idx"]
+    assert again.summary()["log_index"] > s["log_index"]
     spec = check(home.predicates()[-1], "generation")["evidence"]["comparisons"]["speculative_vs_plain"]
     assert spec["agrees"] and spec["epsilon"] > 0 and "near tie" in spec["rule"]
     assert home.predicates()[-1]["request"]["spec"] == "mtp:2"

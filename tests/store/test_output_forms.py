@@ -39,7 +39,7 @@ def test_json_outputs_spell_log_index_root_hash_and_utc_times(cli, home, tmp_pat
     for name, value in outputs.items():
         keys = _keys(value if name != "show" else {k: v for k, v in value.items() if k != "predicate"})
         assert not keys & {"log_idx", "idx", "root"}, (name, keys)
-    assert outputs["show"]["log_index"] == 1 and outputs["list"][0]["log_index"] == 1
+    assert outputs["show"]["log_index"] == 1 and outputs["list"]["items"][0]["log_index"] == 1
     assert outputs["verify"][0]["log_index"] == 1
     assert len(outputs["checkpoint"]["root_hash"]) == 64 and len(outputs["log verify"]["root_hash"]) == 64
     for field in ("started_at", "finished_at"):
