@@ -21,6 +21,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("serve", "serve"),
     ("audit", "audit"),
     ("gc", "gc"),
+    ("offline", "verify_proof"),
+    ("offline", "verify_consistency"),
 ]
 
 

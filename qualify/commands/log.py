@@ -1,10 +1,12 @@
-"""`qualify log`: export the latest signed checkpoint, print the log's verifier key, verify the whole log
-(optionally against a checkpoint kept outside the database), and the owner's repair.
+"""`qualify log`: export the latest signed checkpoint, print the log's verifier key, prove the log extends an
+old checkpoint (consistency), verify the whole log (optionally against a checkpoint kept outside the
+database), and the owner's repair.
 
 Exit codes: 0 verified, 1 verification found tampering, 2 bad input."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -22,7 +24,10 @@ from qualify.commands._common import (
     vkey_option,
     write_file,
 )
+from qualify.commands.offline import MAX_PROOF_BYTES, consistency_document
 from qualify.errors import UsageError
+from qualify.limits import read_text_limited
+from receipts import merkle
 from receipts.checkpoint import Checkpoint, open_checkpoint
 from receipts.errors import TamperError
 from receipts.repair import repair
@@ -56,6 +61,56 @@ def checkpoint(out: str | None, db_url: str | None, as_json: bool) -> None:
             console.print(f"wrote checkpoint of size {cp.size} to {out}")
         else:
             click.echo(note, nl=False)
+
+    emit(as_json, data, human)
+
+
+@log.command("consistency")
+@click.argument("old", type=click.Path(dir_okay=False))
+@click.option(
+    "--out", type=click.Path(dir_okay=False), help="Write the proof document here (for verify-consistency)."
+)
+@vkey_option
+@db_option
+@json_option
+@store_errors
+def consistency(old: str, out: str | None, vkey: str | None, db_url: str | None, as_json: bool) -> None:
+    """Prove that the log's latest checkpoint extends OLD (a checkpoint kept with `log checkpoint --out`):
+    the RFC 9162 consistency proof between their sizes, verified here and written with both signed
+    checkpoints, so that `qualify verify-consistency` can check it later without the store."""
+    old_note = read_text_limited(old, MAX_PROOF_BYTES, "checkpoint")
+    with opened(open_read(db_url)) as store:
+        verifiers, source = log_verifiers(store, vkey)
+        new_note = store.latest_checkpoint()
+        first = open_checkpoint(old_note, verifiers)
+        latest = open_checkpoint(new_note, verifiers, origin=first.origin)
+        if first.size > latest.size:
+            raise UsageError(
+                f"checkpoint {old} has {first.size} entries but the log has {latest.size}: "
+                "it is not this log's past"
+            )
+        proof = store.consistency_proof(first.size, latest.size)
+    merkle.verify_consistency(
+        first.size, latest.size, proof, first.root, latest.root
+    )  # never hand out a bad one
+    doc = consistency_document(old_note, new_note, proof)
+    if out:
+        write_file(out, json.dumps(doc, indent=2) + "\n")
+    data = {
+        "origin": first.origin,
+        "old_size": first.size,
+        "new_size": latest.size,
+        "root_hash": latest.root.hex(),
+        "hashes": doc["hashes"],
+        "trusted": source,
+    }
+
+    def human() -> None:
+        console.print(
+            f"log {first.origin} at size {latest.size} extends the checkpoint at size {first.size} "
+            f"({len(proof)} proof hashes; checkpoints checked with {source})"
+            + (f"; wrote {out}" if out else "")
+        )
 
     emit(as_json, data, human)
 

@@ -191,14 +191,18 @@ def _serve(args: argparse.Namespace) -> None:
 
         init = free_init_method()
         followers = Followers(cfg.dcp_ranks, init, _follower_argv(sys.argv))
-        followers.watch(lambda rank, code: rank_lost(rank, code, cleanup=engine.close))
+
+        def lost(rank: int, code: int) -> None:
+            rank_lost(rank, code, cleanup=engine.close)
+
+        followers.watch(lost)
         try:
             group.connect(init, engine.device)
         except Exception as e:
             followers.stop()
             engine.close()
             _fail(f"DCP ranks could not join: {e}")
-        lockstep = Lockstep(engine, group, VERBS)
+        lockstep = Lockstep(engine, group, VERBS, check_ranks=lambda: followers.check(lost))
 
     import uvicorn
 

@@ -38,6 +38,7 @@ COLLECTIVE_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 RANK_EXIT_CODE = 4  # rank 0 exits with this when a follower died: the launcher sees a crashed engine
 RANK_LOST_LINE = "QUALIFY_DCP_RANK_LOST"
+CLEANUP_S = 2.0  # how long a rank that lost a peer waits for its own allocations to be released
 PR_SET_PDEATHSIG = 1
 
 
@@ -113,12 +114,26 @@ class DcpGroup:
 class Lockstep:
     """Rank 0's engine as the HTTP API sees it: each verb is broadcast, then run here as on every rank."""
 
-    def __init__(self, engine: Any, group: DcpGroup, verbs: dict[str, Callable[..., Any]]) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        group: DcpGroup,
+        verbs: dict[str, Callable[..., Any]],
+        check_ranks: Callable[[], None] | None = None,
+    ) -> None:
         self.engine, self.group, self.verbs = engine, group, verbs
+        self.check_ranks = check_ranks
 
     def call(self, verb: str, *args: Any) -> Any:
-        self.group.broadcast_verb(verb, args)
-        return self.verbs[verb](self.engine, *args)
+        try:
+            self.group.broadcast_verb(verb, args)
+            return self.verbs[verb](self.engine, *args)
+        except Exception:
+            # A collective that failed may mean a lost rank: look now rather than at the watcher's next
+            # poll, so the engine ends naming the rank before it answers anything else.
+            if self.check_ranks is not None:
+                self.check_ranks()
+            raise
 
     def stop_followers(self) -> None:
         with contextlib.suppress(Exception):
@@ -150,22 +165,31 @@ class Followers:
         for rank in range(1, world):
             cmd = [sys.executable, "-m", "qualify.engine", "follow", "--dcp-rank", str(rank),
                    "--dcp-init", init_method, *argv]  # fmt: skip
-            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            # A session of their own: a signal to rank 0's process group (the launcher's stop) reaches rank
+            # 0 alone, which then stops its followers itself; were they hit at once, their exits would read
+            # as lost ranks. They still die with rank 0 (the parent-death signal).
+            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
         self._stopping = False
 
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items()}
 
+    def check(self, on_lost: Callable[[int, int], None]) -> bool:
+        """Call on_lost(rank, exit code) for the first follower that has exited; False when all live."""
+        for rank, p in self.procs.items():
+            code = p.poll()
+            if code is None:
+                continue
+            if not self._stopping:
+                on_lost(rank, code)
+            return True
+        return False
+
     def watch(self, on_lost: Callable[[int, int], None], poll_s: float = 0.2) -> threading.Thread:
         """Call on_lost(rank, exit code) the first time a follower exits while the engine is serving."""
 
         def loop() -> None:
-            while not self._stopping:
-                for rank, p in self.procs.items():
-                    code = p.poll()
-                    if code is not None and not self._stopping:
-                        on_lost(rank, code)
-                        return
+            while not self._stopping and not self.check(on_lost):
                 time.sleep(poll_s)
 
         t = threading.Thread(target=loop, name="dcp-followers", daemon=True)
@@ -192,9 +216,10 @@ def rank_lost(rank: int, code: int, cleanup: Callable[[], None] | None = None) -
     main thread may be blocked inside a collective, so this cannot wait for it."""
     how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
     print(f"{RANK_LOST_LINE} rank={rank} {how}", flush=True)
-    if cleanup is not None:
-        with contextlib.suppress(Exception):
-            cleanup()
+    if cleanup is not None:  # bounded: a cleanup stuck behind a dead collective must not keep us alive
+        t = threading.Thread(target=cleanup, name="dcp-cleanup", daemon=True)
+        t.start()
+        t.join(CLEANUP_S)
     os._exit(RANK_EXIT_CODE)
 
 

@@ -54,10 +54,12 @@ def _predicate(run_dir: Path, saved: dict[str, Any], progress: dict[str, Any]) -
     current = progress.get("current")
     who = saved.get("harness", {})
     killed = f"{KILLED} (pid {who.get('pid', '?')} on {who.get('host', '?')}); closed by pid {os.getpid()}"
+    # The kill is recorded on the check it interrupted; killed between two checks, on an entry of its own.
     if current and all(c["name"] != current for c in checks):
-        checks.append({"name": current, "status": "error", "evidence": {}, "seconds": 0.0, "reason": killed})
-    elif not checks:
-        checks.append({"name": "boot", "status": "error", "evidence": {}, "seconds": 0.0, "reason": killed})
+        where = current
+    else:
+        where = "harness" if checks else "boot"
+    checks.append({"name": where, "status": "error", "evidence": {}, "seconds": 0.0, "reason": killed})
     engine = progress.get("engine") or _fallback_engine(request)
     faults = {
         "restart_count": int(progress.get("restart_count", 0)),
