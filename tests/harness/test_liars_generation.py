@@ -77,3 +77,13 @@ def test_zero_gaps_dressing_a_changed_token_as_a_near_tie_are_rejected_by_teache
     assert _failed(p, "generation")["before_vs_after_reload"].startswith("differs")
     same = check(p, "reload")["evidence"]["before_vs_after_same_reload"]
     assert same["outcome"] == "differs" and same["per_prompt"][0]["first_divergence"] == 1
+
+
+@pytest.mark.gpu
+def test_stale_graphs_behind_zero_gaps_are_rejected_on_a_gpu(home: Home) -> None:
+    s, p = _run(home, "stale_graphs", "--preset", "proxy", "--timeout", "280")
+    assert s["verdict"] == "rejected", s
+    failed = _failed(p, "reload")
+    # The graphs replay the old weights while an eager step runs the new ones: the harness's own
+    # comparison differs, whatever gaps and runner-ups the engine reports.
+    assert failed["other_weights_replay_equals_eager"].startswith("differs"), failed
