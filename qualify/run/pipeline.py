@@ -23,6 +23,7 @@ from qualify import __version__, settings
 from qualify.checks import checks_for
 from qualify.checks.base import Check, Context, Outcome
 from qualify.checks.boot import sent_config
+from qualify.checks.faults import RANK_LOST
 from qualify.client import EngineClient, EngineError, EngineUnreachable
 from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus, describe_exit
 from qualify.launch.local import DEFAULT_ENGINE_MODULE
@@ -543,6 +544,11 @@ class Pipeline:
             kernel = "observed"  # the daemon's OOMKilled / `oom` event is the kernel's record for its cgroup
         faults["oom"]["kernel"] = kernel
         faults["engine_exits"] = [describe_exit(c) for c in codes]
+        if self.req.dcp is not None:
+            # A DCP engine whose follower rank died exits naming it (qualify/engine/dcp.py): whatever check
+            # was running then, the receipt says which rank was lost.
+            lost = [ln.strip() for ln in self.launcher.logs_tail(5000).splitlines() if RANK_LOST in ln]
+            faults["engine_exits"] += [f"lost DCP {ln.removeprefix(RANK_LOST).strip()}" for ln in lost]
         return faults
 
     def _gpus(self, ctx: Context) -> list[dict[str, Any]]:
