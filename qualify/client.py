@@ -1,4 +1,4 @@
-"""HTTP client for the engine protocol (DESIGN §5): typed requests and replies, one-line errors.
+"""HTTP client for the engine protocol (docs/PROTOCOL.md): typed requests and replies, one-line errors.
 
 The harness speaks only this to an engine, local or in a container; it never imports the engine.
 """

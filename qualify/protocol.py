@@ -1,6 +1,6 @@
-"""The engine protocol (DESIGN §5): pydantic messages shared by the harness and the engine, no torch.
+"""The engine protocol (docs/PROTOCOL.md): pydantic messages shared by the harness and the engine, no torch.
 
-Also the coherence rule of two greedy runs (DESIGN §4), implemented once here for both sides.
+Also the coherence rule of two greedy runs (docs/generation.md), implemented once here for both sides.
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ class ProbeResponse(_Reply):
     device_type: str
 
 
-# ---------------------------------------------------------------- coherence rule (DESIGN §4)
+# ---------------------------------------------------------------- coherence rule (docs/generation.md)
 
 
 Outcome = Literal["identical", "near_tie", "differs"]

@@ -40,9 +40,10 @@ _PG_HOLDER = sa.text(
     "WHERE l.locktype = 'advisory' AND l.granted AND l.classid::bigint = :hi AND l.objid::bigint = :lo"
 )
 
-# The non-owner role of DESIGN §6, created (NOLOGIN, SELECT and INSERT only) by migration 0001 when the
-# migrating user may create roles. The app's sessions SET ROLE to it, so that even with the append-only
-# triggers dropped an UPDATE, DELETE or TRUNCATE through the app is refused by the privilege system.
+# The non-owner role (docs/DESIGN.md, "The store"), created (NOLOGIN, SELECT and INSERT only) by
+# migration 0001 when the migrating user may create roles. The app's sessions SET ROLE to it, so that even
+# with the append-only triggers dropped an UPDATE, DELETE or TRUNCATE through the app is refused by the
+# privilege system.
 WRITER_ROLE = "qualify_writer"
 
 

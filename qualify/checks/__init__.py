@@ -1,4 +1,4 @@
-"""The checks of `qualify run`, one module each, in the order they run (DESIGN §4)."""
+"""The checks of `qualify run`, one module each, in the order they run (docs/DESIGN.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine's HTTP API (DESIGN §5): FastAPI app over one `Engine`, one worker owning the device.
+"""The engine's HTTP API (docs/PROTOCOL.md): FastAPI app over one `Engine`, one worker owning the device.
 
 All engine work runs on ONE worker thread that owns the device (its current CUDA device is the engine's),
 so steps never interleave and CUDA calls never come from a thread with another current device. Errors
