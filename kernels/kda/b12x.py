@@ -148,7 +148,8 @@ class B12xBackend:
     """b12x decode behind our contract; prefill delegates to our Triton prefill.
 
     With `autotune`, bind() lets b12x's autotuner choose its launch configuration by timing the bound
-    step itself (which updates the bound state pool: for benchmarks); without it, b12x's default
+    step itself, its activations re-produced before each sample and the state pool restored after (for
+    benchmarks: it holds a copy of the pool while it tunes); without it, b12x's default
     configuration is compiled and primed with zero live rows (nothing in the pool touched)."""
 
     name = "b12x"
@@ -221,12 +222,31 @@ class B12xBackend:
                 )
 
             def live(state: object) -> PreparedCall:
+                # b12x's autotuner races candidates on the real step: it needs the step's activations
+                # produced before each timed call (here restored from a copy taken at bind, so every sample
+                # sees the same inputs), and `restore` puts the state pool and output back afterwards, so
+                # tuning leaves the bound tensors as it found them (bench-only: it doubles their memory).
                 args = [native_tensors[name] for name in _B12X_OPERANDS]
+                inputs = {n: native_tensors[n].clone() for n in _B12X_ACTIVATIONS}
+                kept = {n: native_tensors[n].clone() for n in ("recurrent_state", "output")}
+
+                def produce() -> None:
+                    for n, saved in inputs.items():
+                        native_tensors[n].copy_(saved)
+
+                def restore() -> None:
+                    for n, saved in kept.items():
+                        native_tensors[n].copy_(saved)
+                    produce()
+
                 return PreparedCall(
                     run=lambda: state.run_tensors(
                         *args, eps=c.norm_eps, scale=K**-0.5, lower_bound=c.lower_bound
                     ),
                     output=t["out"],
+                    produce=produce,
+                    restore=restore,
+                    owners=(inputs, kept),
                 )
 
             if self.autotune and T > 1:
@@ -268,6 +288,8 @@ class B12xBackend:
 
 
 # b12x's positional operand order for run_tensors (b12x/sequence/gdn_decode/_tuning.py _OPERANDS, KDA names).
+# The step's activations (what a previous layer writes before each decode step).
+_B12X_ACTIVATIONS = ("mixed_qkv", "raw_g", "raw_beta", "z")
 _B12X_OPERANDS = (
     "mixed_qkv", "raw_g", "raw_beta", "z", "A_log", "dt_bias", "norm_weight", "recurrent_state",
     "query_start_loc", "num_accepted_tokens", "state_indices", "num_seqs", "num_tokens", "output",
