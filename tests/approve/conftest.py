@@ -5,12 +5,18 @@ to append real signed receipts (realistic predicates from approve_predicates) ab
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import sqlite3
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -109,3 +115,35 @@ def cli_log(home: Path, tmp_path: Path):
     log = Log(store=store, url=f"sqlite:///{path}", path=path, key=key, key_path=key_path)
     yield log
     store.close()
+
+
+TOKEN = "t" * 32
+
+
+def start_serve(
+    home: Path, db_url: str, tmp_path: Path
+) -> tuple[subprocess.Popen[bytes], int, dict[str, Any]]:
+    """`qualify serve` as a real process with a private token file; returns it, its port and its /health
+    answer once it serves (the test fails with the server's output if it never does)."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "QUALIFY_HOME": str(home)}
+    args = ["serve", "--port", str(port), "--db", db_url, "--token-file", str(token)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qualify.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    for _ in range(100):
+        try:
+            return proc, port, httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    out, _ = proc.communicate(timeout=10)
+    pytest.fail(f"qualify serve did not start: {out.decode(errors='replace')[-1000:]}")

@@ -15,7 +15,7 @@ from receipts import dsse, keys
 from receipts.canonical import canonical_json
 
 from .approve_predicates import predicate
-from .conftest import SUBJECT, Log, statement
+from .conftest import SUBJECT, TOKEN, Log, start_serve, statement
 
 FLEET = Path(__file__).parents[2] / "examples" / "fleet.toml"
 
@@ -206,44 +206,17 @@ def test_a_checkpoint_key_other_than_the_logs_makes_no_receipt_count(cli_log: Lo
 def test_serve_answers_health_and_refuses_decisions_without_the_token(
     cli_log: Log, home: Path, tmp_path
 ) -> None:
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-
     import httpx
 
     cli_log.add()
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    token.chmod(0o600)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "QUALIFY_HOME": str(home)}
-    args = ["serve", "--port", str(port), "--db", cli_log.url, "--token-file", str(token)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qualify.cli", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc, port, health = start_serve(home, cli_log.url, tmp_path)
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                health = httpx.get(f"{base}/health", timeout=1).json()
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            pytest.fail(f"qualify serve did not start: {proc.stdout.read1().decode() if proc.stdout else ''}")
         assert health["decisions_enabled"] is True and health["log_size"] == cli_log.store.size()
         body = {"subject": SUBJECT, "policy": {"verdict": "qualified"}}
         assert httpx.post(f"{base}/v1/decisions", json=body, timeout=5).status_code == 401
         ok = httpx.post(
-            f"{base}/v1/decisions", json=body, headers={"Authorization": "Bearer " + "t" * 32}, timeout=5
+            f"{base}/v1/decisions", json=body, headers={"Authorization": "Bearer " + TOKEN}, timeout=5
         )
         assert ok.status_code == 200 and ok.json()["decision"] == "approved"
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SUBJECT, Log
+from .conftest import SUBJECT, TOKEN, Log, start_serve
 from .test_cli import FLEET, run
 
 
@@ -127,33 +127,12 @@ def test_serve_stops_soon_after_sigterm_with_a_request_in_flight(cli_log: Log, h
     import socket
     import time
 
-    import httpx
-
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    token.chmod(0o600)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "QUALIFY_HOME": str(home)}
-    args = ["serve", "--port", str(port), "--db", cli_log.url, "--token-file", str(token)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qualify.cli", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc, port, _ = start_serve(home, cli_log.url, tmp_path)
     try:
-        for _ in range(100):
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
         # A client that sends half a body and then stalls keeps its request in flight.
         with socket.create_connection(("127.0.0.1", port)) as stalled:
             stalled.sendall(
-                b"POST /v1/decisions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"t" * 32 + b"\r\n"
+                b"POST /v1/decisions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n"
                 b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"sub'
             )
             time.sleep(0.5)

@@ -32,6 +32,14 @@ def assert_refused(code: int, out: str, err: str, message: str) -> None:
     assert "Traceback" not in err
 
 
+def _refused_and_nothing_written(cli_log: Log, capsys, path: Path, text: str, message: str) -> None:
+    cli_log.add()
+    before = cli_log.store.counts()
+    path.write_text(text)
+    assert_refused(*approve(capsys, cli_log, path), message)
+    assert cli_log.store.counts() == before
+
+
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
@@ -47,11 +55,7 @@ def assert_refused(code: int, out: str, err: str, message: str) -> None:
 def test_a_policy_with_no_requirement_is_bad_input(
     cli_log: Log, capsys, tmp_path: Path, name: str, text: str, message: str
 ) -> None:
-    cli_log.add()
-    before = cli_log.store.counts()
-    (tmp_path / name).write_text(text)
-    assert_refused(*approve(capsys, cli_log, tmp_path / name), message)
-    assert cli_log.store.counts() == before
+    _refused_and_nothing_written(cli_log, capsys, tmp_path / name, text, message)
 
 
 @pytest.mark.parametrize(
@@ -75,11 +79,7 @@ def test_a_policy_with_no_requirement_is_bad_input(
 def test_hostile_policy_files_are_one_line_exit_2(
     cli_log: Log, capsys, tmp_path: Path, name: str, text: str, message: str
 ) -> None:
-    cli_log.add()
-    before = cli_log.store.counts()
-    (tmp_path / name).write_text(text)
-    assert_refused(*approve(capsys, cli_log, tmp_path / name), message)
-    assert cli_log.store.counts() == before
+    _refused_and_nothing_written(cli_log, capsys, tmp_path / name, text, message)
 
 
 def test_dev_zero_as_a_policy_is_refused_at_once(cli_log: Log, capsys) -> None:

@@ -4,7 +4,6 @@ long the subject name; and where the report lists checks it names each failing c
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 from qualify.report import collect, render
@@ -13,7 +12,7 @@ from receipts.canonical import canonical_json
 
 from .approve_predicates import predicate
 from .conftest import SUBJECT, Log, statement
-from .test_report import CHROMIUM_FLAGS, Dom, chromium, rendered
+from .test_report import Dom, rendered
 
 LONG_NAME = "qualify-reference-engine-weights-for-the-proxy-preset"
 # Test only: the page forbids scripts (CSP); this copy measures each label's box where Chromium drew it.
@@ -30,26 +29,9 @@ for (const svg of document.querySelectorAll('svg')) {
 
 
 def measured(tmp_path: Path, html: str) -> Dom:
-    page = tmp_path / "measured.html"
-    page.write_text(
-        re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", html).replace(
-            "</body>", MEASURE + "</body>"
-        )
-    )
-    result = subprocess.run(
-        [
-            chromium(),
-            *CHROMIUM_FLAGS,
-            f"--user-data-dir={tmp_path / 'chromium'}",
-            "--dump-dom",
-            page.as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return Dom(result.stdout)
+    """The page with the measuring script in place of its CSP, as Chromium rendered it."""
+    page = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", html)
+    return rendered(tmp_path, page.replace("</body>", MEASURE + "</body>"), name="measured")
 
 
 def _add_named(log: Log, name: str, subject: str = SUBJECT, **kwargs) -> str:
