@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write_result  # noqa: E402
+from bench._gpu import capture, events_us  # noqa: E402
 from qualify.engine.model.attention import folded_attention  # noqa: E402
 
 WHAT = (
@@ -95,19 +96,7 @@ def _worker(rank: int, world: int, init: str, a: argparse.Namespace, sizes: list
         def step(kc=kc, vc=vc, kpos=kpos, gather=gather):
             return folded_attention(q, qpos, kc, vc, kpos, seq, None, gather)
 
-        if cuda:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                step()
-            steps[n] = g.replay
-        else:
-            steps[n] = step
+        steps[n] = capture(step).replay if cuda else step
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(a.rounds):
         shift = r % len(sizes)
@@ -115,13 +104,7 @@ def _worker(rank: int, world: int, init: str, a: argparse.Namespace, sizes: list
             dist.barrier()
             if rank < n:
                 if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(a.replays):
-                        steps[n]()
-                    end.record()
-                    end.synchronize()
-                    us = start.elapsed_time(end) * 1000 / a.replays
+                    us = events_us(steps[n], a.replays)
                 else:
                     t0 = time.perf_counter()
                     for _ in range(a.replays):

@@ -23,7 +23,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench._common import write_result  # noqa: E402
-from bench._gpu import copy_bandwidth, kernel_breakdown, warm_up_clocks  # noqa: E402
+from bench._gpu import copy_bandwidth, events_us, kernel_breakdown, warm_up_clocks  # noqa: E402
 
 NUM_SPEC = 3
 GEN_TOKENS = 64
@@ -120,13 +120,7 @@ def roofline(engine, copy: dict, steps: int) -> dict:
         for _ in range(5):
             replay()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            replay()
-        end.record()
-        end.synchronize()
-        step_us = start.elapsed_time(end) * 1e3 / steps
+        step_us = events_us(replay, steps)
         need = step_bytes(engine, len(prompt) + 1)
         ceiling = copy["max"]
         return {

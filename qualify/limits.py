@@ -18,9 +18,9 @@ def _size(limit: int) -> str:
     return f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
 
 
-def read_text_limited(path: str | Path, limit: int, what: str) -> str:
-    """The UTF-8 text of `path`, reading at most `limit` + 1 bytes (so /dev/zero or a huge file is refused
-    at once); UsageError (one line) when it is missing, unreadable, too big or not UTF-8."""
+def read_bytes_limited(path: str | Path, limit: int, what: str) -> bytes:
+    """The exact bytes of `path`, reading at most `limit` + 1 of them (so /dev/zero or a huge file is
+    refused at once); UsageError (one line) when it is missing, unreadable or too big."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(limit + 1)
@@ -32,6 +32,13 @@ def read_text_limited(path: str | Path, limit: int, what: str) -> str:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     if len(data) > limit:
         raise UsageError(f"{what} {path} is larger than {_size(limit)}; refusing to read it")
+    return data
+
+
+def read_text_limited(path: str | Path, limit: int, what: str) -> str:
+    """The UTF-8 text of `path` read as `read_bytes_limited` does; UsageError (one line) also when it is
+    not UTF-8."""
+    data = read_bytes_limited(path, limit, what)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -12,6 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validat
 
 PROTOCOL_VERSION = "1"
 CAPACITY_ERROR = "CapacityError"
+# The line a DCP engine prints before it exits because a follower rank died ("... rank=R how").
+DCP_RANK_LOST = "QUALIFY_DCP_RANK_LOST"
+
+
+def dcp_ranks_lost(log_text: str) -> list[str]:
+    """The lost-rank lines of an engine log, each as "rank=R how"."""
+    return [ln.split(DCP_RANK_LOST, 1)[1].strip() for ln in log_text.splitlines() if DCP_RANK_LOST in ln]
 
 
 class _Msg(BaseModel):
@@ -515,6 +522,7 @@ def compare_greedy(
 
 __all__ = [
     "CAPACITY_ERROR",
+    "DCP_RANK_LOST",
     "PROTOCOL_VERSION",
     "ArenaBufferInfo",
     "BackendInfo",
@@ -551,6 +559,7 @@ __all__ = [
     "ReloadResponse",
     "Usage",
     "compare_greedy",
+    "dcp_ranks_lost",
     "pattern_bytes",
     "coherence_rule_text",
 ]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from qualify.checks.base import Check, Context, Outcome, engine_says, fail_unless, observed
 from qualify.client import EngineError, EngineUnreachable
-from qualify.protocol import CompletionRequest
+from qualify.protocol import CompletionRequest, dcp_ranks_lost
 
 FINAL_GENERATION_TIMEOUT_S = 30.0  # a live engine answers 4 tokens well within this
-RANK_LOST = "QUALIFY_DCP_RANK_LOST"  # the engine's line when a DCP rank died (qualify/engine/dcp.py)
+LOG_LINES = 5000  # of the engine's log read for lost DCP ranks
 
 
 def run(ctx: Context) -> Outcome:
@@ -53,7 +53,7 @@ def run(ctx: Context) -> Outcome:
         conditions["no_container_oom"] = observed(not status.oom_killed)
     if ctx.request.dcp is not None:
         # Rank 0 names a lost follower rank in its log before it exits (qualify/engine/dcp.py).
-        lost = [ln.strip() for ln in ctx.launcher.logs_tail(2000).splitlines() if RANK_LOST in ln]
+        lost = dcp_ranks_lost(ctx.launcher.logs_tail(LOG_LINES))
         evidence["dcp_ranks_lost"] = lost
         conditions["no_dcp_rank_lost"] = engine_says(not lost, "; ".join(lost) or None)
     if ctx.target == "gpu":

@@ -14,25 +14,13 @@ import click
 
 from qualify.commands._common import json_option, parse_vkey
 from qualify.errors import UsageError
-from qualify.limits import MAX_IMPORT_BYTES, MAX_POLICY_BYTES, read_text_limited
+from qualify.limits import MAX_IMPORT_BYTES, MAX_POLICY_BYTES, read_bytes_limited, read_text_limited
 from receipts import dsse, merkle
 from receipts.checkpoint import open_checkpoint, verify_tlog_proof
 from receipts.errors import ReceiptsError, VerificationError
 from receipts.keys import VerifyingKey
 
 MAX_PROOF_BYTES = MAX_POLICY_BYTES  # a tlog-proof or consistency proof: a few KiB in practice
-
-
-def _read_bytes(path: str, limit: int, what: str) -> bytes:
-    """The exact bytes of a file (an envelope's leaf hash is over its bytes), at most `limit` of them."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
-    if len(data) > limit:
-        raise UsageError(f"{what} {path} is larger than {limit} bytes; give the file `receipts prove` used")
-    return data
 
 
 def _verifier(vkey: str):  # noqa: ANN202
@@ -66,7 +54,7 @@ def verify_proof(proof: str, envelope_path: str, vkey: str, key_path: str | None
     envelope's DSSE signature too. No store is opened."""
     verifier = _verifier(vkey)
     text = read_text_limited(proof, MAX_PROOF_BYTES, "proof")
-    raw = _read_bytes(envelope_path, MAX_IMPORT_BYTES, "envelope")
+    raw = read_bytes_limited(envelope_path, MAX_IMPORT_BYTES, "envelope")
     key = None
     if key_path:
         try:

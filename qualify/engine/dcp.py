@@ -31,13 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qualify.protocol import DCP_RANK_LOST
+
 # How long a collective may wait for a peer rank. Followers wait for rank 0's next verb on the control
 # group without this bound (an idle server is legitimate); a dead rank 0 ends them by the parent-death
 # signal instead.
 COLLECTIVE_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 RANK_EXIT_CODE = 4  # rank 0 exits with this when a follower died: the launcher sees a crashed engine
-RANK_LOST_LINE = "QUALIFY_DCP_RANK_LOST"
 CLEANUP_S = 2.0  # how long a rank that lost a peer waits for its own allocations to be released
 PR_SET_PDEATHSIG = 1
 
@@ -215,7 +216,7 @@ def rank_lost(rank: int, code: int, cleanup: Callable[[], None] | None = None) -
     the engine at once (never serve with a missing shard: its collectives would hang or answer wrong). The
     main thread may be blocked inside a collective, so this cannot wait for it."""
     how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    print(f"{RANK_LOST_LINE} rank={rank} {how}", flush=True)
+    print(f"{DCP_RANK_LOST} rank={rank} {how}", flush=True)
     if cleanup is not None:  # bounded: a cleanup stuck behind a dead collective must not keep us alive
         t = threading.Thread(target=cleanup, name="dcp-cleanup", daemon=True)
         t.start()

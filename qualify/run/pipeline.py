@@ -23,10 +23,11 @@ from qualify import __version__, settings
 from qualify.checks import checks_for
 from qualify.checks.base import Check, Context, Outcome
 from qualify.checks.boot import sent_config
-from qualify.checks.faults import RANK_LOST
+from qualify.checks.faults import LOG_LINES
 from qualify.client import EngineClient, EngineError, EngineUnreachable
 from qualify.launch.base import EngineOptions, Launcher, LaunchError, LaunchStatus, describe_exit
 from qualify.launch.local import DEFAULT_ENGINE_MODULE
+from qualify.protocol import dcp_ranks_lost
 from qualify.run import receipt as rc
 from qualify.run.geometry import geometry_for
 from qualify.run.operator import OperatorKey
@@ -547,8 +548,8 @@ class Pipeline:
         if self.req.dcp is not None:
             # A DCP engine whose follower rank died exits naming it (qualify/engine/dcp.py): whatever check
             # was running then, the receipt says which rank was lost.
-            lost = [ln.strip() for ln in self.launcher.logs_tail(5000).splitlines() if RANK_LOST in ln]
-            faults["engine_exits"] += [f"lost DCP {ln.removeprefix(RANK_LOST).strip()}" for ln in lost]
+            lost = dcp_ranks_lost(self.launcher.logs_tail(LOG_LINES))
+            faults["engine_exits"] += [f"lost DCP {rank}" for rank in lost]
         return faults
 
     def _gpus(self, ctx: Context) -> list[dict[str, Any]]:
