@@ -31,10 +31,14 @@ ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
 VARIANTS: dict[str, dict[str, object]] = {
     "ours_split_output": {"_SPLIT_OUTPUT": True},
-    "ours_solve_doubling": {"_SOLVE_DOUBLING": True},
-    "ours_intra_warps_8": {"_INTRA_WARPS": 8},
-    "ours_two_launch_intra": {"_INTRA_STAGES": 2},
-    "ours_ap_columns": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
+    "ours_fused_intra": {"_INTRA": "fused"},
+    "ours_diag_warps_1": {"_DIAG_WARPS": 1},
+    "ours_diag_warps_2": {"_DIAG_WARPS": 2},
+    "ours_diag_warps_8": {"_DIAG_WARPS": 8},
+    "ours_inter_warps_2": {"_INTER_WARPS": 2},
+    "ours_inter_warps_8": {"_INTER_WARPS": 8},
+    "ours_inter_bk_64": {"_INTER_BK": 64},
+    "ours_inter_bk_16": {"_INTER_BK": 16},
 }
 
 

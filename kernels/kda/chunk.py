@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_cols import ap_columns_kernel
+from kernels.kda.chunk_intra import diag_kernel, inter_solve_kernel
 from kernels.kda.chunk_ref import chunk_reference
 from kernels.kda.chunk_solve import _chunk_bounds, intra_kernel, wu_kernel
 
@@ -31,19 +31,12 @@ _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop;
 # 1.28 / 1.37 / 4.97 ms at 1x8192 / 8x1024 / 1x32768 against 1.17 / 1.26 / 4.57 ms with the output inside
 # the state pass: the state pass got only ~10% shorter and the output pass cost 165 µs at 1x8192.
 _SPLIT_OUTPUT, _OUT_WARPS = False, 8
-# SOLVE_DOUBLING: the diagonal 16×16 inverses by six small products ((I + M)(I + M²)(I + M⁴)(I + M⁸))
-# instead of 15 serial substitution steps. Not yet timed on a GPU (bench/kda_prefill.py times it as a
-# variant): off until it is measured faster.
-_SOLVE_DOUBLING = False
-# INTRA_STAGES: 2 runs the intra-chunk kernel as two launches (A and P, then the solve, A through the X
-# scratch). Compiled for sm_90 (Triton 3.6, offline) at 4 warps the one-launch kernel needs 255 registers
-# and a 648-byte stack per thread; the A/P launch 255 and 360 bytes, the solve 218 and none. Not yet
-# timed on a GPU (bench/kda_prefill.py times it as a variant). Needs SPLIT_WU.
-_INTRA_STAGES = 1
-# AP_COLUMNS: with two stages, A and P come from kernels/kda/chunk_cols.py (one BT-row product per column
-# block instead of six 16-row cross products, K in _COLS_BK-wide blocks). Offline sm_90 compile: no stack
-# at 8 warps with 32-wide K blocks (736 bytes at 4 warps). Not yet timed on a GPU.
-_AP_COLUMNS, _COLS_WARPS, _COLS_BK = False, 8, 32
+# INTRA: "split" computes the intra-chunk factors in two launches (kernels/kda/chunk_intra.py: a diagonal
+# pass per 16-row sub-chunk, then the off-diagonal blocks and the merged inverse per chunk in BK-wide K
+# slices); "fused" is the earlier one-program-per-(chunk, head) kernel (chunk_solve.intra_kernel), which
+# compiled for sm_90 needs 255 registers and a 648-byte stack per thread and ran 682 µs of the 1.19 ms
+# prefill at 1x8192 on the H200 (2026-12-01), against 321 µs for fla's two intra kernels.
+_INTRA, _DIAG_WARPS, _INTER_WARPS, _INTER_BK = "split", 4, 4, 32
 
 
 def build_chunk_metadata(
@@ -100,6 +93,7 @@ def prefill_scratch_specs(
         "u": ((max_tokens, H, V), torch.bfloat16),  # T·V
         "p": ((max_tokens, H, chunk_size), torch.bfloat16),  # row r of P for the chunk holding r
         "x": ((max_tokens, H, chunk_size), torch.float32),  # row r of (I + A)^{-1} for its chunk
+        "rn": ((max_tokens, H, 2), torch.float32),  # inverse L2 norms of k and q (q's times the scale)
     }
 
 
@@ -507,10 +501,9 @@ def prefill(
             DEVICE_COUNT=dev,
             num_warps=_GATE_WARPS,
         )
-        stages = (1, 2) if _INTRA_STAGES == 2 and _SPLIT_WU else (0,)
-        if stages[0] == 1 and _AP_COLUMNS:
-            stages = (2,)
-            ap_columns_kernel[(grid_chunks, H)](
+        ap_dt = tl.float32 if _INTERPRET else _AP_DT
+        if _INTRA == "split":
+            diag_kernel[(grid_chunks, BT // _SUB, H)](
                 q,
                 k,
                 b,
@@ -519,6 +512,7 @@ def prefill(
                 scratch["k_bar"],
                 scratch["p"],
                 scratch["x"],
+                scratch["rn"],
                 cu_seqlens,
                 chunk_indices,
                 n_ptr,
@@ -528,12 +522,32 @@ def prefill(
                 K=K,
                 BT=BT,
                 BC=_SUB,
-                BKC=min(K, _COLS_BK),
                 DEVICE_COUNT=dev,
-                DT=tl.float32 if _INTERPRET else _AP_DT,
-                num_warps=_COLS_WARPS,
+                DT=ap_dt,
+                num_warps=_DIAG_WARPS,
             )
-        for stage in stages:
+            inter_solve_kernel[(grid_chunks, H)](
+                q,
+                k,
+                b,
+                scratch["gcum"],
+                scratch["p"],
+                scratch["x"],
+                scratch["rn"],
+                cu_seqlens,
+                chunk_indices,
+                n_ptr,
+                n_host,
+                H=H,
+                K=K,
+                BT=BT,
+                BC=_SUB,
+                BK=min(K, _INTER_BK),
+                DEVICE_COUNT=dev,
+                DT=ap_dt,
+                num_warps=_INTER_WARPS,
+            )
+        else:
             intra_kernel[(grid_chunks, H)](
                 q,
                 k,
@@ -558,13 +572,13 @@ def prefill(
                 BC=_SUB,
                 DEVICE_COUNT=dev,
                 SOLVE_UNROLL=_SOLVE_UNROLL,
-                SOLVE_DOUBLING=_SOLVE_DOUBLING,
+                SOLVE_DOUBLING=False,
                 SPLIT_WU=_SPLIT_WU,
-                AP_DT=tl.float32 if _INTERPRET else _AP_DT,
-                STAGE=stage,
+                AP_DT=ap_dt,
+                STAGE=0,
                 num_warps=_INTRA_WARPS,
             )
-        if _SPLIT_WU:
+        if _INTRA == "split" or _SPLIT_WU:
             wu_kernel[(grid_chunks, H)](
                 k,
                 v,

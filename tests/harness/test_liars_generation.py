@@ -86,4 +86,5 @@ def test_stale_graphs_behind_zero_gaps_are_rejected_on_a_gpu(home: Home) -> None
     failed = _failed(p, "reload")
     # The graphs replay the old weights while an eager step runs the new ones: the harness's own
     # comparison differs, whatever gaps and runner-ups the engine reports.
-    assert failed["other_weights_replay_equals_eager"].startswith("differs"), failed
+    reload = {k: v for k, v in check(p, "reload").items() if k != "evidence"}
+    assert failed.get("other_weights_replay_equals_eager", "").startswith("differs"), reload

@@ -191,17 +191,10 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
     [
         {"_SPLIT_OUTPUT": True},
         {},
-        {"_SOLVE_DOUBLING": True},
-        {"_INTRA_STAGES": 2},
-        {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
+        {"_INTRA": "fused"},
+        {"_INTER_BK": 16},
     ],
-    ids=[
-        "parallel-output-pass",
-        "output-in-state-pass",
-        "inverse-by-doubling",
-        "two-launch-intra",
-        "a-and-p-by-columns",
-    ],
+    ids=["parallel-output-pass", "output-in-state-pass", "fused-intra", "inter-k-slices-of-16"],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
     # Lengths around the chunk size (and one past two chunks), decays near the bound e^-5 per step on
@@ -313,8 +306,8 @@ def _intermediates_reference(q, k, v, g, beta, chunk: int):
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"_SOLVE_DOUBLING": True}, {"_INTRA_STAGES": 2}, {"_INTRA_STAGES": 2, "_AP_COLUMNS": True}],
-    ids=["substitution", "inverse-by-doubling", "two-launch-intra", "a-and-p-by-columns"],
+    [{}, {"_INTRA": "fused"}],
+    ids=["split-intra", "fused-intra"],
 )
 def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys(variant, monkeypatch) -> None:
     import kernels.kda.chunk as chunk

@@ -116,10 +116,9 @@ def test_prefill_matches_chunk_reference_at_production_shapes(lens: list[int], h
 VARIANTS = {
     "default": {},
     "parallel-output-pass": {"_SPLIT_OUTPUT": True},
-    "inverse-by-doubling": {"_SOLVE_DOUBLING": True},
-    "two-launch-intra": {"_INTRA_STAGES": 2},
-    "intra-8-warps": {"_INTRA_WARPS": 8},
-    "a-and-p-by-columns": {"_INTRA_STAGES": 2, "_AP_COLUMNS": True},
+    "fused-intra": {"_INTRA": "fused"},
+    "inter-k-slices-of-64": {"_INTER_BK": 64},
+    "inter-k-slices-of-128": {"_INTER_BK": 128},
 }
 
 

@@ -1,0 +1,264 @@
+"""The intra-chunk half of the KDA prefill (docs/KDA.md, chunked prefill) in two launches, the structure fla
+uses: a diagonal pass with one program per 16-row sub-chunk (its diagonal blocks of A and P, Q̃, K̄, the
+row norms, and the sub-chunk's own (I + A_ii)^{-1}), then one program per chunk for the off-diagonal
+blocks (K in BK-wide slices, so few registers) and the merged inverse X = (I + A)^{-1}.
+
+Norms factor out of every product: A_rj = β_r·n_r·n_j·Σ_d k_r[d]·k_j[d]·e^{Γ_r[d]−Γ_j[d]} with n the
+inverse L2 norm of the raw key row, so the off-diagonal pass multiplies raw q and k and scales the 16×16
+results by the norms the diagonal pass stored; it never holds a K-wide normalised tile.
+
+Scratch rows are token rows (the chunk's rows only: rows past the chunk's end belong to the next one):
+p [total, H, BT] gets P (bf16, zeros right of the diagonal), x [total, H, BT] gets X (fp32, zeros right
+of the diagonal; wu_kernel applies it), rn [total, H, 2] the inverse norms of k and q (q's with the scale).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.kda.chunk_solve import _chunk_bounds
+
+
+@triton.jit
+def diag_kernel(
+    q,
+    k,
+    b,
+    gcum,
+    q_tilde,
+    k_bar,
+    p,
+    x_inv,
+    rn,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
+    (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), zeros right
+    of the diagonal in p and x, then (I + A_ii)^{-1} by forward substitution over rows read back from x."""
+    c = tl.program_id(0)
+    i = tl.program_id(1)
+    h = tl.program_id(2)
+    if DEVICE_COUNT:
+        n_chunks = tl.load(n_chunks_ptr)
+    if c >= n_chunks:
+        return
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
+    if i * BC >= n:
+        return
+    ci = tl.arange(0, BC)
+    rb = i * BC + ci
+    mb = rb < n
+    d = tl.arange(0, K)
+    rows = (t0 + rb) * H + h
+    off = rows[:, None] * K + d[None, :]
+    kk = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32)
+    qq = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32)
+    gi = tl.load(gcum + off, mask=mb[:, None], other=0.0)
+    nk = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
+    nq = scale / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
+    tl.store(rn + rows * 2, nk, mask=mb)
+    tl.store(rn + rows * 2 + 1, nq, mask=mb)
+    kh = kk * nk[:, None]
+    qh = qq * nq[:, None]
+    g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
+    tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+    tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
+    beta = tl.where(mb, tl.sigmoid(tl.load(b + rows, mask=mb, other=0.0).to(tl.float32)), 0.0)
+    g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
+    rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
+    cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
+    kc = (kh * cf).to(DT)
+    a = tl.dot((kh * rf).to(DT), tl.trans(kc))
+    pq = tl.dot((qh * rf).to(DT), tl.trans(kc))
+    a = tl.where(ci[None, :] < ci[:, None], a, 0.0) * beta[:, None]
+    pq = tl.where(ci[None, :] <= ci[:, None], pq, 0.0)
+    cols = tl.arange(0, BT)
+    right = mb[:, None] & (cols >= (i + 1) * BC)[None, :]
+    prow = p + rows[:, None] * BT
+    tl.store(prow + rb[None, :], pq.to(p.dtype.element_ty), mask=mb[:, None])
+    tl.store(prow + cols[None, :], tl.zeros([BC, BT], dtype=p.dtype.element_ty), mask=right)
+    xrow = x_inv + rows[:, None] * BT
+    tl.store(xrow + rb[None, :], a, mask=mb[:, None])
+    tl.store(xrow + cols[None, :], tl.zeros([BC, BT], dtype=tl.float32), mask=right)
+    tl.debug_barrier()
+    # Y = (I + A_ii)^{-1} − I, row by row: Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own).
+    y = -a
+    for s in range(2, BC):
+        a_s = tl.load(x_inv + ((t0 + i * BC + s) * H + h) * BT + rb, mask=(ci < s) & (i * BC + s < n), other=0.0)
+        y_s = -a_s - tl.sum(a_s[:, None] * y, axis=0)
+        y = tl.where((ci == s)[:, None], y_s[None, :], y)
+    tl.debug_barrier()
+    eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
+    tl.store(xrow + rb[None, :], y + eye, mask=mb[:, None])
+
+
+@triton.jit
+def _mm(x, y):
+    # The merge's 16×16 products stay full fp32: their errors would be amplified through the inverse.
+    return tl.dot(x, y, input_precision="ieee")
+
+
+@triton.jit
+def _rows(t0, n, h, j: tl.constexpr, H: tl.constexpr, BC: tl.constexpr):
+    r = j * BC + tl.arange(0, BC)
+    return (t0 + r) * H + h, r < n
+
+
+@triton.jit
+def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
+    """Raw key rows of an earlier sub-chunk times e^{Γ_n − Γ_j} (≤ 1), transposed for the product."""
+    off = rows[:, None] * K + dk[None, :]
+    kj = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
+    gj = tl.load(gcum + off, mask=m[:, None], other=0.0)
+    return tl.trans((kj * tl.exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")))).to(DT))
+
+
+@triton.jit
+def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
+    """Raw query and key rows of sub-chunk i times e^{Γ_r − Γ_n} (≤ 1), n its first row."""
+    off = rows[:, None] * K + dk[None, :]
+    e = tl.exp(tl.where(m[:, None], tl.load(gcum + off, mask=m[:, None], other=0.0) - gn[None, :], float("-inf")))
+    qi = tl.load(q + off, mask=m[:, None], other=0.0).to(tl.float32) * e
+    ki = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32) * e
+    return qi.to(DT), ki.to(DT)
+
+
+@triton.jit
+def _store_blk(ptr, rows, m, col0: tl.constexpr, blk, BT: tl.constexpr, BC: tl.constexpr):
+    tl.store(ptr + rows[:, None] * BT + (col0 + tl.arange(0, BC))[None, :], blk.to(ptr.dtype.element_ty),
+             mask=m[:, None])  # fmt: skip
+
+
+@triton.jit
+def _load_diag(x_inv, rows, m, j: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    return tl.load(x_inv + rows[:, None] * BT + (j * BC + tl.arange(0, BC))[None, :], mask=m[:, None], other=0.0)
+
+
+@triton.jit
+def inter_solve_kernel(
+    q,
+    k,
+    b,
+    gcum,
+    p,
+    x_inv,
+    rn,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Per (chunk, head): the off-diagonal blocks A_ij and P_ij (j < i), each row block split at Γ of its
+    own first row (both factors ≤ 1), accumulated over BK-wide slices of K; P_ij to p; then the blocks of
+    X left of the diagonal, X_ij = −D_i·Σ_{j≤m<i} A_im·X_mj, from the diagonal inverses D_i in x."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    if DEVICE_COUNT:
+        n_chunks = tl.load(n_chunks_ptr)
+    if c >= n_chunks:
+        return
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
+    NC: tl.constexpr = BT // BC
+    if n <= BC:
+        return  # one sub-chunk: nothing off the diagonal
+    r0, m0 = _rows(t0, n, h, 0, H, BC)
+    r1, m1 = _rows(t0, n, h, 1, H, BC)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    a10, p10 = z, z
+    a20, p20, a21, p21 = z, z, z, z
+    a30, p30, a31, p31, a32, p32 = z, z, z, z, z, z
+    if NC >= 3:
+        r2, m2 = _rows(t0, n, h, 2, H, BC)
+    if NC >= 4:
+        r3, m3 = _rows(t0, n, h, 3, H, BC)
+    for kb in range(K // BK):
+        dk = kb * BK + tl.arange(0, BK)
+        gn1 = tl.load(gcum + ((t0 + BC) * H + h) * K + dk)
+        q1, k1 = _qk_rows(q, k, gcum, r1, m1, dk, gn1, K, DT)
+        kt = _ktile(k, gcum, r0, m0, dk, gn1, K, DT)
+        a10 = tl.dot(k1, kt, a10)
+        p10 = tl.dot(q1, kt, p10)
+        if NC >= 3:
+            if 2 * BC < n:
+                gn2 = tl.load(gcum + ((t0 + 2 * BC) * H + h) * K + dk)
+                q2, k2 = _qk_rows(q, k, gcum, r2, m2, dk, gn2, K, DT)
+                kt = _ktile(k, gcum, r0, m0, dk, gn2, K, DT)
+                a20 = tl.dot(k2, kt, a20)
+                p20 = tl.dot(q2, kt, p20)
+                kt = _ktile(k, gcum, r1, m1, dk, gn2, K, DT)
+                a21 = tl.dot(k2, kt, a21)
+                p21 = tl.dot(q2, kt, p21)
+        if NC >= 4:
+            if 3 * BC < n:
+                gn3 = tl.load(gcum + ((t0 + 3 * BC) * H + h) * K + dk)
+                q3, k3 = _qk_rows(q, k, gcum, r3, m3, dk, gn3, K, DT)
+                kt = _ktile(k, gcum, r0, m0, dk, gn3, K, DT)
+                a30 = tl.dot(k3, kt, a30)
+                p30 = tl.dot(q3, kt, p30)
+                kt = _ktile(k, gcum, r1, m1, dk, gn3, K, DT)
+                a31 = tl.dot(k3, kt, a31)
+                p31 = tl.dot(q3, kt, p31)
+                kt = _ktile(k, gcum, r2, m2, dk, gn3, K, DT)
+                a32 = tl.dot(k3, kt, a32)
+                p32 = tl.dot(q3, kt, p32)
+    # Norms and β: A_ij ·= β_i·nk_i·nk_jᵀ, P_ij ·= nq_i·nk_jᵀ (nq carries the scale).
+    nk0 = tl.load(rn + r0 * 2, mask=m0, other=0.0)
+    nk1 = tl.load(rn + r1 * 2, mask=m1, other=0.0)
+    nq1 = tl.load(rn + r1 * 2 + 1, mask=m1, other=0.0)
+    bk1 = tl.where(m1, tl.sigmoid(tl.load(b + r1, mask=m1, other=0.0).to(tl.float32)), 0.0) * nk1
+    a10 = a10 * bk1[:, None] * nk0[None, :]
+    _store_blk(p, r1, m1, 0, p10 * nq1[:, None] * nk0[None, :], BT, BC)
+    d0 = _load_diag(x_inv, r0, m0, 0, BT, BC)
+    d1 = _load_diag(x_inv, r1, m1, 1, BT, BC)
+    x10 = -_mm(d1, _mm(a10, d0))
+    _store_blk(x_inv, r1, m1, 0, x10, BT, BC)
+    if NC >= 3:
+        if 2 * BC < n:
+            nk2 = tl.load(rn + r2 * 2, mask=m2, other=0.0)
+            nq2 = tl.load(rn + r2 * 2 + 1, mask=m2, other=0.0)
+            bk2 = tl.where(m2, tl.sigmoid(tl.load(b + r2, mask=m2, other=0.0).to(tl.float32)), 0.0) * nk2
+            a20 = a20 * bk2[:, None] * nk0[None, :]
+            a21 = a21 * bk2[:, None] * nk1[None, :]
+            _store_blk(p, r2, m2, 0, p20 * nq2[:, None] * nk0[None, :], BT, BC)
+            _store_blk(p, r2, m2, BC, p21 * nq2[:, None] * nk1[None, :], BT, BC)
+            d2 = _load_diag(x_inv, r2, m2, 2, BT, BC)
+            x21 = -_mm(d2, _mm(a21, d1))
+            x20 = -_mm(d2, _mm(a20, d0) + _mm(a21, x10))
+            _store_blk(x_inv, r2, m2, 0, x20, BT, BC)
+            _store_blk(x_inv, r2, m2, BC, x21, BT, BC)
+            if NC >= 4:
+                if 3 * BC < n:
+                    nk3 = tl.load(rn + r3 * 2, mask=m3, other=0.0)
+                    nq3 = tl.load(rn + r3 * 2 + 1, mask=m3, other=0.0)
+                    bk3 = tl.where(m3, tl.sigmoid(tl.load(b + r3, mask=m3, other=0.0).to(tl.float32)), 0.0) * nk3
+                    a30 = a30 * bk3[:, None] * nk0[None, :]
+                    a31 = a31 * bk3[:, None] * nk1[None, :]
+                    a32 = a32 * bk3[:, None] * nk2[None, :]
+                    _store_blk(p, r3, m3, 0, p30 * nq3[:, None] * nk0[None, :], BT, BC)
+                    _store_blk(p, r3, m3, BC, p31 * nq3[:, None] * nk1[None, :], BT, BC)
+                    _store_blk(p, r3, m3, 2 * BC, p32 * nq3[:, None] * nk2[None, :], BT, BC)
+                    d3 = _load_diag(x_inv, r3, m3, 3, BT, BC)
+                    x32 = -_mm(d3, _mm(a32, d2))
+                    x31 = -_mm(d3, _mm(a31, d1) + _mm(a32, x21))
+                    x30 = -_mm(d3, _mm(a30, d0) + _mm(a31, x10) + _mm(a32, x20))
+                    _store_blk(x_inv, r3, m3, 0, x30, BT, BC)
+                    _store_blk(x_inv, r3, m3, BC, x31, BT, BC)
+                    _store_blk(x_inv, r3, m3, 2 * BC, x32, BT, BC)
