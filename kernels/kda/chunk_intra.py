@@ -95,7 +95,8 @@ def diag_kernel(
     # Y = (I + A_ii)^{-1} − I, row by row: Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own).
     y = -a
     for s in range(2, BC):
-        a_s = tl.load(x_inv + ((t0 + i * BC + s) * H + h) * BT + rb, mask=(ci < s) & (i * BC + s < n), other=0.0)
+        row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
+        a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
         y_s = -a_s - tl.sum(a_s[:, None] * y, axis=0)
         y = tl.where((ci == s)[:, None], y_s[None, :], y)
     tl.debug_barrier()
@@ -128,7 +129,8 @@ def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
 def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
     """Raw query and key rows of sub-chunk i times e^{Γ_r − Γ_n} (≤ 1), n its first row."""
     off = rows[:, None] * K + dk[None, :]
-    e = tl.exp(tl.where(m[:, None], tl.load(gcum + off, mask=m[:, None], other=0.0) - gn[None, :], float("-inf")))
+    gi = tl.load(gcum + off, mask=m[:, None], other=0.0)
+    e = tl.exp(tl.where(m[:, None], gi - gn[None, :], float("-inf")))
     qi = tl.load(q + off, mask=m[:, None], other=0.0).to(tl.float32) * e
     ki = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32) * e
     return qi.to(DT), ki.to(DT)
@@ -142,7 +144,16 @@ def _store_blk(ptr, rows, m, col0: tl.constexpr, blk, BT: tl.constexpr, BC: tl.c
 
 @triton.jit
 def _load_diag(x_inv, rows, m, j: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    return tl.load(x_inv + rows[:, None] * BT + (j * BC + tl.arange(0, BC))[None, :], mask=m[:, None], other=0.0)
+    ptr = x_inv + rows[:, None] * BT + (j * BC + tl.arange(0, BC))[None, :]
+    return tl.load(ptr, mask=m[:, None], other=0.0)
+
+
+@triton.jit
+def _beta_nk(b, rn, rows, m):
+    """β·nk for the rows of a sub-chunk (zero past the chunk), and nk and nq."""
+    nk = tl.load(rn + rows * 2, mask=m, other=0.0)
+    nq = tl.load(rn + rows * 2 + 1, mask=m, other=0.0)
+    return tl.where(m, tl.sigmoid(tl.load(b + rows, mask=m, other=0.0).to(tl.float32)), 0.0) * nk, nk, nq
 
 
 @triton.jit
@@ -196,8 +207,8 @@ def inter_solve_kernel(
         kt = _ktile(k, gcum, r0, m0, dk, gn1, K, DT)
         a10 = tl.dot(k1, kt, a10)
         p10 = tl.dot(q1, kt, p10)
-        if NC >= 3:
-            if 2 * BC < n:
+        if NC >= 3:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if n > 2 * BC:
                 gn2 = tl.load(gcum + ((t0 + 2 * BC) * H + h) * K + dk)
                 q2, k2 = _qk_rows(q, k, gcum, r2, m2, dk, gn2, K, DT)
                 kt = _ktile(k, gcum, r0, m0, dk, gn2, K, DT)
@@ -206,8 +217,8 @@ def inter_solve_kernel(
                 kt = _ktile(k, gcum, r1, m1, dk, gn2, K, DT)
                 a21 = tl.dot(k2, kt, a21)
                 p21 = tl.dot(q2, kt, p21)
-        if NC >= 4:
-            if 3 * BC < n:
+        if NC >= 4:  # noqa: SIM102
+            if n > 3 * BC:
                 gn3 = tl.load(gcum + ((t0 + 3 * BC) * H + h) * K + dk)
                 q3, k3 = _qk_rows(q, k, gcum, r3, m3, dk, gn3, K, DT)
                 kt = _ktile(k, gcum, r0, m0, dk, gn3, K, DT)
@@ -221,20 +232,16 @@ def inter_solve_kernel(
                 p32 = tl.dot(q3, kt, p32)
     # Norms and β: A_ij ·= β_i·nk_i·nk_jᵀ, P_ij ·= nq_i·nk_jᵀ (nq carries the scale).
     nk0 = tl.load(rn + r0 * 2, mask=m0, other=0.0)
-    nk1 = tl.load(rn + r1 * 2, mask=m1, other=0.0)
-    nq1 = tl.load(rn + r1 * 2 + 1, mask=m1, other=0.0)
-    bk1 = tl.where(m1, tl.sigmoid(tl.load(b + r1, mask=m1, other=0.0).to(tl.float32)), 0.0) * nk1
+    bk1, nk1, nq1 = _beta_nk(b, rn, r1, m1)
     a10 = a10 * bk1[:, None] * nk0[None, :]
     _store_blk(p, r1, m1, 0, p10 * nq1[:, None] * nk0[None, :], BT, BC)
     d0 = _load_diag(x_inv, r0, m0, 0, BT, BC)
     d1 = _load_diag(x_inv, r1, m1, 1, BT, BC)
     x10 = -_mm(d1, _mm(a10, d0))
     _store_blk(x_inv, r1, m1, 0, x10, BT, BC)
-    if NC >= 3:
-        if 2 * BC < n:
-            nk2 = tl.load(rn + r2 * 2, mask=m2, other=0.0)
-            nq2 = tl.load(rn + r2 * 2 + 1, mask=m2, other=0.0)
-            bk2 = tl.where(m2, tl.sigmoid(tl.load(b + r2, mask=m2, other=0.0).to(tl.float32)), 0.0) * nk2
+    if NC >= 3:  # noqa: SIM102
+        if n > 2 * BC:
+            bk2, nk2, nq2 = _beta_nk(b, rn, r2, m2)
             a20 = a20 * bk2[:, None] * nk0[None, :]
             a21 = a21 * bk2[:, None] * nk1[None, :]
             _store_blk(p, r2, m2, 0, p20 * nq2[:, None] * nk0[None, :], BT, BC)
@@ -244,11 +251,9 @@ def inter_solve_kernel(
             x20 = -_mm(d2, _mm(a20, d0) + _mm(a21, x10))
             _store_blk(x_inv, r2, m2, 0, x20, BT, BC)
             _store_blk(x_inv, r2, m2, BC, x21, BT, BC)
-            if NC >= 4:
-                if 3 * BC < n:
-                    nk3 = tl.load(rn + r3 * 2, mask=m3, other=0.0)
-                    nq3 = tl.load(rn + r3 * 2 + 1, mask=m3, other=0.0)
-                    bk3 = tl.where(m3, tl.sigmoid(tl.load(b + r3, mask=m3, other=0.0).to(tl.float32)), 0.0) * nk3
+            if NC >= 4:  # noqa: SIM102
+                if n > 3 * BC:
+                    bk3, nk3, nq3 = _beta_nk(b, rn, r3, m3)
                     a30 = a30 * bk3[:, None] * nk0[None, :]
                     a31 = a31 * bk3[:, None] * nk1[None, :]
                     a32 = a32 * bk3[:, None] * nk2[None, :]
