@@ -30,15 +30,21 @@ SHAPES = ((1, 8192), (8, 1024), (1, 32768))
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
 VARIANTS: dict[str, dict[str, object]] = {
-    "ours_split_output": {"_SPLIT_OUTPUT": True},
     "ours_fused_intra": {"_INTRA": "fused"},
+    "ours_split_output": {"_SPLIT_OUTPUT": True},
     "ours_diag_warps_1": {"_DIAG_WARPS": 1},
-    "ours_diag_warps_2": {"_DIAG_WARPS": 2},
-    "ours_diag_warps_8": {"_DIAG_WARPS": 8},
-    "ours_inter_warps_2": {"_INTER_WARPS": 2},
-    "ours_inter_warps_8": {"_INTER_WARPS": 8},
-    "ours_inter_bk_64": {"_INTER_BK": 64},
-    "ours_inter_bk_16": {"_INTER_BK": 16},
+    "ours_diag_warps_4": {"_DIAG_WARPS": 4},
+    "ours_inter_warps_1": {"_INTER_WARPS": 1},
+    "ours_inter_warps_4": {"_INTER_WARPS": 4},
+    "ours_inter_bk_32": {"_INTER_BK": 32},
+    "ours_inter_bk_128": {"_INTER_BK": 128},
+    "ours_wu_warps_2": {"_WU_WARPS": 2},
+    "ours_wu_warps_8": {"_WU_WARPS": 8},
+    "ours_state_bv_16": {"_STATE_BV": 16},
+    "ours_state_bv_64": {"_STATE_BV": 64},
+    "ours_state_warps_2": {"_STATE_WARPS": 2},
+    "ours_state_warps_8": {"_STATE_WARPS": 8},
+    "ours_state_stages_3": {"_STATE_STAGES": 3},
 }
 
 

@@ -36,7 +36,11 @@ _SPLIT_OUTPUT, _OUT_WARPS = False, 8
 # slices); "fused" is the earlier one-program-per-(chunk, head) kernel (chunk_solve.intra_kernel), which
 # compiled for sm_90 needs 255 registers and a 648-byte stack per thread and ran 682 µs of the 1.19 ms
 # prefill at 1x8192 on the H200 (2026-12-01), against 321 µs for fla's two intra kernels.
-_INTRA, _DIAG_WARPS, _INTER_WARPS, _INTER_BK = "split", 4, 4, 32
+# Launch shapes of the split path, from a sweep on the H200 (2026-12-01, graph-timed, 1x8192 / 8x1024 /
+# 1x32768): with 4 warps for both and 32-wide K slices the prefill ran 1.06 / 1.18 / 4.20 ms; 2 warps for
+# the off-diagonal pass alone gave 0.95 / 1.06 / 3.74, 2 for the diagonal pass 1.03 / 1.14 / 4.09, 64-wide
+# slices 1.00 / 1.11 / 3.99 (bench/kda_prefill.py's variants time the neighbours of these defaults).
+_INTRA, _DIAG_WARPS, _INTER_WARPS, _INTER_BK = "split", 2, 2, 64
 
 
 def build_chunk_metadata(
