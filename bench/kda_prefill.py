@@ -32,19 +32,11 @@ ROUNDS = 10
 VARIANTS: dict[str, dict[str, object]] = {
     "ours_fused_intra": {"_INTRA": "fused"},
     "ours_split_output": {"_SPLIT_OUTPUT": True},
-    "ours_diag_warps_1": {"_DIAG_WARPS": 1},
     "ours_diag_warps_4": {"_DIAG_WARPS": 4},
-    "ours_inter_warps_1": {"_INTER_WARPS": 1},
     "ours_inter_warps_4": {"_INTER_WARPS": 4},
-    "ours_inter_bk_32": {"_INTER_BK": 32},
-    "ours_inter_bk_128": {"_INTER_BK": 128},
-    "ours_wu_warps_2": {"_WU_WARPS": 2},
-    "ours_wu_warps_8": {"_WU_WARPS": 8},
-    "ours_state_bv_16": {"_STATE_BV": 16},
+    "ours_wu_warps_4": {"_WU_WARPS": 4},
+    "ours_state_bv_32": {"_STATE_BV": 32},
     "ours_state_bv_64": {"_STATE_BV": 64},
-    "ours_state_warps_2": {"_STATE_WARPS": 2},
-    "ours_state_warps_8": {"_STATE_WARPS": 8},
-    "ours_state_stages_3": {"_STATE_STAGES": 3},
 }
 
 

@@ -21,8 +21,14 @@ _SUB = 16  # sub-chunk: the span over which one exp factor may grow (≤ e^{5·8
 # override them): W and U by a separate whole-chunk kernel with X through scratch (SPLIT_WU; False does
 # them per 16-row block inside the solve kernel), bf16 operands for the A/P and W/U products (fp32
 # accumulation; fp32 A/P operands run as tf32 and made the prefill 1.5x slower). The interpreter uses fp32.
-_GATE_BK, _GATE_WARPS, _INTRA_WARPS, _SOLVE_UNROLL, _STATE_BV, _STATE_WARPS = 32, 4, 4, False, 32, 4
-_SPLIT_WU, _WU_WARPS, _WU_DT, _AP_DT = True, 4, tl.bfloat16, tl.bfloat16
+_GATE_BK, _GATE_WARPS, _INTRA_WARPS, _SOLVE_UNROLL, _STATE_WARPS = 32, 4, 4, False, 4
+# W/U at 8 warps: 0.90 / 0.99 / 3.52 ms against 0.92 / 1.01 / 3.61 at 4 (H200, 2026-12-01, the shapes below).
+_SPLIT_WU, _WU_WARPS, _WU_DT, _AP_DT = True, 8, tl.bfloat16, tl.bfloat16
+# The state pass's V-block: None picks 64 when (sequences x heads x V/64) programs fill the SMs twice, else
+# 32. Each V-block program rereads the chunk's W, Q̃, K̄ and P, so wider blocks read less but leave SMs idle
+# when there are few sequences: on the H200 (2026-12-01) 64 ran 8x1024 in 0.89 ms against 1.01 at 32,
+# and 1x8192 in 0.95 against 0.92. An int forces that width.
+_STATE_BV: int | None = None
 _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop; None: Triton's default
 # SPLIT_OUTPUT: the sequential pass only carries the state (storing each chunk's entering state in
 # scratch["h"] and Δ over U), and a fully parallel pass per (chunk, head) computes O = Q̃·S_0 + P·Δ with the
@@ -384,6 +390,13 @@ def _gated_norm_kernel(
     tl.store(out + off, y.to(out.dtype.element_ty), mask=m)
 
 
+def _state_bv(N: int, H: int, V: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 32
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return 64 if N * H * max(V // 64, 1) >= 2 * sms else 32
+
+
 def _check(cond: bool, what: str) -> None:
     if not cond:
         raise ValueError(f"kernels.kda.prefill: {what}")
@@ -603,7 +616,7 @@ def prefill(
                 DT=tl.float32 if _INTERPRET else _WU_DT,
                 num_warps=_WU_WARPS,
             )
-    BV = min(V, _STATE_BV)
+    BV = min(V, _STATE_BV or _state_bv(N, H, V, q.device))
     if N > 0:
         _state_kernel[(N, H, V // BV)](
             scratch["gcum"],

@@ -119,6 +119,7 @@ VARIANTS = {
     "fused-intra": {"_INTRA": "fused"},
     "inter-k-slices-of-64": {"_INTER_BK": 64},
     "inter-k-slices-of-128": {"_INTER_BK": 128},
+    "state-v-blocks-of-64": {"_STATE_BV": 64},
 }
 
 
