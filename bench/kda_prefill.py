@@ -30,8 +30,6 @@ SHAPES = ((1, 8192), (8, 1024), (1, 32768))
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
 VARIANTS: dict[str, dict[str, object]] = {
-    "ours_fused_intra": {"_INTRA": "fused"},
-    "ours_split_output": {"_SPLIT_OUTPUT": True},
     "ours_diag_warps_4": {"_DIAG_WARPS": 4},
     "ours_inter_warps_4": {"_INTER_WARPS": 4},
     "ours_wu_warps_4": {"_WU_WARPS": 4},
@@ -116,8 +114,7 @@ def _inputs(nseq: int, seqlen: int) -> dict[str, torch.Tensor]:
 def _ours(x: dict[str, torch.Tensor]) -> Callable[[], None]:
     tot = x["q"].shape[0]
     scratch = {
-        m: torch.empty(s, dtype=d, device="cuda")
-        for m, (s, d) in prefill_scratch_specs(tot, H, K, V, max_chunks=x["idx"].shape[0]).items()
+        m: torch.empty(s, dtype=d, device="cuda") for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
     }
     names = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "z", "w", "pool", "cu", "slots", "has", "idx")
     args = [x[n] for n in names] + [x["offs"], x["nc"], x["out"]]

@@ -1,4 +1,5 @@
-"""Varlen chunked KDA prefill in Triton (KDA.md §4), its host-side chunk metadata, and the torch reference."""
+"""Varlen chunked KDA prefill in Triton (docs/KDA.md, chunked prefill): the gate, the intra-chunk launches of
+chunk_intra.py, the sequential state pass with the output and the gated norm; the host-side chunk metadata."""
 
 from __future__ import annotations
 
@@ -9,44 +10,34 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import diag_kernel, inter_solve_kernel
+from kernels.kda.chunk_intra import _chunk_bounds, diag_kernel, inter_solve_kernel, wu_kernel
 from kernels.kda.chunk_ref import chunk_reference
-from kernels.kda.chunk_solve import _chunk_bounds, intra_kernel, wu_kernel
 
 __all__ = ["build_chunk_metadata", "chunk_reference", "prefill", "prefill_scratch_specs"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _SUB = 16  # sub-chunk: the span over which one exp factor may grow (≤ e^{5·8} with the middle reference)
 # Launch shapes and operand types, measured best on an H200 (module constants so a tuning run can
-# override them): W and U by a separate whole-chunk kernel with X through scratch (SPLIT_WU; False does
-# them per 16-row block inside the solve kernel), bf16 operands for the A/P and W/U products (fp32
-# accumulation; fp32 A/P operands run as tf32 and made the prefill 1.5x slower). The interpreter uses fp32.
-_GATE_BK, _GATE_WARPS, _INTRA_WARPS, _SOLVE_UNROLL, _STATE_WARPS = 32, 4, 4, False, 4
+# override them): bf16 operands for the A/P and W/U products (fp32 accumulation; fp32 A/P operands run as
+# tf32 and made the prefill 1.5x slower). The interpreter uses fp32.
+_GATE_BK, _GATE_WARPS, _STATE_WARPS = 32, 4, 4
 # W/U at 8 warps: 0.90 / 0.99 / 3.52 ms against 0.92 / 1.01 / 3.61 at 4 (H200, 2026-12-01, the shapes below).
-_SPLIT_WU, _WU_WARPS, _WU_DT, _AP_DT = True, 8, tl.bfloat16, tl.bfloat16
+_WU_WARPS, _WU_DT, _AP_DT = 8, tl.bfloat16, tl.bfloat16
 # The state pass's V-block: None picks 64 when (sequences x heads x V/64) programs fill the SMs twice, else
 # 32. Each V-block program rereads the chunk's W, Q̃, K̄ and P, so wider blocks read less but leave SMs idle
-# when there are few sequences: on the H200 (2026-12-01) 64 ran 8x1024 in 0.89 ms against 1.01 at 32,
-# and 1x8192 in 0.95 against 0.92. An int forces that width.
+# when there are few sequences: on the H200 (2026-12-01) 64 ran 8x1024 in 0.87 ms against 0.99 at 32,
+# and 1x8192 in 0.93 against 0.89. An int forces that width.
 _STATE_BV: int | None = None
 _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop; None: Triton's default
-# SPLIT_OUTPUT: the sequential pass only carries the state (storing each chunk's entering state in
-# scratch["h"] and Δ over U), and a fully parallel pass per (chunk, head) computes O = Q̃·S_0 + P·Δ with the
-# gated RMSNorm fused (fla's chunk_fwd_h / chunk_fwd_o split). Needs scratch["h"] for every chunk (see
-# prefill_scratch_specs's max_chunks). Off: on the H200 (2026-12-01, graph-timed, H=32, K=V=128) it ran
-# 1.28 / 1.37 / 4.97 ms at 1x8192 / 8x1024 / 1x32768 against 1.17 / 1.26 / 4.57 ms with the output inside
-# the state pass: the state pass got only ~10% shorter and the output pass cost 165 µs at 1x8192.
-_SPLIT_OUTPUT, _OUT_WARPS = False, 8
-# INTRA: "split" computes the intra-chunk factors in two launches (kernels/kda/chunk_intra.py: a diagonal
-# pass per 16-row sub-chunk, then the off-diagonal blocks and the merged inverse per chunk in BK-wide K
-# slices); "fused" is the earlier one-program-per-(chunk, head) kernel (chunk_solve.intra_kernel), which
-# compiled for sm_90 needs 255 registers and a 648-byte stack per thread and ran 682 µs of the 1.19 ms
-# prefill at 1x8192 on the H200 (2026-12-01), against 321 µs for fla's two intra kernels.
-# Launch shapes of the split path, from a sweep on the H200 (2026-12-01, graph-timed, 1x8192 / 8x1024 /
-# 1x32768): with 4 warps for both and 32-wide K slices the prefill ran 1.06 / 1.18 / 4.20 ms; 2 warps for
-# the off-diagonal pass alone gave 0.95 / 1.06 / 3.74, 2 for the diagonal pass 1.03 / 1.14 / 4.09, 64-wide
-# slices 1.00 / 1.11 / 3.99 (bench/kda_prefill.py's variants time the neighbours of these defaults).
-_INTRA, _DIAG_WARPS, _INTER_WARPS, _INTER_BK = "split", 2, 2, 64
+# The intra-chunk factors in two launches (kernels/kda/chunk_intra.py): a diagonal pass per 16-row
+# sub-chunk, then the off-diagonal blocks and the merged inverse per chunk in INTER_BK-wide K slices. On
+# the H200 (2026-12-01, graph-timed, H=32, K=V=128, 1x8192 / 8x1024 / 1x32768) the prefill ran 0.89 /
+# 0.88 / 3.53 ms this way against 1.17 / 1.14 / 4.57 with the earlier one-program-per-(chunk, head)
+# kernel (255 registers and a 648-byte stack per thread on sm_90). At 4 warps instead of 2 the diagonal
+# pass cost 0.03 ms at 1x8192 and the off-diagonal pass 0.06; 32- and 128-wide slices ran within 2% of 64.
+# A state-only sequential pass followed by a parallel output pass (fla's chunk_fwd_h / chunk_fwd_o split)
+# ran 1.00 / 1.00 / 3.96 ms in the same run and was removed.
+_DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 
 
 def build_chunk_metadata(
@@ -86,16 +77,13 @@ def build_chunk_metadata(
 
 
 def prefill_scratch_specs(
-    max_tokens: int, H: int, K: int, V: int, chunk_size: int = 64, *, max_chunks: int | None = None
+    max_tokens: int, H: int, K: int, V: int, chunk_size: int = 64
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Scratch the prefill needs for up to `max_tokens` packed tokens: name -> (shape, dtype).
 
-    All but "h" are indexed by token row, so they serve any varlen split of the same token capacity.
-    With `max_chunks` (the chunk_indices capacity), "h" holds each chunk's entering state, which lets
-    the output be computed by a parallel pass after the sequential one (the faster path).
+    Every entry is indexed by token row, so it serves any varlen split of the same token capacity.
     """
-    h = {} if max_chunks is None else {"h": ((max_chunks, H, K, V), torch.bfloat16)}
-    return h | {
+    return {
         "gcum": ((max_tokens, H, K), torch.float32),  # Γ, within-chunk cumulative log decay
         "q_tilde": ((max_tokens, H, K), torch.bfloat16),  # q̂·exp(Γ)
         "k_bar": ((max_tokens, H, K), torch.bfloat16),  # k̂·exp(Γ_C − Γ)
@@ -190,102 +178,6 @@ def _chunk_step(
 
 
 @triton.jit
-def _carry_step(
-    S,
-    cc,
-    c0,
-    bos,
-    eos,
-    h,
-    d,
-    e,
-    r,
-    gcum,
-    k_bar,
-    w,
-    u,
-    hbuf,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    DT: tl.constexpr,
-):
-    """One chunk of the state-only pass: store S_0 (as the dots will use it) to h, Δ = U − W·S_0 over U,
-    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ."""
-    t0 = bos + cc * BT
-    n = tl.minimum(BT, eos - t0)
-    mr = (r < n)[:, None]
-    rows = (t0 + r) * H + h
-    offk = rows[:, None] * K + d[None, :]
-    offv = rows[:, None] * V + e[None, :]
-    Sb = S.to(DT)
-    tl.store(
-        hbuf + (((c0 + cc) * H + h) * K + d[:, None]).to(tl.int64) * V + e[None, :],
-        Sb.to(hbuf.dtype.element_ty),
-    )
-    wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
-    delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
-    db = delta.to(DT)
-    tl.store(u + offv, db.to(u.dtype.element_ty), mask=mr)
-    g_last = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
-    kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
-    return S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
-
-
-@triton.jit
-def _output_kernel(
-    q_tilde,
-    p,
-    u,
-    hbuf,
-    z,
-    weight,
-    out,
-    slots,
-    cu_seqlens,
-    chunk_indices,
-    n_chunks_ptr,
-    n_chunks,
-    eps,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    DEVICE_COUNT: tl.constexpr,
-    DT: tl.constexpr,
-):
-    """Per (chunk, head), all chunks at once: O = Q̃·S_0 + P·Δ, then out = RMSNorm(O)·weight·sigmoid(z).
-    A chunk of a sequence on the null slot outputs zero."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    if DEVICE_COUNT:
-        n_chunks = tl.load(n_chunks_ptr)
-    if c >= n_chunks:
-        return
-    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
-    slot = tl.load(slots + tl.load(chunk_indices + 2 * c))
-    r = tl.arange(0, BT)
-    d = tl.arange(0, K)
-    e = tl.arange(0, V)
-    mr = (r < n)[:, None]
-    rows = (t0 + r) * H + h
-    offv = rows[:, None] * V + e[None, :]
-    if slot == 0:
-        tl.store(out + offv, tl.zeros([BT, V], dtype=tl.float32).to(out.dtype.element_ty), mask=mr)
-        return
-    qc = tl.load(q_tilde + rows[:, None] * K + d[None, :], mask=mr, other=0.0).to(DT)
-    s0 = tl.load(hbuf + ((c * H + h) * K + d[:, None]).to(tl.int64) * V + e[None, :]).to(DT)
-    pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0).to(DT)
-    db = tl.load(u + offv, mask=mr, other=0.0).to(DT)
-    o = tl.dot(qc, s0) + tl.dot(pc, db)
-    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / V + eps)
-    zz = tl.load(z + offv, mask=mr, other=0.0).to(tl.float32)
-    y = o * rstd[:, None] * tl.load(weight + e).to(tl.float32)[None, :] * tl.sigmoid(zz)
-    tl.store(out + offv, y.to(out.dtype.element_ty), mask=mr)
-
-
-@triton.jit
 def _state_kernel(
     gcum,
     q_tilde,
@@ -294,7 +186,6 @@ def _state_kernel(
     u,
     p,
     out,
-    hbuf,
     state,
     cu_seqlens,
     chunk_offsets,
@@ -307,11 +198,9 @@ def _state_kernel(
     BV: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
     DT: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
-    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot.
-    With SPLIT, O is left to _output_kernel: each chunk's S goes to hbuf and Δ over U instead."""
+    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -325,8 +214,6 @@ def _state_kernel(
     d = tl.arange(0, K)
     e = vb * BV + tl.arange(0, BV)
     r = tl.arange(0, BT)
-    if slot == 0 and SPLIT:
-        return  # _output_kernel writes the zero output
     if slot == 0:
         # The null slot (KDA.md §2), as in the decode kernel and the torch prefill: output zero (the gated
         # norm keeps zero rows zero), state neither read nor written.
@@ -342,16 +229,7 @@ def _state_kernel(
     S = tl.zeros([K, BV], dtype=tl.float32)
     if tl.load(has_initial + i) != 0:
         S = tl.load(s_ptr)
-    if SPLIT:
-        if WHILE_LOOP:
-            cc = 0
-            while cc < nc:
-                S = _carry_step(S, cc, c0, bos, eos, h, d, e, r, gcum, k_bar, w, u, hbuf, H, K, V, BT, DT)
-                cc += 1
-        else:
-            for cc in range(nc):
-                S = _carry_step(S, cc, c0, bos, eos, h, d, e, r, gcum, k_bar, w, u, hbuf, H, K, V, BT, DT)
-    elif WHILE_LOOP:
+    if WHILE_LOOP:
         # The interpreter cannot index a range by a loaded scalar; compiled code keeps the for loop.
         cc = 0
         while cc < nc:
@@ -435,8 +313,7 @@ def prefill(
     chunk_indices capacity, surplus programs exit): the latter needs no host sync, so it captures.
     `scratch` is caller-owned (see `prefill_scratch_specs`); if None it is allocated here (eager only).
     Empty sequences read and write nothing; a sequence on slot 0 (the null slot) gets zero output and
-    touches no state. With scratch["h"] (the split path) the norm is applied to the fp32 core output;
-    otherwise the core output is rounded to bf16 in `out` before the norm.
+    touches no state. The core output is rounded to bf16 in `out` before the gated norm.
     """
     total, H, K = q.shape
     V = v.shape[-1]
@@ -478,18 +355,9 @@ def prefill(
         grid_chunks, n_ptr, n_host, dev = chunk_indices.shape[0], num_chunks, 0, True
     else:
         grid_chunks, n_ptr, n_host, dev = int(num_chunks), cu_seqlens, int(num_chunks), False
-    specs = prefill_scratch_specs(total, H, K, V, BT, max_chunks=grid_chunks if _SPLIT_OUTPUT else None)
+    specs = prefill_scratch_specs(total, H, K, V, BT)
     if scratch is None:
         scratch = {n: torch.empty(s, dtype=dt, device=q.device) for n, (s, dt) in specs.items()}
-    hbuf = scratch.get("h")
-    split = _SPLIT_OUTPUT and hbuf is not None
-    if split:
-        _check(
-            hbuf.dtype == torch.bfloat16 and hbuf.shape[1:] == (H, K, V) and hbuf.is_contiguous(),
-            f"scratch['h'] must be contiguous bfloat16 [max_chunks, {H}, {K}, {V}]",
-        )
-        split = hbuf.shape[0] >= grid_chunks  # too small for this launch: the output stays in the state pass
-    specs.pop("h", None)
     for n, (s, dt) in specs.items():
         t = scratch[n]
         _check(
@@ -519,103 +387,70 @@ def prefill(
             num_warps=_GATE_WARPS,
         )
         ap_dt = tl.float32 if _INTERPRET else _AP_DT
-        if _INTRA == "split":
-            diag_kernel[(grid_chunks, BT // _SUB, H)](
-                q,
-                k,
-                b,
-                scratch["gcum"],
-                scratch["q_tilde"],
-                scratch["k_bar"],
-                scratch["p"],
-                scratch["x"],
-                scratch["rn"],
-                cu_seqlens,
-                chunk_indices,
-                n_ptr,
-                n_host,
-                scale,
-                H=H,
-                K=K,
-                BT=BT,
-                BC=_SUB,
-                DEVICE_COUNT=dev,
-                DT=ap_dt,
-                num_warps=_DIAG_WARPS,
-            )
-            inter_solve_kernel[(grid_chunks, H)](
-                q,
-                k,
-                b,
-                scratch["gcum"],
-                scratch["p"],
-                scratch["x"],
-                scratch["rn"],
-                cu_seqlens,
-                chunk_indices,
-                n_ptr,
-                n_host,
-                H=H,
-                K=K,
-                BT=BT,
-                BC=_SUB,
-                BK=min(K, _INTER_BK),
-                DEVICE_COUNT=dev,
-                DT=ap_dt,
-                num_warps=_INTER_WARPS,
-            )
-        else:
-            intra_kernel[(grid_chunks, H)](
-                q,
-                k,
-                v,
-                b,
-                scratch["gcum"],
-                scratch["q_tilde"],
-                scratch["k_bar"],
-                scratch["w"],
-                scratch["u"],
-                scratch["p"],
-                scratch["x"],
-                cu_seqlens,
-                chunk_indices,
-                n_ptr,
-                n_host,
-                scale,
-                H=H,
-                K=K,
-                V=V,
-                BT=BT,
-                BC=_SUB,
-                DEVICE_COUNT=dev,
-                SOLVE_UNROLL=_SOLVE_UNROLL,
-                SOLVE_DOUBLING=False,
-                SPLIT_WU=_SPLIT_WU,
-                AP_DT=ap_dt,
-                STAGE=0,
-                num_warps=_INTRA_WARPS,
-            )
-        if _INTRA == "split" or _SPLIT_WU:
-            wu_kernel[(grid_chunks, H)](
-                k,
-                v,
-                b,
-                scratch["gcum"],
-                scratch["x"],
-                scratch["w"],
-                scratch["u"],
-                cu_seqlens,
-                chunk_indices,
-                n_ptr,
-                n_host,
-                H=H,
-                K=K,
-                V=V,
-                BT=BT,
-                DEVICE_COUNT=dev,
-                DT=tl.float32 if _INTERPRET else _WU_DT,
-                num_warps=_WU_WARPS,
-            )
+        diag_kernel[(grid_chunks, BT // _SUB, H)](
+            q,
+            k,
+            b,
+            scratch["gcum"],
+            scratch["q_tilde"],
+            scratch["k_bar"],
+            scratch["p"],
+            scratch["x"],
+            scratch["rn"],
+            cu_seqlens,
+            chunk_indices,
+            n_ptr,
+            n_host,
+            scale,
+            H=H,
+            K=K,
+            BT=BT,
+            BC=_SUB,
+            DEVICE_COUNT=dev,
+            DT=ap_dt,
+            num_warps=_DIAG_WARPS,
+        )
+        inter_solve_kernel[(grid_chunks, H)](
+            q,
+            k,
+            b,
+            scratch["gcum"],
+            scratch["p"],
+            scratch["x"],
+            scratch["rn"],
+            cu_seqlens,
+            chunk_indices,
+            n_ptr,
+            n_host,
+            H=H,
+            K=K,
+            BT=BT,
+            BC=_SUB,
+            BK=min(K, _INTER_BK),
+            DEVICE_COUNT=dev,
+            DT=ap_dt,
+            num_warps=_INTER_WARPS,
+        )
+        wu_kernel[(grid_chunks, H)](
+            k,
+            v,
+            b,
+            scratch["gcum"],
+            scratch["x"],
+            scratch["w"],
+            scratch["u"],
+            cu_seqlens,
+            chunk_indices,
+            n_ptr,
+            n_host,
+            H=H,
+            K=K,
+            V=V,
+            BT=BT,
+            DEVICE_COUNT=dev,
+            DT=tl.float32 if _INTERPRET else _WU_DT,
+            num_warps=_WU_WARPS,
+        )
     BV = min(V, _STATE_BV or _state_bv(N, H, V, q.device))
     if N > 0:
         _state_kernel[(N, H, V // BV)](
@@ -626,7 +461,6 @@ def prefill(
             scratch["u"],
             scratch["p"],
             out,
-            hbuf if split else out,
             state,
             cu_seqlens,
             chunk_offsets,
@@ -639,35 +473,9 @@ def prefill(
             BV=BV,
             WHILE_LOOP=_INTERPRET,
             DT=tl.float32 if _INTERPRET else tl.bfloat16,
-            SPLIT=split,
             num_warps=_STATE_WARPS,
             **({} if _STATE_STAGES is None else {"num_stages": _STATE_STAGES}),
         )
-    if split:
-        if grid_chunks > 0:
-            _output_kernel[(grid_chunks, H)](
-                scratch["q_tilde"],
-                scratch["p"],
-                scratch["u"],
-                hbuf,
-                z,
-                norm_weight,
-                out,
-                slots,
-                cu_seqlens,
-                chunk_indices,
-                n_ptr,
-                n_host,
-                norm_eps,
-                H=H,
-                K=K,
-                V=V,
-                BT=BT,
-                DEVICE_COUNT=dev,
-                DT=tl.float32 if _INTERPRET else tl.bfloat16,
-                num_warps=_OUT_WARPS,
-            )
-        return
     rows = 16
     _gated_norm_kernel[(triton.cdiv(total * H, rows),)](
         out,

@@ -1,7 +1,8 @@
 """The intra-chunk half of the KDA prefill (docs/KDA.md, chunked prefill) in two launches, the structure fla
 uses: a diagonal pass with one program per 16-row sub-chunk (its diagonal blocks of A and P, Q̃, K̄, the
 row norms, and the sub-chunk's own (I + A_ii)^{-1}), then one program per chunk for the off-diagonal
-blocks (K in BK-wide slices, so few registers) and the merged inverse X = (I + A)^{-1}.
+blocks (K in BK-wide slices, so few registers) and the merged inverse X = (I + A)^{-1}; a third launch
+applies it, W = X·Diag(β)·K̃ and U = X·Diag(β)·V, as whole-chunk products.
 
 Norms factor out of every product: A_rj = β_r·n_r·n_j·Σ_d k_r[d]·k_j[d]·e^{Γ_r[d]−Γ_j[d]} with n the
 inverse L2 norm of the raw key row, so the off-diagonal pass multiplies raw q and k and scales the 16×16
@@ -17,7 +18,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_solve import _chunk_bounds
+
+@triton.jit
+def _chunk_bounds(chunk_indices, cu_seqlens, c, BT: tl.constexpr):
+    seq = tl.load(chunk_indices + 2 * c)
+    cc = tl.load(chunk_indices + 2 * c + 1)
+    bos = tl.load(cu_seqlens + seq)
+    eos = tl.load(cu_seqlens + seq + 1)
+    t0 = bos + cc * BT
+    return t0, tl.minimum(BT, eos - t0)
 
 
 @triton.jit
@@ -267,3 +276,46 @@ def inter_solve_kernel(
                     _store_blk(x_inv, r3, m3, 0, x30, BT, BC)
                     _store_blk(x_inv, r3, m3, BC, x31, BT, BC)
                     _store_blk(x_inv, r3, m3, 2 * BC, x32, BT, BC)
+
+
+@triton.jit
+def wu_kernel(
+    k,
+    v,
+    b,
+    gcum,
+    x_inv,
+    w,
+    u,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    if DEVICE_COUNT:
+        n_chunks = tl.load(n_chunks_ptr)
+    if c >= n_chunks:
+        return
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
+    r = tl.arange(0, BT)
+    mr = (r < n)[:, None]
+    rows = (t0 + r) * H + h
+    x = tl.load(x_inv + rows[:, None] * BT + r[None, :], mask=mr & (r < n)[None, :], other=0.0).to(DT)
+    beta = tl.where(r < n, tl.sigmoid(tl.load(b + rows, mask=r < n, other=0.0).to(tl.float32)), 0.0)
+    offk = rows[:, None] * K + tl.arange(0, K)[None, :]
+    kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32)
+    kk = kk / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)[:, None]
+    kt = kk * tl.exp(tl.load(gcum + offk, mask=mr, other=0.0)) * beta[:, None]
+    tl.store(w + offk, tl.dot(x, kt.to(DT)).to(w.dtype.element_ty), mask=mr)
+    offv = rows[:, None] * V + tl.arange(0, V)[None, :]
+    vv = tl.load(v + offv, mask=mr, other=0.0).to(tl.float32) * beta[:, None]
+    tl.store(u + offv, tl.dot(x, vv.to(DT)).to(u.dtype.element_ty), mask=mr)

@@ -188,13 +188,8 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
 
 @pytest.mark.parametrize(
     "variant",
-    [
-        {"_SPLIT_OUTPUT": True},
-        {},
-        {"_INTRA": "fused"},
-        {"_INTER_BK": 16},
-    ],
-    ids=["parallel-output-pass", "output-in-state-pass", "fused-intra", "inter-k-slices-of-16"],
+    [{}, {"_INTER_BK": 16}, {"_INTER_WARPS": 4, "_DIAG_WARPS": 4}],
+    ids=["default", "inter-k-slices-of-16", "four-warps"],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
     # Lengths around the chunk size (and one past two chunks), decays near the bound e^-5 per step on
@@ -213,11 +208,6 @@ def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant,
     for slot in (1, 2, 3, 4):
         torch.testing.assert_close(pool[slot], states[slot], **STATE_TOL)
     assert torch.equal(pool[[0, 5]], pool0[[0, 5]])
-
-
-def test_prefill_scratch_holds_each_chunks_state_only_when_asked_for_max_chunks() -> None:
-    assert "h" not in prefill_scratch_specs(100, 2, 16, 32, 64)
-    assert prefill_scratch_specs(100, 2, 16, 32, 64, max_chunks=5)["h"] == ((5, 2, 16, 32), torch.bfloat16)
 
 
 def test_empty_padding_sequence_reads_and_writes_nothing() -> None:
@@ -246,6 +236,7 @@ def test_prefill_scratch_specs_cover_every_intermediate() -> None:
     assert specs["u"] == ((100, 2, 32), torch.bfloat16)
     assert specs["gcum"] == ((100, 2, 16), torch.float32)
     assert specs["p"] == ((100, 2, 64), torch.bfloat16)
+    assert specs["rn"] == ((100, 2, 2), torch.float32)
 
 
 def test_prefill_refuses_a_scratch_buffer_of_the_wrong_dtype() -> None:
@@ -304,16 +295,7 @@ def _intermediates_reference(q, k, v, g, beta, chunk: int):
     return back(Tm @ (kc * torch.exp(gam))), back(Tm @ vc), back(_decay_products(qc, kc, gam, 16))
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [{}, {"_INTRA": "fused"}],
-    ids=["split-intra", "fused-intra"],
-)
-def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys(variant, monkeypatch) -> None:
-    import kernels.kda.chunk as chunk
-
-    for name, value in variant.items():
-        monkeypatch.setattr(chunk, name, value)
+def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys() -> None:
     # Keys share a dominant direction, β is near 1 and the decay is slow, so (I + A) is far from the
     # identity in every 16x16 block, including the cross-sub-chunk ones the blockwise inverse assembles.
     T, H, K, V, C = 128, 2, 32, 16, 64

@@ -27,8 +27,7 @@ def _case(
     a_shift: float = 0.0,
 ):
     """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched).
-    variant: kernels.kda.chunk constants to set for this run (the prefill's alternative paths); scratch
-    holds every chunk's state (max_chunks) so the parallel-output path can run."""
+    variant: kernels.kda.chunk constants to set for this run (the prefill's launch shapes)."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(seed)
     cu = [0]
@@ -53,7 +52,7 @@ def _case(
     idx, offs = idx.to(dev), offs.to(dev)
     num_chunks = torch.tensor([n], dtype=torch.int32, device=dev) if device_count else n
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
-    specs = prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0])
+    specs = prefill_scratch_specs(tot, H, K, V)
     scratch = {m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in specs.items()}
     variant = variant or {}
     saved = {name: getattr(chunk, name) for name in variant}
@@ -115,8 +114,7 @@ def test_prefill_matches_chunk_reference_at_production_shapes(lens: list[int], h
 
 VARIANTS = {
     "default": {},
-    "parallel-output-pass": {"_SPLIT_OUTPUT": True},
-    "fused-intra": {"_INTRA": "fused"},
+    "four-warps-intra": {"_DIAG_WARPS": 4, "_INTER_WARPS": 4},
     "inter-k-slices-of-64": {"_INTER_BK": 64},
     "inter-k-slices-of-128": {"_INTER_BK": 128},
     "state-v-blocks-of-64": {"_STATE_BV": 64},
@@ -128,14 +126,6 @@ def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant:
     lens = [1, 63, 64, 65, 1000, 4097]
     has_init = [True, False, True, True, False, True]
     _case(lens, has_init, device_count=True, seed=13, null=(2,), variant=VARIANTS[variant], a_shift=6.0)
-
-
-def test_prefill_with_w_and_u_inside_the_solve_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The alternative launch shape (W, U per 16-row block in the solve kernel, no X scratch round trip).
-    import kernels.kda.chunk as chunk
-
-    monkeypatch.setattr(chunk, "_SPLIT_WU", not chunk._SPLIT_WU)
-    _case([1000, 17, 64, 300], [True, False, True, False], device_count=True, seed=5)
 
 
 def test_prefill_sequence_on_the_null_slot_outputs_zero_and_touches_no_state() -> None:
@@ -159,8 +149,7 @@ def test_prefill_replays_under_cuda_graph_capture() -> None:
     idx, offs, nc = idx.to(dev), offs.to(dev), torch.tensor([n], dtype=torch.int32, device=dev)
     slots, has = torch.tensor([1, 2], dtype=torch.int32, device=dev), torch.tensor([True, True], device=dev)
     scratch = {
-        m: torch.empty(s, dtype=d, device=dev)
-        for m, (s, d) in prefill_scratch_specs(tot, H, K, V, max_chunks=idx.shape[0]).items()
+        m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
     }
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
     args = (x["q"], x["k"], v, x["a"], b, A_log, dt_bias, z, w)
