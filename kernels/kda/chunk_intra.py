@@ -146,6 +146,13 @@ def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _cross(qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, K: tl.constexpr, DT: tl.constexpr):
+    """One K slice of A_ij and P_ij (unscaled) added to the accumulators a and p."""
+    kt = _ktile(k, gcum, rows_j, m_j, dk, gn, K, DT)
+    return tl.dot(ki, kt, a), tl.dot(qi, kt, p)
+
+
+@triton.jit
 def _store_blk(ptr, rows, m, col0: tl.constexpr, blk, BT: tl.constexpr, BC: tl.constexpr):
     tl.store(ptr + rows[:, None] * BT + (col0 + tl.arange(0, BC))[None, :], blk.to(ptr.dtype.element_ty),
              mask=m[:, None])  # fmt: skip
@@ -213,32 +220,20 @@ def inter_solve_kernel(
         dk = kb * BK + tl.arange(0, BK)
         gn1 = tl.load(gcum + ((t0 + BC) * H + h) * K + dk)
         q1, k1 = _qk_rows(q, k, gcum, r1, m1, dk, gn1, K, DT)
-        kt = _ktile(k, gcum, r0, m0, dk, gn1, K, DT)
-        a10 = tl.dot(k1, kt, a10)
-        p10 = tl.dot(q1, kt, p10)
+        a10, p10 = _cross(q1, k1, k, gcum, r0, m0, dk, gn1, a10, p10, K, DT)
         if NC >= 3:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if n > 2 * BC:
                 gn2 = tl.load(gcum + ((t0 + 2 * BC) * H + h) * K + dk)
                 q2, k2 = _qk_rows(q, k, gcum, r2, m2, dk, gn2, K, DT)
-                kt = _ktile(k, gcum, r0, m0, dk, gn2, K, DT)
-                a20 = tl.dot(k2, kt, a20)
-                p20 = tl.dot(q2, kt, p20)
-                kt = _ktile(k, gcum, r1, m1, dk, gn2, K, DT)
-                a21 = tl.dot(k2, kt, a21)
-                p21 = tl.dot(q2, kt, p21)
+                a20, p20 = _cross(q2, k2, k, gcum, r0, m0, dk, gn2, a20, p20, K, DT)
+                a21, p21 = _cross(q2, k2, k, gcum, r1, m1, dk, gn2, a21, p21, K, DT)
         if NC >= 4:  # noqa: SIM102
             if n > 3 * BC:
                 gn3 = tl.load(gcum + ((t0 + 3 * BC) * H + h) * K + dk)
                 q3, k3 = _qk_rows(q, k, gcum, r3, m3, dk, gn3, K, DT)
-                kt = _ktile(k, gcum, r0, m0, dk, gn3, K, DT)
-                a30 = tl.dot(k3, kt, a30)
-                p30 = tl.dot(q3, kt, p30)
-                kt = _ktile(k, gcum, r1, m1, dk, gn3, K, DT)
-                a31 = tl.dot(k3, kt, a31)
-                p31 = tl.dot(q3, kt, p31)
-                kt = _ktile(k, gcum, r2, m2, dk, gn3, K, DT)
-                a32 = tl.dot(k3, kt, a32)
-                p32 = tl.dot(q3, kt, p32)
+                a30, p30 = _cross(q3, k3, k, gcum, r0, m0, dk, gn3, a30, p30, K, DT)
+                a31, p31 = _cross(q3, k3, k, gcum, r1, m1, dk, gn3, a31, p31, K, DT)
+                a32, p32 = _cross(q3, k3, k, gcum, r2, m2, dk, gn3, a32, p32, K, DT)
     # Norms and β: A_ij ·= β_i·nk_i·nk_jᵀ, P_ij ·= nq_i·nk_jᵀ (nq carries the scale).
     nk0 = tl.load(rn + r0 * 2, mask=m0, other=0.0)
     bk1, nk1, nq1 = _beta_nk(b, rn, r1, m1)
