@@ -34,7 +34,7 @@ _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop;
 # the H200 (2026-12-01, graph-timed, H=32, K=V=128, 1x8192 / 8x1024 / 1x32768) the prefill ran 0.89 /
 # 0.88 / 3.53 ms this way against 1.17 / 1.14 / 4.57 with the earlier one-program-per-(chunk, head)
 # kernel (255 registers and a 648-byte stack per thread on sm_90). At 4 warps instead of 2 the diagonal
-# pass cost 0.03 ms at 1x8192 and the off-diagonal pass 0.06; 32- and 128-wide slices ran within 2% of 64.
+# pass cost 0.03 ms more at 1x8192, the off-diagonal 0.06 more; 32- and 128-wide slices ran within 2% of 64.
 # A state-only sequential pass followed by a parallel output pass (fla's chunk_fwd_h / chunk_fwd_o split)
 # ran 1.00 / 1.00 / 3.96 ms in the same run and was removed.
 _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
