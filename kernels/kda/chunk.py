@@ -116,11 +116,9 @@ def _gate_kernel(
     c = tl.program_id(0)
     h = tl.program_id(1)
     kb = tl.program_id(2)
-    if DEVICE_COUNT:
-        n_chunks = tl.load(n_chunks_ptr)
-    if c >= n_chunks:
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
+    if n <= 0:
         return
-    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
     r = tl.arange(0, BT)
     d = kb * BK + tl.arange(0, BK)
     m = (r < n)[:, None]
@@ -355,6 +353,7 @@ def prefill(
         grid_chunks, n_ptr, n_host, dev = chunk_indices.shape[0], num_chunks, 0, True
     else:
         grid_chunks, n_ptr, n_host, dev = int(num_chunks), cu_seqlens, int(num_chunks), False
+    chunks = (cu_seqlens, chunk_indices, n_ptr, n_host)  # which chunk each program of a chunk grid serves
     specs = prefill_scratch_specs(total, H, K, V, BT)
     if scratch is None:
         scratch = {n: torch.empty(s, dtype=dt, device=q.device) for n, (s, dt) in specs.items()}
@@ -374,10 +373,7 @@ def prefill(
             A_log,
             dt_bias,
             scratch["gcum"],
-            cu_seqlens,
-            chunk_indices,
-            n_ptr,
-            n_host,
+            *chunks,
             lower_bound,
             H=H,
             K=K,
@@ -397,10 +393,7 @@ def prefill(
             scratch["p"],
             scratch["x"],
             scratch["rn"],
-            cu_seqlens,
-            chunk_indices,
-            n_ptr,
-            n_host,
+            *chunks,
             scale,
             H=H,
             K=K,
@@ -418,10 +411,7 @@ def prefill(
             scratch["p"],
             scratch["x"],
             scratch["rn"],
-            cu_seqlens,
-            chunk_indices,
-            n_ptr,
-            n_host,
+            *chunks,
             H=H,
             K=K,
             BT=BT,
@@ -439,10 +429,7 @@ def prefill(
             scratch["x"],
             scratch["w"],
             scratch["u"],
-            cu_seqlens,
-            chunk_indices,
-            n_ptr,
-            n_host,
+            *chunks,
             H=H,
             K=K,
             V=V,

@@ -20,13 +20,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk_bounds(chunk_indices, cu_seqlens, c, BT: tl.constexpr):
-    seq = tl.load(chunk_indices + 2 * c)
-    cc = tl.load(chunk_indices + 2 * c + 1)
+def _chunk_bounds(
+    chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT: tl.constexpr, DEVICE_COUNT: tl.constexpr
+):
+    """First token row and row count of chunk c; 0 rows for a program past the chunk count (the count is
+    read from n_chunks_ptr when DEVICE_COUNT, so one captured grid serves any count)."""
+    if DEVICE_COUNT:
+        n_chunks = tl.load(n_chunks_ptr)
+    live = c < n_chunks
+    seq = tl.load(chunk_indices + 2 * c, mask=live, other=0)
+    cc = tl.load(chunk_indices + 2 * c + 1, mask=live, other=0)
     bos = tl.load(cu_seqlens + seq)
     eos = tl.load(cu_seqlens + seq + 1)
     t0 = bos + cc * BT
-    return t0, tl.minimum(BT, eos - t0)
+    return t0, tl.where(live, tl.minimum(BT, eos - t0), 0)
 
 
 @triton.jit
@@ -58,13 +65,9 @@ def diag_kernel(
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
-    if DEVICE_COUNT:
-        n_chunks = tl.load(n_chunks_ptr)
-    if c >= n_chunks:
-        return
-    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
     if i * BC >= n:
-        return
+        return  # past the chunk's end, or past the chunk count
     ci = tl.arange(0, BC)
     rb = i * BC + ci
     mb = rb < n
@@ -198,14 +201,10 @@ def inter_solve_kernel(
     X left of the diagonal, X_ij = −D_i·Σ_{j≤m<i} A_im·X_mj, from the diagonal inverses D_i in x."""
     c = tl.program_id(0)
     h = tl.program_id(1)
-    if DEVICE_COUNT:
-        n_chunks = tl.load(n_chunks_ptr)
-    if c >= n_chunks:
-        return
-    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
     NC: tl.constexpr = BT // BC
     if n <= BC:
-        return  # one sub-chunk: nothing off the diagonal
+        return  # one sub-chunk, or none (past the chunk count): nothing off the diagonal
     r0, m0 = _rows(t0, n, h, 0, H, BC)
     r1, m1 = _rows(t0, n, h, 1, H, BC)
     z = tl.zeros([BC, BC], dtype=tl.float32)
@@ -296,11 +295,9 @@ def wu_kernel(
     """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products."""
     c = tl.program_id(0)
     h = tl.program_id(1)
-    if DEVICE_COUNT:
-        n_chunks = tl.load(n_chunks_ptr)
-    if c >= n_chunks:
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
+    if n <= 0:
         return
-    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, BT)
     r = tl.arange(0, BT)
     mr = (r < n)[:, None]
     rows = (t0 + r) * H + h
