@@ -83,6 +83,32 @@ def check(summary_or_predicate: dict[str, Any], name: str) -> dict[str, Any]:
     return next(c for c in summary_or_predicate["checks"] if c["name"] == name)
 
 
+@pytest.fixture
+def empty_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A QUALIFY_HOME that does not exist yet (and no QUALIFY_DB_URL), for runs that must write nothing."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("QUALIFY_HOME", str(h))
+    monkeypatch.delenv("QUALIFY_DB_URL", raising=False)
+    return h
+
+
+def refused(args: list[str], home: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """`qualify run ARGS` in-process is bad input: exit 2, one `error: ` line on stderr, nothing on stdout,
+    nothing under `home`. Returns that line."""
+    from qualify.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", *args])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert out == ""
+    # Nothing written: no data dir, so no store file, no key, no run directory.
+    assert not home.exists() or not any(home.rglob("*")), sorted(home.rglob("*"))
+    return lines[0]
+
+
 # ---------------------------------------------------------------- docker
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qualify.cli import main
+from tests.harness.conftest import refused
 
 CASES = [
     ["--layout", "2304,,9216"],
@@ -37,31 +37,16 @@ CASES = [
 
 @pytest.mark.parametrize("args", CASES, ids=lambda a: " ".join(a) or "empty")
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
-    args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    args: list[str], empty_home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    home = tmp_path / "home"
-    monkeypatch.setenv("QUALIFY_HOME", str(home))
-    monkeypatch.delenv("QUALIFY_DB_URL", raising=False)
-    with pytest.raises(SystemExit) as exit_:
-        main(["run", *args])
-    out, err = capsys.readouterr()
-    assert exit_.value.code == 2, (out, err)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert out == ""
-    # Nothing written: no data dir, so no store file, no key, no run directory.
-    assert not home.exists() or not any(home.rglob("*")), sorted(home.rglob("*"))
+    refused(args, empty_home, capsys)
 
 
 @pytest.mark.parametrize(
     ("content", "mode"), [(b"not a key\n", 0o600), (None, 0o644)], ids=["garbage", "0644"]
 )
 def test_an_unusable_key_file_exits_2_before_the_store_is_created(
-    content: bytes | None,
-    mode: int,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    content: bytes | None, mode: int, tmp_path: Path, empty_home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from receipts import keys
 
@@ -71,12 +56,4 @@ def test_an_unusable_key_file_exits_2_before_the_store_is_created(
     else:
         key.write_bytes(content)
     key.chmod(mode)
-    home = tmp_path / "home"
-    monkeypatch.setenv("QUALIFY_HOME", str(home))
-    monkeypatch.delenv("QUALIFY_DB_URL", raising=False)
-    with pytest.raises(SystemExit) as exit_:
-        main(["run", "--key", str(key)])
-    _, err = capsys.readouterr()
-    assert exit_.value.code == 2, err
-    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1
-    assert not home.exists() or not any(home.rglob("*")), sorted(home.rglob("*"))
+    refused(["--key", str(key)], empty_home, capsys)

@@ -8,55 +8,36 @@ from pathlib import Path
 
 import pytest
 
-from qualify.cli import main
 from qualify.commands.run import host_has_cuda_gpu
 from qualify.run.pipeline import make_launcher
 from qualify.run.request import MAX_SPAN, RunRequest
+from tests.harness.conftest import refused
 
 CPU_HOST = not host_has_cuda_gpu()
 
 
-def _refused(args: list[str], home: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        main(["run", *args])
-    out, err = capsys.readouterr()
-    assert exit_.value.code == 2, (out, err)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert not home.exists() or not any(home.rglob("*")), sorted(home.rglob("*"))
-    return lines[0]
-
-
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    h = tmp_path / "home"
-    monkeypatch.setenv("QUALIFY_HOME", str(h))
-    monkeypatch.delenv("QUALIFY_DB_URL", raising=False)
-    return h
-
-
 @pytest.mark.parametrize("span", ["99999999999999999999999999", str(MAX_SPAN + 1)])
-def test_a_span_beyond_any_engine_is_bad_input(span: str, home: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    line = _refused(["--layout", f"2304,{span}"], home, capsys)
+def test_a_span_beyond_any_engine_is_bad_input(span: str, empty_home: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    line = refused(["--layout", f"2304,{span}"], empty_home, capsys)
     assert "span 2" in line and str(MAX_SPAN) in line and len(line) < 200
 
 
 @pytest.mark.skipif(not CPU_HOST, reason="the CPU target is what is refused")
-def test_b12x_on_a_cpu_target_is_refused_before_boot(home: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    assert "b12x needs a CUDA GPU" in _refused(["--kda-backend", "b12x"], home, capsys)
+def test_b12x_on_a_cpu_target_is_refused_before_boot(empty_home: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert "b12x needs a CUDA GPU" in refused(["--kda-backend", "b12x"], empty_home, capsys)
 
 
 @pytest.mark.skipif(not CPU_HOST, reason="the CPU target is what is refused")
 def test_triton_on_a_cpu_target_without_the_interpreter_is_refused_before_boot(
-    home: Path, capsys, monkeypatch: pytest.MonkeyPatch
+    empty_home: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "TRITON_INTERPRET" in _refused(["--kda-backend", "triton"], home, capsys)
+    assert "TRITON_INTERPRET" in refused(["--kda-backend", "triton"], empty_home, capsys)
 
 
 @pytest.mark.skipif(not CPU_HOST, reason="a GPU host applies --gpus")
-def test_local_gpus_on_a_host_without_a_gpu_is_refused(home: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    assert "no CUDA GPU" in _refused(["--gpus", "0"], home, capsys)
+def test_local_gpus_on_a_host_without_a_gpu_is_refused(empty_home: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert "no CUDA GPU" in refused(["--gpus", "0"], empty_home, capsys)
 
 
 @pytest.mark.slow
