@@ -19,7 +19,7 @@ from qualify.checks.base import (
     observed,
 )
 from qualify.client import EngineClient
-from qualify.launch.base import EngineOptions
+from qualify.launch.base import EngineOptions, proc_stat
 from qualify.protocol import CompletionRequest, ReloadRequest
 
 REFERENCE_BOOT_S = 300.0
@@ -27,11 +27,10 @@ REFERENCE_BOOT_S = 300.0
 
 def proc_state(pid: int) -> tuple[str, int] | None:
     """(state, parent pid) of a process on this host, read from /proc by the harness; None if gone."""
+    fields = proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[1])
-    except (FileNotFoundError, IndexError, ValueError, PermissionError):
+        return (fields[0], int(fields[1])) if fields else None
+    except (IndexError, ValueError):
         return None
 
 

@@ -38,12 +38,19 @@ def describe_exit(code: int | None) -> str | None:
     return f"killed by signal {sig}{name}"
 
 
-def _proc_start_ticks(pid: int) -> str | None:
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, parent pid, ...); None if it is gone."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
+        with open(f"/proc/{pid}/stat") as f:
+            _, paren, rest = f.read().rpartition(")")
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22, starttime, after the command name
+    return rest.split() if paren else None
+
+
+def _proc_start_ticks(pid: int) -> str | None:
+    fields = proc_stat(pid)
+    return fields[19] if fields else None  # field 22, starttime
 
 
 def _boot_id() -> str:
