@@ -427,6 +427,7 @@ def prefill(
             b,
             scratch["gcum"],
             scratch["x"],
+            scratch["rn"],
             scratch["w"],
             scratch["u"],
             *chunks,

@@ -10,7 +10,8 @@ results by the norms the diagonal pass stored; it never holds a K-wide normalise
 
 Scratch rows are token rows (the chunk's rows only: rows past the chunk's end belong to the next one):
 p [total, H, BT] gets P (bf16, zeros right of the diagonal), x [total, H, BT] gets X (fp32, zeros right
-of the diagonal; wu_kernel applies it), rn [total, H, 2] the inverse norms of k and q (q's with the scale).
+of the diagonal; wu_kernel applies it), rn [total, H, 2] the inverse norms of k and q (q's with the scale),
+which the later passes read instead of normalising again.
 """
 
 from __future__ import annotations
@@ -279,6 +280,7 @@ def wu_kernel(
     b,
     gcum,
     x_inv,
+    rn,
     w,
     u,
     cu_seqlens,
@@ -292,7 +294,8 @@ def wu_kernel(
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products."""
+    """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products, k normalised by
+    the inverse norms the diagonal pass stored in rn."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
@@ -304,8 +307,8 @@ def wu_kernel(
     x = tl.load(x_inv + rows[:, None] * BT + r[None, :], mask=mr & (r < n)[None, :], other=0.0).to(DT)
     beta = tl.where(r < n, tl.sigmoid(tl.load(b + rows, mask=r < n, other=0.0).to(tl.float32)), 0.0)
     offk = rows[:, None] * K + tl.arange(0, K)[None, :]
-    kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32)
-    kk = kk / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)[:, None]
+    nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
+    kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
     kt = kk * tl.exp(tl.load(gcum + offk, mask=mr, other=0.0)) * beta[:, None]
     tl.store(w + offk, tl.dot(x, kt.to(DT)).to(w.dtype.element_ty), mask=mr)
     offv = rows[:, None] * V + tl.arange(0, V)[None, :]
