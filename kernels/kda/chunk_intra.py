@@ -38,6 +38,12 @@ def _chunk_bounds(
 
 
 @triton.jit
+def _beta(b, rows, m):
+    """β = sigmoid(b) for the given token rows, zero where m is false."""
+    return tl.where(m, tl.sigmoid(tl.load(b + rows, mask=m, other=0.0).to(tl.float32)), 0.0)
+
+
+@triton.jit
 def diag_kernel(
     q,
     k,
@@ -87,7 +93,7 @@ def diag_kernel(
     g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
     tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
     tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
-    beta = tl.where(mb, tl.sigmoid(tl.load(b + rows, mask=mb, other=0.0).to(tl.float32)), 0.0)
+    beta = _beta(b, rows, mb)
     g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
     rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
     cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
@@ -173,7 +179,7 @@ def _beta_nk(b, rn, rows, m):
     """β·nk for the rows of a sub-chunk (zero past the chunk), and nk and nq."""
     nk = tl.load(rn + rows * 2, mask=m, other=0.0)
     nq = tl.load(rn + rows * 2 + 1, mask=m, other=0.0)
-    return tl.where(m, tl.sigmoid(tl.load(b + rows, mask=m, other=0.0).to(tl.float32)), 0.0) * nk, nk, nq
+    return _beta(b, rows, m) * nk, nk, nq
 
 
 @triton.jit
@@ -305,7 +311,7 @@ def wu_kernel(
     mr = (r < n)[:, None]
     rows = (t0 + r) * H + h
     x = tl.load(x_inv + rows[:, None] * BT + r[None, :], mask=mr & (r < n)[None, :], other=0.0).to(DT)
-    beta = tl.where(r < n, tl.sigmoid(tl.load(b + rows, mask=r < n, other=0.0).to(tl.float32)), 0.0)
+    beta = _beta(b, rows, r < n)
     offk = rows[:, None] * K + tl.arange(0, K)[None, :]
     nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
     kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
