@@ -111,7 +111,9 @@ def copy_bandwidth(sizes_mib: tuple[int, ...] = (256, 1024)) -> dict[str, object
     return result
 
 
-def kernel_breakdown(fn: Callable[[], object], *, calls: int = 5, top: int = 12) -> list[dict[str, object]]:
+def kernel_breakdown(
+    fn: Callable[[], object], *, calls: int = 5, top: int | None = 12
+) -> list[dict[str, object]]:
     """GPU time per kernel name for one call of fn (profiler, mean over `calls` calls), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -132,3 +134,11 @@ def kernel_breakdown(fn: Callable[[], object], *, calls: int = 5, top: int = 12)
         for name, (us, n) in totals.items()
     ]
     return sorted(rows, key=lambda r: -r["us_per_call"])[:top]
+
+
+def launch_totals(rows: list[dict[str, object]]) -> dict[str, float]:
+    """Kernel launches and summed kernel time per call over every row of an untruncated breakdown."""
+    return {
+        "launches_per_call": round(sum(r["launches_per_call"] for r in rows), 1),
+        "kernel_us_per_call": round(sum(r["us_per_call"] for r in rows), 2),
+    }

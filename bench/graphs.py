@@ -23,7 +23,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench._common import write_result  # noqa: E402
-from bench._gpu import copy_bandwidth, events_us, kernel_breakdown, warm_up_clocks  # noqa: E402
+from bench._gpu import copy_bandwidth, events_us, kernel_breakdown, launch_totals, warm_up_clocks  # noqa: E402
 
 NUM_SPEC = 3
 GEN_TOKENS = 64
@@ -122,6 +122,7 @@ def roofline(engine, copy: dict, steps: int) -> dict:
         torch.cuda.synchronize()
         step_us = events_us(replay, steps)
         need = step_bytes(engine, len(prompt) + 1)
+        kernels = kernel_breakdown(replay, calls=5, top=None)
         ceiling = copy["max"]
         return {
             "bytes": need,
@@ -131,7 +132,8 @@ def roofline(engine, copy: dict, steps: int) -> dict:
             "read_TBps": round(need["total"] / (step_us * 1e-6) / 1e12, 3),
             "fraction_of_copy_bandwidth": round(need["total"] / (step_us * 1e-6) / 1e12 / ceiling, 3),
             "floor_us_at_copy_bandwidth": round(need["total"] / (ceiling * 1e12) * 1e6, 2),
-            "kernels": kernel_breakdown(replay, calls=5, top=20),
+            **launch_totals(kernels),
+            "kernels": kernels[:30],
         }
     finally:
         for q in reqs:
