@@ -30,12 +30,13 @@ GEN_TOKENS = 64
 EPSILON = 0.05  # the harness's coherence epsilon for bf16 logits
 
 
-def _engine(preset: str, **fields):
+def _engine(preset: str, fused: bool = True, **fields):
     from qualify.engine.config import EngineConfig
     from qualify.engine.engine import Engine
     from qualify.engine.graphs import capture_engine
 
     e = Engine(EngineConfig(preset=preset, device="cuda", **fields))
+    e.model.set_fused(fused)  # the engine's default on CUDA; False: the torch glue, for comparison
     return e, capture_engine(e)
 
 
@@ -125,6 +126,7 @@ def roofline(engine, copy: dict, steps: int) -> dict:
         kernels = kernel_breakdown(replay, calls=5, top=None)
         ceiling = copy["max"]
         return {
+            "glue": engine.model.glue,
             "bytes": need,
             "replay_us": round(step_us, 2),
             "replay_definition": f"{steps} replays back to back (staging once before), GPU events / {steps}",
@@ -193,6 +195,19 @@ def main() -> None:
     result["target_replay_speedup_at_batch_1"] = 3.0
     result["target_met"] = result["step_latency"]["1"]["speedup"] >= 3.0
     result["roofline_batch_1"] = roofline(plain, result["copy_TBps"], args.steps)
+    # The same step with the decode glue as eager torch ops (the reference the fused kernels replace),
+    # captured and timed in this run.
+    unfused, unfused_cap = _engine(args.preset, fused=False)
+    try:
+        if unfused_cap["captured"]:
+            base = roofline(unfused, result["copy_TBps"], args.steps)
+            base["kernels"] = base["kernels"][:10]
+            result["roofline_batch_1_torch_glue"] = base
+            result["fused_glue_step_speedup"] = round(
+                base["replay_us"] / result["roofline_batch_1"]["replay_us"], 3
+            )
+    finally:
+        unfused.close()
 
     spec, spec_cap = _engine(args.preset, num_spec=NUM_SPEC)
     result["spec_backend"] = spec.resolution.name

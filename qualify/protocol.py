@@ -71,6 +71,7 @@ class BackendInfo(_Reply):
     resolved: str
     reason: str
     prefill_path: str
+    glue: str | None = None  # the decode step's glue ops: "triton fused" or "torch" (None: not said)
 
 
 class KvGroupInfo(_Reply):

@@ -67,6 +67,7 @@ def run(ctx: Context) -> Outcome:
         "resolved": b.resolved,
         "reason": b.reason,
         "prefill_path": b.prefill_path,
+        "glue": b.glue,
         "probe": {
             "backend": probe.backend,
             "device_type": probe.device_type,

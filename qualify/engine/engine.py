@@ -82,6 +82,9 @@ class Engine:
             self.allocations.append(allocate_group(g, cfg, self.device))
         self.arena = build_arena(cfg, self.device)
         self.model = HybridModel(cfg, self.device)
+        # The decode step's glue (norms, activation, conv, RoPE + K/V write, attention) runs as Triton
+        # kernels on CUDA (kernels/fused.py); CPU engines keep the torch reference ops.
+        self.model.set_fused(self.device.type == "cuda")
         self.kda_rt = KdaRuntime.build(self.backend, cfg, self.arena, self.device)
         self.attn_rt = AttentionRuntime(cfg, self.device, self.dcp)
         for alloc in self.allocations:
@@ -198,6 +201,7 @@ class Engine:
                 "prefill_path": "torch chunk reference"
                 if self.backend.name == "torch"
                 else "triton chunked prefill",
+                "glue": self.model.glue,
             },
             "layout": {
                 "spans": self.layout.spans,

@@ -27,6 +27,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, ctx, decode: bool) -> Tensor:
         h = self.input_norm(x)
         h = self.mixer.forward_decode(h, ctx) if decode else self.mixer.forward_prefill(h, ctx)
+        if self.post_norm.fused:  # the residual add and the norm in one kernel
+            x, h = self.post_norm.add(x, h)
+            return x + self.mlp(h)
         x = x + h
         return x + self.mlp(self.post_norm(x))
 
@@ -80,6 +83,16 @@ class HybridModel(nn.Module):
     def draft_logits(self, hidden: Tensor, next_ids: Tensor) -> Tensor:
         """MTP: logits for the token after `next_ids`, from the target's hidden state at that position."""
         return self.lm_head(self.mtp(hidden, self.embed(next_ids))).float()
+
+    def set_fused(self, fused: bool) -> None:
+        """Decode-step glue through kernels.fused (CUDA engines) or eager torch ops (the reference)."""
+        for m in self.modules():
+            if hasattr(m, "fused"):
+                m.fused = fused
+
+    @property
+    def glue(self) -> str:
+        return "triton fused" if self.norm.fused else "torch"
 
     def refresh_derived(self) -> None:
         """Hook for tensors derived from weights after an in-place reload. This model keeps none: RoPE

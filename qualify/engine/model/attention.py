@@ -131,6 +131,7 @@ class AttentionLayer(nn.Module):
         self.qkv_proj = Linear(shape.hidden, (self.hq + 2 * self.kvh) * self.d, dtype=dtype, device=device)
         self.o_proj = Linear(self.hq * self.d, shape.hidden, dtype=dtype, device=device)
         self.rt = None  # AttentionRuntime, attached once the KV allocation exists
+        self.fused = False  # decode through kernels.fused (set by HybridModel.set_fused); folded DCP only
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
 
@@ -175,7 +176,45 @@ class AttentionLayer(nn.Module):
         key_mask = rows_to_key_mask(rows_out, rt.kpos, rt.pool, rt.num_groups, R, Tq)
         return folded_attention(q, qpos, kc, vc, rt.kpos, seq_lens, key_mask, rt.gather_partials)
 
+    def _decode_fused(self, x: Tensor, ctx) -> Tensor:
+        """forward_decode in four launches around the projections: RoPE + paged K/V write, key pooling
+        from the paged cache, the torch top-k selection, and the selected-rows attention."""
+        from kernels.fused import attention_decode, pool_keys_paged, rope_write_kv
+
+        rt, n, T = self.rt, ctx.n, ctx.T
+        geo = rt.geometry
+        q = rope_write_kv(
+            self.qkv_proj(x),
+            ctx.positions,
+            rt.cos,
+            rt.sin,
+            ctx.block_tables,
+            T,
+            self.k_cache,
+            self.v_cache,
+            geo,
+            self.hq,
+        )
+        pooled = pool_keys_paged(self.k_cache, ctx.block_tables, ctx.seq_lens, geo, rt.pool, rt.num_groups)
+        select_rows(q.view(n, T, self.hq, self.d), ctx.positions.view(n, T), pooled, rt.pool, rt.topk,
+                    ctx.selector_rows)  # fmt: skip
+        o = attention_decode(
+            q,
+            ctx.positions,
+            self.k_cache,
+            self.v_cache,
+            ctx.block_tables,
+            ctx.seq_lens,
+            ctx.selector_rows,
+            geo,
+            rt.pool,
+            rt.num_groups,
+        )
+        return self.o_proj(o.view(n * T, self.hq * self.d))
+
     def forward_decode(self, x: Tensor, ctx) -> Tensor:
+        if self.fused and self.rt.geometry.rank is None:
+            return self._decode_fused(x, ctx)
         n, T = ctx.n, ctx.T
         q, k, v = self._project(x, ctx.positions)
         rows = ctx.block_tables[:, None, :].expand(n, T, ctx.block_tables.shape[1]).reshape(n * T, -1)

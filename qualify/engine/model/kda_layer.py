@@ -121,6 +121,7 @@ class KdaLayer(nn.Module):
         self.o_norm_weight = param(K, dtype=torch.float32, device=device)
         self.out_proj = Linear(H * K, shape.hidden, dtype=dtype, device=device)
         self.rt: KdaRuntime | None = None
+        self.fused = False  # decode conv through kernels.fused.conv_decode (set by HybridModel.set_fused)
         self.state: Tensor | None = None  # fp32 [slots, H, V, K], a view of the group allocation
         self.conv_state: Tensor | None = None  # [slots, conv_dim, W-1]
 
@@ -159,12 +160,30 @@ class KdaLayer(nn.Module):
     def forward_decode(self, x: Tensor, ctx) -> Tensor:
         rt, H, K = self.rt, self.H, self.K
         rows = ctx.n * ctx.T
-        qkv, b, f_a, g_a = self._split(x)
         ws = rt.ws
-        ws.mixed_qkv[:rows].copy_(self._conv_decode(qkv.view(ctx.n, ctx.T, self.conv_dim), ctx))
-        ws.a[:rows].copy_(self.f_b(f_a).view(rows, H, K))
-        ws.b[:rows].copy_(b)
-        ws.z[:rows].copy_(self.g_b(g_a).view(rows, H, K))
+        if self.fused:
+            from kernels.fused import conv_decode
+
+            proj = self.in_proj(x)  # [rows, C + H + 2K]: conv channels, b, f_a, g_a
+            C = self.conv_dim
+            conv_decode(
+                proj,
+                self.conv_state,
+                self.conv_weight,
+                ctx.state_slots,
+                ctx.num_accepted,
+                ws.mixed_qkv[:rows],
+                ws.b[:rows],
+                ctx.T,
+            )
+            torch.mm(proj[:, C + H : C + H + K], self.f_b.weight.t(), out=ws.a[:rows].view(rows, H * K))
+            torch.mm(proj[:, C + H + K :], self.g_b.weight.t(), out=ws.z[:rows].view(rows, H * K))
+        else:
+            qkv, b, f_a, g_a = self._split(x)
+            ws.mixed_qkv[:rows].copy_(self._conv_decode(qkv.view(ctx.n, ctx.T, self.conv_dim), ctx))
+            ws.a[:rows].copy_(self.f_b(f_a).view(rows, H, K))
+            ws.b[:rows].copy_(b)
+            ws.z[:rows].copy_(self.g_b(g_a).view(rows, H, K))
         binding = rt.binding(self, ctx.n, ctx.T)
         with record_function(f"kda::{rt.backend.name}"):
             rt.backend.run(binding)

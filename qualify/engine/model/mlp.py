@@ -14,7 +14,12 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up = Linear(hidden, 2 * inner, dtype=dtype, device=device)
         self.down = Linear(inner, hidden, dtype=dtype, device=device)
+        self.fused = False  # kernels.fused.silu_mul (set by HybridModel.set_fused)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            from kernels.fused import silu_mul
+
+            return self.down(silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)

@@ -36,8 +36,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = param(dim, dtype=dtype, device=device)
         self.eps = eps
+        self.fused = False  # kernels.fused.rmsnorm (set by HybridModel.set_fused)
+
+    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + residual, this norm of it) in one kernel; fused engines only."""
+        from kernels.fused import rmsnorm
+
+        return rmsnorm(x, self.weight, self.eps, residual)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            from kernels.fused import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
