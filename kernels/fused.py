@@ -428,6 +428,82 @@ def pool_keys_paged(k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, geo
 
 
 @triton.jit
+def _select_kernel(
+    q,  # [R*Tq, HQ, D]
+    positions,
+    pooled,  # [R, G, KVH, D] fp32
+    rows,  # [R*Tq, TOPK] out
+    stride_rows,
+    HQ,
+    Tq,
+    G,
+    pool,
+    scale,
+    KVH: tl.constexpr,
+    TOPK: tl.constexpr,
+    K: tl.constexpr,  # min(TOPK, G)
+    GQ: tl.constexpr,
+    D: tl.constexpr,
+    BGR: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    r = tok // Tq
+    d = tl.arange(0, D)
+    gi = tl.arange(0, BGR)
+    gm = gi < G
+    score = tl.zeros([BGR], dtype=tl.float32)
+    for kh in tl.static_range(KVH):
+        # Σ over the kv head's query heads of q·pooled = (Σ q)·pooled
+        qh = tl.zeros([D], dtype=tl.float32)
+        for j in tl.static_range(GQ):
+            qh += tl.load(q + (tok.to(tl.int64) * HQ + kh * GQ + j) * D + d).to(tl.float32)
+        p_ptr = pooled + ((r * G + gi[:, None]) * KVH + kh) * D + d[None, :]
+        pk = tl.load(p_ptr, mask=gm[:, None], other=0.0)
+        score += tl.sum(pk * qh[None, :], axis=1)
+    score = score * scale
+    own = tl.load(positions + tok) // pool
+    score = tl.where(gi < own, score, float("-inf"))
+    score = tl.where(gi == own, float("inf"), score)
+    score = tl.where(gm, score, float("-inf"))
+    for i in tl.static_range(K):  # top-k by repeated arg-max, largest first (ties: the lower group)
+        best = tl.max(score, axis=0)
+        idx = tl.min(tl.where(score == best, gi, BGR), axis=0)
+        pick = tl.where(best > float("-inf"), idx, -1)
+        tl.store(rows + tok * stride_rows + i, pick.to(rows.dtype.element_ty))
+        score = tl.where(gi == idx, float("-inf"), score)
+    for i in tl.static_range(K, TOPK):
+        tl.store(rows + tok * stride_rows + i, tl.full([], -1, rows.dtype.element_ty))
+
+
+def select_groups(q: Tensor, positions: Tensor, pooled: Tensor, pool: int, out_rows: Tensor) -> None:
+    """selector.select_rows in one launch: each query's own group first, then the top (topk-1) earlier
+    groups by Σ_heads q·pooled/√D, -1 where none; writes out_rows [R*Tq, topk] in place."""
+    N, HQ, D = q.shape
+    R, G, kvh = pooled.shape[:3]
+    topk = out_rows.shape[1]
+    assert out_rows.stride(1) == 1
+    _select_kernel[(N,)](
+        q.contiguous(),
+        positions,
+        pooled,
+        out_rows,
+        out_rows.stride(0),
+        HQ,
+        N // R,
+        G,
+        pool,
+        D**-0.5,
+        kvh,
+        topk,
+        min(topk, G),
+        HQ // kvh,
+        D,
+        _next_pow2(G),
+        num_warps=4,
+    )
+
+
+@triton.jit
 def _attn_decode_kernel(
     q,  # [R*Tq, HQ, D]
     positions,  # [R*Tq]
@@ -455,6 +531,7 @@ def _attn_decode_kernel(
     D: tl.constexpr,
     BL: tl.constexpr,
     BT: tl.constexpr,
+    FP32: tl.constexpr,
 ):
     tok = tl.program_id(0)
     kh = tl.program_id(1)
@@ -463,7 +540,7 @@ def _attn_decode_kernel(
     gq = tl.arange(0, BG)
     gm = gq < GQ
     q_ptr = q + (tok.to(tl.int64) * HQ + kh * GQ + gq[:, None]) * D + d[None, :]
-    qv = tl.load(q_ptr, mask=gm[:, None], other=0.0).to(tl.float32)
+    qv = tl.load(q_ptr, mask=gm[:, None], other=0.0)
     qpos = tl.load(positions + tok).to(tl.int64)
     n = tl.minimum(tl.load(seq_lens + r).to(tl.int64), max_len)
     ti = tl.arange(0, BT)
@@ -483,16 +560,21 @@ def _attn_decode_kernel(
             blk = tl.load(block_tables + r * stride_bt + col, mask=valid, other=0).to(tl.int64)
             slot = blk * (shards * block_size) + off
             kp = (slot[:, None] * KVH + kh) * D + d[None, :]
-            kv = tl.load(k_cache + kp, mask=valid[:, None], other=0.0).to(tl.float32)
+            kv = tl.load(k_cache + kp, mask=valid[:, None], other=0.0)
             vv = tl.load(v_cache + kp, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.dot(qv, tl.trans(kv), input_precision="ieee") * scale
+            # q·k on the tensor cores in the cache dtype: products of 16-bit values are exact in the fp32
+            # accumulator; p·v in tf32 (v is exact there, p keeps 10 mantissa bits)
+            if FP32:
+                s = tl.dot(qv, tl.trans(kv), input_precision="ieee") * scale
+            else:
+                s = tl.dot(qv, tl.trans(kv), out_dtype=tl.float32) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             pr = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(pr, vv, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(pr, vv, input_precision="tf32")
             m_i = m_new
         a += BL
     o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
@@ -553,6 +635,7 @@ def attention_decode(
         D,
         64,
         _next_pow2(TOPK),
+        q.dtype == torch.float32,
         num_warps=4,
     )
     return out

@@ -16,6 +16,7 @@ from kernels.fused import (
     rmsnorm,
     rmsnorm_reference,
     rope_write_kv,
+    select_groups,
     silu_mul,
     silu_mul_reference,
 )
@@ -135,6 +136,13 @@ def test_pooling_and_attention_equal_the_gathered_torch_path(block, dcp, interle
     torch.testing.assert_close(pooled, pooled_ref, atol=1e-5, rtol=1e-5)
     rows = torch.full((R * Tq, topk), -1, dtype=torch.int32)
     select_rows(q.view(R, Tq, hq, D), positions.view(R, Tq), pooled_ref, pool, topk, rows)
+    for k in (topk, G + 2):  # G + 2: more rows than groups, the rest -1
+        want = torch.full((R * Tq, k), 7, dtype=torch.int32)
+        got_rows = torch.full((R * Tq, k), 7, dtype=torch.int32)
+        select_rows(q.view(R, Tq, hq, D), positions.view(R, Tq), pooled_ref, pool, k, want)
+        select_groups(q, positions, pooled_ref, pool, got_rows)
+        assert torch.equal(got_rows, want)
+    assert (rows[:, 1:] >= 0).any() and (rows == -1).any()  # choices were made and some rows are empty
     mask = rows_to_key_mask(rows, kpos, pool, G, R, Tq)
     ref = folded_attention(q.view(R, Tq, hq, D), positions.view(R, Tq), kg, vg, kpos, seq_lens, mask)
     got = attention_decode(q, positions, kc, vc, tables, seq_lens, rows, geo, pool, G)

@@ -14,7 +14,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-EPSILON = 0.05  # the harness's coherence epsilon for bf16 logits
+# The two glues round differently (a norm's bf16 output may differ by one step where the fp32 sums are
+# ordered differently), so across 8 layers a top-2 gap moves by a few hundredths: measured on the H200, a
+# gap of 0.061 with the torch glue read 0.0004 with the fused one. A near tie up to this epsilon must
+# still be confirmed by forcing the candidate through it; the harness's own rule (0.05) compares an
+# engine with itself, where both sides run the same kernels.
+EPSILON = 0.1
 CUDA = torch.device("cuda")
 
 
@@ -60,7 +65,7 @@ def test_rmsnorm_silu_and_conv_at_proxy_shapes():
 
 
 def test_pooling_and_attention_at_proxy_geometry():
-    from kernels.fused import attention_decode, pool_keys_paged
+    from kernels.fused import attention_decode, pool_keys_paged, select_groups
     from qualify.engine.model.attention import DcpGeometry, folded_attention
     from qualify.engine.model.selector import pool_keys, rows_to_key_mask, select_rows
 
@@ -84,6 +89,11 @@ def test_pooling_and_attention_at_proxy_geometry():
     torch.testing.assert_close(pooled, pool_keys(kg, kpos, seq_lens, pool, G), atol=1e-4, rtol=1e-4)
     rows = torch.full((R * Tq, topk), -1, device=CUDA, dtype=torch.int32)
     select_rows(q.view(R, Tq, hq, D), positions.view(R, Tq), pooled, pool, topk, rows)
+    fused_rows = torch.full_like(rows, 7)
+    select_groups(q, positions, pooled, pool, fused_rows)
+    # the same groups (the order of two near-equal scores may differ with the summation order)
+    assert torch.equal(fused_rows.sort(1).values, rows.sort(1).values)
+    assert torch.equal(fused_rows[:, 0], rows[:, 0])  # the query's own group first
     mask = rows_to_key_mask(rows, kpos, pool, G, R, Tq)
     ref = folded_attention(q.view(R, Tq, hq, D), positions.view(R, Tq), kg, vg, kpos, seq_lens, mask)
     got = attention_decode(q, positions, kc, vc, tables, seq_lens, rows, geo, pool, G)

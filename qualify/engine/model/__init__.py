@@ -27,11 +27,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, ctx, decode: bool) -> Tensor:
         h = self.input_norm(x)
         h = self.mixer.forward_decode(h, ctx) if decode else self.mixer.forward_prefill(h, ctx)
-        if self.post_norm.fused:  # the residual add and the norm in one kernel
-            x, h = self.post_norm.add(x, h)
-            return x + self.mlp(h)
         x = x + h
         return x + self.mlp(self.post_norm(x))
+
+    def forward_fused(self, x: Tensor, pending: Tensor | None, ctx, decode: bool) -> tuple[Tensor, Tensor]:
+        """The same block with each residual add inside the next norm's kernel: takes the residual stream
+        x and the previous block's MLP output still to be added (None: nothing), returns the pair for the
+        next block (the caller adds the last one)."""
+        x, h = (x, self.input_norm(x)) if pending is None else self.input_norm.add(x, pending)
+        h = self.mixer.forward_decode(h, ctx) if decode else self.mixer.forward_prefill(h, ctx)
+        x, h = self.post_norm.add(x, h)
+        return x, self.mlp(h)
 
 
 class MtpHead(nn.Module):
@@ -71,6 +77,11 @@ class HybridModel(nn.Module):
     def forward_hidden(self, input_ids: Tensor, ctx, decode: bool) -> Tensor:
         """Last hidden state (before the final norm) of every token."""
         x = self.embed(input_ids)
+        if self.norm.fused:
+            pending = None
+            for layer in self.layers:
+                x, pending = layer.forward_fused(x, pending, ctx, decode)
+            return x + pending
         for layer in self.layers:
             x = layer(x, ctx, decode)
         return x

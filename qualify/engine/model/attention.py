@@ -178,8 +178,8 @@ class AttentionLayer(nn.Module):
 
     def _decode_fused(self, x: Tensor, ctx) -> Tensor:
         """forward_decode in four launches around the projections: RoPE + paged K/V write, key pooling
-        from the paged cache, the torch top-k selection, and the selected-rows attention."""
-        from kernels.fused import attention_decode, pool_keys_paged, rope_write_kv
+        from the paged cache, the top-k group selection, and the selected-rows attention."""
+        from kernels.fused import attention_decode, pool_keys_paged, rope_write_kv, select_groups
 
         rt, n, T = self.rt, ctx.n, ctx.T
         geo = rt.geometry
@@ -196,8 +196,7 @@ class AttentionLayer(nn.Module):
             self.hq,
         )
         pooled = pool_keys_paged(self.k_cache, ctx.block_tables, ctx.seq_lens, geo, rt.pool, rt.num_groups)
-        select_rows(q.view(n, T, self.hq, self.d), ctx.positions.view(n, T), pooled, rt.pool, rt.topk,
-                    ctx.selector_rows)  # fmt: skip
+        select_groups(q, ctx.positions, pooled, rt.pool, ctx.selector_rows)
         o = attention_decode(
             q,
             ctx.positions,
