@@ -22,6 +22,87 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+# ------------------------------------------------------------------ skinny linear (decode-sized M)
+
+# Rows up to which linear_small serves a projection (a decode or verify step's tokens); larger M goes to
+# cuBLAS. Launch shape per tile count: chosen by bench/linear.py's sweep on the H200 (module constants,
+# not an autotuner, so that a process's numerics never depend on which config won a timing race).
+SMALL_M = 32
+_BN, _BK, _WARPS, _STAGES = 16, 256, 4, 4
+
+
+@triton.jit
+def _linear_small_kernel(
+    x,
+    w,
+    y,
+    M,
+    N,
+    stride_x,
+    stride_w,
+    stride_y,
+    K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    x_ptr = x + m[:, None] * stride_x + kk[None, :]
+    w_ptr = w + n[:, None].to(tl.int64) * stride_w + kk[None, :]
+    for k0 in range(0, K, BK):
+        if EVEN:  # N % BN == 0 and K % BK == 0: only the rows of x past M are masked
+            xv = tl.load(x_ptr + k0, mask=m[:, None] < M, other=0.0)
+            wv = tl.load(w_ptr + k0)
+        else:
+            kin = (k0 + kk) < K
+            xv = tl.load(x_ptr + k0, mask=(m[:, None] < M) & kin[None, :], other=0.0)
+            wv = tl.load(w_ptr + k0, mask=(n[:, None] < N) & kin[None, :], other=0.0)
+        acc += tl.dot(xv, tl.trans(wv), out_dtype=tl.float32)
+    tl.store(
+        y + m[:, None] * stride_y + n[None, :],
+        acc.to(y.dtype.element_ty),
+        mask=(m[:, None] < M) & (n[None, :] < N),
+    )
+
+
+def linear_small(x: Tensor, weight: Tensor, config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """y = x @ weight.T for a few rows (M <= SMALL_M): every weight byte read once, one program per BN
+    output columns sweeping all of K, fp32 accumulation on the tensor cores; 16-bit dtypes.
+
+    x [M, K] (rows may be strided); weight [N, K] contiguous. config: (BN, BK, warps, stages) to
+    override the module's launch shape (the sweep)."""
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    M, K = x2.shape
+    N = weight.shape[0]
+    assert M <= SMALL_M and weight.stride(1) == 1 and weight.shape[1] == K
+    BN, BK, warps, stages = config or (_BN, _BK, _WARPS, _STAGES)
+    BK = min(BK, max(16, _next_pow2(K)))
+    BM = 16 if M <= 16 else 32
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _linear_small_kernel[(triton.cdiv(N, BN),)](
+        x2,
+        weight,
+        y,
+        M,
+        N,
+        x2.stride(0),
+        weight.stride(0),
+        N,
+        K,
+        BM,
+        BN,
+        BK,
+        N % BN == 0 and K % BK == 0,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return y.view(*x.shape[:-1], N)
+
+
 # ------------------------------------------------------------------ RMSNorm (+ residual add)
 
 

@@ -12,6 +12,7 @@ from kernels.fused import (
     attention_decode,
     conv_decode,
     conv_decode_reference,
+    linear_small,
     pool_keys_paged,
     rmsnorm,
     rmsnorm_reference,
@@ -60,6 +61,21 @@ def test_silu_mul_equals_silu_of_gate_times_up():
     torch.testing.assert_close(silu_mul(gu), silu_mul_reference(gu), atol=1e-6, rtol=1e-5)
     # gate and up are not interchangeable: a kernel that swapped them would fail here
     assert not torch.allclose(silu_mul(gu), silu_mul_reference(torch.cat(gu.chunk(2, -1)[::-1], -1)))
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 48, 256), (3, 40, 100), (20, 32, 512)])
+def test_linear_small_equals_the_fp32_product_rounded_once(M, N, K):
+    # fp16 here: the interpreter's tl.dot misreads bf16 operands (the same kernel is right in fp16 and
+    # fp32); bf16, the engine's dtype, is checked on the GPU (test_gpu_fused.py)
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(M * N)
+    w = torch.randn(N, K, generator=gen).to(dtype)
+    x = torch.randn(M, K + 8, generator=gen).to(dtype)[:, 8:]  # strided rows
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    got = linear_small(x, w, (16, 64, 4, 2))
+    assert got.dtype == dtype and got.shape == (M, N)
+    torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=2**-7)
+    assert not torch.allclose(linear_small(x, w[:, torch.randperm(K, generator=gen)]).float(), ref, atol=0.05)
 
 
 @pytest.mark.parametrize("T", [1, 3])

@@ -64,6 +64,20 @@ def test_rmsnorm_silu_and_conv_at_proxy_shapes():
     assert torch.equal(got[0][2], got[1][2])
 
 
+@pytest.mark.parametrize("M", [1, 5, 16, 32])
+@pytest.mark.parametrize("N,K", [(12576, 4096), (4096, 8192), (260, 4096)])
+def test_linear_small_at_proxy_shapes(N, K, M):
+    from kernels.fused import linear_small
+
+    g = torch.Generator(device=CUDA).manual_seed(N + M)
+    w = torch.randn(N, K, generator=g, device=CUDA).to(torch.bfloat16)
+    x = torch.randn(M, K, generator=g, device=CUDA).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    got = linear_small(x, w)
+    # fp32 accumulation, one bf16 rounding: within a bf16 step of the exact product (|ref| ~ sqrt(K))
+    torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=2**-7)
+
+
 def test_pooling_and_attention_at_proxy_geometry():
     from kernels.fused import attention_decode, pool_keys_paged, select_groups
     from qualify.engine.model.attention import DcpGeometry, folded_attention

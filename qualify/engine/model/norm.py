@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.fused import SMALL_M
+
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -17,8 +19,13 @@ class Linear(nn.Module):
     def __init__(self, fan_in: int, fan_out: int, *, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = param(fan_out, fan_in, dtype=dtype, device=device)
+        self.fused = False  # decode-sized inputs through kernels.fused.linear_small (HybridModel.set_fused)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and x.numel() <= SMALL_M * x.shape[-1] and self.weight.element_size() == 2:
+            from kernels.fused import linear_small
+
+            return linear_small(x, self.weight)
         return F.linear(x, self.weight)
 
 
