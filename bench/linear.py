@@ -36,7 +36,7 @@ SHAPES = (
 )
 ROWS = (1, 32)  # a plain decode step of up to 16 rows runs the BM=16 tile; a verify of 8 x 4, BM=32
 ROUNDS = 5
-MODULE = (fused._BN, fused._BK, fused._WARPS, fused._STAGES)
+MODULE = (fused._BN, fused._BK, fused._WARPS, fused._STAGES)  # the default for shapes off the table
 SWEEP = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4)))  # BN, BK, warps, stages
 
 

@@ -24,11 +24,19 @@ def _next_pow2(n: int) -> int:
 
 # ------------------------------------------------------------------ skinny linear (decode-sized M)
 
-# Rows up to which linear_small serves a projection (a decode or verify step's tokens); larger M goes to
-# cuBLAS. Launch shape per tile count: chosen by bench/linear.py's sweep on the H200 (module constants,
-# not an autotuner, so that a process's numerics never depend on which config won a timing race).
+# Rows up to which linear_small may serve a projection (a decode or verify step's tokens); larger M goes
+# to cuBLAS. Which weight shapes it serves, and with which launch shape (BN, BK, warps, stages), comes from
+# bench/linear.py's sweep on the H200 (bench/results/linear-h200-2026-12-01.json): only the shapes where
+# it beat cuBLAS at both 1 and 32 rows. Elsewhere cuBLAS is faster (qkv's 5120 rows make 1.2 waves of
+# 32-row tiles on 132 SMs: 0.81x; gate_up: 0.97x), so those stay with cuBLAS. Fixed constants, not an
+# autotuner, so that a process's numerics never depend on which config won a timing race.
 SMALL_M = 32
-_BN, _BK, _WARPS, _STAGES = 16, 256, 4, 4
+SMALL_SHAPES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (4096, 8192): (32, 256, 4, 4),  # 1.13x / 1.10x cuBLAS at 1 / 32 rows (MLP down)
+    (4096, 4096): (32, 256, 4, 3),  # 1.29x / 1.09x (KDA out_proj, attention o_proj)
+    (12576, 4096): (32, 128, 4, 4),  # 1.06x / 1.03x (KDA in_proj)
+}
+_BN, _BK, _WARPS, _STAGES = 32, 256, 4, 4  # any other shape asked for directly (tests, the sweep's default)
 
 
 @triton.jit
@@ -79,7 +87,7 @@ def linear_small(x: Tensor, weight: Tensor, config: tuple[int, int, int, int] | 
     M, K = x2.shape
     N = weight.shape[0]
     assert M <= SMALL_M and weight.stride(1) == 1 and weight.shape[1] == K
-    BN, BK, warps, stages = config or (_BN, _BK, _WARPS, _STAGES)
+    BN, BK, warps, stages = config or SMALL_SHAPES.get((N, K), (_BN, _BK, _WARPS, _STAGES))
     BK = min(BK, max(16, _next_pow2(K)))
     BM = 16 if M <= 16 else 32
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)

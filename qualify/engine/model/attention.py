@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from kernels.fused import attention_decode, pool_keys_paged, rope_write_kv, select_groups
+
 from ..layout import group_span
 from .norm import Linear, apply_rope
 from .selector import pool_keys, rows_to_key_mask, select_rows
@@ -179,8 +181,6 @@ class AttentionLayer(nn.Module):
     def _decode_fused(self, x: Tensor, ctx) -> Tensor:
         """forward_decode in four launches around the projections: RoPE + paged K/V write, key pooling
         from the paged cache, the top-k group selection, and the selected-rows attention."""
-        from kernels.fused import attention_decode, pool_keys_paged, rope_write_kv, select_groups
-
         rt, n, T = self.rt, ctx.n, ctx.T
         geo = rt.geometry
         q = rope_write_kv(

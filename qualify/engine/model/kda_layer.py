@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from kernels.fused import conv_decode
 from kernels.kda import Caps, build_chunk_metadata  # noqa: F401  (metadata builder re-exported for runner)
 
 from .norm import Linear, param
@@ -162,8 +163,6 @@ class KdaLayer(nn.Module):
         rows = ctx.n * ctx.T
         ws = rt.ws
         if self.fused:
-            from kernels.fused import conv_decode
-
             proj = self.in_proj(x)  # [rows, C + H + 2K]: conv channels, b, f_a, g_a
             C = self.conv_dim
             conv_decode(

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.fused import silu_mul
+
 from .norm import Linear
 
 
@@ -18,8 +20,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused:
-            from kernels.fused import silu_mul
-
             return self.down(silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
