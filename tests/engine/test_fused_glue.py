@@ -187,3 +187,17 @@ def test_a_tiny_engine_decodes_the_same_tokens_with_the_fused_glue(num_spec):
     for (toks, gaps), (toks_f, gaps_f) in zip(*results, strict=True):
         assert toks_f == toks
         torch.testing.assert_close(torch.tensor(gaps_f), torch.tensor(gaps), atol=1e-3, rtol=1e-3)
+
+
+def test_the_glue_label_names_what_runs(tiny_engine):
+    m = tiny_engine.model
+    assert m.glue == "torch"  # a CPU engine keeps the reference ops
+    geo = tiny_engine.attn_rt.geometry
+    try:
+        m.set_fused(True)
+        assert m.glue == "triton fused"
+        geo.rank = 1  # as on a rank of a distributed DCP engine: attention decode stays in torch
+        assert m.glue == "triton fused (attention decode in torch: distributed DCP)"
+    finally:
+        geo.rank = None
+        m.set_fused(False)

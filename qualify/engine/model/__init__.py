@@ -103,7 +103,15 @@ class HybridModel(nn.Module):
 
     @property
     def glue(self) -> str:
-        return "triton fused" if self.norm.fused else "torch"
+        """What runs the decode step's glue, as describe() reports it."""
+        if not self.norm.fused:
+            return "torch"
+        distributed = any(
+            layer.kind == "A" and layer.mixer.rt is not None and layer.mixer.rt.geometry.rank is not None
+            for layer in self.layers
+        )
+        # kernels.fused's attention path serves the folded DCP geometry; one rank per shard stays in torch
+        return "triton fused (attention decode in torch: distributed DCP)" if distributed else "triton fused"
 
     def refresh_derived(self) -> None:
         """Hook for tensors derived from weights after an in-place reload. This model keeps none: RoPE
