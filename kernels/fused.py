@@ -1,12 +1,13 @@
 """Triton kernels for the decoder's glue around the GEMMs and the KDA core, one launch where eager torch
 launches many (docs/KDA.md, "Decode step"): RMSNorm with the residual add, SiLU-and-multiply, the KDA
-short convolution of a decode step, RoPE with the paged K/V write, the selector's key pooling and the
-selected-rows attention of a decode step.
+short convolution of a decode step, RoPE with the paged K/V write, the selector's key pooling and top-k
+group selection, the selected-rows attention, and a projection kernel for decode-sized inputs.
 
-Each kernel has a torch reference here with the model's exact formula; tests/kernels/test_fused.py holds
-them equal under the interpreter, and tests/engine/test_gpu_fused.py holds an engine's greedy tokens and
-logits equal with and without them on a GPU. Only CUDA engines use them (HybridModel.set_fused); the
-engine's describe() says which glue ran. Nothing here reads or sets the process environment.
+Each kernel has a torch reference (here, or the model's own op it replaces); tests/engine/test_fused_glue.py
+holds them equal under the interpreter together with a tiny engine's greedy tokens, and
+tests/engine/test_gpu_fused.py does so on a GPU at the proxy preset's shapes. Only CUDA engines use them
+(HybridModel.set_fused); the engine's describe() says which glue ran. Nothing here reads or sets the
+process environment.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def linear_small(x: Tensor, weight: Tensor, config: tuple[int, int, int, int] | 
 def _rmsnorm_kernel(
     x, res, w, y, s, stride_x, stride_r, stride_y, stride_s, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     m = cols < D
     xv = tl.load(x + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
@@ -175,7 +176,7 @@ def rmsnorm_reference(x: Tensor, weight: Tensor, eps: float, residual: Tensor | 
 
 @triton.jit
 def _silu_mul_kernel(gu, out, stride_g, stride_o, inner, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inner
     g = tl.load(gu + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
