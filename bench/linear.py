@@ -1,11 +1,13 @@
 """Decode-sized projections: kernels.fused.linear_small (every launch shape of a sweep) against cuBLAS
-(torch's F.linear) at the proxy preset's weight shapes, bf16, for M = 1 and 32 rows. Prints JSON and
-writes it to --out.
+(torch's F.linear, with its own heuristic and through TunableOp) at the proxy preset's weight shapes,
+bf16, for M = 1 and 32 rows. Prints JSON and writes it to --out; `cublas_*` fields are the faster of the
+two cuBLAS contenders (named in `peer`).
 
-Equal work: both compute y = x @ W.T with fp32 accumulation into bf16 from the same inputs; each call is
-captured in a CUDA graph and timed by GPU events in interleaved rounds (bench/_gpu.py). Each case reports
-the bandwidth of the weight read (the bytes a projection of a few rows must move) against the measured
-copy ceiling, cuBLAS's figure, the module's launch shape and the sweep's best.
+Equal work: every contender computes y = x @ W.T with fp32 accumulation into bf16 from the same
+inputs; each call is captured in a CUDA graph and timed by GPU events in interleaved rounds
+(bench/_gpu.py). Each case reports the bandwidth of the weight read (the bytes a projection of a few rows
+must move) against the measured copy ceiling, the peer's figure, the module's launch shape and the sweep's
+best.
 """
 
 from __future__ import annotations
@@ -40,12 +42,28 @@ MODULE = (fused._BN, fused._BK, fused._WARPS, fused._STAGES)  # the default for 
 SWEEP = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4)))  # BN, BK, warps, stages
 
 
+def _tuned_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear through PyTorch's TunableOp (cuBLAS and cuBLASLt candidates benchmarked on the first call
+    of a shape, the fastest kept): the peer at its best configuration. Enabled for this call only, so the
+    plain "cublas" contender keeps cuBLAS's own heuristic choice."""
+    from torch.cuda import tunable
+
+    was = tunable.is_enabled()
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    tunable.write_file_on_exit(False)
+    try:
+        return F.linear(x, w)
+    finally:
+        tunable.enable(was)
+
+
 def bench_case(name: str, N: int, K: int, M: int, ceiling: float) -> dict:
     g = torch.Generator(device="cuda").manual_seed(N + K + M)
     w = torch.randn(N, K, generator=g, device="cuda").to(torch.bfloat16)
     x = torch.randn(M, K, generator=g, device="cuda").to(torch.bfloat16)
     ref = F.linear(x.float(), w.float())
-    calls = {"cublas": lambda: F.linear(x, w)}
+    calls = {"cublas": lambda: F.linear(x, w), "cublas_tunableop": lambda: _tuned_linear(x, w)}
     module = MODULE
     for cfg in [module, *[c for c in SWEEP if c != module]]:
         label = "ours" if cfg == module else "ours_bn{}_bk{}_w{}_s{}".format(*cfg)
@@ -69,13 +87,18 @@ def bench_case(name: str, N: int, K: int, M: int, ceiling: float) -> dict:
         return round(nbytes / (us * 1e-6) / 1e12, 3)
 
     best = min((k for k in timings if k.startswith("ours")), key=lambda k: timings[k]["us_streamed"])
-    c, o, b = timings["cublas"], timings.get("ours"), timings[best]
+    # the faster of cuBLAS's heuristic and TunableOp's pick is the peer every ratio is taken against
+    peer = min(
+        (k for k in ("cublas", "cublas_tunableop") if k in timings), key=lambda k: timings[k]["us_streamed"]
+    )
+    c, o, b = timings[peer], timings.get("ours"), timings[best]
     return {
         "case": name,
         "N": N,
         "K": K,
         "M": M,
         "weight_bytes": nbytes,
+        "peer": peer,
         "cublas_us": c["us_streamed"],
         "cublas_TBps": tbps(c["us_streamed"]),
         "ours_us": None if o is None else o["us_streamed"],
