@@ -1,5 +1,8 @@
 """Decode-step latency, eager vs FULL CUDA-graph replay, and tokens/s of plain vs speculative greedy decoding
 (MTP, num_spec 3), proxy preset. Prints JSON and writes it to --out. Target: replay >= 3x eager at batch 1.
+The replayed batch-1 step is also held against its roofline (the bytes it must read at the measured copy
+bandwidth) with the profiler's per-kernel split, once with the engine's fused decode glue and once with
+the torch glue (kernels/fused.py against the ops it replaces), in the same run.
 
 A step is timed end to end as the engine runs it: host staging into the arena, the forward (eager launches
 or one replay), and a device sync; the median of many steps. Weights are seeded random, so the MTP drafts
@@ -206,6 +209,8 @@ def main() -> None:
             result["fused_glue_step_speedup"] = round(
                 base["replay_us"] / result["roofline_batch_1"]["replay_us"], 3
             )
+        else:  # reported, not dropped
+            result["roofline_batch_1_torch_glue"] = {"unavailable": unfused_cap["reason"]}
     finally:
         unfused.close()
 
