@@ -3,11 +3,12 @@ launches many (docs/KDA.md, "Decode step"): RMSNorm with the residual add, SiLU-
 short convolution of a decode step, RoPE with the paged K/V write, the selector's key pooling and top-k
 group selection, the selected-rows attention, and a projection kernel for decode-sized inputs.
 
-Each kernel has a torch reference (here, or the model's own op it replaces); tests/engine/test_fused_glue.py
-holds them equal under the interpreter together with a tiny engine's greedy tokens, and
-tests/engine/test_gpu_fused.py does so on a GPU at the proxy preset's shapes. Only CUDA engines use them
-(HybridModel.set_fused); the engine's describe() says which glue ran. Nothing here reads or sets the
-process environment.
+Each kernel has a torch reference: the `*_reference` functions here are the ops an engine without the
+fused glue runs (qualify/engine/model calls them), the others are checked against the model's own torch
+path. tests/engine/test_fused_glue.py holds them equal under the interpreter together with a tiny
+engine's greedy tokens, and tests/engine/test_gpu_fused.py does so on a GPU at the proxy preset's shapes.
+Only CUDA engines use the kernels (HybridModel.set_fused); the engine's describe() says which glue ran.
+Nothing here reads or sets the process environment.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
 
 
 def rmsnorm_reference(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
-    """The model's RMSNorm (qualify/engine/model/norm.py) and its residual add, op for op."""
+    """RMSNorm in torch, as unfused engines run it (qualify/engine/model/norm.py), and the residual add."""
 
     def norm(t: Tensor) -> Tensor:
         tf = t.float()
@@ -197,6 +198,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 
 def silu_mul_reference(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up in torch, as unfused engines run it (qualify/engine/model/mlp.py)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -320,7 +322,9 @@ def conv_decode_reference(
     b_out: Tensor,
     T: int,
 ) -> None:
-    """The model's eager decode conv (qualify/engine/model/kda_layer.py), writing the same outputs."""
+    """The decode conv in torch, as unfused engines run it (qualify/engine/model/kda_layer.py): reads the
+    conv state of column num_accepted-1, writes column j after token j (per-position states, like the
+    recurrent state) and keeps the null slot 0 zero."""
     rows, C, W = x.shape[0], conv_state.shape[1], weight.shape[1]
     n, H = rows // T, b_out.shape[1]
     xs = x[:, :C].reshape(n, T, C)

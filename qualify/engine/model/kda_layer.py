@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from kernels.fused import conv_decode
+from kernels.fused import conv_decode, conv_decode_reference
 from kernels.kda import Caps, build_chunk_metadata  # noqa: F401  (metadata builder re-exported for runner)
 
 from .norm import Linear, param
@@ -122,7 +122,8 @@ class KdaLayer(nn.Module):
         self.o_norm_weight = param(K, dtype=torch.float32, device=device)
         self.out_proj = Linear(H * K, shape.hidden, dtype=dtype, device=device)
         self.rt: KdaRuntime | None = None
-        self.fused = False  # decode conv through kernels.fused.conv_decode (set by HybridModel.set_fused)
+        # decode conv: kernels.fused.conv_decode, or its torch reference (set by HybridModel.set_fused)
+        self.fused = False
         self.state: Tensor | None = None  # fp32 [slots, H, V, K], a view of the group allocation
         self.conv_state: Tensor | None = None  # [slots, conv_dim, W-1]
 
@@ -133,21 +134,6 @@ class KdaLayer(nn.Module):
         H, K = self.H, self.K
         qkv, b, f_a, g_a = self.in_proj(x).split([self.conv_dim, H, K, K], dim=-1)
         return qkv, b, f_a, g_a
-
-    def _conv_decode(self, x: Tensor, ctx) -> Tensor:
-        """x [n, T, C] -> SiLU(conv) [n*T, C]. Reads the conv state of column num_accepted-1, writes column j
-        after token j (per-position states, like the recurrent state); slot 0 stays zero (the null slot)."""
-        n, T, C = x.shape
-        W = self.W
-        slots = ctx.state_slots.long()  # [n, T]
-        src_col = (ctx.num_accepted.long() - 1).clamp(0, T - 1)
-        src = slots.gather(1, src_col[:, None]).squeeze(1)
-        window = torch.cat([self.conv_state[src].float(), x.transpose(1, 2).float()], dim=2)  # [n, C, W-1+T]
-        out = (window.unfold(2, W, 1) * self.conv_weight.float()[None, :, None, :]).sum(-1)  # [n, C, T]
-        for j in range(T):  # T is a static count (1 + num_spec)
-            self.conv_state[slots[:, j]] = window[:, :, j + 1 : j + W].to(self.conv_state.dtype)
-        self.conv_state[0].zero_()
-        return F.silu(out.transpose(1, 2)).reshape(n * T, C)
 
     def _conv_prefill(self, x: Tensor, bounds: list[tuple[int, int]], slots: list[int]) -> Tensor:
         W, C = self.W, self.conv_dim
@@ -162,27 +148,21 @@ class KdaLayer(nn.Module):
         rt, H, K = self.rt, self.H, self.K
         rows = ctx.n * ctx.T
         ws = rt.ws
-        if self.fused:
-            proj = self.in_proj(x)  # [rows, C + H + 2K]: conv channels, b, f_a, g_a
-            C = self.conv_dim
-            conv_decode(
-                proj,
-                self.conv_state,
-                self.conv_weight,
-                ctx.state_slots,
-                ctx.num_accepted,
-                ws.mixed_qkv[:rows],
-                ws.b[:rows],
-                ctx.T,
-            )
-            torch.mm(proj[:, C + H : C + H + K], self.f_b.weight.t(), out=ws.a[:rows].view(rows, H * K))
-            torch.mm(proj[:, C + H + K :], self.g_b.weight.t(), out=ws.z[:rows].view(rows, H * K))
-        else:
-            qkv, b, f_a, g_a = self._split(x)
-            ws.mixed_qkv[:rows].copy_(self._conv_decode(qkv.view(ctx.n, ctx.T, self.conv_dim), ctx))
-            ws.a[:rows].copy_(self.f_b(f_a).view(rows, H, K))
-            ws.b[:rows].copy_(b)
-            ws.z[:rows].copy_(self.g_b(g_a).view(rows, H, K))
+        proj = self.in_proj(x)  # [rows, C + H + 2K]: conv channels, b, f_a, g_a
+        C = self.conv_dim
+        # conv + SiLU into the workspace, per-position conv states, the β logits copied beside
+        (conv_decode if self.fused else conv_decode_reference)(
+            proj,
+            self.conv_state,
+            self.conv_weight,
+            ctx.state_slots,
+            ctx.num_accepted,
+            ws.mixed_qkv[:rows],
+            ws.b[:rows],
+            ctx.T,
+        )
+        torch.mm(proj[:, C + H : C + H + K], self.f_b.weight.t(), out=ws.a[:rows].view(rows, H * K))
+        torch.mm(proj[:, C + H + K :], self.g_b.weight.t(), out=ws.z[:rows].view(rows, H * K))
         binding = rt.binding(self, ctx.n, ctx.T)
         with record_function(f"kda::{rt.backend.name}"):
             rt.backend.run(binding)
