@@ -1,9 +1,20 @@
-"""Prefill benchmark: our Triton varlen KDA prefill vs fla's chunk_kda plus the same gated RMSNorm, H=32,
-K=V=128, bf16, at 1x8192, 8x1024 and 1x32768 tokens. Prints JSON and writes it to --out.
+"""Prefill benchmark: our Triton varlen KDA prefill vs fla's chunk_kda plus the same gated RMSNorm,
+K=V=128, bf16, at 1x8192, 8x1024 and 1x32768 tokens with H=32 and 1x8192 with H=64. Prints JSON and writes
+it to --out.
 
 Equal work and equal timing: every contender's host-side metadata is built once before timing (ours: the
 chunk list; fla: cu_seqlens_cpu, from which fla caches its chunk indices), every call is captured in a
 CUDA graph and timed by GPU events in interleaved rounds; eager timings beside, labelled (bench/_gpu.py).
+
+Inputs: before timing, each contender runs once on pristine inputs and the harness compares every input
+tensor with a saved copy (`inputs_modified`): a kernel that writes its inputs in place (fla's chunk_kda is
+reported to) would time other work on every later call. Where any contender modifies an input, every
+contender's timed call first restores those inputs from the saved copies (the same copies for all alike,
+`restore_in_timed_call`), and the restore alone is timed beside (`restore_only`).
+
+I/O floor: the bytes a prefill must move at the least (read q, k, v, a, z, b and the initial state; write
+the output and the final state) over the measured device copy bandwidth (`io_floor`), and each
+contender's share of it (floor / time).
 """
 
 from __future__ import annotations
@@ -20,13 +31,22 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench._common import write_result  # noqa: E402
-from bench._gpu import TIMING, kernel_breakdown, time_contenders, warm_up_clocks  # noqa: E402
+from bench._gpu import (  # noqa: E402
+    TIMING,
+    copy_bandwidth,
+    kernel_breakdown,
+    time_contenders,
+    warm_up_clocks,
+)
 from kernels.kda import build_chunk_metadata, prefill  # noqa: E402
 from kernels.kda import chunk as chunk_mod  # noqa: E402
 from kernels.kda.chunk import prefill_scratch_specs  # noqa: E402
 
-H, K, V = 32, 128, 128
-SHAPES = ((1, 8192), (8, 1024), (1, 32768))
+K, V = 128, 128
+# (sequences, tokens per sequence, heads)
+SHAPES = ((1, 8192, 32), (8, 1024, 32), (1, 32768, 32), (1, 8192, 64))
+# The tensors a prefill reads (checked for in-place writes by every contender).
+INPUTS = ("q", "k", "v", "a", "b", "z", "A_log", "dt_bias", "w", "h0")
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
 VARIANTS: dict[str, dict[str, object]] = {
@@ -58,7 +78,7 @@ def _gated_norm(out: torch.Tensor, z: torch.Tensor, w: torch.Tensor, cu: torch.T
     """Our prefill's own gated RMSNorm kernel, in place on a [.., total, H, V] output."""
     import triton
 
-    tot = z.shape[0]
+    tot, H = z.shape[0], z.shape[1]
     chunk_mod._gated_norm_kernel[(triton.cdiv(tot * H, 16),)](
         out, z, w, cu, cu.shape[0] - 1, 1e-5, tot * H, H=H, V=V, ROWS=16
     )
@@ -85,9 +105,9 @@ def _fla_call(fla, x: dict[str, torch.Tensor], *, norm: bool, use_graph: bool) -
     return call
 
 
-def _inputs(nseq: int, seqlen: int) -> dict[str, torch.Tensor]:
+def _inputs(nseq: int, seqlen: int, H: int) -> dict[str, torch.Tensor]:
     dev, bf = torch.device("cuda"), torch.bfloat16
-    gen = torch.Generator(device=dev).manual_seed(nseq * seqlen)
+    gen = torch.Generator(device=dev).manual_seed(nseq * seqlen * H)
     tot = nseq * seqlen
     cu_list = [i * seqlen for i in range(nseq + 1)]
 
@@ -112,7 +132,7 @@ def _inputs(nseq: int, seqlen: int) -> dict[str, torch.Tensor]:
 
 
 def _ours(x: dict[str, torch.Tensor]) -> Callable[[], None]:
-    tot = x["q"].shape[0]
+    tot, H = x["q"].shape[0], x["q"].shape[1]
     scratch = {
         m: torch.empty(s, dtype=d, device="cuda") for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
     }
@@ -121,21 +141,85 @@ def _ours(x: dict[str, torch.Tensor]) -> Callable[[], None]:
     return lambda: prefill(*args, scratch=scratch)
 
 
-def bench_shape(nseq: int, seqlen: int, fla, *, breakdown: bool) -> dict:
-    x = _inputs(nseq, seqlen)
+def _modified_inputs(
+    x: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], fn: Callable[[], None]
+) -> list[str]:
+    """Run `fn` once on pristine inputs; the names of the inputs it wrote. The inputs are restored after."""
+    for n in INPUTS:
+        x[n].copy_(saved[n])
+    fn()
+    _sync()
+    changed = [n for n in INPUTS if not torch.equal(x[n], saved[n])]
+    for n in INPUTS:
+        x[n].copy_(saved[n])
+    _sync()
+    return changed
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _restoring(x: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], names: list[str], fn):
+    """fn preceded by restoring `names` from their saved copies (captured with it, so timed with it)."""
+
+    def call() -> None:
+        for n in names:
+            x[n].copy_(saved[n])
+        fn()
+
+    return call
+
+
+def _io_floor(nseq: int, seqlen: int, H: int, copy_TBps: float | None) -> dict:
+    """The least bytes a prefill moves: q, k, v, a, z (bf16, [T, H, 128]), b (bf16, [T, H]) and the fp32
+    initial state read; the bf16 output and the fp32 final state written."""
+    tot = nseq * seqlen
+    state = nseq * H * V * K * 4
+    nbytes = 5 * tot * H * K * 2 + tot * H * 2 + tot * H * V * 2 + 2 * state
+    floor = {"bytes": nbytes}
+    if copy_TBps:
+        floor["copy_TBps"] = copy_TBps
+        floor["floor_ms"] = round(nbytes / (copy_TBps * 1e12) * 1e3, 4)
+    return floor
+
+
+def bench_shape(nseq: int, seqlen: int, H: int, fla, *, breakdown: bool, copy_TBps: float | None) -> dict:
+    x = _inputs(nseq, seqlen, H)
+    saved = {n: x[n].clone() for n in INPUTS}
     ours = _ours(x)
     calls: dict[str, Callable[[], None]] = {"ours": ours}
     calls.update({name: _with(settings, ours) for name, settings in VARIANTS.items()})
-    row: dict = {"tokens": f"{nseq}x{seqlen}"}
+    row: dict = {"tokens": f"{nseq}x{seqlen}", "H": H}
     if fla is not None:
         calls["fla+norm"] = _fla_call(fla, x, norm=True, use_graph=False)
         calls["fla+norm(use_graph)"] = _fla_call(fla, x, norm=True, use_graph=True)
         calls["fla"] = _fla_call(fla, x, norm=False, use_graph=False)
+    modified: dict[str, list[str]] = {}
+    for label in ("ours", "fla+norm", "fla+norm(use_graph)", "fla"):
+        if label in calls:
+            try:
+                modified[label] = _modified_inputs(x, saved, calls[label])
+            except Exception as e:  # reported with the timing's own failure below
+                modified[label] = [f"could not run: {type(e).__name__}: {e}".splitlines()[0][:200]]
+    row["inputs_modified"] = modified
+    restore = sorted({n for names in modified.values() for n in names if n in INPUTS})
+    if restore:  # equal work: every timed call starts from the same inputs
+        calls = {k: _restoring(x, saved, restore, fn) for k, fn in calls.items()}
+        calls["restore_only"] = _restoring(x, saved, restore, lambda: None)
+    row["restore_in_timed_call"] = restore
     timings, failed = time_contenders(calls, rounds=ROUNDS, singles=3, streamed=5)
     row.update({k: {"unavailable": why} for k, why in failed.items()})
     row.update(
         {k: {m.replace("us", "ms"): round(us / 1e3, 4) for m, us in t.items()} for k, t in timings.items()}
     )
+    floor = _io_floor(nseq, seqlen, H, copy_TBps)
+    if "floor_ms" in floor:
+        floor["share_of_floor"] = {
+            k: round(floor["floor_ms"] * 1e3 / t["us"], 3) for k, t in timings.items() if k != "restore_only"
+        }
+    row["io_floor"] = floor
     peers = [p for p in ("fla+norm", "fla+norm(use_graph)") if p in timings]
     if "ours" in timings and peers:
         fastest = min(peers, key=lambda p: timings[p]["us"])
@@ -146,7 +230,7 @@ def bench_shape(nseq: int, seqlen: int, fla, *, breakdown: bool) -> dict:
         )
     if breakdown:
         row["kernels_us"] = {k: kernel_breakdown(calls[k]) for k in ("ours", "fla+norm") if k in timings}
-    del x
+    del x, saved
     torch.cuda.empty_cache()
     return row
 
@@ -165,13 +249,17 @@ def main() -> None:
     else:
         why = "fla-core chunk_kda, with our gated RMSNorm kernel on its output (fla+norm)"
     warm_up_clocks()
+    copy = copy_bandwidth()
     rows = []
-    for n, s in SHAPES:
-        rows.append(bench_shape(n, s, fla, breakdown=not args.no_breakdown))
+    for n, s, h in SHAPES:
+        rows.append(bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"]))
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
     result = {
         "bench": "kda_prefill",
-        "shape": {"H": H, "K": K, "V": V, "chunk": 64},
+        "shape": {"H": sorted({h for _, _, h in SHAPES}), "K": K, "V": V, "chunk": 64},
+        "copy_bandwidth": copy,
+        "state": "ours reads its initial state from a pool slot and writes the final state back into it (the "
+        "serving layout: same bytes every call); fla reads h0 and writes a new final-state tensor",
         "work": "ours: gate, beta sigmoid, L2 norm, chunked recurrence and gated RMSNorm into a pool slot; "
         "fla+norm: the same in chunk_kda plus our gated RMSNorm kernel; fla: chunk_kda alone",
         "variants": {k: {n: str(v) for n, v in s.items()} for k, s in VARIANTS.items()},

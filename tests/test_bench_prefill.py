@@ -1,0 +1,50 @@
+"""bench/kda_prefill.py's equal-work guards, on CPU tensors: an in-place write to an input is found, the
+restoring wrapper gives every call the same inputs, and the I/O floor counts the bytes it says."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+kp = pytest.importorskip("bench.kda_prefill")
+
+
+def _inputs() -> dict:
+    return {n: torch.arange(8, dtype=torch.float32) + i for i, n in enumerate(kp.INPUTS)}
+
+
+def test_an_in_place_write_is_found_and_undone() -> None:
+    x = _inputs()
+    saved = {n: t.clone() for n, t in x.items()}
+
+    def writes_v_and_a() -> None:
+        x["v"].mul_(2)
+        x["a"][0] = -1
+
+    assert kp._modified_inputs(x, saved, writes_v_and_a) == ["v", "a"]
+    assert all(torch.equal(x[n], saved[n]) for n in kp.INPUTS)  # restored after the probe
+    assert kp._modified_inputs(x, saved, lambda: None) == []
+
+
+def test_the_restoring_call_starts_every_call_from_the_saved_inputs() -> None:
+    x = _inputs()
+    saved = {n: t.clone() for n, t in x.items()}
+    seen: list[float] = []
+
+    def doubles_v() -> None:
+        seen.append(float(x["v"].sum()))
+        x["v"].mul_(2)
+
+    call = kp._restoring(x, saved, ["v"], doubles_v)
+    for _ in range(3):
+        call()
+    assert seen == [float(saved["v"].sum())] * 3
+
+
+def test_io_floor_counts_inputs_outputs_and_both_states() -> None:
+    f = kp._io_floor(2, 64, 4, 4.0)
+    tot, h = 128, 4
+    state = 2 * h * 128 * 128 * 4
+    assert f["bytes"] == 5 * tot * h * 128 * 2 + tot * h * 2 + tot * h * 128 * 2 + 2 * state
+    assert f["floor_ms"] == round(f["bytes"] / 4e12 * 1e3, 4)
+    assert "floor_ms" not in kp._io_floor(2, 64, 4, None)
