@@ -153,12 +153,23 @@ def _failures(loaded: LoadedPolicy, candidate: Candidate, now: datetime, budget:
         if why is not None:
             failures.append(f"condition {condition.name!r} {why}: {condition.expr}")
     failures.extend(_observed_failures(policy.require_observed, predicate))
+    failures.extend(
+        _observed_failures(
+            policy.require_monitored, predicate, ("monitored", "observed"), "require_monitored"
+        )
+    )
     return failures
 
 
-def _observed_failures(patterns: list[str], predicate: dict[str, Any]) -> list[str]:
+def _observed_failures(
+    patterns: list[str],
+    predicate: dict[str, Any],
+    sources: tuple[str, ...] = ("observed",),
+    rule: str = "require_observed",
+) -> list[str]:
     """require_observed: each pattern must match a check condition of the receipt, and every condition it
-    matches must hold with source `observed` (not `derived`, not the engine's word)."""
+    matches must hold with source `observed` (not `derived`, not the engine's word); require_monitored
+    accepts `monitored` (the harness's monitor inside the engine process) or `observed`."""
     if not patterns:
         return []
     flat: dict[str, Any] = {}
@@ -171,15 +182,15 @@ def _observed_failures(patterns: list[str], predicate: dict[str, Any]) -> list[s
     for pattern in patterns:
         hits = sorted(k for k in flat if fnmatch.fnmatchcase(k, pattern))
         if not hits:
-            out.append(f"require_observed {pattern!r}: no such condition in the receipt")
+            out.append(f"{rule} {pattern!r}: no such condition in the receipt")
         for key in hits:
             c = flat[key] if isinstance(flat[key], dict) else {}
-            if c.get("source") != "observed":
+            if c.get("source") not in sources:
                 out.append(
-                    f"require_observed {key}: source is {c.get('source')}, the policy requires observed"
+                    f"{rule} {key}: source is {c.get('source')}, the policy requires {' or '.join(sources)}"
                 )
             elif c.get("holds") is not True:
-                out.append(f"require_observed {key}: does not hold")
+                out.append(f"{rule} {key}: does not hold")
     return out
 
 

@@ -42,7 +42,15 @@ _CONDITION_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 MAX_AGE_DAYS = 3650
 MAX_HOSTS = 10_000
 # The settings that judge a receipt; a policy must state at least one (`name` and `mode` judge nothing).
-REQUIREMENTS = ("verdict", "conditions", "max_age", "min_hosts", "trusted_keyids", "require_observed")
+REQUIREMENTS = (
+    "verdict",
+    "conditions",
+    "max_age",
+    "min_hosts",
+    "trusted_keyids",
+    "require_observed",
+    "require_monitored",
+)
 # "check.condition" with shell wildcards on either side, e.g. "layout.peer_*" or "generation.*"
 _OBSERVED_PATTERN = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+\.[A-Za-z0-9_*?\[\]!-]+$")
 
@@ -106,6 +114,13 @@ class Policy(BaseModel):
         description='"check.condition" shell patterns (e.g. "layout.peer_*"): each must match a condition '
         "in the receipt, and every condition it matches must hold with source `observed`",
     )
+    require_monitored: list[Annotated[str, Field(max_length=200)]] = Field(
+        default_factory=list,
+        max_length=100,
+        description='"check.condition" shell patterns (e.g. "monitor.capture_*"): each must match a '
+        "condition in the receipt, and every condition it matches must hold with source `monitored` "
+        "(recorded inside the engine process by the harness's CUDA activity monitor) or `observed`",
+    )
 
     @field_validator("max_age")
     @classmethod
@@ -124,13 +139,13 @@ class Policy(BaseModel):
                 raise ValueError(f"condition {name!r} is empty")
         return value
 
-    @field_validator("require_observed")
+    @field_validator("require_observed", "require_monitored")
     @classmethod
-    def _observed_patterns(cls, value: list[str]) -> list[str]:
+    def _observed_patterns(cls, value: list[str], info: Any) -> list[str]:
         for pattern in value:
             if not _OBSERVED_PATTERN.match(pattern):
                 raise ValueError(
-                    f"require_observed pattern {pattern!r} must look like check.condition "
+                    f"{info.field_name} pattern {pattern!r} must look like check.condition "
                     "(letters, digits, '_', '-', and the wildcards * ? [ ] !)"
                 )
         return value
@@ -154,10 +169,9 @@ class Policy(BaseModel):
     def digest(self) -> str:
         """'sha256:<hex>' of the RFC 8785 bytes of the policy: the same for a TOML, YAML or JSON spelling."""
         data = self.model_dump(mode="json")
-        if not data["require_observed"]:
-            del data[
-                "require_observed"
-            ]  # a policy without it keeps the digest it had before the field existed
+        for optional in ("require_observed", "require_monitored"):
+            if not data[optional]:
+                del data[optional]  # a policy without it keeps the digest it had before the field existed
         return "sha256:" + sha256_hex(data)
 
 

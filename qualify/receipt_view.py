@@ -265,6 +265,20 @@ def _faults_phrase(predicate: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _monitor_phrase(predicate: dict[str, Any]) -> str:
+    """What the harness's CUDA activity monitor inside the engine said: how many monitored conditions held,
+    or why there are none (a CPU target, a receipt from before the monitor)."""
+    check = _check(predicate, "monitor")
+    if not check:
+        return "not run"
+    conds = [_dict(c) for c in _dict(check.get("conditions")).values()]
+    mine = [c for c in conds if c.get("source") == "monitored"]
+    if not mine:
+        return f"{check.get('status', '?')}: {check.get('reason') or 'no monitored conditions'}"
+    held = sum(1 for c in mine if c.get("holds"))
+    return f"{held} of {len(mine)} monitored conditions hold (CUPTI inside the engine process)"
+
+
 def summary_line(predicate: dict[str, Any]) -> str:
     """One line with what an auditor looks for first, like: qualified (gpu): registered the exact layout
     [2304, 2304, 2304, 9216] across 4 CUDA-IPC allocations; …; restart count 0; no Xid/OOM/EngineDead."""
@@ -344,6 +358,7 @@ def facts(predicate: dict[str, Any]) -> list[tuple[str, str]]:
     else:
         rows.append(("backend", "not resolved"))
     rows.append(("capture", _capture_phrase(predicate)))
+    rows.append(("monitor", _monitor_phrase(predicate)))
     for label, text in coherence(predicate) or [("coherence", "not compared")]:
         rows.append((label, text))
     oom = _dict(faults.get("oom"))

@@ -36,7 +36,7 @@ CHART_WIDTH = 1040
 class ConditionPoint:
     name: str
     holds: bool
-    source: str  # observed | derived | engine
+    source: str  # observed | derived | monitored | engine
     detail: str | None = None
 
 
@@ -491,10 +491,11 @@ def _receipts_table(receipts: tuple[ReceiptPoint, ...], limit: int = 50) -> str:
     )
 
 
-SOURCE_COLOURS = {"observed": "#2e7d32", "derived": "#1565c0", "engine": "#ef6c00"}
+SOURCE_COLOURS = {"observed": "#2e7d32", "derived": "#1565c0", "monitored": "#6a1b9a", "engine": "#ef6c00"}
 SOURCE_WORDS = {
     "observed": "measured by the harness (or a process it launched that is not the engine)",
     "derived": "computed by the harness from observed values",
+    "monitored": "recorded inside the engine process by the harness's CUDA activity monitor (CUPTI)",
     "engine": "the engine's own report",
 }
 

@@ -35,9 +35,11 @@ _SHA256_REF = r"^sha256:[0-9a-f]{64}$"
 CheckStatus = Literal["pass", "fail", "skip", "error"]
 Verdict = Literal["qualified", "rejected", "aborted"]
 # Where a condition's observation comes from, strongest first: measured by the harness (or a process it
-# launched that is not the engine), computed by the harness from observed values, or the engine's own word.
-Source = Literal["observed", "derived", "engine"]
-SOURCES: tuple[str, ...] = ("observed", "derived", "engine")
+# launched that is not the engine), computed by the harness from observed values, recorded inside the
+# engine process by the harness's own monitor (CUPTI: not the engine's code, but its address space), or the
+# engine's own word.
+Source = Literal["observed", "derived", "monitored", "engine"]
+SOURCES: tuple[str, ...] = ("observed", "derived", "monitored", "engine")
 
 
 class _Model(BaseModel):
@@ -164,7 +166,8 @@ class Condition(_Model):
 
     holds: bool
     source: Source = Field(
-        description="observed (harness-measured) | derived (from observed) | engine (its word)"
+        description="observed (harness-measured) | derived (from observed) | monitored (recorded inside the "
+        "engine process by the harness's CUDA activity monitor) | engine (its word)"
     )
     detail: str | None = Field(None, max_length=2000, description="what was seen, e.g. what differed")
 

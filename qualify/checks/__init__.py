@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qualify.checks import arenas, backend, boot, capture, dcp, faults, generation, layout, reload
+from qualify.checks import arenas, backend, boot, capture, dcp, faults, generation, layout, monitor, reload
 from qualify.checks.base import Check
 from qualify.run.request import RunRequest
 
@@ -13,6 +13,7 @@ CHECKS: list[Check] = [
     arenas.CHECK,
     capture.CHECK,
     reload.CHECK,
+    monitor.CHECK,
     generation.CHECK,
     faults.CHECK,
 ]

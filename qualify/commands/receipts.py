@@ -130,7 +130,7 @@ def show(
 ) -> None:
     """One receipt by id (or a unique prefix of at least 4 hex digits) or by --log-index: a summary line
     with the facts an auditor looks for first, the facts table, every check with each condition and its
-    source (observed, derived, engine), then the subjects and the signature."""
+    source (observed, derived, monitored, engine), then the subjects and the signature."""
     if envelope and as_json:
         raise click.UsageError("give --json or --envelope, not both")
     if (receipt_id is None) == (log_index is None):
@@ -157,7 +157,8 @@ def print_receipt(record: ReceiptRecord) -> None:
         console.print(f"  {name:<{width}}  {escape(value)}")
     console.print()
     console.print("checks (condition, source: observed = measured by the harness, derived = computed by")
-    console.print("the harness from observed values, engine = the engine's own report):")
+    console.print("the harness from observed values, monitored = recorded inside the engine process by the")
+    console.print("harness's CUDA activity monitor, engine = the engine's own report):")
     oom = view.is_oom(p)
     for check in view.checks(p):
         cstyle = CHECK_STYLE.get(check.status, "")

@@ -185,6 +185,9 @@ class PeerOutcome:
 
 class Launcher(ABC):
     kind: str
+    # The harness's CUDA activity monitor inside the engine (qualify.launch.monitor.EngineMonitor), where
+    # this launcher starts one; None: it does not, and monitored conditions say so.
+    monitor: Any = None
 
     @abstractmethod
     def start(self, timeout_s: float) -> str:

@@ -35,6 +35,7 @@ from qualify.launch.base import (
     RefusalOutcome,
     describe_exit,
 )
+from qualify.launch.monitor import EngineMonitor, monitor_command, monitor_enabled
 from qualify.shm import sweep_stale_shm
 
 STOP_GRACE_S = 5.0
@@ -81,6 +82,8 @@ class LocalLauncher(Launcher):
         self._swept: list[str] = []
         # Non-inheritable by default: only the engines get the read end (pass_fds), nobody the write end.
         self._watch_r, self._watch_w = os.pipe()
+        # The harness's CUDA activity monitor, started inside every boot of the engine (launch/monitor.py).
+        self.monitor = EngineMonitor(run_dir, enabled=monitor_enabled(self.env))
 
     # ------------------------------------------------------------ commands
     @property
@@ -88,7 +91,10 @@ class LocalLauncher(Launcher):
         return self.env.get(ENGINE_MODULE_ENV) or DEFAULT_ENGINE_MODULE
 
     def command(self, port: int) -> list[str]:
-        return [self.python, "-m", self.module, *self.options.serve_args(), "--port", str(port)]
+        args = [*self.options.serve_args(), "--port", str(port)]
+        if self.monitor.enabled:
+            return monitor_command(self.python, self.module, args)
+        return [self.python, "-m", self.module, *args]
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float) -> str:
@@ -121,18 +127,20 @@ class LocalLauncher(Launcher):
                 with self._lock:
                     if self._stopping:
                         break
+                    mon_env, mon_fds = self.monitor.local_boot()
                     # Own session: a terminal's Ctrl-C reaches the harness, which stops the engine itself.
                     self._proc = subprocess.Popen(
                         cmd,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
-                        env=self._engine_env(self.env),
+                        env={**self._engine_env(self.env), **mon_env},
                         text=True,
                         bufsize=1,
                         start_new_session=True,
-                        pass_fds=(self._watch_r,),
+                        pass_fds=(self._watch_r, *mon_fds),
                     )
+                    self.monitor.after_spawn()
                     self._boots += 1
                     self._pid = self._proc.pid
                     self._pids.append(self._pid)
@@ -209,6 +217,7 @@ class LocalLauncher(Launcher):
         if self._thread is not None:
             self._thread.join(timeout=grace_s + 5)
         self._close_watch()
+        self.monitor.close()
         with self._lock:
             self._swept.extend(sweep_stale_shm())
         return self.status()

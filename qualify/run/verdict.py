@@ -10,7 +10,10 @@ from typing import Any
 
 # target -> {check name: why skipping it still qualifies that target}. Anything not listed must pass.
 ACCEPTABLE_SKIPS: dict[str, dict[str, str]] = {
-    "cpu": {"capture": "CUDA graphs need a CUDA device; a CPU target runs eager only"},
+    "cpu": {
+        "capture": "CUDA graphs need a CUDA device; a CPU target runs eager only",
+        "monitor": "no CUDA activity to monitor on a CPU target",
+    },
     "gpu": {},
 }
 
@@ -22,6 +25,7 @@ REQUIRED_CHECKS: tuple[str, ...] = (
     "arenas",
     "capture",
     "reload",
+    "monitor",
     "generation",
     "faults",
 )
@@ -50,6 +54,20 @@ REQUIRED_OBSERVED: dict[str, tuple[str, ...]] = {
 }
 
 
+# target -> conditions that must be present, hold, and come from the harness's CUDA activity monitor inside
+# the engine process (`monitored`): FULL capture at every size, the resolved backend's KDA kernels, reloads
+# under the captured graphs. The engine's own counters for the same claims stay as `engine` evidence.
+REQUIRED_MONITORED: dict[str, tuple[str, ...]] = {
+    "cpu": (),
+    "gpu": (
+        "monitor.monitor_started_in_the_engine",
+        "monitor.capture_*",
+        "monitor.backend_*",
+        "monitor.reload_*",
+    ),
+}
+
+
 # target -> conditions that, where the run has them (speculation exists only with --spec), must hold and be
 # observed like the ones above. The engine's own speculation reports are named spec_* and stay outside.
 OBSERVED_WHERE_PRESENT: dict[str, tuple[str, ...]] = {
@@ -59,10 +77,14 @@ OBSERVED_WHERE_PRESENT: dict[str, tuple[str, ...]] = {
 
 
 def observed_shortfalls(
-    results: Iterable[dict[str, Any]], patterns: Sequence[str], *, required: bool = True
+    results: Iterable[dict[str, Any]],
+    patterns: Sequence[str],
+    *,
+    required: bool = True,
+    source: str | tuple[str, ...] = "observed",
 ) -> list[str]:
-    """For each pattern, the conditions it names that are missing (when `required`), do not hold, or are not
-    observed."""
+    """For each pattern, the conditions it names that are missing (when `required`), do not hold, or do not
+    come from `source` (observed, or monitored)."""
     flat: dict[str, dict[str, Any]] = {}
     for r in results:
         for cname, c in (r.get("conditions") or {}).items():
@@ -74,8 +96,9 @@ def observed_shortfalls(
             out.append(f"{pattern}: no such condition in the run")
             continue
         for key, c in sorted(hits.items()):
-            if c.get("source") != "observed":
-                out.append(f"{key}: source is {c.get('source')}, observed required")
+            allowed = (source,) if isinstance(source, str) else source
+            if c.get("source") not in allowed:
+                out.append(f"{key}: source is {c.get('source')}, {' or '.join(allowed)} required")
             elif not c.get("holds"):
                 out.append(f"{key}: does not hold")
     return out
@@ -117,5 +140,9 @@ def judge(
         shortfalls = observed_shortfalls(results, REQUIRED_OBSERVED.get(target, ()))
         shortfalls += observed_shortfalls(results, OBSERVED_WHERE_PRESENT.get(target, ()), required=False)
         reasons.extend(f"not observed: {s}" for s in shortfalls)
+        watched = observed_shortfalls(
+            results, REQUIRED_MONITORED.get(target, ()), source=("monitored", "observed")
+        )
+        reasons.extend(f"not monitored: {s}" for s in watched)
     reasons.extend(f"fault: {f}" for f in faults)
     return Judgement("rejected" if reasons else "qualified", reasons)

@@ -1,0 +1,373 @@
+"""The harness's CUDA activity monitor, run INSIDE the engine's interpreter (stdlib + cupti-python only).
+
+The launchers start the engine as `python <this file> <engine module> <args...>` (qualify/launch/monitor.py):
+this file starts CUPTI activity recording before the engine's code is imported (so before CUDA initialises),
+then runs the engine module as `__main__`, like `python -m`. The harness never imports this file; the
+engine never needs to know it is there.
+
+Channel: a Unix stream socket the harness owns. Locally it is one end of a socketpair the engine inherits
+(its number in QUALIFY_MONITOR_FD); in a container it is a socket the harness listens on in a directory
+mounted into it (QUALIFY_MONITOR_SOCKET). Both variables are removed from the environment before the engine
+runs. Messages are JSON lines (docs/MONITOR.md):
+
+    monitor -> harness  {"t": "hello", "v": 1, "pid": ..., "cupti": ..., "error": ..., "kinds": [...]}
+    harness -> monitor  {"t": "open", "w": N}       start window N (records before it are dropped)
+    harness -> monitor  {"t": "close", "w": N}      flush CUPTI, send window N
+    monitor -> harness  {"t": "window", "w": N, "kernels": [...], "api": [...], "memory": [...], ...}
+
+A window's kernels are aggregated by (name, grid, block, stream, graph id) with a count and the graph
+node ids seen, so a report's size is bounded by the number of distinct launches, never by the run's length;
+beyond the bounds below a report says `truncated`. Where CUPTI cannot be used (no package, no GPU) the
+hello says why and every window comes back empty with that error: the harness decides what that means.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import socket
+import sys
+import threading
+
+PROTOCOL_VERSION = 1
+FD_ENV = "QUALIFY_MONITOR_FD"
+SOCKET_ENV = "QUALIFY_MONITOR_SOCKET"
+MAX_KERNEL_KEYS = 4096  # distinct (name, grid, block, stream, graph) per window
+MAX_NODE_IDS = 256  # graph node ids kept per kernel key
+MAX_API = 2048  # graph API calls per window
+MAX_MEMORY = 4096  # allocation / free records per window
+MAX_NAME = 400  # characters of a kernel name
+MAX_COMMAND = 4096  # bytes of one command line from the harness
+BUFFER_BYTES = 8 << 20
+# Driver/runtime API calls whose records a window keeps (by name): graph creation, instantiation, launch.
+API_WORDS = ("GraphInstantiate", "GraphLaunch", "StreamBeginCapture", "StreamEndCapture", "GraphExecUpdate")
+KINDS = ("CONCURRENT_KERNEL", "MEMORY2", "DRIVER", "RUNTIME")
+
+
+class Monitor:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.records: list[tuple] = []
+        self.dropped = 0  # records that arrived while no window was open
+        self.window: int | None = None
+        self.t_open = 0
+        self.cupti = None
+        self.error: str | None = None
+        self.enabled: list[str] = []
+        self.api_ids: dict[tuple[int, int], str] = {}  # (domain, cbid) -> name, only the graph calls
+        self.driver_kind = -1
+        self.arm_errors: list[str] = []
+
+    # ------------------------------------------------------------ CUPTI
+    def start_cupti(self) -> None:
+        try:
+            from cupti import cupti  # noqa: PLC0415  (the engine's interpreter, never the harness)
+        except Exception as exc:  # not installed, or its libcupti cannot load
+            self.error = f"cupti-python not importable: {type(exc).__name__}: {exc}"[:300]
+            return
+        self.cupti = cupti
+        self.driver_kind = int(cupti.ActivityKind.DRIVER)
+        for domain in (1, 2):  # CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_CB_DOMAIN_RUNTIME_API
+            for cbid in range(1, 1400):
+                try:
+                    name = str(cupti.get_callback_name(domain, cbid))
+                except Exception:
+                    continue
+                if any(w in name for w in API_WORDS):
+                    self.api_ids[(domain, cbid)] = name
+        self.arm()
+
+    def arm(self) -> list[str]:
+        """(Re-)register the buffer callbacks and enable the kinds: another CUPTI client in the process
+        (the torch profiler) may have replaced or disabled them. Returns the errors, also kept."""
+        cupti = self.cupti
+        if cupti is None:
+            return [self.error or "no CUPTI"]
+        errors = []
+        try:
+            cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+        except Exception as exc:
+            errors.append(f"register callbacks: {exc}"[:200])
+        enabled = []
+        for k in KINDS:
+            try:
+                cupti.activity_enable(getattr(cupti.ActivityKind, k))
+                enabled.append(k)
+            except Exception as exc:
+                errors.append(f"enable {k}: {exc}"[:200])
+        # With GRAPH_TRACE on, a replay is one record without its kernels: keep it off (per-kernel records
+        # inside graphs carry their graph id and node id).
+        with contextlib.suppress(Exception):
+            cupti.activity_disable(cupti.ActivityKind.GRAPH_TRACE)
+        self.enabled = enabled
+        if not enabled:
+            self.error = "; ".join(errors) or "no activity kind could be enabled"
+        return errors
+
+    def _buffer_requested(self):
+        return BUFFER_BYTES, 0
+
+    def _buffer_completed(self, activities) -> None:
+        out = []
+        for r in activities:
+            name = type(r).__name__
+            try:
+                if name.startswith("ActivityKernel"):
+                    out.append(
+                        (
+                            "k",
+                            r.start,
+                            str(r.name)[:MAX_NAME],
+                            (r.grid_x, r.grid_y, r.grid_z),
+                            (r.block_x, r.block_y, r.block_z),
+                            r.stream_id,
+                            r.graph_id,
+                            r.graph_node_id,
+                        )
+                    )
+                elif name == "ActivityAPI":
+                    key = (1 if r.kind == self.driver_kind else 2, r.cbid)
+                    api = self.api_ids.get(key)
+                    if api is not None:
+                        out.append(("a", r.start, api, r.correlation_id, r.return_value))
+                elif name.startswith("ActivityGraphTrace"):
+                    out.append(("g", r.start, int(r.graph_id)))
+                elif name.startswith("ActivityMemory") and not name.startswith("ActivityMemoryPool"):
+                    out.append(
+                        (
+                            "m",
+                            r.timestamp,
+                            int(r.memory_operation_type),
+                            int(r.bytes),
+                            int(r.address),
+                            int(r.memory_kind),
+                        )
+                    )
+            except Exception:  # a record of a layout this version does not know: counted, not fatal
+                out.append(("x", 0, name))
+        with self.lock:
+            if self.window is None:
+                self.dropped += len(out)
+            else:
+                self.records.extend(out)
+
+    def flush(self) -> str | None:
+        if self.cupti is None:
+            return None
+        try:
+            self.cupti.activity_flush_all(1)  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
+            return None
+        except Exception as exc:
+            return f"flush: {exc}"[:200]
+
+    def now(self) -> int:
+        try:
+            return int(self.cupti.get_timestamp()) if self.cupti is not None else 0
+        except Exception:
+            return 0
+
+    # ------------------------------------------------------------ windows
+    def open(self, w: int) -> None:
+        errors = self.arm() if self.cupti is not None else []
+        self.flush()
+        with self.lock:
+            self.records = []
+            self.window = w
+            self.t_open = self.now()
+            self.arm_errors = errors
+
+    def close(self, w: int) -> dict:
+        t_close = self.now()
+        flush_error = self.flush()
+        with self.lock:
+            recs, self.records = self.records, []
+            same = self.window == w
+            self.window = None
+            t_open = self.t_open
+        report = summarise(recs, t_open, t_close)
+        report.update(
+            t="window",
+            w=w,
+            opened=same,
+            t_open=t_open,
+            t_close=t_close,
+            enabled=list(self.enabled),
+            dropped_outside=self.dropped,
+            error=self.error if self.cupti is None else flush_error,
+            arm_errors=self.arm_errors,
+        )
+        return report
+
+    # ------------------------------------------------------------ channel
+    def send(self, msg: dict) -> bool:
+        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+        with self.send_lock:
+            try:
+                self.sock.sendall(data)
+                return True
+            except OSError:
+                return False
+
+    def serve(self) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = self.sock.recv(65536)
+            except OSError:
+                return
+            if not chunk:
+                return  # the harness closed its end: nothing more to report
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                self.command(line)
+            if len(buf) > MAX_COMMAND:
+                buf = b""  # a line this long is no command of the harness's
+
+    def command(self, line: bytes) -> None:
+        try:
+            cmd = json.loads(line)
+            w = int(cmd["w"])
+        except (ValueError, KeyError, TypeError):
+            self.send({"t": "error", "error": "unreadable command"})
+            return
+        if cmd.get("t") == "open":
+            self.open(w)
+            self.send({"t": "opened", "w": w})
+        elif cmd.get("t") == "close":
+            self.send(self.close(w))
+
+
+def summarise(recs: list[tuple], t_open: int, t_close: int) -> dict:
+    """Records within [t_open, t_close] (CUPTI timestamps; all when the clock is unknown), bounded."""
+    keys: dict[tuple, list] = {}
+    api: list[list] = []
+    memory: list[list] = []
+    graph_traces: dict[str, int] = {}  # graph id -> replays seen as one record (GRAPH_TRACE was on)
+    unknown = 0
+    truncated = False
+    inside = (lambda t: t_open <= t <= t_close) if t_close else (lambda t: True)
+    for r in recs:
+        kind = r[0]
+        if kind == "x":
+            unknown += 1
+            continue
+        if not inside(r[1]):
+            continue
+        if kind == "k":
+            key = r[2:7]
+            entry = keys.get(key)
+            if entry is None:
+                if len(keys) >= MAX_KERNEL_KEYS:
+                    truncated = True
+                    continue
+                entry = keys[key] = [0, set()]
+            entry[0] += 1
+            if r[7] and len(entry[1]) < MAX_NODE_IDS:
+                entry[1].add(r[7])
+        elif kind == "g":
+            graph_traces[str(r[2])] = graph_traces.get(str(r[2]), 0) + 1
+        elif kind == "a":
+            if len(api) < MAX_API:
+                api.append([r[2], r[1], r[3], r[4]])
+            else:
+                truncated = True
+        elif kind == "m":
+            if len(memory) < MAX_MEMORY:
+                memory.append(
+                    ["alloc" if r[2] == 1 else "free" if r[2] == 2 else str(r[2]), r[3], r[4], r[5], r[1]]
+                )
+            else:
+                truncated = True
+    kernels = [
+        {
+            "name": k[0],
+            "grid": list(k[1]),
+            "block": list(k[2]),
+            "stream": k[3],
+            "graph": k[4],
+            "count": v[0],
+            "nodes": sorted(v[1]),
+        }
+        for k, v in keys.items()
+    ]
+    return {
+        "kernels": kernels,
+        "api": api,
+        "memory": memory,
+        "unknown_records": unknown,
+        "truncated": truncated,
+        "graph_traces": graph_traces,
+    }
+
+
+def _channel() -> socket.socket | None:
+    fd = os.environ.pop(FD_ENV, None)
+    path = os.environ.pop(SOCKET_ENV, None)
+    try:
+        if fd is not None:
+            s = socket.socket(fileno=int(fd))
+            s.set_inheritable(False)  # the engine's children do not get the harness's channel
+            return s
+        if path:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            return s
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def start() -> Monitor | None:
+    """Start recording and serve the harness's channel on a daemon thread; None without a channel."""
+    sock = _channel()
+    if sock is None:
+        return None
+    mon = Monitor(sock)
+    mon.start_cupti()
+    version = None
+    if mon.cupti is not None:
+        try:
+            from importlib.metadata import version as dist_version  # noqa: PLC0415
+
+            version = dist_version("cupti-python")
+        except Exception:
+            version = "unknown"
+    mon.send(
+        {
+            "t": "hello",
+            "v": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "cupti": version,
+            "error": mon.error,
+            "kinds": mon.enabled,
+            "api_calls": sorted(set(mon.api_ids.values()))[:64],
+            "torch_imported_before": "torch" in sys.modules,
+        }
+    )
+    threading.Thread(target=mon.serve, name="qualify-monitor", daemon=True).start()
+    return mon
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.exit("usage: cupti_monitor.py ENGINE_MODULE [ARGS...]")
+    module, args = argv[0], argv[1:]
+    # `python -m` semantics for the engine: sys.path[0] is the working directory (not this file's folder),
+    # except under -P / -I, where nothing is prepended.
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+        if getattr(sys.flags, "safe_path", False):
+            sys.path.pop(0)
+        else:
+            sys.path[0] = os.getcwd()
+    globals()["MONITOR"] = start()
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

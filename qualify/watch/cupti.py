@@ -1,0 +1,335 @@
+"""CUDA activity the harness's monitor recorded inside the engine process (qualify/monitor/cupti_monitor.py):
+window reports parsed into plain values, and the `monitored` conditions computed from them. No I/O here:
+the monitor check (qualify/checks/monitor.py) opens the windows, tests replay recorded ones
+(tests/data/monitor/).
+
+What a window holds (docs/MONITOR.md): kernels aggregated by (name, grid, block, stream, graph id) with a
+launch count and the graph node ids seen (graph id 0: launched outside any CUDA graph), the graph API calls
+(instantiate, launch, stream capture) and the device allocations and frees, all between the window's open
+and close. A window that never came back carries `missing` (why).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MONITORED = "monitored"
+
+# KDA decode kernels by backend, as CUPTI names them. Triton: the decode/verify kernel of
+# kernels/kda/decode.py (its function name is the kernel name; the gated norm kernel is shared with
+# prefill, so it is no signature).
+# b12x: the CuTe DSL kernels of b12x 1.5.1's gdn_decode KDA path (names seen on the H200, tests/data/monitor).
+# torch launches ATen kernels only: no signature of its own, proven by the absence of the others'.
+KDA_SIGNATURES: dict[str, tuple[re.Pattern[str], ...]] = {
+    "triton": (re.compile(r"^_kda_decode_kernel$"),),
+    "b12x": (re.compile(r"(?i)gdn|b12x"),),
+    "torch": (),
+}
+# A decode window may re-launch, outside graphs, at most this fraction of the launches its graphs made of
+# the same kernels (host-side glue around a replay shares a few names with the step; an eager step shares
+# all of them, once per launch).
+EAGER_SHARE_LIMIT = 0.10
+# A same-weights reload from a file copies into the existing parameters: new device memory of more than
+# this fraction of the weights' bytes means parameters (or a copy of them) were allocated anew.
+RELOAD_ALLOC_SHARE = 0.25
+RELOAD_ALLOC_FLOOR = 64 << 20  # bytes; a reload may allocate small scratch (hashing, staging rows)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    graph: int  # 0: launched outside a CUDA graph
+    count: int
+    grid: tuple[int, ...] = ()
+    stream: int = 0
+    nodes: tuple[int, ...] = ()
+
+
+@dataclass
+class Window:
+    label: str
+    missing: str | None = None  # why the monitor sent nothing for it
+    error: str | None = None  # the monitor's own trouble (CUPTI absent, flush failed)
+    kernels: list[Kernel] = field(default_factory=list)
+    api: list[tuple[str, int]] = field(default_factory=list)  # (call name, return value)
+    allocations: list[int] = field(default_factory=list)  # bytes of each device allocation
+    frees: list[int] = field(default_factory=list)
+    truncated: bool = False
+    enabled: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------ views
+    @property
+    def reported(self) -> bool:
+        return self.missing is None and self.error is None and "CONCURRENT_KERNEL" in self.enabled
+
+    @property
+    def graph_ids(self) -> set[int]:
+        return {k.graph for k in self.kernels if k.graph}
+
+    def launches(self, *, in_graph: bool, names: set[str] | None = None) -> int:
+        return sum(
+            k.count for k in self.kernels if bool(k.graph) == in_graph and (names is None or k.name in names)
+        )
+
+    def names(self, *, in_graph: bool | None = None) -> set[str]:
+        return {k.name for k in self.kernels if in_graph is None or bool(k.graph) == in_graph}
+
+    def calls(self, word: str) -> int:
+        return sum(1 for name, _ in self.api if word in name)
+
+    @property
+    def empty(self) -> bool:
+        return not self.kernels and not self.api and not self.allocations and not self.frees
+
+
+def parse_window(raw: Any) -> Window:
+    """One window report as the monitor sent it (or the harness's `missing` stand-in); a malformed one
+    is `missing` too."""
+    if not isinstance(raw, dict):
+        return Window("?", missing="the window report is not a JSON object")
+    label = str(raw.get("label", "?"))[:200]
+    if raw.get("missing"):
+        return Window(label, missing=str(raw["missing"])[:300])
+    try:
+        kernels = [
+            Kernel(
+                name=str(k["name"]),
+                graph=int(k.get("graph") or 0),
+                count=int(k.get("count", 1)),
+                grid=tuple(int(x) for x in k.get("grid") or ()),
+                stream=int(k.get("stream") or 0),
+                nodes=tuple(int(x) for x in k.get("nodes") or ()),
+            )
+            for k in raw.get("kernels") or []
+        ]
+        api = [(str(a[0]), int(a[3]) if len(a) > 3 else 0) for a in raw.get("api") or []]
+        allocs = [int(m[1]) for m in raw.get("memory") or [] if m[0] == "alloc"]
+        frees = [int(m[1]) for m in raw.get("memory") or [] if m[0] == "free"]
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        return Window(label, missing=f"the window report is malformed: {type(exc).__name__}: {exc}"[:300])
+    return Window(
+        label,
+        error=str(raw["error"])[:300] if raw.get("error") else None,
+        kernels=kernels,
+        api=api,
+        allocations=allocs,
+        frees=frees,
+        truncated=bool(raw.get("truncated")),
+        enabled=tuple(str(k) for k in raw.get("enabled") or ()),
+    )
+
+
+def signature_names(names: Iterable[str], backend: str) -> set[str]:
+    pats = KDA_SIGNATURES.get(backend, ())
+    return {n for n in names if any(p.search(n) for p in pats)}
+
+
+def foreign_names(names: Iterable[str], backend: str) -> dict[str, list[str]]:
+    """Kernel names that belong to a KDA backend other than `backend`."""
+    names = set(names)
+    out = {}
+    for other in KDA_SIGNATURES:
+        if other != backend:
+            hit = sorted(signature_names(names, other))
+            if hit:
+                out[other] = hit
+    return out
+
+
+# ------------------------------------------------------------ the steps at each captured size
+@dataclass
+class StepWindows:
+    """For one captured plan (requests, tokens per request): a prefill-only window (max_tokens 1) and a
+    window with decode/verify steps, both asked in graph mode with the same prompts."""
+
+    plan: tuple[int, int]
+    baseline: Window
+    decode: Window
+    steps: int  # decode/verify steps the harness asked for at least (max_tokens - 1 for plain decode)
+
+
+def _fmt_plan(p: tuple[int, int]) -> str:
+    return f"{p[0]}x{p[1]}"
+
+
+def step_findings(steps: Sequence[StepWindows], backend: str) -> dict[str, Any]:
+    """Per plan: graph launches, graph ids, kernels in and out of graphs, the step kernels launched eagerly
+    beyond the prefill-only baseline, the KDA kernels seen in graphs and outside them."""
+    graph_names: set[str] = set()
+    for s in steps:
+        graph_names |= s.decode.names(in_graph=True)
+    out: dict[str, Any] = {}
+    for s in steps:
+        d, b = s.decode, s.baseline
+        in_graph = d.launches(in_graph=True)
+        extra_eager = max(
+            0, d.launches(in_graph=False, names=graph_names) - b.launches(in_graph=False, names=graph_names)
+        )
+        sig_all = signature_names(d.names() | b.names(), backend)
+        sig_in = signature_names(d.names(in_graph=True), backend)
+        sig_out = d.launches(in_graph=False, names=sig_all) - b.launches(in_graph=False, names=sig_all)
+        out[_fmt_plan(s.plan)] = {
+            "reported": d.reported and b.reported,
+            "why_not": d.missing or d.error or b.missing or b.error,
+            "graph_launch_calls": d.calls("GraphLaunch") - b.calls("GraphLaunch"),
+            "graph_ids": sorted(d.graph_ids),
+            "kernel_launches_in_graphs": in_graph,
+            "kernel_launches_outside": d.launches(in_graph=False),
+            "step_kernels_launched_eagerly": extra_eager,
+            "kda_kernels_in_graphs": sorted(sig_in),
+            "kda_launches_outside_graphs": max(0, sig_out),
+            "foreign_kda_kernels": foreign_names(d.names() | b.names(), backend),
+            "instantiations": d.calls("GraphInstantiate") + b.calls("GraphInstantiate"),
+            "truncated": d.truncated or b.truncated,
+            "steps_asked": s.steps,
+        }
+    return out
+
+
+def capture_conditions(steps: Sequence[StepWindows], backend: str) -> dict[str, tuple[bool, str]]:
+    """(holds, detail) for: every window reported; every captured plan's decode steps replayed a graph of its
+    own; no step kernel ran eagerly beside the graphs; the KDA kernels ran only inside graphs."""
+    f = step_findings(steps, backend)
+    silent = [p for p, x in f.items() if not x["reported"]]
+    no_graph = [p for p, x in f.items() if not x["graph_ids"] or x["graph_launch_calls"] < 1]
+    ids: dict[str, set[int]] = {p: set(x["graph_ids"]) for p, x in f.items()}
+    shared = sorted({p for p in ids for q in ids if p != q and ids[p] & ids[q]})
+    eager = [
+        f"{p}: {x['step_kernels_launched_eagerly']} eager launches of step kernels against "
+        f"{x['kernel_launches_in_graphs']} in graphs"
+        for p, x in f.items()
+        if x["step_kernels_launched_eagerly"] > EAGER_SHARE_LIMIT * max(1, x["kernel_launches_in_graphs"])
+        or not x["kernel_launches_in_graphs"]
+    ]
+    kda_out = [
+        f"{p}: {x['kda_launches_outside_graphs']}" for p, x in f.items() if x["kda_launches_outside_graphs"]
+    ]
+    plans = ", ".join(f) or "none"
+    return {
+        "capture_monitor_reported_every_window": (
+            bool(f) and not silent,
+            f"silent for {silent}: {next((f[p]['why_not'] for p in silent), None)}"
+            if silent
+            else f"plans {plans}",
+        ),
+        "capture_every_size_replayed_its_graph": (
+            bool(f) and not silent and not no_graph and not shared,
+            f"no graph replayed for {no_graph}"
+            if no_graph
+            else f"graph ids shared by {shared}"
+            if shared
+            else "; ".join(
+                f"{p}: graphs {x['graph_ids']}, {x['graph_launch_calls']} launches" for p, x in f.items()
+            ),
+        ),
+        "capture_no_step_kernel_ran_eagerly": (
+            bool(f) and not silent and not eager,
+            "; ".join(eager) if eager else "step kernels outside graphs only as in the prefill-only baseline",
+        ),
+        "capture_kda_kernels_only_in_graphs": (
+            bool(f) and not silent and not kda_out,
+            f"KDA kernels outside graphs: {kda_out}" if kda_out else "none outside graphs",
+        ),
+    }
+
+
+def backend_conditions(steps: Sequence[StepWindows], backend: str) -> dict[str, tuple[bool, str]]:
+    """The KDA kernels in the graph-mode steps are the resolved backend's, and none of another backend's."""
+    f = step_findings(steps, backend)
+    silent = [p for p, x in f.items() if not x["reported"]]
+    has_sig = bool(KDA_SIGNATURES.get(backend))
+    missing = [p for p, x in f.items() if has_sig and not x["kda_kernels_in_graphs"]]
+    foreign: dict[str, list[str]] = {}
+    for x in f.values():
+        for other, names in x["foreign_kda_kernels"].items():
+            foreign.setdefault(other, sorted(set(foreign.get(other, [])) | set(names)))
+    seen = sorted({n for x in f.values() for n in x["kda_kernels_in_graphs"]})
+    own = (
+        f"{backend} kernels in the graphs of every plan: {seen}"
+        if has_sig
+        else f"{backend} has no kernel signature of its own: proven by the absence of the others'"
+    )
+    return {
+        "backend_resolved_kernels_in_every_step": (
+            bool(f) and not silent and not missing,
+            f"no {backend} KDA kernel in the graphs of {missing}" if missing else own,
+        ),
+        "backend_no_kernels_of_other_backends": (
+            bool(f) and not silent and not foreign,
+            f"kernels of {foreign}" if foreign else "none",
+        ),
+    }
+
+
+# ------------------------------------------------------------ reloads
+@dataclass
+class ReloadWindows:
+    """One in-place reload: the window around the reload request, and a decode window per plan after it."""
+
+    name: str  # same | other | back
+    reload: Window
+    after: dict[tuple[int, int], Window]
+    from_file: bool  # loaded from a weights file (same, back); "other" generates weights on the device
+
+
+def reload_conditions(
+    before: Sequence[StepWindows], reloads: Sequence[ReloadWindows], weights_bytes: int | None
+) -> dict[str, tuple[bool, str]]:
+    """After each in-place reload: the graphs replayed are the ones captured before it (per plan), no graph
+    was instantiated (nor a stream captured) in the reload or after it, and a reload from a file allocated
+    no parameter-sized device memory."""
+    ids_before = {s.plan: s.decode.graph_ids for s in before}
+    silent, changed, inst, allocs = [], [], [], []
+    limit = (
+        max(RELOAD_ALLOC_FLOOR, int(RELOAD_ALLOC_SHARE * weights_bytes))
+        if weights_bytes
+        else RELOAD_ALLOC_FLOOR
+    )
+    for r in reloads:
+        windows = [r.reload, *r.after.values()]
+        silent += [f"{r.name}:{w.label}" for w in windows if not w.reported]
+        for plan, w in r.after.items():
+            want = ids_before.get(plan, set())
+            if not w.graph_ids or not want or not w.graph_ids <= want:
+                changed.append(f"{r.name} {_fmt_plan(plan)}: {sorted(w.graph_ids)} (before {sorted(want)})")
+        n = sum(w.calls("GraphInstantiate") + w.calls("StreamBeginCapture") for w in windows)
+        if n:
+            inst.append(f"{r.name}: {n}")
+        total = sum(r.reload.allocations)
+        if r.from_file and total > limit:
+            allocs.append(
+                f"{r.name}: {total} bytes in {len(r.reload.allocations)} allocations (limit {limit})"
+            )
+    ok = bool(reloads) and not silent
+    return {
+        "reload_monitor_reported_every_window": (
+            ok,
+            f"silent: {silent[:4]}" if silent else f"{len(reloads)} reloads",
+        ),
+        "reload_same_graphs_replayed": (
+            ok and not changed,
+            "; ".join(changed[:4]) or "the graphs captured before",
+        ),
+        "reload_no_graph_instantiated": (
+            ok and not inst,
+            f"instantiations or captures: {inst}" if inst else "none",
+        ),
+        "reload_no_parameter_sized_allocation": (
+            ok and not allocs,
+            "; ".join(allocs) if allocs else f"under {limit} bytes in each reload from a file",
+        ),
+    }
+
+
+def hello_condition(hello: dict[str, Any] | None, lost: str | None) -> tuple[bool, str]:
+    """The monitor started inside the engine with CUPTI recording kernels."""
+    if hello is None:
+        return False, lost or "no hello from the monitor"
+    if hello.get("error") or "CONCURRENT_KERNEL" not in (hello.get("kinds") or []):
+        return False, f"CUPTI not recording: {hello.get('error') or hello.get('kinds')}"
+    if hello.get("torch_imported_before"):
+        return False, "torch was imported before the monitor started"
+    return True, f"cupti-python {hello.get('cupti')}, kinds {hello.get('kinds')}, pid {hello.get('pid')}"

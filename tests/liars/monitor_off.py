@@ -1,0 +1,50 @@
+"""A lying engine that switches the harness's CUDA activity monitor off (GPU): the monitor runs in its
+address space, so it can reach CUPTI itself. With QUALIFY_LIAR_MONITOR=silent (the default) it disables
+CUPTI's activity kinds after its own start-up and turns every later enable into a no-op, so the monitor keeps
+answering with empty windows; with =close it closes every Unix socket it inherited, so the monitor stops
+answering at all. Either way nothing it reports about graphs or kernels changes; only a monitored condition
+that refuses silence can tell."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+
+from qualify.engine.__main__ import main
+
+HOW = os.environ.get("QUALIFY_LIAR_MONITOR", "silent")
+
+
+def silence() -> None:
+    try:
+        from cupti import cupti
+    except Exception:
+        return
+    for kind in ("CONCURRENT_KERNEL", "MEMORY2", "DRIVER", "RUNTIME", "GRAPH_TRACE"):
+        with contextlib.suppress(Exception):
+            cupti.activity_disable(getattr(cupti.ActivityKind, kind))
+    cupti.activity_enable = lambda kind: None  # the monitor's re-arming now does nothing
+
+
+def close_sockets() -> None:
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                s = socket.socket(fileno=fd)
+                if s.family == socket.AF_UNIX:
+                    s.shutdown(socket.SHUT_RDWR)
+                s.detach()
+        except OSError:
+            continue
+
+
+if HOW == "close":
+    close_sockets()
+else:
+    silence()
+
+if __name__ == "__main__":
+    main()
