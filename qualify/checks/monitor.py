@@ -7,12 +7,14 @@ the capture, backend and reload checks as `engine` evidence. A CPU target has no
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from qualify.checks.base import PROMPTS, Check, Cond, Context, Outcome, fail_unless
+from qualify.launch.monitor import MONITOR_FILE
 from qualify.protocol import ReloadRequest
 from qualify.watch import cupti
-from qualify.watch.cupti import MONITORED, ReloadWindows, StepWindows
+from qualify.watch.cupti import MONITORED
 
 DECODE_TOKENS = 6  # per request of a decode window: 5 decode (or at least 1 verify) steps after the prefill
 OTHER_SEED_OFFSET = 7919
@@ -22,6 +24,11 @@ def monitored(holds: bool, detail: str | None = None) -> Cond:
     """Recorded inside the engine process by the harness's monitor: not the engine's code, but its address
     space (docs/MONITOR.md)."""
     return Cond(bool(holds), MONITORED, detail)
+
+
+def monitor_file_digest() -> str:
+    """sha256 of the monitor file the launchers run inside the engine (the receipt names what watched)."""
+    return hashlib.sha256(MONITOR_FILE.read_bytes()).hexdigest()
 
 
 def plans_of(d: Any) -> list[tuple[int, int]]:
@@ -39,35 +46,10 @@ def _prompts(n: int) -> list[str]:
     return [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(n)]
 
 
-def _step(ctx: Context, mon: Any, plan: tuple[int, int], phase: str) -> StepWindows:
+def _decode(ctx: Context, mon: Any, plan: tuple[int, int], label: str, max_tokens: int) -> None:
     n, t = plan
-    prompts = _prompts(n)
-    with mon.window(f"{phase} baseline {n}x{t}") as wb:
-        ctx.generate(prompts, mode="graph", speculative=t > 1, max_tokens=1)
-    with mon.window(f"{phase} decode {n}x{t}") as wd:
-        ctx.generate(prompts, mode="graph", speculative=t > 1, max_tokens=DECODE_TOKENS)
-    steps = 1 if t > 1 else DECODE_TOKENS - 1
-    return StepWindows(plan, cupti.parse_window(wb.report), cupti.parse_window(wd.report), steps)
-
-
-def _after(ctx: Context, mon: Any, plans: list[tuple[int, int]], phase: str) -> dict[tuple[int, int], Any]:
-    out = {}
-    for n, t in plans:
-        with mon.window(f"{phase} decode {n}x{t}") as w:
-            ctx.generate(_prompts(n), mode="graph", speculative=t > 1, max_tokens=DECODE_TOKENS)
-        out[(n, t)] = cupti.parse_window(w.report)
-    return out
-
-
-def _reload(ctx: Context, mon: Any, name: str, req: ReloadRequest, plans: list[tuple[int, int]]) -> Any:
-    with mon.window(f"reload {name}") as w:
-        resp = ctx.client.reload(req, timeout_s=ctx.remaining())
-    return resp, ReloadWindows(
-        name,
-        cupti.parse_window(w.report),
-        _after(ctx, mon, plans, f"after {name}"),
-        from_file=req.seed is None,
-    )
+    with mon.window(label):
+        ctx.generate(_prompts(n), mode="graph", speculative=t > 1, max_tokens=max_tokens)
 
 
 def run(ctx: Context) -> Outcome:
@@ -79,48 +61,38 @@ def run(ctx: Context) -> Outcome:
             "not applicable: a CPU target has no CUDA activity to monitor",
         )
     if mon is None:
-        cond = {"monitor_started": monitored(False, f"the {ctx.launcher.kind} launcher starts no monitor")}
+        cond = {
+            "monitor_reported_from_the_engine": monitored(False, f"the {ctx.launcher.kind} launcher starts none")
+        }
         return fail_unless(cond, {})
     d = ctx.client.describe()
     backend = d.backend.resolved
     plans = plans_of(d)
     if not ctx.captured or not plans:
-        cond = {"monitor_graphs_to_watch": monitored(False, f"no captured graphs to watch (plans {plans})")}
+        cond = {
+            "capture_every_size_replayed_its_graph": monitored(False, f"no captured graphs (plans {plans})")
+        }
         return fail_unless(cond, {"monitor": mon.status()})
-    before = [_step(ctx, mon, p, "before") for p in plans]
+    for p in plans:  # the steps at every captured plan: prefill only, then with decode/verify steps
+        _decode(ctx, mon, p, cupti.label_step("before", "baseline", p), 1)
+        _decode(ctx, mon, p, cupti.label_step("before", "decode", p), DECODE_TOKENS)
     seed = int(d.config.get("seed", 0)) + OTHER_SEED_OFFSET
-    same, r_same = _reload(ctx, mon, "same", ReloadRequest(), plans)
-    _, r_other = _reload(ctx, mon, "other", ReloadRequest(seed=seed), plans)
-    _, r_back = _reload(ctx, mon, "back", ReloadRequest(path=same.weights_path), plans)
-    reloads = [r_same, r_other, r_back]
+    same_path = None
+    for name in cupti.RELOADS:
+        req = ReloadRequest() if name == "same" else ReloadRequest(seed=seed) if name == "other" else None
+        if req is None:
+            req = ReloadRequest(path=same_path)
+        with mon.window(f"reload {name}"):
+            resp = ctx.client.reload(req, timeout_s=ctx.remaining())
+        same_path = same_path or resp.weights_path
+        for p in plans:
+            _decode(ctx, mon, p, cupti.label_step(f"after {name}", "decode", p), DECODE_TOKENS)
     weights_bytes = (ctx.facts.get("weights_file") or {}).get("bytes")
-    hello_ok, hello_detail = cupti.hello_condition(mon.hello, mon.lost)
-    conds: dict[str, Cond] = {"monitor_started_in_the_engine": monitored(hello_ok, hello_detail)}
-    for name, (holds, detail) in {
-        **cupti.capture_conditions(before, backend),
-        **cupti.backend_conditions(before, backend),
-        **cupti.reload_conditions(before, reloads, weights_bytes),
-    }.items():
-        conds[name] = monitored(holds, detail)
-    evidence = {
-        "monitor": mon.status(),
-        "backend": backend,
-        "plans": [list(p) for p in plans],
-        "steps": cupti.step_findings(before, backend),
-        "reloads": {
-            r.name: {
-                "graph_ids_after": {f"{p[0]}x{p[1]}": sorted(w.graph_ids) for p, w in r.after.items()},
-                "instantiations": r.reload.calls("GraphInstantiate"),
-                "allocated_bytes": sum(r.reload.allocations),
-                "allocations": len(r.reload.allocations),
-                "from_file": r.from_file,
-            }
-            for r in reloads
-        },
-        "weights_bytes": weights_bytes,
-        "signatures": {k: [p.pattern for p in v] for k, v in cupti.KDA_SIGNATURES.items()},
-    }
-    return fail_unless(conds, evidence)
+    found, evidence = cupti.evaluate(
+        mon.windows, plans, backend, weights_bytes, mon.hello, mon.lost, DECODE_TOKENS
+    )
+    conds = {name: monitored(holds, detail) for name, (holds, detail) in found.items()}
+    return fail_unless(conds, {"monitor": {**mon.status(), "file_sha256": monitor_file_digest()}, **evidence})
 
 
 CHECK = Check("monitor", run, timeout_s=300.0)

@@ -60,7 +60,7 @@ REQUIRED_OBSERVED: dict[str, tuple[str, ...]] = {
 REQUIRED_MONITORED: dict[str, tuple[str, ...]] = {
     "cpu": (),
     "gpu": (
-        "monitor.monitor_started_in_the_engine",
+        "monitor.monitor_reported_from_the_engine",
         "monitor.capture_*",
         "monitor.backend_*",
         "monitor.reload_*",

@@ -325,11 +325,93 @@ def reload_conditions(
 
 
 def hello_condition(hello: dict[str, Any] | None, lost: str | None) -> tuple[bool, str]:
-    """The monitor started inside the engine with CUPTI recording kernels."""
+    """The monitor started inside the engine with CUPTI recording kernels, and kept its channel to the end."""
     if hello is None:
         return False, lost or "no hello from the monitor"
+    if lost:
+        return False, f"the monitor stopped reporting: {lost}"
     if hello.get("error") or "CONCURRENT_KERNEL" not in (hello.get("kinds") or []):
         return False, f"CUPTI not recording: {hello.get('error') or hello.get('kinds')}"
     if hello.get("torch_imported_before"):
         return False, "torch was imported before the monitor started"
     return True, f"cupti-python {hello.get('cupti')}, kinds {hello.get('kinds')}, pid {hello.get('pid')}"
+
+
+# ------------------------------------------------------------ a run's windows, by label
+# The monitor check names its windows so that a recorded run can be judged again from monitor.jsonl alone:
+#   "before baseline NxT", "before decode NxT"          the steps at each captured plan
+#   "reload same|other|back"                             the reload request itself
+#   "after same|other|back decode NxT"                   the steps after it
+RELOADS = ("same", "other", "back")
+
+
+def label_step(phase: str, kind: str, plan: tuple[int, int]) -> str:
+    return f"{phase} {kind} {plan[0]}x{plan[1]}"
+
+
+def decode_steps(plan: tuple[int, int], max_tokens: int) -> int:
+    """Decode/verify steps a request of `max_tokens` makes at least after its prefill."""
+    return 1 if plan[1] > 1 else max_tokens - 1
+
+
+def evaluate(
+    raw_windows: Iterable[dict[str, Any]],
+    plans: Sequence[tuple[int, int]],
+    backend: str,
+    weights_bytes: int | None,
+    hello: dict[str, Any] | None,
+    lost: str | None,
+    max_tokens: int,
+) -> tuple[dict[str, tuple[bool, str]], dict[str, Any]]:
+    """Every monitored condition of a run, and the evidence the receipt keeps, from its window reports."""
+    by_label: dict[str, Window] = {}
+    for raw in raw_windows:
+        w = parse_window(raw)
+        by_label.setdefault(w.label, w)  # the first window of a label counts; a repeat cannot replace it
+
+    def get(label: str) -> Window:
+        return by_label.get(label) or Window(label, missing="no window with this label was reported")
+
+    before = [
+        StepWindows(
+            p,
+            get(label_step("before", "baseline", p)),
+            get(label_step("before", "decode", p)),
+            decode_steps(p, max_tokens),
+        )
+        for p in plans
+    ]
+    reloads = [
+        ReloadWindows(
+            r,
+            get(f"reload {r}"),
+            {p: get(label_step(f"after {r}", "decode", p)) for p in plans},
+            from_file=r != "other",
+        )
+        for r in RELOADS
+    ]
+    ok, detail = hello_condition(hello, lost)
+    conds = {
+        "monitor_reported_from_the_engine": (ok, detail),
+        **capture_conditions(before, backend),
+        **backend_conditions(before, backend),
+        **reload_conditions(before, reloads, weights_bytes),
+    }
+    evidence = {
+        "backend": backend,
+        "plans": [list(p) for p in plans],
+        "steps": step_findings(before, backend),
+        "reloads": {
+            r.name: {
+                "graph_ids_after": {_fmt_plan(p): sorted(w.graph_ids) for p, w in r.after.items()},
+                "instantiations": r.reload.calls("GraphInstantiate"),
+                "allocated_bytes": sum(r.reload.allocations),
+                "allocations": len(r.reload.allocations),
+                "from_file": r.from_file,
+            }
+            for r in reloads
+        },
+        "weights_bytes": weights_bytes,
+        "signatures": {k: [p.pattern for p in v] for k, v in KDA_SIGNATURES.items()},
+    }
+    return conds, evidence

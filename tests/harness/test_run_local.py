@@ -37,10 +37,12 @@ def test_local_run_qualifies_on_cpu_and_signs_a_verifiable_receipt(home: Home) -
     s = ran.summary()
     assert s["verdict"] == "qualified" and s["target"] == "cpu"
     assert [c["name"] for c in s["checks"]] == [
-        "boot", "backend", "layout", "arenas", "capture", "reload", "generation", "faults",
+        "boot", "backend", "layout", "arenas", "capture", "reload", "monitor", "generation", "faults",
     ]  # fmt: skip
     assert check(s, "capture")["status"] == "skip" and "CUDA" in check(s, "capture")["reason"]
-    assert all(c["status"] == "pass" for c in s["checks"] if c["name"] != "capture")
+    # Nothing to monitor on a CPU target, and the receipt says so.
+    assert check(s, "monitor")["status"] == "skip" and "not applicable" in check(s, "monitor")["reason"]
+    assert all(c["status"] == "pass" for c in s["checks"] if c["name"] not in ("capture", "monitor"))
     assert "created signing key" in ran.stderr and "trusted it in the store" in ran.stderr
 
     (p,) = home.predicates()

@@ -4,16 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from qualify.run.verdict import ACCEPTABLE_SKIPS, REQUIRED_CHECKS, REQUIRED_OBSERVED, judge
+from qualify.run.verdict import (
+    ACCEPTABLE_SKIPS,
+    REQUIRED_CHECKS,
+    REQUIRED_MONITORED,
+    REQUIRED_OBSERVED,
+    judge,
+)
 
 
 def _observed_conditions(check: str) -> dict[str, dict[str, Any]]:
-    """One observed, holding condition for each GPU-required pattern of `check` (a '*' becomes 'x')."""
+    """One holding condition for each GPU-required pattern of `check` (a '*' becomes 'x'): observed, or
+    monitored for the monitor's."""
     out = {}
-    for pattern in REQUIRED_OBSERVED["gpu"]:
-        name, cond = pattern.split(".", 1)
-        if name == check:
-            out[cond.replace("*", "x")] = {"holds": True, "source": "observed", "detail": None}
+    for patterns, source in (
+        (REQUIRED_OBSERVED["gpu"], "observed"),
+        (REQUIRED_MONITORED["gpu"], "monitored"),
+    ):
+        for pattern in patterns:
+            name, cond = pattern.split(".", 1)
+            if name == check:
+                out[cond.replace("*", "x")] = {"holds": True, "source": source, "detail": None}
     return out
 
 

@@ -1,0 +1,149 @@
+"""The monitored conditions (qualify/watch/cupti.py) on SYNTHETIC traces (tests/harness/monitor_traces.py):
+the honest shape holds every condition on triton, b12x and torch; each lie fails the condition that names it
+and, where the lie is narrow, only that one. Recorded H200 traces are replayed by test_cupti_replay.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from qualify.run.verdict import judge
+from qualify.watch import cupti
+
+from . import monitor_traces as t
+
+
+def _eval(
+    windows: list[dict[str, Any]], backend: str = "triton", hello: Any = t.HELLO, lost: str | None = None
+):
+    found, evidence = cupti.evaluate(windows, t.PLANS, backend, t.WEIGHTS_BYTES, hello, lost, t.DECODE_TOKENS)
+    return {k: v[1] for k, v in found.items() if not v[0]}, found, evidence
+
+
+@pytest.mark.parametrize("backend", ["triton", "b12x", "torch"])
+def test_the_honest_shape_holds_every_monitored_condition(backend: str) -> None:
+    failing, found, evidence = _eval(t.run(backend), backend)
+    assert failing == {}, failing
+    assert {k.split("_")[0] for k in found} == {"monitor", "capture", "backend", "reload"}
+    assert evidence["steps"]["2x4"]["graph_ids"] == [3]
+
+
+def test_one_size_run_eagerly_fails_capture_and_is_no_other_backend() -> None:
+    failing, _, _ = _eval(t.run(eager_requests=2))
+    assert set(failing) >= {
+        "capture_every_size_replayed_its_graph",
+        "capture_no_step_kernel_ran_eagerly",
+        "capture_kda_kernels_only_in_graphs",
+    }
+    assert "2x4" in failing["capture_no_step_kernel_ran_eagerly"]
+    assert "2x1" in failing["capture_every_size_replayed_its_graph"]
+    # Its steps of 2 requests ran no KDA kernel inside a graph (and after the reloads no graph at all), but
+    # the kernels it ran are still the resolved backend's.
+    assert "2x" in failing["backend_resolved_kernels_in_every_step"]
+    assert "backend_no_kernels_of_other_backends" not in failing
+
+
+def test_an_eager_step_beside_a_replay_is_still_an_eager_step() -> None:
+    """A subtler liar replays the graph (so graph ids and launches look right) and runs the eager step too."""
+    windows = t.run()
+    for w in windows:
+        if w["label"] == "before decode 2x4":
+            eager, _ = t._steps((2, 4), 0, t.KDA["triton"], eager=True)
+            w["kernels"] += eager
+    failing, _, _ = _eval(windows)
+    assert set(failing) == {"capture_no_step_kernel_ran_eagerly", "capture_kda_kernels_only_in_graphs"}
+
+
+def test_triton_run_while_b12x_is_reported_fails_the_backend_conditions() -> None:
+    failing, _, _ = _eval(t.run("b12x", kda=t.KDA["triton"]), "b12x")
+    assert set(failing) == {"backend_resolved_kernels_in_every_step", "backend_no_kernels_of_other_backends"}
+    assert "triton" in failing["backend_no_kernels_of_other_backends"]
+
+
+def test_torch_run_while_b12x_is_reported_fails_for_the_missing_b12x_kernels() -> None:
+    failing, _, _ = _eval(t.run("b12x", kda=None), "b12x")
+    assert set(failing) == {"backend_resolved_kernels_in_every_step"}
+
+
+def test_b12x_kernels_under_a_torch_report_are_foreign() -> None:
+    failing, _, _ = _eval(t.run("torch", kda=t.KDA["b12x"]), "torch")
+    assert set(failing) == {"backend_no_kernels_of_other_backends"}
+
+
+def test_recapture_after_reload_fails_the_reload_conditions() -> None:
+    failing, _, _ = _eval(t.run(recapture=True))
+    assert set(failing) == {"reload_same_graphs_replayed", "reload_no_graph_instantiated"}
+    assert "same 8x4" in failing["reload_same_graphs_replayed"]
+
+
+def test_a_parameter_sized_allocation_in_a_reload_from_file_fails() -> None:
+    failing, _, _ = _eval(t.run(reload_alloc=t.WEIGHTS_BYTES))
+    assert set(failing) == {"reload_no_parameter_sized_allocation"}
+    small, _, _ = _eval(t.run(reload_alloc=8 << 20))  # scratch, well under a quarter of the weights
+    assert small == {}
+
+
+def test_a_silent_monitor_fails_every_condition_that_rests_on_it() -> None:
+    failing, found, _ = _eval(t.run(silent=True))
+    assert {
+        "capture_every_size_replayed_its_graph",
+        "capture_no_step_kernel_ran_eagerly",
+        "backend_resolved_kernels_in_every_step",
+        "reload_same_graphs_replayed",
+    } <= set(failing)
+
+
+def test_a_missing_window_fails_and_a_duplicate_label_cannot_replace_the_first() -> None:
+    windows = [w for w in t.run() if w["label"] != "after back decode 1x1"]
+    failing, _, _ = _eval(windows)
+    assert "reload_monitor_reported_every_window" in failing
+    # A second window with an honest label after a lying one: the first one counts.
+    lying = t.run(eager_requests=2)
+    honest = t.run()
+    failing, _, _ = _eval(lying + honest)
+    assert "capture_no_step_kernel_ran_eagerly" in failing
+
+
+def test_a_monitor_that_never_said_hello_or_lost_its_channel_fails() -> None:
+    failing, _, _ = _eval(t.run(), hello=None, lost="no hello from the monitor")
+    assert set(failing) == {"monitor_reported_from_the_engine"}
+    failing, _, _ = _eval(t.run(), lost="the monitor closed its channel")
+    assert "stopped reporting" in failing["monitor_reported_from_the_engine"]
+    no_cupti = {**t.HELLO, "error": "cupti-python not importable", "kinds": []}
+    failing, _, _ = _eval(t.run(), hello=no_cupti)
+    assert "CUPTI not recording" in failing["monitor_reported_from_the_engine"]
+
+
+def test_malformed_reports_are_missing_windows_not_passes() -> None:
+    bad = cupti.parse_window({"label": "x", "kernels": [{"graph": 1}]})
+    assert bad.missing and not bad.reported
+    assert cupti.parse_window("nope").missing
+
+
+def _monitor_check(found: dict[str, tuple[bool, str]], source: str = "monitored") -> dict[str, Any]:
+    conds = {k: {"holds": h, "source": source, "detail": d} for k, (h, d) in found.items()}
+    status = "pass" if all(h for h, _ in found.values()) else "fail"
+    return {"name": "monitor", "status": status, "conditions": conds}
+
+
+def test_the_gpu_verdict_requires_the_monitored_conditions() -> None:
+    from .test_verdict_policy import ALL_PASS
+
+    _, honest, _ = _eval(t.run())
+    results = [r if r["name"] != "monitor" else _monitor_check(honest) for r in ALL_PASS]
+    assert judge(results, "gpu").verdict == "qualified", judge(results, "gpu").reasons
+    # The same conditions on the engine's word do not do.
+    results = [r if r["name"] != "monitor" else _monitor_check(honest, "engine") for r in ALL_PASS]
+    j = judge(results, "gpu")
+    assert j.verdict == "rejected" and any("monitored" in r for r in j.reasons), j.reasons
+    # A run without the monitor's conditions (dropped, not failed) does not qualify either.
+    results = [r if r["name"] != "monitor" else {**r, "conditions": {}} for r in ALL_PASS]
+    assert any("no such condition" in r for r in judge(results, "gpu").reasons)
+
+
+def test_a_cpu_target_may_skip_the_monitor_and_a_gpu_target_may_not() -> None:
+    from .test_verdict_policy import with_status
+
+    assert judge(with_status("monitor", "skip"), "cpu").verdict == "qualified"
+    assert judge(with_status("monitor", "skip"), "gpu").verdict == "rejected"
