@@ -36,6 +36,7 @@ from qualify.launch.base import (
     harness_alive,
     harness_identity,
 )
+from qualify.launch.monitor import CONTAINER_DIR, EngineMonitor, monitor_enabled
 from qualify.shm import sweep_stale_shm
 
 CONTAINER_PORT = "8000/tcp"
@@ -150,18 +151,15 @@ class DockerLauncher(Launcher):
         self._refused = False
         self._boot_restarts = 0  # crashes before ready, restarted by the harness
         self._final: LaunchStatus | None = None
+        # The harness's CUDA activity monitor: its file mounted read-only, its socket in the run dir.
+        self.monitor = EngineMonitor(run_dir, enabled=monitor_enabled(self._env_source))
 
-    def command(self, kda_backend: str | None = None) -> list[str]:
-        return [
-            "python",
-            "-m",
-            "qualify.engine",
-            *self.options.serve_args(kda_backend),
-            "--host",
-            "0.0.0.0",
-            "--port",
-            "8000",
-        ]
+    def command(self, kda_backend: str | None = None, *, monitored: bool = False) -> list[str]:
+        """The engine's command; `monitored`: run through the monitor file mounted at CONTAINER_DIR."""
+        args = [*self.options.serve_args(kda_backend), "--host", "0.0.0.0", "--port", "8000"]
+        if monitored:
+            return ["python", f"{CONTAINER_DIR}/cupti_monitor.py", "qualify.engine", *args]
+        return ["python", "-m", "qualify.engine", *args]
 
     # ------------------------------------------------------------ lifecycle
     def _resolve_image(self) -> Any:
@@ -179,12 +177,13 @@ class DockerLauncher(Launcher):
         docker = _docker()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._image = self._resolve_image()
+        mon_env, mon_volumes = self.monitor.docker_mount()
         kwargs: dict[str, Any] = {
-            "command": self.command(),
+            "command": self.command(monitored=self.monitor.enabled),
             "detach": True,
             "name": f"qualify-engine-{self.run_id}",
             "labels": self.labels,
-            "environment": self.env,
+            "environment": {**self.env, **mon_env},
             "ipc_mode": "host",  # CUDA IPC between the engine and its KV-transfer peer
             # No daemon restarts until the engine is ready: a refusal at construction (exit 2) must not be
             # booted again, and the daemon's policy cannot tell it from a crash. The harness restarts a
@@ -193,6 +192,8 @@ class DockerLauncher(Launcher):
             "ports": {CONTAINER_PORT: ("127.0.0.1", None)},
             "shm_size": "1g",
         }
+        if mon_volumes:
+            kwargs["volumes"] = mon_volumes
         if self.mem_limit:
             kwargs.update(mem_limit=self.mem_limit, memswap_limit=self.mem_limit)
         if self.gpus:
@@ -356,6 +357,7 @@ class DockerLauncher(Launcher):
                 self._events.close()
         self._remove()
         self._remove_labelled()
+        self.monitor.close()
         sweep_stale_shm()  # ipc_mode=host: a killed engine's allocation files are in this host's /dev/shm
         self._final = final
         return final

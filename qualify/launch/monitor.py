@@ -18,8 +18,10 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import socket
 import stat
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -59,6 +61,7 @@ class EngineMonitor:
         self._sock: socket.socket | None = None
         self._child: socket.socket | None = None
         self._listener: socket.socket | None = None
+        self._sock_dir: Path | None = None
         self._buf = b""
         self.boots = 0
         self.hello: dict[str, Any] | None = None
@@ -92,10 +95,11 @@ class EngineMonitor:
         if not self.enabled:
             return {}, {}
         self.mode = "docker"
-        sock_dir = self.run_dir / "monitor-socket"
-        sock_dir.mkdir(parents=True, exist_ok=True)
+        # A Unix socket path has at most 107 bytes: a private directory under /tmp, not the run dir.
+        sock_dir = Path(tempfile.mkdtemp(prefix="qualify-monitor-"))
+        os.chmod(sock_dir, 0o755)
+        self._sock_dir = sock_dir
         path = sock_dir / "monitor.sock"
-        path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
         os.chmod(path, stat.S_IRWXU | stat.S_IRWXG | stat.S_IRWXO)  # the container's uid may differ
@@ -136,6 +140,9 @@ class EngineMonitor:
                 with contextlib.suppress(OSError):
                     self._listener.close()
                 self._listener = None
+            if self._sock_dir is not None:
+                shutil.rmtree(self._sock_dir, ignore_errors=True)
+                self._sock_dir = None
             if self._child is not None:
                 self._child.close()
                 self._child = None

@@ -20,6 +20,23 @@ OBSERVED = {
     "generation": ["replay_vs_eager", "before_vs_after_reload", "speculative_vs_plain"],
     "faults": ["no_restarts", "no_fatal_xid", "xid_watched", "engine_answers"],
 }
+# What the harness's CUDA activity monitor records in the same run: what examples/fleet.toml requires
+# monitored.
+MONITORED = {
+    "monitor": [
+        "monitor_reported_from_the_engine",
+        "capture_monitor_reported_every_window",
+        "capture_every_size_replayed_its_graph",
+        "capture_no_step_kernel_ran_eagerly",
+        "capture_kda_kernels_only_in_graphs",
+        "backend_resolved_kernels_in_every_step",
+        "backend_no_kernels_of_other_backends",
+        "reload_monitor_reported_every_window",
+        "reload_same_graphs_replayed",
+        "reload_no_graph_instantiated",
+        "reload_no_parameter_sized_allocation",
+    ]
+}
 SECONDS = {"boot": 2.5, "backend": 0.4, "layout": 1.1, "capture": 3.1, "reload": 4.2, "generation": 1.3}
 
 
@@ -60,10 +77,25 @@ def predicate(
         }
         for name, conditions in OBSERVED.items()
     ]
+    checks.insert(
+        5,
+        {
+            "name": "monitor",
+            "status": "pass",
+            "conditions": {
+                c: {"holds": True, "source": sources.get(f"monitor.{c}", "monitored"), "detail": None}
+                for c in MONITORED["monitor"]
+            },
+            "evidence": {},
+            "seconds": 2.1,  # not integral: canonical JSON would store 2.0 as an int
+        },
+    )
     if target == "cpu":  # as a CPU run records it: capture skipped, no Xid watch to demand
         for check in checks:
             if check["name"] == "capture":
                 check.update(status="skip", conditions={}, reason="CUDA graphs need a CUDA device")
+            if check["name"] == "monitor":
+                check.update(status="skip", conditions={}, reason="not applicable: a CPU target")
             check["conditions"].pop("xid_watched", None)
     if failed_check:
         for check in checks:

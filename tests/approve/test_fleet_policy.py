@@ -70,8 +70,33 @@ def test_a_policy_without_require_observed_keeps_its_digest() -> None:
     from receipts.canonical import sha256_hex
 
     loaded = parse_policy_text('name = "x"\nmin_hosts = 2\n', "toml")
-    before = {k: v for k, v in loaded.policy.model_dump(mode="json").items() if k != "require_observed"}
+    optional = ("require_observed", "require_monitored")
+    before = {k: v for k, v in loaded.policy.model_dump(mode="json").items() if k not in optional}
     assert loaded.digest == "sha256:" + sha256_hex(before)
     assert parse_policy_text('name = "x"\nmin_hosts = 2\nrequire_observed = ["a.b"]\n', "toml").digest != (
         loaded.digest
     )
+
+
+def test_the_fleet_requires_the_monitored_conditions_from_the_monitor(log: Log) -> None:
+    log.add(sources={"monitor.capture_every_size_replayed_its_graph": "engine"})
+    (evaluation,) = decide(log.store, fleet(min_hosts=1), SUBJECT).evaluations
+    assert evaluation.failures == [
+        "require_monitored monitor.capture_every_size_replayed_its_graph: source is engine, the policy "
+        "requires monitored or observed"
+    ]
+
+
+def test_a_cpu_receipt_has_no_monitored_conditions_and_the_fleet_says_so(log: Log) -> None:
+    log.add(target="cpu")
+    (evaluation,) = decide(log.store, fleet(min_hosts=1), SUBJECT).evaluations
+    assert "require_monitored 'monitor.capture_*': no such condition in the receipt" in evaluation.failures
+
+
+def test_require_monitored_accepts_observed_and_refuses_a_malformed_pattern(log: Log) -> None:
+    log.add(sources={"monitor.reload_same_graphs_replayed": "observed"})
+    loaded = parse_policy_text('require_monitored = ["monitor.reload_*"]\n', "toml")
+    (evaluation,) = decide(log.store, loaded, SUBJECT).evaluations
+    assert evaluation.failures == []
+    with pytest.raises(PolicyError, match="require_monitored"):
+        parse_policy_text('require_monitored = ["monitor"]\n', "toml")

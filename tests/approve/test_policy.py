@@ -146,6 +146,7 @@ def test_json_schema_describes_every_setting() -> None:
         "trusted_keyids",
         "mode",
         "require_observed",
+        "require_monitored",
     }
     assert schema["additionalProperties"] is False
 

@@ -16,7 +16,7 @@ from qualify.cli import main
 from qualify.report import collect, render
 from receipts.store import Store
 
-from .approve_predicates import OBSERVED
+from .approve_predicates import MONITORED, OBSERVED
 from .conftest import OTHER_SUBJECT, SUBJECT, Log
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -114,7 +114,7 @@ def test_report_renders_with_one_receipt(log: Log, tmp_path: Path) -> None:
     assert "verdict-qualified" in dots[0]["class"]
     assert dom.classed("div", "status")[0]["data-ok"] == "true"
     assert stat(dom, "receipts") == 1 and stat(dom, "hosts") == 1
-    assert len(dom.classed("line", "duration-range")) == len(OBSERVED)  # one per check
+    assert len(dom.classed("line", "duration-range")) == len(OBSERVED) + len(MONITORED)  # one per check
     assert len(dom.classed("circle", "checkpoint-dot")) == 2  # key trust, then the receipt
     assert "gpu-7" in dom.all_text
 

@@ -1,4 +1,5 @@
-"""The harness talks to the engine over HTTP only: importing all of it loads no torch, triton or engine."""
+"""The harness talks to the engine over HTTP only: importing all of it loads no torch, triton or engine, nor
+the CUDA activity monitor the engine's interpreter runs (qualify/monitor) or CUPTI."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ HARNESS = [
     "qualify.launch.docker",
     "qualify.watch.kmsg",
     "qualify.watch.nvml",
+    "qualify.watch.cupti",
+    "qualify.launch.monitor",
+    "qualify.checks.monitor",
 ]
 
 

@@ -143,3 +143,24 @@ def test_a_switched_off_monitor_gives_windows_that_say_so(tmp_path: Path) -> Non
     with mon.window("w") as w:
         pass
     assert "switched off" in w.report["missing"]
+
+
+def test_a_container_gets_the_monitor_file_read_only_and_a_socket_of_the_harness(tmp_path: Path) -> None:
+    from qualify.launch.base import EngineOptions
+    from qualify.launch.docker import DockerLauncher
+    from qualify.launch.monitor import CONTAINER_DIR
+
+    launcher = DockerLauncher(EngineOptions("tiny", "auto"), "img", tmp_path / "run")
+    cmd = launcher.command(monitored=True)
+    assert cmd[:3] == ["python", f"{CONTAINER_DIR}/cupti_monitor.py", "qualify.engine"] and "serve" in cmd
+    assert launcher.command()[:3] == ["python", "-m", "qualify.engine"]  # the refusal probe: no monitor
+    env, volumes = launcher.monitor.docker_mount()
+    try:
+        assert volumes[str(MONITOR_FILE.parent)] == {"bind": CONTAINER_DIR, "mode": "ro"}
+        (sock_dir,) = (k for k, v in volumes.items() if v["mode"] == "rw")
+        assert Path(sock_dir, "monitor.sock").exists() and env["QUALIFY_MONITOR_SOCKET"].endswith(
+            "monitor.sock"
+        )
+    finally:
+        launcher.monitor.close()
+    assert not Path(sock_dir).exists()

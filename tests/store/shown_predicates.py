@@ -64,6 +64,15 @@ def gpu_run(
             {"capture": {"captured": True, "sizes": [8, 4, 2, 1]}},
         ),
         check(
+            "monitor",
+            {
+                "capture_every_size_replayed_its_graph": cond(
+                    True, "monitored", "8x1: graphs [5], 5 launches"
+                ),
+                "reload_same_graphs_replayed": cond(True, "monitored", "the graphs captured before"),
+            },
+        ),
+        check(
             "generation",
             {"before_vs_after_reload": cond(True, "observed", "near tie at prompt 1 token 7")},
             {

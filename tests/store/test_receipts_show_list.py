@@ -66,6 +66,9 @@ def test_show_starts_with_the_facts_then_each_condition_and_its_source(
     assert re.search(r"✓ spans_equal_request\s+engine$", text, re.M)
     assert re.search(r"✓ chunk_is_lcm\s+derived\s+chunk 9216, lcm 9216$", text, re.M)
     assert re.search(r"✓ ready_within_timeout\s+observed\s+ready after 3.1 s$", text, re.M)
+    # The harness's CUDA activity monitor: its own source, and a fact row.
+    assert re.search(r"✓ reload_same_graphs_replayed\s+monitored\s+the graphs captured before$", text, re.M)
+    assert "2 of 2 monitored conditions hold" in text and "monitored = recorded inside the engine" in text
 
 
 def test_show_says_what_differed_when_a_check_failed(cli, sqlite_store, sqlite_url, operator) -> None:
