@@ -61,9 +61,8 @@ def run(ctx: Context) -> Outcome:
             "not applicable: a CPU target has no CUDA activity to monitor",
         )
     if mon is None:
-        cond = {
-            "monitor_reported_from_the_engine": monitored(False, f"the {ctx.launcher.kind} launcher starts none")
-        }
+        why = f"the {ctx.launcher.kind} launcher starts no monitor"
+        cond = {"monitor_reported_from_the_engine": monitored(False, why)}
         return fail_unless(cond, {})
     d = ctx.client.describe()
     backend = d.backend.resolved
