@@ -1,7 +1,9 @@
 """`qualify run` on the proxy preset with the local launcher, timed end to end; its JSON report, the wall
 time, every check condition with its source and (with --spec) the acceptance histogram the harness drove,
 read back from the stored receipt, are written to --out with the run's provenance; --show-out keeps the
-human `qualify receipts show` of that receipt."""
+human `qualify receipts show` of that receipt. --monitor-cost runs it a second time with the harness's CUDA
+activity monitor switched off (QUALIFY_MONITOR=off; that run cannot qualify on a GPU) and reports both wall
+times and every check's seconds side by side: the monitor's cost."""
 
 from __future__ import annotations
 
@@ -27,19 +29,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is stopped")
     ap.add_argument("--spec", default="none", help="none | mtp:N, passed to qualify run")
     ap.add_argument("--show-out", help="write `qualify receipts show` of the receipt here")
+    ap.add_argument("--monitor-cost", action="store_true", help="a second run without the CUDA monitor")
     args = ap.parse_args()
     cli = [*CLI, "--spec", args.spec]
-    cmd = [sys.executable, *cli]
-    start = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        sys.exit(f"qualify run did not finish within {args.timeout:.0f} s")
-    wall = time.perf_counter() - start
-    try:
-        report = json.loads(r.stdout)
-    except json.JSONDecodeError:
-        sys.exit(f"qualify run exited {r.returncode} without a JSON report: {r.stderr.strip()[-500:]}")
+    r, wall, report = _run([sys.executable, *cli], args.timeout, {})
     receipt = _receipt(report.get("receipt_id"), args.show_out)
     result = {
         "bench": "qualify_run",
@@ -49,7 +42,36 @@ def main() -> None:
         "run": report,
         **receipt,
     }
+    if args.monitor_cost:
+        r_off, wall_off, off = _run([sys.executable, *cli], args.timeout, {"QUALIFY_MONITOR": "off"})
+        seconds = {c["name"]: c["seconds"] for c in report.get("checks", [])}
+        seconds_off = {c["name"]: c["seconds"] for c in off.get("checks", [])}
+        result["monitor_cost"] = {
+            "wall_s_with_monitor": round(wall, 2),
+            "wall_s_without_monitor": round(wall_off, 2),
+            "exit_code_without_monitor": r_off.returncode,
+            "check_seconds": {k: [seconds.get(k), seconds_off.get(k)] for k in seconds},
+            "note": "[with, without]; without the monitor its check fails at once, so compare the others",
+        }
     write_result(result, args.out)
+
+
+def _run(
+    cmd: list[str], timeout: float, env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess, float, dict]:
+    start = time.perf_counter()
+    try:
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **env}
+        )
+    except subprocess.TimeoutExpired:
+        sys.exit(f"qualify run did not finish within {timeout:.0f} s")
+    wall = time.perf_counter() - start
+    try:
+        report = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        sys.exit(f"qualify run exited {r.returncode} without a JSON report: {r.stderr.strip()[-500:]}")
+    return r, wall, report
 
 
 def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
