@@ -43,7 +43,8 @@ MAX_COMMAND = 4096  # bytes of one command line from the harness
 BUFFER_BYTES = 8 << 20
 # Driver/runtime API calls whose records a window keeps (by name): graph creation, instantiation, launch.
 API_WORDS = ("GraphInstantiate", "GraphLaunch", "StreamBeginCapture", "StreamEndCapture", "GraphExecUpdate")
-KINDS = ("CONCURRENT_KERNEL", "MEMORY2", "DRIVER", "RUNTIME")
+KINDS = ("CONCURRENT_KERNEL", "MEMORY2")  # always, while a window is open
+API_KINDS = ("DRIVER", "RUNTIME")  # only where the graph calls cannot be selected one by one
 
 
 class Monitor:
@@ -61,6 +62,7 @@ class Monitor:
         self.api_ids: dict[tuple[int, int], str] = {}  # (domain, cbid) -> name, only the graph calls
         self.driver_kind = -1
         self.arm_errors: list[str] = []
+        self.api_mode = "none"  # selected: only the graph calls are recorded; all: every API call
 
     # ------------------------------------------------------------ CUPTI
     def start_cupti(self) -> None:
@@ -79,11 +81,13 @@ class Monitor:
                     continue
                 if any(w in name for w in API_WORDS):
                     self.api_ids[(domain, cbid)] = name
-        self.arm()
+        self.arm_errors = self.arm()  # once at start: the hello says whether recording works...
+        self.disarm()  # ...and nothing is recorded (nor costs the engine anything) outside windows
 
     def arm(self) -> list[str]:
-        """(Re-)register the buffer callbacks and enable the kinds: another CUPTI client in the process
-        (the torch profiler) may have replaced or disabled them. Returns the errors, also kept."""
+        """At every window's open: (re-)register the buffer callbacks and enable the kinds (another CUPTI
+        client in the process, the torch profiler behind the engine's /probe, may have replaced or disabled
+        them since). Returns the errors."""
         cupti = self.cupti
         if cupti is None:
             return [self.error or "no CUPTI"]
@@ -103,10 +107,40 @@ class Monitor:
         # inside graphs carry their graph id and node id).
         with contextlib.suppress(Exception):
             cupti.activity_disable(cupti.ActivityKind.GRAPH_TRACE)
+        # The graph calls only (cuptiActivityEnableDriverApi/RuntimeApi), else every API call of both kinds.
+        try:
+            for domain, cbid in self.api_ids:
+                fn = cupti.activity_enable_driver_api if domain == 1 else cupti.activity_enable_runtime_api
+                fn(cbid, 1)
+            self.api_mode = "selected" if self.api_ids else "none"
+        except Exception as exc:
+            errors.append(f"select API records: {exc}"[:200])
+            self.api_mode = "all"
+            for k in API_KINDS:
+                try:
+                    cupti.activity_enable(getattr(cupti.ActivityKind, k))
+                except Exception as exc2:
+                    errors.append(f"enable {k}: {exc2}"[:200])
+                    self.api_mode = "none"
+        if self.api_mode != "none":
+            enabled.append(f"API:{self.api_mode}")
         self.enabled = enabled
-        if not enabled:
-            self.error = "; ".join(errors) or "no activity kind could be enabled"
+        if "CONCURRENT_KERNEL" not in enabled:
+            self.error = "; ".join(errors) or "kernel records could not be enabled"
         return errors
+
+    def disarm(self) -> None:
+        """After a window: nothing more is recorded until the next one opens."""
+        cupti = self.cupti
+        if cupti is None:
+            return
+        for k in (*KINDS, *API_KINDS):
+            with contextlib.suppress(Exception):
+                cupti.activity_disable(getattr(cupti.ActivityKind, k))
+        for domain, cbid in self.api_ids:
+            with contextlib.suppress(Exception):
+                fn = cupti.activity_enable_driver_api if domain == 1 else cupti.activity_enable_runtime_api
+                fn(cbid, 0)
 
     def _buffer_requested(self):
         return BUFFER_BYTES, 0
@@ -183,6 +217,7 @@ class Monitor:
     def close(self, w: int) -> dict:
         t_close = self.now()
         flush_error = self.flush()
+        self.disarm()
         with self.lock:
             recs, self.records = self.records, []
             same = self.window == w
@@ -345,6 +380,8 @@ def start() -> Monitor | None:
             "cupti": version,
             "error": mon.error,
             "kinds": mon.enabled,
+            "api_mode": mon.api_mode,
+            "arm_errors": mon.arm_errors,
             "api_calls": sorted(set(mon.api_ids.values()))[:64],
             "torch_imported_before": "torch" in sys.modules,
         }

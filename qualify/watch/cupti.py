@@ -66,6 +66,11 @@ class Window:
         return self.missing is None and self.error is None and "CONCURRENT_KERNEL" in self.enabled
 
     @property
+    def api_traced(self) -> bool:
+        """The monitor recorded graph API calls (instantiate, launch, capture) in this window."""
+        return any(k.startswith("API:") for k in self.enabled)
+
+    @property
     def graph_ids(self) -> set[int]:
         return {k.graph for k in self.kernels if k.graph}
 
@@ -194,7 +199,8 @@ def capture_conditions(steps: Sequence[StepWindows], backend: str) -> dict[str, 
     own; no step kernel ran eagerly beside the graphs; the KDA kernels ran only inside graphs."""
     f = step_findings(steps, backend)
     silent = [p for p, x in f.items() if not x["reported"]]
-    no_graph = [p for p, x in f.items() if not x["graph_ids"] or x["graph_launch_calls"] < 1]
+    # The proof of a replay is the kernels CUPTI saw run with a graph id; the launch calls are evidence only.
+    no_graph = [p for p, x in f.items() if not x["graph_ids"]]
     ids: dict[str, set[int]] = {p: set(x["graph_ids"]) for p, x in f.items()}
     shared = sorted({p for p in ids for q in ids if p != q and ids[p] & ids[q]})
     eager = [
@@ -298,6 +304,9 @@ def reload_conditions(
         n = sum(w.calls("GraphInstantiate") + w.calls("StreamBeginCapture") for w in windows)
         if n:
             inst.append(f"{r.name}: {n}")
+        untraced = [w.label for w in windows if w.reported and not w.api_traced]
+        if untraced:  # no API records: an instantiation could not have been seen, so none is not proven
+            inst.append(f"{r.name}: graph API calls not traced in {untraced[:2]}")
         total = sum(r.reload.allocations)
         if r.from_file and total > limit:
             allocs.append(

@@ -21,7 +21,7 @@ HELLO = {
     "pid": 4242,
     "cupti": "13.0.1",
     "error": None,
-    "kinds": ["CONCURRENT_KERNEL", "MEMORY2", "DRIVER", "RUNTIME"],
+    "kinds": ["CONCURRENT_KERNEL", "MEMORY2", "API:selected"],
     "torch_imported_before": False,
 }
 

@@ -147,3 +147,10 @@ def test_a_cpu_target_may_skip_the_monitor_and_a_gpu_target_may_not() -> None:
 
     assert judge(with_status("monitor", "skip"), "cpu").verdict == "qualified"
     assert judge(with_status("monitor", "skip"), "gpu").verdict == "rejected"
+
+
+def test_no_instantiation_is_not_proven_where_the_graph_calls_were_not_traced() -> None:
+    windows = [{**w, "enabled": ["CONCURRENT_KERNEL", "MEMORY2"]} for w in t.run()]
+    failing, _, _ = _eval(windows)
+    assert set(failing) == {"reload_no_graph_instantiated"}
+    assert "not traced" in failing["reload_no_graph_instantiated"]

