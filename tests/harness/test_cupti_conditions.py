@@ -154,3 +154,14 @@ def test_no_instantiation_is_not_proven_where_the_graph_calls_were_not_traced() 
     failing, _, _ = _eval(windows)
     assert set(failing) == {"reload_no_graph_instantiated"}
     assert "not traced" in failing["reload_no_graph_instantiated"]
+
+
+def test_host_work_between_verify_steps_that_shares_some_step_kernels_is_not_an_eager_step() -> None:
+    """MTP drafting runs eagerly between verify steps with some of the step's kernels (norms, projections):
+    honest, and not what an eager step looks like (all of the graph's kernels, as often as the graph)."""
+    windows = t.run()
+    for w in windows:
+        if "decode" in w["label"] and w["label"].endswith("x4"):
+            w["kernels"] += [t._k("_rmsnorm_residual_kernel", 0, 6), t._k("linear_small_kernel", 0, 3)]
+    failing, _, _ = _eval(windows)
+    assert failing == {}, failing
