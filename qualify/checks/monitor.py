@@ -8,6 +8,7 @@ the capture, backend and reload checks as `engine` evidence. A CPU target has no
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from qualify.checks.base import PROMPTS, Check, Cond, Context, Outcome, fail_unless
@@ -42,14 +43,34 @@ def plans_of(d: Any) -> list[tuple[int, int]]:
     return plans
 
 
-def _prompts(n: int) -> list[str]:
-    return [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(n)]
+def _prompts(n: int, attempt: int = 1) -> list[str]:
+    return [f"{PROMPTS[(i + attempt - 1) % len(PROMPTS)]} #{i}.{attempt}" for i in range(n)]
 
 
-def _decode(ctx: Context, mon: Any, plan: tuple[int, int], label: str, max_tokens: int) -> None:
+def _decode(
+    ctx: Context, mon: Any, plan: tuple[int, int], label: str, max_tokens: int, attempt: int = 1
+) -> set:
+    """One graph-mode request of plan[0] prompts inside a window; the graph ids the monitor saw in it."""
     n, t = plan
-    with mon.window(label):
-        ctx.generate(_prompts(n), mode="graph", speculative=t > 1, max_tokens=max_tokens)
+    with mon.window(label) as w:
+        ctx.generate(_prompts(n, attempt), mode="graph", speculative=t > 1, max_tokens=max_tokens)
+    return cupti.parse_window(w.report).graph_ids
+
+
+def _steps(
+    ctx: Context, mon: Any, plan: tuple[int, int], phase: str, done: Callable[[set[int]], bool]
+) -> set:
+    """The decode windows of one plan and phase: again with other prompts (up to cupti.ATTEMPTS) until one
+    replayed the plan's own graph (`done`), since a request that ends early shrinks the batch."""
+    seen: set[int] = set()
+    for attempt in range(1, cupti.ATTEMPTS + 1):
+        ids = _decode(
+            ctx, mon, plan, cupti.label_step(phase, "decode", plan, attempt), DECODE_TOKENS, attempt
+        )
+        seen |= ids
+        if done(ids):
+            break
+    return seen
 
 
 def run(ctx: Context) -> Outcome:
@@ -72,9 +93,16 @@ def run(ctx: Context) -> Outcome:
             "capture_every_size_replayed_its_graph": monitored(False, f"no captured graphs (plans {plans})")
         }
         return fail_unless(cond, {"monitor": mon.status()})
-    for p in plans:  # the steps at every captured plan: prefill only, then with decode/verify steps
+    # The steps at every captured plan, fewest requests first (a plan's own graph is what no smaller plan
+    # replayed): prefill only, then with decode/verify steps.
+    own: dict[tuple[int, int], set[int]] = {}
+    smaller: dict[int, set[int]] = {}
+    for p in sorted(plans, key=lambda p: (p[1], p[0])):
         _decode(ctx, mon, p, cupti.label_step("before", "baseline", p), 1)
-        _decode(ctx, mon, p, cupti.label_step("before", "decode", p), DECODE_TOKENS)
+        before = smaller.setdefault(p[1], set())
+        ids = _steps(ctx, mon, p, "before", lambda ids, b=before: bool(ids - b))
+        own[p] = ids - before
+        before |= ids
     seed = int(d.config.get("seed", 0)) + OTHER_SEED_OFFSET
     same_path = None
     for name in cupti.RELOADS:
@@ -85,11 +113,9 @@ def run(ctx: Context) -> Outcome:
             resp = ctx.client.reload(req, timeout_s=ctx.remaining())
         same_path = same_path or resp.weights_path
         for p in plans:
-            _decode(ctx, mon, p, cupti.label_step(f"after {name}", "decode", p), DECODE_TOKENS)
+            _steps(ctx, mon, p, f"after {name}", lambda ids, mine=own.get(p, set()): bool(ids & mine))
     weights_bytes = (ctx.facts.get("weights_file") or {}).get("bytes")
-    found, evidence = cupti.evaluate(
-        mon.windows, plans, backend, weights_bytes, mon.hello, mon.lost, DECODE_TOKENS
-    )
+    found, evidence = cupti.evaluate(mon.windows, plans, backend, weights_bytes, mon.hello, mon.lost)
     conds = {name: monitored(holds, detail) for name, (holds, detail) in found.items()}
     return fail_unless(conds, {"monitor": {**mon.status(), "file_sha256": monitor_file_digest()}, **evidence})
 

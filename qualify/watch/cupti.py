@@ -148,70 +148,100 @@ def foreign_names(names: Iterable[str], backend: str) -> dict[str, list[str]]:
 
 
 # ------------------------------------------------------------ the steps at each captured size
+ATTEMPTS = 3  # decode windows per plan and phase at most: a request that ends early (EOS) shrinks the batch
+
+
 @dataclass
 class StepWindows:
-    """For one captured plan (requests, tokens per request): a prefill-only window (max_tokens 1) and a
-    window with decode/verify steps, both asked in graph mode with the same prompts."""
+    """For one captured plan (requests, tokens per request): a prefill-only window (max_tokens 1) and up to
+    ATTEMPTS windows with decode/verify steps, all asked in graph mode (a next attempt, with other prompts,
+    only where the one before did not replay the plan's own graph)."""
 
     plan: tuple[int, int]
     baseline: Window
-    decode: Window
-    steps: int  # decode/verify steps the harness asked for at least (max_tokens - 1 for plain decode)
+    decodes: list[Window]
+
+    @property
+    def graph_ids(self) -> set[int]:
+        return set().union(*(w.graph_ids for w in self.decodes)) if self.decodes else set()
 
 
 def _fmt_plan(p: tuple[int, int]) -> str:
     return f"{p[0]}x{p[1]}"
 
 
+def own_graphs(steps: Sequence[StepWindows]) -> dict[tuple[int, int], set[int]]:
+    """Each plan's own graphs: the ids its decode windows replayed that no window of a plan with fewer
+    requests (same tokens per request) replayed. Requests that end early leave the batch, so a window of
+    8 requests may go on in the graphs of 4, 2 and 1; its first steps are in the graph of 8 alone."""
+    out: dict[tuple[int, int], set[int]] = {}
+    for tpr in sorted({s.plan[1] for s in steps}):
+        seen: set[int] = set()
+        for s in sorted((s for s in steps if s.plan[1] == tpr), key=lambda s: s.plan[0]):
+            out[s.plan] = s.graph_ids - seen
+            seen |= s.graph_ids
+    return out
+
+
 def step_findings(steps: Sequence[StepWindows], backend: str) -> dict[str, Any]:
-    """Per plan: graph launches, graph ids, kernels in and out of graphs, the step kernels launched eagerly
-    beyond the prefill-only baseline, the KDA kernels seen in graphs and outside them."""
+    """Per plan: its own graphs, every graph id replayed, kernels in and out of graphs, the step kernels run
+    eagerly beyond the prefill-only baseline, the KDA kernels seen in graphs and outside them."""
     graph_names: set[str] = set()
     for s in steps:
-        graph_names |= s.decode.names(in_graph=True)
+        for d in s.decodes:
+            graph_names |= d.names(in_graph=True)
+    own = own_graphs(steps)
     out: dict[str, Any] = {}
     for s in steps:
-        d, b = s.decode, s.baseline
-        in_graph = d.launches(in_graph=True)
-        own = d.names(in_graph=True) or graph_names  # no graph at this plan: the other plans' step kernels
-        eager_names = sorted(
-            n
-            for n in own
-            if d.launches(in_graph=False, names={n}) - b.launches(in_graph=False, names={n})
-            >= EAGER_RATE * max(1, d.launches(in_graph=True, names={n}))
-        )
-        sig_all = signature_names(d.names() | b.names(), backend)
-        sig_in = signature_names(d.names(in_graph=True), backend)
-        sig_out = d.launches(in_graph=False, names=sig_all) - b.launches(in_graph=False, names=sig_all)
+        b = s.baseline
+        eager: list[str] = []  # of the attempt that ran the largest share of its step kernels eagerly
+        n_names, share, kda_out = 0, -1.0, 0
+        for d in s.decodes:
+            names = d.names(in_graph=True) or graph_names  # no graph in it: the other plans' step kernels
+            run_eagerly = sorted(
+                n
+                for n in names
+                if d.launches(in_graph=False, names={n}) - b.launches(in_graph=False, names={n})
+                >= EAGER_RATE * max(1, d.launches(in_graph=True, names={n}))
+            )
+            if len(run_eagerly) / max(1, len(names)) > share:
+                eager, n_names, share = run_eagerly, len(names), len(run_eagerly) / max(1, len(names))
+            sig = signature_names(d.names() | b.names(), backend)
+            kda_out = max(
+                kda_out, d.launches(in_graph=False, names=sig) - b.launches(in_graph=False, names=sig)
+            )
+        in_graph = min((d.launches(in_graph=True) for d in s.decodes), default=0)
+        windows = [b, *s.decodes]
+        all_names: set[str] = set().union(*(w.names() for w in windows))
         out[_fmt_plan(s.plan)] = {
-            "reported": d.reported and b.reported,
-            "why_not": d.missing or d.error or b.missing or b.error,
-            "graph_launch_calls": d.calls("GraphLaunch") - b.calls("GraphLaunch"),
-            "graph_ids": sorted(d.graph_ids),
-            "kernel_launches_in_graphs": in_graph,
-            "kernel_launches_outside": d.launches(in_graph=False),
-            "step_kernel_names": len(own),
-            "step_kernel_names_run_eagerly": eager_names[:20],
-            "step_kernel_names_run_eagerly_count": len(eager_names),
-            "kda_kernels_in_graphs": sorted(sig_in),
-            "kda_launches_outside_graphs": max(0, sig_out),
-            "foreign_kda_kernels": foreign_names(d.names() | b.names(), backend),
-            "instantiations": d.calls("GraphInstantiate") + b.calls("GraphInstantiate"),
-            "truncated": d.truncated or b.truncated,
-            "steps_asked": s.steps,
+            "reported": bool(s.decodes) and all(w.reported for w in windows),
+            "why_not": next((w.missing or w.error for w in windows if w.missing or w.error), None),
+            "attempts": len(s.decodes),
+            "own_graphs": sorted(own.get(s.plan, set())),
+            "graph_ids": sorted(s.graph_ids),
+            "graph_launch_calls": sum(d.calls("GraphLaunch") for d in s.decodes),
+            "kernel_launches_in_graphs": in_graph,  # the least of its attempts
+            "kernel_launches_outside": sum(d.launches(in_graph=False) for d in s.decodes),
+            "step_kernel_names": n_names,
+            "step_kernel_names_run_eagerly": eager[:20],
+            "step_kernel_names_run_eagerly_count": len(eager),
+            "kda_kernels_in_graphs": sorted(
+                set().union(*(signature_names(d.names(in_graph=True), backend) for d in s.decodes))
+            ),
+            "kda_launches_outside_graphs": max(0, kda_out),
+            "foreign_kda_kernels": foreign_names(all_names, backend),
+            "instantiations": sum(w.calls("GraphInstantiate") for w in windows),
+            "truncated": any(w.truncated for w in windows),
         }
     return out
 
 
 def capture_conditions(steps: Sequence[StepWindows], backend: str) -> dict[str, tuple[bool, str]]:
-    """(holds, detail) for: every window reported; every captured plan's decode steps replayed a graph of its
-    own; no step kernel ran eagerly beside the graphs; the KDA kernels ran only inside graphs."""
+    """(holds, detail) for: every window reported; every captured plan replayed a graph of its own; no
+    attempt ran its step eagerly beside (or instead of) the graphs; the KDA kernels ran only inside graphs."""
     f = step_findings(steps, backend)
     silent = [p for p, x in f.items() if not x["reported"]]
-    # The proof of a replay is the kernels CUPTI saw run with a graph id; the launch calls are evidence only.
-    no_graph = [p for p, x in f.items() if not x["graph_ids"]]
-    ids: dict[str, set[int]] = {p: set(x["graph_ids"]) for p, x in f.items()}
-    shared = sorted({p for p in ids for q in ids if p != q and ids[p] & ids[q]})
+    no_graph = [p for p, x in f.items() if not x["own_graphs"]]
     eager = [
         f"{p}: {x['step_kernel_names_run_eagerly_count']} of {x['step_kernel_names']} step kernels run "
         f"outside graphs (e.g. {x['step_kernel_names_run_eagerly'][:3]}), {x['kernel_launches_in_graphs']} "
@@ -223,27 +253,20 @@ def capture_conditions(steps: Sequence[StepWindows], backend: str) -> dict[str, 
     kda_out = [
         f"{p}: {x['kda_launches_outside_graphs']}" for p, x in f.items() if x["kda_launches_outside_graphs"]
     ]
-    plans = ", ".join(f) or "none"
+    why_silent = next((f[p]["why_not"] for p in silent), None)
+    replayed = "; ".join(f"{p}: own graphs {x['own_graphs']} of {x['graph_ids']}" for p, x in f.items())
     return {
         "capture_monitor_reported_every_window": (
             bool(f) and not silent,
-            f"silent for {silent}: {next((f[p]['why_not'] for p in silent), None)}"
-            if silent
-            else f"plans {plans}",
+            f"silent for {silent}: {why_silent}" if silent else f"plans {', '.join(f) or 'none'}",
         ),
         "capture_every_size_replayed_its_graph": (
-            bool(f) and not silent and not no_graph and not shared,
-            f"no graph replayed for {no_graph}"
-            if no_graph
-            else f"graph ids shared by {shared}"
-            if shared
-            else "; ".join(
-                f"{p}: graphs {x['graph_ids']}, {x['graph_launch_calls']} launches" for p, x in f.items()
-            ),
+            bool(f) and not silent and not no_graph,
+            f"no graph of its own replayed for {no_graph}" if no_graph else replayed,
         ),
         "capture_no_step_kernel_ran_eagerly": (
             bool(f) and not silent and not eager,
-            "; ".join(eager) if eager else "step kernels outside graphs only as in the prefill-only baseline",
+            "; ".join(eager) if eager else "step kernels outside graphs only as host work beside them",
         ),
         "capture_kda_kernels_only_in_graphs": (
             bool(f) and not silent and not kda_out,
@@ -261,7 +284,7 @@ def backend_conditions(steps: Sequence[StepWindows], backend: str) -> dict[str, 
     foreign: dict[str, list[str]] = {}
     for x in f.values():
         for other, names in x["foreign_kda_kernels"].items():
-            foreign.setdefault(other, sorted(set(foreign.get(other, [])) | set(names)))
+            foreign[other] = sorted(set(foreign.get(other, [])) | set(names))
     seen = sorted({n for x in f.values() for n in x["kda_kernels_in_graphs"]})
     own = (
         f"{backend} kernels in the graphs of every plan: {seen}"
@@ -283,34 +306,32 @@ def backend_conditions(steps: Sequence[StepWindows], backend: str) -> dict[str, 
 # ------------------------------------------------------------ reloads
 @dataclass
 class ReloadWindows:
-    """One in-place reload: the window around the reload request, and a decode window per plan after it."""
+    """One in-place reload: the window around the reload request, and the decode windows per plan after it."""
 
     name: str  # same | other | back
     reload: Window
-    after: dict[tuple[int, int], Window]
+    after: dict[tuple[int, int], list[Window]]
     from_file: bool  # loaded from a weights file (same, back); "other" generates weights on the device
 
 
 def reload_conditions(
     before: Sequence[StepWindows], reloads: Sequence[ReloadWindows], weights_bytes: int | None
 ) -> dict[str, tuple[bool, str]]:
-    """After each in-place reload: the graphs replayed are the ones captured before it (per plan), no graph
-    was instantiated (nor a stream captured) in the reload or after it, and a reload from a file allocated
-    no parameter-sized device memory."""
-    ids_before = {s.plan: s.decode.graph_ids for s in before}
+    """After each in-place reload: every graph replayed is one captured before it, and each plan replays its
+    own graph again; no graph was instantiated (nor a stream captured) in the reload or after it; a reload
+    from a file allocated no parameter-sized device memory."""
+    own = own_graphs(before)
+    captured: set[int] = set().union(*(s.graph_ids for s in before)) if before else set()
     silent, changed, inst, allocs = [], [], [], []
-    limit = (
-        max(RELOAD_ALLOC_FLOOR, int(RELOAD_ALLOC_SHARE * weights_bytes))
-        if weights_bytes
-        else RELOAD_ALLOC_FLOOR
-    )
+    limit = max(RELOAD_ALLOC_FLOOR, int(RELOAD_ALLOC_SHARE * (weights_bytes or 0)))
     for r in reloads:
-        windows = [r.reload, *r.after.values()]
+        windows = [r.reload, *(w for ws in r.after.values() for w in ws)]
         silent += [f"{r.name}:{w.label}" for w in windows if not w.reported]
-        for plan, w in r.after.items():
-            want = ids_before.get(plan, set())
-            if not w.graph_ids or not want or not w.graph_ids <= want:
-                changed.append(f"{r.name} {_fmt_plan(plan)}: {sorted(w.graph_ids)} (before {sorted(want)})")
+        for plan, ws in r.after.items():
+            ids = set().union(*(w.graph_ids for w in ws)) if ws else set()
+            mine = own.get(plan, set())
+            if not ids or not mine or not ids <= captured or not ids & mine:
+                changed.append(f"{r.name} {_fmt_plan(plan)}: {sorted(ids)} (its own {sorted(mine)})")
         n = sum(w.calls("GraphInstantiate") + w.calls("StreamBeginCapture") for w in windows)
         if n:
             inst.append(f"{r.name}: {n}")
@@ -330,7 +351,7 @@ def reload_conditions(
         ),
         "reload_same_graphs_replayed": (
             ok and not changed,
-            "; ".join(changed[:4]) or "the graphs captured before",
+            "; ".join(changed[:4]) or f"only graphs captured before ({len(captured)}), each plan its own",
         ),
         "reload_no_graph_instantiated": (
             ok and not inst,
@@ -361,16 +382,14 @@ def hello_condition(hello: dict[str, Any] | None, lost: str | None) -> tuple[boo
 #   "before baseline NxT", "before decode NxT"          the steps at each captured plan
 #   "reload same|other|back"                             the reload request itself
 #   "after same|other|back decode NxT"                   the steps after it
+# A decode window that did not replay its plan's own graph (a request ended early) is tried again with other
+# prompts, up to ATTEMPTS in all: "... decode NxT #2", "#3"; every attempt counts against the engine.
 RELOADS = ("same", "other", "back")
 
 
-def label_step(phase: str, kind: str, plan: tuple[int, int]) -> str:
-    return f"{phase} {kind} {plan[0]}x{plan[1]}"
-
-
-def decode_steps(plan: tuple[int, int], max_tokens: int) -> int:
-    """Decode/verify steps a request of `max_tokens` makes at least after its prefill."""
-    return 1 if plan[1] > 1 else max_tokens - 1
+def label_step(phase: str, kind: str, plan: tuple[int, int], attempt: int = 1) -> str:
+    """`before decode 8x4`; a later attempt of the same window: `before decode 8x4 #2`."""
+    return f"{phase} {kind} {plan[0]}x{plan[1]}" + (f" #{attempt}" if attempt > 1 else "")
 
 
 def evaluate(
@@ -380,7 +399,6 @@ def evaluate(
     weights_bytes: int | None,
     hello: dict[str, Any] | None,
     lost: str | None,
-    max_tokens: int,
 ) -> tuple[dict[str, tuple[bool, str]], dict[str, Any]]:
     """Every monitored condition of a run, and the evidence the receipt keeps, from its window reports."""
     by_label: dict[str, Window] = {}
@@ -391,21 +409,18 @@ def evaluate(
     def get(label: str) -> Window:
         return by_label.get(label) or Window(label, missing="no window with this label was reported")
 
-    before = [
-        StepWindows(
-            p,
-            get(label_step("before", "baseline", p)),
-            get(label_step("before", "decode", p)),
-            decode_steps(p, max_tokens),
-        )
-        for p in plans
-    ]
+    def attempts(phase: str, p: tuple[int, int]) -> list[Window]:
+        found = [
+            by_label[x]
+            for k in range(1, ATTEMPTS + 1)
+            if (x := label_step(phase, "decode", p, k)) in by_label
+        ]
+        return found or [get(label_step(phase, "decode", p))]
+
+    before = [StepWindows(p, get(label_step("before", "baseline", p)), attempts("before", p)) for p in plans]
     reloads = [
         ReloadWindows(
-            r,
-            get(f"reload {r}"),
-            {p: get(label_step(f"after {r}", "decode", p)) for p in plans},
-            from_file=r != "other",
+            r, get(f"reload {r}"), {p: attempts(f"after {r}", p) for p in plans}, from_file=r != "other"
         )
         for r in RELOADS
     ]
@@ -422,7 +437,9 @@ def evaluate(
         "steps": step_findings(before, backend),
         "reloads": {
             r.name: {
-                "graph_ids_after": {_fmt_plan(p): sorted(w.graph_ids) for p, w in r.after.items()},
+                "graph_ids_after": {
+                    _fmt_plan(p): sorted(set().union(*(w.graph_ids for w in ws))) for p, ws in r.after.items()
+                },
                 "instantiations": r.reload.calls("GraphInstantiate"),
                 "allocated_bytes": sum(r.reload.allocations),
                 "allocations": len(r.reload.allocations),

@@ -81,7 +81,7 @@ def run(
     kda = KDA[backend] if kda == "" else kda
     graph_of = {p: i + 1 for i, p in enumerate(PLANS)}
     out = []
-    for p in PLANS:
+    for p in sorted(PLANS, key=lambda p: (p[1], p[0])):  # the check's order: fewest requests first
         eager = p[0] == eager_requests
         out.append(_window(f"before baseline {p[0]}x{p[1]}", _prefill()))
         ks, api = _steps(p, graph_of[p], kda, eager=eager)

@@ -17,7 +17,7 @@ from . import monitor_traces as t
 def _eval(
     windows: list[dict[str, Any]], backend: str = "triton", hello: Any = t.HELLO, lost: str | None = None
 ):
-    found, evidence = cupti.evaluate(windows, t.PLANS, backend, t.WEIGHTS_BYTES, hello, lost, t.DECODE_TOKENS)
+    found, evidence = cupti.evaluate(windows, t.PLANS, backend, t.WEIGHTS_BYTES, hello, lost)
     return {k: v[1] for k, v in found.items() if not v[0]}, found, evidence
 
 
@@ -165,3 +165,40 @@ def test_host_work_between_verify_steps_that_shares_some_step_kernels_is_not_an_
             w["kernels"] += [t._k("_rmsnorm_residual_kernel", 0, 6), t._k("linear_small_kernel", 0, 3)]
     failing, _, _ = _eval(windows)
     assert failing == {}, failing
+
+
+def test_requests_that_end_early_go_on_in_smaller_graphs_and_that_is_honest() -> None:
+    """A request that stops at EOS leaves the batch: a window of 8 requests goes on in the graphs of 4 and 2,
+    and after other weights in other ones; each plan still replayed its own graph, and only captured ones."""
+    windows = t.run()
+    for w in windows:
+        if w["label"] == "before decode 8x4":
+            w["kernels"] += [t._k(n, 2, 6, 6) for n in t.STEP] + [t._k(n, 4, 6, 6) for n in t.STEP]
+        if w["label"] == "after other decode 8x4":
+            w["kernels"] += [t._k(n, 3, 6, 6) for n in t.STEP]
+    failing, _, evidence = _eval(windows)
+    assert failing == {}, failing
+    assert evidence["steps"]["8x4"]["own_graphs"] == [1] and evidence["steps"]["8x4"]["graph_ids"] == [
+        1,
+        2,
+        4,
+    ]
+
+
+def test_an_attempt_without_its_own_graph_is_tried_again_and_every_attempt_counts() -> None:
+    windows = t.run()
+    first = next(w for w in windows if w["label"] == "before decode 8x4")
+    retry = {**first, "label": "before decode 8x4 #2"}
+    first["kernels"] = [
+        k if not k["graph"] else {**k, "graph": 2} for k in first["kernels"]
+    ]  # only 4's graph
+    windows.insert(windows.index(first) + 1, retry)
+    assert _eval(windows)[0] == {}
+    # An attempt that ran the step eagerly fails the plan, whatever the next attempt shows.
+    eager, _ = t._steps((8, 4), 0, t.KDA["triton"], eager=True)
+    first["kernels"] = t._prefill() + eager
+    failing, _, _ = _eval(windows)
+    assert (
+        "capture_no_step_kernel_ran_eagerly" in failing
+        and "8x4" in failing["capture_no_step_kernel_ran_eagerly"]
+    )

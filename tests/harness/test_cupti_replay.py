@@ -51,7 +51,7 @@ def test_a_recorded_run_judged_again_from_its_windows(run: str) -> None:
     mon = ev["monitor"]
     plans = [tuple(p) for p in ev["plans"]]
     found, _ = cupti.evaluate(
-        windows, plans, ev["backend"], ev.get("weights_bytes"), mon.get("hello"), mon.get("lost"), 6
+        windows, plans, ev["backend"], ev.get("weights_bytes"), mon.get("hello"), mon.get("lost")
     )
     stored = {k: c["holds"] for k, c in check["conditions"].items()}
     assert {k: v[0] for k, v in found.items()} == stored

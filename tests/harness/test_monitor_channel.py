@@ -94,7 +94,7 @@ def test_a_silenced_monitor_answers_with_empty_windows_that_fail_the_conditions(
         proc.wait()
         mon.close()
     assert w.empty and w.missing is None
-    steps = [cupti.StepWindows((1, 1), w, w, 5)]
+    steps = [cupti.StepWindows((1, 1), w, [w])]
     found = cupti.capture_conditions(steps, "triton")
     assert not found["capture_every_size_replayed_its_graph"][0]
 

@@ -26,11 +26,18 @@ class ScriptedMonitor:
         mon = self
 
         class W:
+            report: dict[str, Any] = {}
+
             def __enter__(self) -> W:
                 return self
 
             def __exit__(self, *exc: object) -> None:
-                mon.windows.append(mon.by_label.get(label, {"label": label, "missing": "not scripted"}))
+                base = label.split(" #")[0]  # a later attempt: the same window again
+                self.report = mon.by_label.get(label) or {
+                    **mon.by_label.get(base, {"missing": "not scripted"})
+                }
+                self.report["label"] = label
+                mon.windows.append(self.report)
 
         return W()
 
