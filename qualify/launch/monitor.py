@@ -209,8 +209,12 @@ class EngineMonitor:
             if self._sock is not None and self.lost is None:
                 try:
                     self._sock.sendall(json.dumps({"t": "open", "w": w}).encode() + b"\n")
-                    msg = self._read_message(time.monotonic() + timeout_s)
-                    if msg is None or msg.get("t") != "opened" or msg.get("w") != w:
+                    deadline = time.monotonic() + timeout_s
+                    while True:  # a late report of an earlier window may come first: skip it
+                        msg = self._read_message(deadline)
+                        if msg is None or (msg.get("t") == "opened" and msg.get("w") == w):
+                            break
+                    if msg is None:
                         self.lost = self.lost or f"window {w} ({label}) was not opened by the monitor"
                 except OSError as exc:
                     self.lost = f"the monitor channel failed: {exc}"

@@ -40,6 +40,7 @@ MAX_API = 2048  # graph API calls per window
 MAX_MEMORY = 4096  # allocation / free records per window
 MAX_NAME = 400  # characters of a kernel name
 MAX_COMMAND = 4096  # bytes of one command line from the harness
+MAX_RECORDS = 2_000_000  # raw records held for one open window (beyond: counted, the report truncated)
 BUFFER_BYTES = 8 << 20
 # Driver/runtime API calls whose records a window keeps (by name): graph creation, instantiation, launch.
 API_WORDS = ("GraphInstantiate", "GraphLaunch", "StreamBeginCapture", "StreamEndCapture", "GraphExecUpdate")
@@ -54,6 +55,7 @@ class Monitor:
         self.send_lock = threading.Lock()
         self.records: list[tuple] = []
         self.dropped = 0  # records that arrived while no window was open
+        self.overflow = 0  # records of an open window beyond MAX_RECORDS
         self.window: int | None = None
         self.t_open = 0
         self.cupti = None
@@ -127,6 +129,8 @@ class Monitor:
         self.enabled = enabled
         if "CONCURRENT_KERNEL" not in enabled:
             self.error = "; ".join(errors) or "kernel records could not be enabled"
+        else:
+            self.error = None
         return errors
 
     def disarm(self) -> None:
@@ -186,6 +190,8 @@ class Monitor:
         with self.lock:
             if self.window is None:
                 self.dropped += len(out)
+            elif len(self.records) + len(out) > MAX_RECORDS:
+                self.overflow += len(out)
             else:
                 self.records.extend(out)
 
@@ -210,6 +216,7 @@ class Monitor:
         self.flush()
         with self.lock:
             self.records = []
+            self.overflow = 0
             self.window = w
             self.t_open = self.now()
             self.arm_errors = errors
@@ -220,11 +227,15 @@ class Monitor:
         self.disarm()
         with self.lock:
             recs, self.records = self.records, []
+            overflow, self.overflow = self.overflow, 0
             same = self.window == w
             self.window = None
             t_open = self.t_open
         report = summarise(recs, t_open, t_close)
+        if overflow:
+            report["truncated"] = True
         report.update(
+            records_over_limit=overflow,
             t="window",
             w=w,
             opened=same,
@@ -232,7 +243,7 @@ class Monitor:
             t_close=t_close,
             enabled=list(self.enabled),
             dropped_outside=self.dropped,
-            error=self.error if self.cupti is None else flush_error,
+            error=self.error or flush_error,
             arm_errors=self.arm_errors,
         )
         return report

@@ -66,7 +66,22 @@ class Window:
     # ------------------------------------------------------------ views
     @property
     def reported(self) -> bool:
-        return self.missing is None and self.error is None and "CONCURRENT_KERNEL" in self.enabled
+        """A complete report with kernels recorded. A truncated one is not: flooding a window with distinct
+        launches must not push the kernels that matter out of it."""
+        return (
+            self.missing is None
+            and self.error is None
+            and "CONCURRENT_KERNEL" in self.enabled
+            and not self.truncated
+        )
+
+    @property
+    def why_not(self) -> str | None:
+        if self.reported:
+            return None
+        if self.truncated:
+            return "the report was truncated at the monitor's bounds"
+        return self.missing or self.error or f"kernel records not enabled ({list(self.enabled)})"
 
     @property
     def api_traced(self) -> bool:
@@ -215,7 +230,7 @@ def step_findings(steps: Sequence[StepWindows], backend: str) -> dict[str, Any]:
         all_names: set[str] = set().union(*(w.names() for w in windows))
         out[_fmt_plan(s.plan)] = {
             "reported": bool(s.decodes) and all(w.reported for w in windows),
-            "why_not": next((w.missing or w.error for w in windows if w.missing or w.error), None),
+            "why_not": next((w.why_not for w in windows if w.why_not), None),
             "attempts": len(s.decodes),
             "own_graphs": sorted(own.get(s.plan, set())),
             "graph_ids": sorted(s.graph_ids),

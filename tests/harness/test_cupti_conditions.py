@@ -202,3 +202,10 @@ def test_an_attempt_without_its_own_graph_is_tried_again_and_every_attempt_count
         "capture_no_step_kernel_ran_eagerly" in failing
         and "8x4" in failing["capture_no_step_kernel_ran_eagerly"]
     )
+
+
+def test_a_truncated_window_proves_nothing() -> None:
+    """A liar could flood a window with distinct launches until the eager step falls past the bounds."""
+    windows = [{**w, "truncated": True} if w["label"] == "before decode 2x4" else w for w in t.run()]
+    failing, _, _ = _eval(windows)
+    assert "truncated" in failing["capture_monitor_reported_every_window"]
