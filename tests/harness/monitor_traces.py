@@ -14,7 +14,7 @@ DECODE_TOKENS = 6
 WEIGHTS_BYTES = 2_900_000_000
 KDA = {"triton": "_kda_decode_kernel", "b12x": "kernel_cutlass_gdn_decode_kda_0", "torch": None}
 STEP = ["_rmsnorm_residual_kernel", "linear_small_kernel", "_conv_state_kernel", "_select_attn_kernel"]
-PREFILL = ["chunk_kda_fwd_kernel", "_rmsnorm_residual_kernel", "linear_small_kernel", "gemm_sm90"]
+PREFILL = ["inter_solve_kernel", "_rmsnorm_residual_kernel", "linear_small_kernel", "gemm_sm90"]
 HELLO = {
     "t": "hello",
     "v": 1,

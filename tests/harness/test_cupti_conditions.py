@@ -209,3 +209,21 @@ def test_a_truncated_window_proves_nothing() -> None:
     windows = [{**w, "truncated": True} if w["label"] == "before decode 2x4" else w for w in t.run()]
     failing, _, _ = _eval(windows)
     assert "truncated" in failing["capture_monitor_reported_every_window"]
+
+
+def test_the_signatures_keep_the_backends_apart() -> None:
+    assert cupti.signature_names(["_kda_decode_kernel"], "triton") == {"_kda_decode_kernel"}
+    assert cupti.signature_names(["_kda_decode_kernel"], "b12x") == set()
+    assert cupti.signature_names([t.KDA["b12x"], "kernel_cutlass_kda_verify_0"], "b12x") == {
+        t.KDA["b12x"],
+        "kernel_cutlass_kda_verify_0",
+    }
+    # The engine's other Triton kernels (prefill, fused glue) are no backend's signature.
+    glue = [
+        "_rmsnorm_kernel",
+        "_conv_decode_kernel",
+        "_attn_decode_kernel",
+        "wu_kernel",
+        "_gated_rmsnorm_kernel",
+    ]
+    assert all(not cupti.signature_names(glue, b) for b in cupti.KDA_SIGNATURES)
