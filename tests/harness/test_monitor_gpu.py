@@ -24,7 +24,7 @@ from .conftest import ROOT, check
 
 pytestmark = pytest.mark.gpu
 
-RUN_TIMEOUT_S = 420
+RUN_TIMEOUT_S = 380
 SPEC = ("--spec", "mtp:3")
 RUNS: dict[str, tuple[str | None, tuple[str, ...], dict[str, str]]] = {
     "honest-triton": (None, ("--preset", "proxy", "--kda-backend", "triton", *SPEC), {}),
