@@ -65,7 +65,8 @@ class EngineMonitor:
         self._buf = b""
         self.boots = 0
         self.hello: dict[str, Any] | None = None
-        self.lost: str | None = None  # why the current link stopped reporting
+        # why the current link stopped reporting (or never could)
+        self.lost: str | None = None if enabled else f"the monitor is switched off ({SWITCH_ENV}=off)"
         self.windows: list[dict[str, Any]] = []
         self._next = 0
 
@@ -120,6 +121,8 @@ class EngineMonitor:
         if sock is not None:
             self.boots += 1
             self.hello, self.lost = None, None
+        elif not self.enabled:
+            self.lost = f"the monitor is switched off ({SWITCH_ENV}=off)"
 
     def _accept(self, timeout_s: float) -> None:
         """Docker: the newest connection is the current engine's monitor (a restarted container

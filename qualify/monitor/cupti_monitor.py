@@ -44,8 +44,9 @@ MAX_RECORDS = 2_000_000  # raw records held for one open window (beyond: counted
 BUFFER_BYTES = 8 << 20
 # Driver/runtime API calls whose records a window keeps (by name): graph creation, instantiation, launch.
 API_WORDS = ("GraphInstantiate", "GraphLaunch", "StreamBeginCapture", "StreamEndCapture", "GraphExecUpdate")
-KINDS = ("CONCURRENT_KERNEL", "MEMORY2")  # always, while a window is open
-API_KINDS = ("DRIVER", "RUNTIME")  # only where the graph calls cannot be selected one by one
+KINDS = ("CONCURRENT_KERNEL", "MEMORY2")  # while a window is open
+API_KINDS = ("DRIVER", "RUNTIME")  # while a window is open, narrowed to the graph calls where CUPTI allows
+MAX_CBID = 1400
 
 
 class Monitor:
@@ -76,7 +77,7 @@ class Monitor:
         self.cupti = cupti
         self.driver_kind = int(cupti.ActivityKind.DRIVER)
         for domain in (1, 2):  # CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_CB_DOMAIN_RUNTIME_API
-            for cbid in range(1, 1400):
+            for cbid in range(1, MAX_CBID):
                 try:
                     name = str(cupti.get_callback_name(domain, cbid))
                 except Exception:
@@ -109,21 +110,28 @@ class Monitor:
         # inside graphs carry their graph id and node id).
         with contextlib.suppress(Exception):
             cupti.activity_disable(cupti.ActivityKind.GRAPH_TRACE)
-        # The graph calls only (cuptiActivityEnableDriverApi/RuntimeApi), else every API call of both kinds.
-        try:
-            for domain, cbid in self.api_ids:
-                fn = cupti.activity_enable_driver_api if domain == 1 else cupti.activity_enable_runtime_api
-                fn(cbid, 1)
-            self.api_mode = "selected" if self.api_ids else "none"
-        except Exception as exc:
-            errors.append(f"select API records: {exc}"[:200])
-            self.api_mode = "all"
-            for k in API_KINDS:
-                try:
-                    cupti.activity_enable(getattr(cupti.ActivityKind, k))
-                except Exception as exc2:
-                    errors.append(f"enable {k}: {exc2}"[:200])
-                    self.api_mode = "none"
+        # The API kinds on, then narrowed to the graph calls (cuptiActivityEnableDriverApi/RuntimeApi act only
+        # on an enabled kind: on the H200, selecting calls with the kinds off recorded nothing); where the
+        # narrowing is refused every call is recorded and the callback keeps the graph calls.
+        self.api_mode = "all"
+        for k in API_KINDS:
+            try:
+                cupti.activity_enable(getattr(cupti.ActivityKind, k))
+            except Exception as exc:
+                errors.append(f"enable {k}: {exc}"[:200])
+                self.api_mode = "none"
+        if self.api_mode == "all":
+            try:
+                for domain, fn in (
+                    (1, cupti.activity_enable_driver_api),
+                    (2, cupti.activity_enable_runtime_api),
+                ):
+                    for cbid in range(1, MAX_CBID):
+                        with contextlib.suppress(Exception):  # ids this CUPTI does not know
+                            fn(cbid, 1 if (domain, cbid) in self.api_ids else 0)
+                self.api_mode = "selected"
+            except Exception as exc:
+                errors.append(f"narrow API records: {exc}"[:200])
         if self.api_mode != "none":
             enabled.append(f"API:{self.api_mode}")
         self.enabled = enabled
@@ -141,10 +149,6 @@ class Monitor:
         for k in (*KINDS, *API_KINDS):
             with contextlib.suppress(Exception):
                 cupti.activity_disable(getattr(cupti.ActivityKind, k))
-        for domain, cbid in self.api_ids:
-            with contextlib.suppress(Exception):
-                fn = cupti.activity_enable_driver_api if domain == 1 else cupti.activity_enable_runtime_api
-                fn(cbid, 0)
 
     def _buffer_requested(self):
         return BUFFER_BYTES, 0

@@ -21,13 +21,12 @@ MONITORED = "monitored"
 # KDA decode kernels by backend, as CUPTI names them. Triton: the decode/verify kernel of
 # kernels/kda/decode.py (its function name is the kernel name; the gated norm kernel is shared with
 # prefill, so it is no signature).
-# b12x: the CuTe DSL kernels of b12x 1.5.1's gdn_decode KDA path (names seen on the H200, tests/data/monitor).
 # torch launches ATen kernels only: no signature of its own, proven by the absence of the others'.
 KDA_SIGNATURES: dict[str, tuple[re.Pattern[str], ...]] = {
     "triton": (re.compile(r"^_kda_decode_kernel$"),),
-    # PROVISIONAL until the H200 recording pins the names: b12x's CuTe DSL kernels for its gdn_decode KDA
-    # path; any name with gdn, b12x or kda in it except Triton's decode kernel.
-    "b12x": (re.compile(r"(?i)gdn|b12x"), re.compile(r"(?i)^(?!_kda_decode_kernel$).*kda")),
+    # b12x 1.5.1's KDA decode/verify kernel as CUPTI named it on the H200 (tests/data/monitor/h200), and any
+    # kernel that names b12x or its gdn_decode path.
+    "b12x": (re.compile(r"^_packed_sequential_kda_decode_kernel$"), re.compile(r"(?i)gdn|b12x")),
     "torch": (),
 }
 # An eager step runs every kernel its graph holds, as often as the graph does. A kernel name of a plan's graph
@@ -341,6 +340,11 @@ def reload_conditions(
     captured: set[int] = set().union(*(s.graph_ids for s in before)) if before else set()
     silent, changed, inst, allocs = [], [], [], []
     limit = max(RELOAD_ALLOC_FLOOR, int(RELOAD_ALLOC_SHARE * (weights_bytes or 0)))
+    # The API records are proven to work only by themselves: graph replays before the reloads must have come
+    # with their launch calls (on the H200, a CUPTI that said it traced them once recorded none).
+    launches = sum(d.calls("GraphLaunch") for s in before for d in s.decodes)
+    if not launches:
+        inst.append("graph API calls not traced: no graph launch call was recorded beside the replays")
     for r in reloads:
         windows = [r.reload, *(w for ws in r.after.values() for w in ws)]
         silent += [f"{r.name}:{w.label}" for w in windows if not w.reported]

@@ -2,8 +2,9 @@
 in the monitor's own report format (qualify/monitor/cupti_monitor.py), for an honest engine and for each lie
 the conditions must catch. They are written from what the H200 probe of 2026-12-01 showed CUPTI records
 (per-kernel records inside graphs carry the graph id and node id; a graph launch is a cuGraphLaunch call),
-NOT recorded on a GPU: the kernel names other than Triton's `_kda_decode_kernel` are stand-ins. The H200
-recordings that replace them go in tests/data/monitor/h200 (its README says how)."""
+NOT recorded on a GPU: the kernel names other than the two KDA kernels (Triton's `_kda_decode_kernel`, b12x's
+`_packed_sequential_kda_decode_kernel`, both as CUPTI named them on the H200) are stand-ins. The H200
+recordings are replayed from tests/data/monitor/h200 (its README says how they were made)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 PLANS = [(8, 4), (4, 4), (2, 4), (1, 4), (8, 1), (4, 1), (2, 1), (1, 1)]
 DECODE_TOKENS = 6
 WEIGHTS_BYTES = 2_900_000_000
-KDA = {"triton": "_kda_decode_kernel", "b12x": "kernel_cutlass_gdn_decode_kda_0", "torch": None}
+KDA = {"triton": "_kda_decode_kernel", "b12x": "_packed_sequential_kda_decode_kernel", "torch": None}
 STEP = ["_rmsnorm_residual_kernel", "linear_small_kernel", "_conv_state_kernel", "_select_attn_kernel"]
 PREFILL = ["inter_solve_kernel", "_rmsnorm_residual_kernel", "linear_small_kernel", "gemm_sm90"]
 HELLO = {

@@ -25,7 +25,7 @@ from .conftest import ROOT, check
 pytestmark = pytest.mark.gpu
 
 RUN_TIMEOUT_S = 380
-SPEC = ("--spec", "mtp:3")
+SPEC = ("--spec", "mtp:3", "--layout", "2304,2304,2304,9216")
 RUNS: dict[str, tuple[str | None, tuple[str, ...], dict[str, str]]] = {
     "honest-triton": (None, ("--preset", "proxy", "--kda-backend", "triton", *SPEC), {}),
     "honest-b12x": (None, ("--preset", "proxy", "--kda-backend", "b12x", *SPEC), {}),
@@ -33,6 +33,12 @@ RUNS: dict[str, tuple[str | None, tuple[str, ...], dict[str, str]]] = {
     "b12x-runs-triton": ("b12x_runs_triton", ("--preset", "proxy", "--kda-backend", "b12x", *SPEC), {}),
     "recapture": ("recapture_after_reload", ("--preset", "proxy", "--kda-backend", "triton", *SPEC), {}),
     "monitor-silenced": ("monitor_off", ("--preset", "proxy", "--kda-backend", "triton", *SPEC), {}),
+    # The operator's switch: the honest engine without the monitor (its cost, beside honest-triton).
+    "unmonitored": (
+        None,
+        ("--preset", "proxy", "--kda-backend", "triton", *SPEC),
+        {"QUALIFY_MONITOR": "off"},
+    ),
 }
 
 
@@ -177,4 +183,10 @@ def test_an_engine_that_recaptures_after_reload_is_rejected(runs: dict) -> None:
 
 def test_an_engine_that_silences_the_monitor_is_rejected(runs: dict) -> None:
     failing = _rejected_by(runs, "monitor-silenced", {"capture_every_size_replayed_its_graph"})
+    assert failing
+
+
+def test_without_the_monitor_a_gpu_run_does_not_qualify_and_says_it_was_switched_off(runs: dict) -> None:
+    failing = _rejected_by(runs, "unmonitored", {"monitor_reported_from_the_engine"})
+    assert "switched off" in json.dumps(_monitor(runs["unmonitored"]))
     assert failing
