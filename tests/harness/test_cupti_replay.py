@@ -4,6 +4,7 @@ is for: the honest engine holds them all, each liar fails the condition that nam
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Any
 
@@ -20,11 +21,14 @@ EXPECT: dict[str, set[str]] = {
     "honest-b12x": set(),
     "eager-one-size": {"capture_no_step_kernel_ran_eagerly"},
     "b12x-runs-triton": {"backend_resolved_kernels_in_every_step", "backend_no_kernels_of_other_backends"},
-    "recapture": {"reload_same_graphs_replayed", "reload_no_graph_instantiated"},
     "monitor-silenced": {"capture_every_size_replayed_its_graph"},
+    "unmonitored": {"monitor_reported_from_the_engine", "capture_every_size_replayed_its_graph"},
+    "recapture": {"reload_same_graphs_replayed", "reload_no_graph_instantiated"},
 }
 RUNS = (
-    sorted(p.name for p in RECORDED.iterdir() if (p / "monitor.jsonl").is_file()) if RECORDED.is_dir() else []
+    sorted(p.name for p in RECORDED.iterdir() if (p / "monitor.jsonl.gz").is_file())
+    if RECORDED.is_dir()
+    else []
 )
 
 
@@ -33,19 +37,17 @@ def _monitor_check(pred: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_recorded_runs_are_committed() -> None:
-    if not RUNS:
-        pytest.skip("no H200 monitor traces committed yet (tests/data/monitor/README.md: not yet recorded)")
     assert set(EXPECT) <= set(RUNS), f"missing recordings: {sorted(set(EXPECT) - set(RUNS))}"
     assert (RECORDED / "RECORDED").is_file(), "h200/RECORDED must say commit, command, device and date"
 
 
-@pytest.mark.parametrize("run", RUNS or ["(none recorded)"])
+@pytest.mark.parametrize("run", sorted(EXPECT))
 def test_a_recorded_run_judged_again_from_its_windows(run: str) -> None:
-    if not RUNS:
-        pytest.skip("no H200 monitor traces committed yet")
     d = RECORDED / run
-    windows = [json.loads(line) for line in (d / "monitor.jsonl").read_text().splitlines() if line.strip()]
-    pred = json.loads((d / "predicate.json").read_text())
+    windows = [
+        json.loads(line) for line in gzip.decompress((d / "monitor.jsonl.gz").read_bytes()).splitlines()
+    ]
+    pred = json.loads(gzip.decompress((d / "predicate.json.gz").read_bytes()))
     check = _monitor_check(pred)
     ev = check["evidence"]
     mon = ev["monitor"]
@@ -58,5 +60,6 @@ def test_a_recorded_run_judged_again_from_its_windows(run: str) -> None:
     assert all(c["source"] == "monitored" for c in check["conditions"].values())
     failing = {k for k, (holds, _) in found.items() if not holds}
     want = EXPECT.get(run)
-    if want is not None:
-        assert (failing == set()) if not want else want <= failing, {k: found[k][1] for k in failing}
+    assert want is not None, f"{run}: no expectation for this recording"
+    assert (failing == set()) if not want else want <= failing, {k: found[k][1] for k in failing}
+    assert pred["verdict"] == ("qualified" if not want else "rejected")
