@@ -3,7 +3,7 @@ monitor): the honest proxy engine qualifies with --spec mtp:3 on triton and on b
 condition present, holding and `monitored`; four lying engines are rejected by the monitored condition that
 catches their lie while their own counters keep telling the story they chose.
 
-The six runs start at once (one H200 holds them all), each with a data dir of its own; with
+The seven runs start at once (one H200 holds them all), each with a data dir of its own; with
 QUALIFY_MONITOR_TRACES=DIR every run's monitor windows, receipt predicate and summary are copied there
 (how tests/data/monitor/ was recorded: tests/data/monitor/README.md)."""
 
