@@ -388,10 +388,11 @@ class Pipeline:
                 "state": "active",
                 "reason": f"NVML Xid events registered on all {n} GPU(s); {tail}{note}",
             }
-        if km.live():
-            return {"state": "active", "reason": f"{tail}; {nv_text}{note}"}
+        # Reading the kernel log on a host with no NVIDIA GPU watches for nothing: not_applicable, not active.
         if not self._host_has_gpu():
             return {"state": "not_applicable", "reason": f"no NVIDIA GPU: {nv_text}; {tail}"}
+        if km.live():
+            return {"state": "active", "reason": f"{tail}; {nv_text}{note}"}
         return {
             "state": "unavailable",
             "reason": f"GPU host, but no live Xid source: {nv_text}; {tail}{note}",

@@ -59,3 +59,12 @@ def test_no_gpu_is_not_applicable_and_live_nvml_is_active() -> None:
     assert _state(_watcher(False), NO_NVML, gpu_host=False)["state"] == "not_applicable"
     nv = _watcher(True, status="watching", devices=[{"index": 0}, {"index": 1}])
     assert _state(_watcher(False), nv, gpu_host=True)["state"] == "active"
+
+
+def test_reading_the_kernel_log_on_a_host_without_a_gpu_is_not_watching() -> None:
+    """Root can read /dev/kmsg on any host, but with no NVIDIA GPU there is no Xid to watch for: a CPU
+    receipt must not say "watched for the whole run"."""
+    live_log = _watcher(True, kind="kmsg", source="/dev/kmsg", status="watching", lines_read=812)
+    w = _state(live_log, NO_NVML, gpu_host=False)
+    assert w["state"] == "not_applicable" and "no NVIDIA GPU" in w["reason"]
+    assert "/dev/kmsg" in w["reason"]  # the reason still says what was read
