@@ -55,7 +55,7 @@ class ReceiptPoint:
 
     receipt_id: str
     log_index: int
-    subject: str  # the first subject digest, "sha256:..."
+    subject: str  # the subject the report files it under, "sha256:..." (see `collect`)
     subject_name: str
     verdict: str
     host: str
@@ -63,6 +63,7 @@ class ReceiptPoint:
     checks: tuple[CheckPoint, ...] = ()
     faults: dict[str, int] = field(default_factory=dict)  # FAULT_KINDS -> count
     verified: bool = True
+    subjects: tuple[tuple[str, str], ...] = ()  # every (name, digest) the statement names, in order
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class ApprovalPoint:
     decision: str
     created_at: datetime
     reasons: tuple[str, ...] = ()
+    subject_name: str = ""  # the name receipts give that digest ("" when no receipt names it)
 
 
 @dataclass(frozen=True)
@@ -475,7 +477,8 @@ def _receipts_table(receipts: tuple[ReceiptPoint, ...], limit: int = 50) -> str:
     for r in sorted(receipts, key=lambda r: r.log_index, reverse=True)[:limit]:
         colour = VERDICT_COLOURS.get(r.verdict, "#616161")
         rows.append(
-            f'<tr class="receipt-row"><td>{r.log_index}</td><td><code>{_t(r.receipt_id[:16])}</code></td>'
+            f'<tr class="receipt-row" data-subject="{_t(r.subject)}"><td>{r.log_index}</td>'
+            f"<td><code>{_t(r.receipt_id[:16])}</code></td>"
             f"<td>{_t(r.subject_name)} <code>{_t(_short(r.subject))}</code></td>"
             f'<td class="verdict" style="color:{colour}">{_t(r.verdict)}</td><td>{_t(r.host)}</td>'
             f"<td>{r.finished_at.strftime('%Y-%m-%d %H:%M:%S')}</td><td>{_failed_cell(r)}</td>"
@@ -573,7 +576,8 @@ def _approvals_table(approvals: tuple[ApprovalPoint, ...], limit: int = 50) -> s
         colour = DECISION_COLOURS.get(a.decision, "#616161")
         reason = a.reasons[0] if a.reasons else ""
         rows.append(
-            f'<tr class="approval-row"><td>{a.log_index}</td><td><code>{_t(_short(a.subject))}</code></td>'
+            f'<tr class="approval-row" data-subject="{_t(a.subject)}"><td>{a.log_index}</td>'
+            f"<td>{_t(a.subject_name)} <code>{_t(_short(a.subject))}</code></td>"
             f'<td class="verdict" style="color:{colour}">{_t(a.decision)}</td>'
             f"<td>{a.created_at.strftime('%Y-%m-%d %H:%M:%S')}</td><td>{_t(reason[:160])}</td></tr>"
         )
@@ -631,14 +635,24 @@ def render(data: ReportData) -> str:
 # --------------------------------------------------------------------------- collecting from the store
 
 
-def _receipt_point(entry: Entry, bad: set[int]) -> ReceiptPoint:
-    """What the log's own bytes say about a receipt; bytes that do not parse still show, as unreadable."""
+def _digests(statement: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for subject in statement["subject"]:
+        algorithm, value = next(iter(subject["digest"].items()))
+        out.append((str(subject.get("name", "")), f"{algorithm}:{value}"))
+    return tuple(out)
+
+
+def _receipt_point(entry: Entry, bad: set[int], decided: frozenset[str] = frozenset()) -> ReceiptPoint:
+    """What the log's own bytes say about a receipt; bytes that do not parse still show, as unreadable.
+    It is filed under the first of its subjects that a rollout decision names (so that receipts and
+    decisions meet under one digest), else under its first subject."""
     rid = hashlib.sha256(entry.envelope).hexdigest()
     try:
         statement = json.loads(dsse.parse(entry.envelope).payload)
         predicate = statement["predicate"]
-        subject = statement["subject"][0]
-        algorithm, value = next(iter(subject["digest"].items()))
+        subjects = _digests(statement)
+        name, digest = next((s for s in subjects if s[1] in decided), subjects[0])
         host = str((predicate.get("host") or {}).get("hostname", "?"))
     except (ReceiptsError, ValueError, KeyError, IndexError, TypeError, AttributeError, StopIteration):
         return ReceiptPoint(
@@ -654,14 +668,15 @@ def _receipt_point(entry: Entry, bad: set[int]) -> ReceiptPoint:
     return ReceiptPoint(
         receipt_id=rid,
         log_index=entry.idx,
-        subject=f"{algorithm}:{value}",
-        subject_name=str(subject.get("name", "")),
+        subject=digest,
+        subject_name=name,
         verdict=str(predicate.get("verdict")),
         host=host,
         finished_at=parse_time(predicate.get("finished_at")) or entry.created_at,
         checks=checks_of(predicate),
         faults=faults_of(predicate),
         verified=entry.idx not in bad,
+        subjects=subjects,
     )
 
 
@@ -707,12 +722,15 @@ def collect(
 ) -> ReportData:
     """Everything the report shows, read from the log's entries (not the query tables) and verified."""
     status, bad = verify_status(store, checkpoint_text, verifiers)
+    decisions = list(store.list_approvals())
+    decided = frozenset(a.subject for a in decisions)
     receipts: list[ReceiptPoint] = []
     entry_times: dict[int, datetime] = {}
     for entry in store.iter_entries():
         entry_times[entry.idx] = entry.created_at
         if entry.kind == "receipt":
-            receipts.append(_receipt_point(entry, bad))
+            receipts.append(_receipt_point(entry, bad, decided))
+    names = {digest: name for r in receipts for name, digest in r.subjects}
     # A checkpoint of size n is signed in the transaction that appends entry n-1, at that entry's time.
     checkpoints = tuple(
         CheckpointPoint(size, entry_times[size - 1])
@@ -720,8 +738,10 @@ def collect(
         if size - 1 in entry_times
     )
     approvals = tuple(
-        ApprovalPoint(a.id, a.log_idx, a.subject, a.decision, a.created_at, tuple(a.reasons))
-        for a in store.list_approvals()
+        ApprovalPoint(
+            a.id, a.log_idx, a.subject, a.decision, a.created_at, tuple(a.reasons), names.get(a.subject, "")
+        )
+        for a in decisions
     )
     return ReportData(
         generated_at=now or datetime.now(UTC),

@@ -205,3 +205,29 @@ def test_an_entry_whose_bytes_no_longer_parse_still_shows_as_unreadable(log: Log
     (point,) = data.receipts
     assert (point.verdict, point.verified) == ("unreadable", False)
     assert 'class="receipt-dot verdict-unreadable"' in render(data)
+
+
+def test_receipts_and_decisions_are_shown_under_the_same_subject(log: Log, tmp_path: Path) -> None:
+    """A decision about the engine config (not the receipt's first subject) meets its receipts under that
+    config digest, named as the receipts name it, in both tables (issue 25)."""
+    from receipts.statement import config_digest
+    from tests.store.approvals import approval_envelope
+
+    from .approve_predicates import CONFIG
+
+    rid = log.add(host="gpu-1")
+    other = log.add(subject=OTHER_SUBJECT, host="gpu-2")  # another image, the same config
+    config = config_digest(CONFIG)
+    # Before any decision, each receipt is filed under its first subject (the image).
+    assert {r.subject for r in collect(log.store).receipts} == {SUBJECT, OTHER_SUBJECT}
+    log.store.append_approval(approval_envelope(log.key, subject=config, receipt_ids=[rid], reasons=["ok"]))
+    data = collect(log.store)
+    shown = {r.receipt_id: (r.subject_name, r.subject) for r in data.receipts}
+    assert shown[rid] == ("engine-config", config)
+    assert shown[other] == ("engine-config", config)
+    (decision,) = data.approvals
+    assert (decision.subject, decision.subject_name) == (config, "engine-config")
+    dom = rendered(tmp_path, render(data))
+    receipt_rows = {a["data-subject"] for a in dom.classed("tr", "receipt-row")}
+    (approval_row,) = dom.classed("tr", "approval-row")
+    assert approval_row["data-subject"] == config and config in receipt_rows
