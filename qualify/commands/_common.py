@@ -11,13 +11,13 @@ import os
 import re
 import socket
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-import sqlalchemy.exc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from rich.console import Console
@@ -27,10 +27,13 @@ from qualify.errors import UsageError
 from qualify.limits import MAX_IMPORT_BYTES, read_text_limited
 from receipts.canonical import loads
 from receipts.checkpoint import NoteSigner, NoteVerifier
-from receipts.db import MissingStore
-from receipts.errors import KeyFileError, ReceiptsError, StoreError
-from receipts.statement import parse_time
-from receipts.store import Store, new_log_origin
+from receipts.errors import KeyFileError, ReceiptsError, StoreError, TamperError
+
+if TYPE_CHECKING:
+    from receipts.store import Store
+
+# SQLAlchemy, pydantic and the store are imported where a command first needs them, not here: every
+# command module imports this one, and `qualify <group> --help` should not wait for a database library.
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -71,7 +74,11 @@ def store_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except sqlalchemy.exc.SQLAlchemyError as error:
+        except Exception as error:
+            # Only a loaded SQLAlchemy can have raised one of its errors.
+            sa_exc = sys.modules.get("sqlalchemy.exc")
+            if sa_exc is None or not isinstance(error, sa_exc.SQLAlchemyError):
+                raise
             cause = getattr(error, "orig", None) or error
             line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
             raise StoreError(f"database error: {line}; check --db / QUALIFY_DB_URL") from error
@@ -205,20 +212,46 @@ def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerif
 
 def open_read(url: str | None) -> Store:
     """An existing store for reading; StoreError when there is none (nothing is created)."""
+    from receipts.store import Store
+
     return Store.open(resolve_db(url), create=False)
 
 
 def open_read_or_none(url: str | None) -> Store | None:
-    """Like open_read, but None when the store does not exist yet (for listings: nothing to list)."""
+    """Like open_read, but None when the default store (the data dir's, no --db and no $QUALIFY_DB_URL)
+    does not exist yet: a listing before the first run has nothing to list. A store named by --db or
+    $QUALIFY_DB_URL that does not exist is a StoreError ("no store at …", exit 2), as for every other
+    command: a mistyped URL must not read as an empty store."""
+    from receipts.db import MissingStore
+
     try:
         return open_read(url)
     except MissingStore:
+        if url or os.environ.get("QUALIFY_DB_URL"):
+            raise
         return None
+
+
+def tamper_exits_1(fn: F) -> F:
+    """A read that finds the store tampered with (TamperError) exits 1, as the verifiers do, with one
+    line: it found a problem with the log, not with the user's input."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except TamperError as error:
+            click.echo(f"error: {error.diagnostics()}", err=True)
+            raise click.exceptions.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 def open_append(url: str | None, *, create: bool = True) -> Store:
     """The store for appending, created on first use (unless `create` is off), with the log's checkpoint
     key (also created on first use, and only once the database has answered)."""
+    from receipts.store import Store, new_log_origin
+
     store = Store.open(resolve_db(url), create=create)
     try:
         # A log key is made only for a log that has none yet: a machine without the key of an existing
@@ -284,6 +317,8 @@ def parse_since(value: str | None) -> datetime | None:
     match = _RELATIVE.match(value.strip())
     if match:
         return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    from receipts.statement import parse_time
+
     parsed = parse_time(value.strip())
     if parsed is None:
         raise UsageError(f"--since {value!r} is neither a duration like 7d / 24h nor an ISO date")

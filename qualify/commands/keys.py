@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from rich.console import Console
 from rich.table import Table
 
 from qualify import settings
@@ -92,13 +93,17 @@ def list_(db_url: str | None, as_json: bool) -> None:
         infos = store.signer_keys()
 
     def human() -> None:
+        # A pipe (a script that feeds `keys revoke`) gets whole key ids on unfolded rows; a terminal gets
+        # a 16-digit prefix (which `keys revoke` accepts), never folded.
+        piped = not console.is_terminal
         table = Table("keyid", "algorithm", "status", "trusted at", "revoked at", "note")
+        table.columns[0].no_wrap = True
         for info in infos:
             revoked = "" if info.revoked_at is None else f"{info.revoked_at} ({info.reason})"
-            table.add_row(
-                short(info.keyid), info.algorithm, info.status, str(info.trusted_at), revoked, info.note
-            )
-        console.print(table if infos else "no keys in the log yet; add one with: qualify keys generate")
+            keyid = info.keyid if piped else short(info.keyid)
+            table.add_row(keyid, info.algorithm, info.status, str(info.trusted_at), revoked, info.note)
+        out = Console(highlight=False, width=max(console.width, 200)) if piped else console
+        out.print(table if infos else "no keys in the log yet; add one with: qualify keys generate")
 
     emit(as_json, [_key_json(i) for i in infos], human)
 

@@ -207,7 +207,10 @@ def verify(
 @db_option
 @json_option
 @store_errors
-def repair_(evidence: str, reason: str, vkey: str | None, db_url: str | None, as_json: bool) -> None:
+@click.pass_context
+def repair_(
+    ctx: click.Context, evidence: str, reason: str, vkey: str | None, db_url: str | None, as_json: bool
+) -> None:
     """Owner only: remove rows written outside the store beyond the last checkpoint that verifies with the
     log key (they stop every append), saving them to --evidence first; the repair is recorded in the
     append-only log_repairs table. Entries covered by a good signed checkpoint are never touched."""
@@ -221,7 +224,23 @@ def repair_(evidence: str, reason: str, vkey: str | None, db_url: str | None, as
         )
     report = repair(url, verifiers[0], Path(evidence), reason)
     if report is None:
-        emit(as_json, {"repaired": False}, lambda: console.print("nothing to repair: every row is covered"))
+        # Nothing lies beyond the last good checkpoint; but "nothing to repair" is said only of a log that
+        # also verifies: tampering inside the signed part is not the repair's to fix, and must not read
+        # as a clean bill.
+        problem = _verify_problem(db_url, verifiers)
+        if problem is not None:
+            emit(as_json, {"repaired": False, "verified": False, "problem": problem}, lambda: None)
+            click.echo(
+                f"error: no rows lie beyond the last good signed checkpoint, so there is nothing a repair "
+                f"may remove, but the log does not verify: {problem}; see: qualify log verify",
+                err=True,
+            )
+            ctx.exit(1)
+        emit(
+            as_json,
+            {"repaired": False, "verified": True},
+            lambda: console.print("nothing to repair: every row is covered and the log verifies"),
+        )
         return
     emit(
         as_json,
@@ -232,3 +251,13 @@ def repair_(evidence: str, reason: str, vkey: str | None, db_url: str | None, as
             "the repair is recorded in log_repairs"
         ),
     )
+
+
+def _verify_problem(db_url: str | None, verifiers: list) -> str | None:
+    """The first problem `log verify` finds with the log (None when it verifies)."""
+    with opened(open_read(db_url)) as store:
+        try:
+            verify_log(store, verifiers=verifiers, log_signer=load_log_signer(create=False))
+        except TamperError as error:
+            return str(error)
+    return None

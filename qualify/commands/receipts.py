@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from qualify import receipt_view as view
 from qualify.commands._common import (
     console,
     db_option,
@@ -26,14 +25,17 @@ from qualify.commands._common import (
     read_json_documents,
     short,
     store_errors,
+    tamper_exits_1,
     vkey_option,
     write_or_echo,
 )
 from receipts import merkle
 from receipts.checkpoint import format_tlog_proof, open_checkpoint
-from receipts.receipt import parse_receipt
+from receipts.errors import StoreError
 from receipts.records import ReceiptRecord, rfc3339
-from receipts.statement import predicate_json_schema, statement_json_schema
+
+# receipt_view, receipts.receipt and receipts.statement (pydantic) are imported by the commands that use
+# them, so that `qualify receipts --help` and `receipts list` start without them.
 
 VERDICT_STYLE = {"qualified": "green", "rejected": "red", "aborted": "yellow"}
 CHECK_STYLE = {"pass": "green", "fail": "red", "error": "red", "skip": "yellow"}
@@ -60,6 +62,7 @@ def receipts() -> None:
 @db_option
 @json_option
 @store_errors
+@tamper_exits_1
 def list_(
     verdict: str | None,
     since: str | None,
@@ -125,6 +128,7 @@ def list_(
 @db_option
 @json_option
 @store_errors
+@tamper_exits_1
 def show(
     receipt_id: str | None, log_index: int | None, envelope: bool, db_url: str | None, as_json: bool
 ) -> None:
@@ -146,6 +150,8 @@ def show(
 
 def print_receipt(record: ReceiptRecord) -> None:
     """The human view of `receipts show`: facts first, then checks and conditions, then identity."""
+    from qualify import receipt_view as view
+
     p = record.predicate
     style = VERDICT_STYLE.get(record.verdict, "")
     console.print(f"receipt {record.id}  [{style}]{record.verdict}[/]  log_index {record.log_idx}")
@@ -227,6 +233,7 @@ def verify(
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the proof here instead of stdout.")
 @db_option
 @store_errors
+@tamper_exits_1
 def prove(receipt_id: str, out: str | None, db_url: str | None) -> None:
     """Print a C2SP tlog-proof: the receipt's inclusion under the latest signed checkpoint."""
     with opened(open_read(db_url)) as store:
@@ -246,6 +253,7 @@ def prove(receipt_id: str, out: str | None, db_url: str | None) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
 @db_option
 @store_errors
+@tamper_exits_1
 def export(fmt: str, out: str | None, db_url: str | None) -> None:
     """Every receipt's exact envelope, one per line, in log order (what `import` reads)."""
     store = open_read_or_none(db_url)
@@ -265,8 +273,20 @@ def export(fmt: str, out: str | None, db_url: str | None) -> None:
 def import_(file: str, db_url: str | None, as_json: bool) -> None:
     """Append envelopes from another node (one JSON envelope, or JSON Lines): every signature is checked
     against the keys this log trusts; all are appended, or none."""
+    from receipts.db import MissingStore
+    from receipts.receipt import parse_receipt
+
     parsed = [parse_receipt(document) for document in read_json_documents(file)]
-    with opened(open_append(db_url)) as store:
+    try:
+        # Never a new store: a log that does not exist trusts no key, so every envelope would be refused,
+        # and a refused import must leave nothing behind (no database, no log key).
+        store = open_append(db_url, create=False)
+    except MissingStore as error:
+        raise StoreError(
+            f"{error}; a new log trusts no key, so nothing would be imported: trust the signer's public "
+            "key there first (qualify keys trust FILE), then import"
+        ) from None
+    with opened(store):
         records = store.append_receipts(parsed)
     emit(
         as_json,
@@ -279,4 +299,6 @@ def import_(file: str, db_url: str | None, as_json: bool) -> None:
 @click.option("--predicate", is_flag=True, help="Only the qualification predicate's schema.")
 def schema(predicate: bool) -> None:
     """Print the JSON Schema of a receipt's statement (or of its predicate)."""
+    from receipts.statement import predicate_json_schema, statement_json_schema
+
     click.echo(json.dumps(predicate_json_schema() if predicate else statement_json_schema(), indent=2))

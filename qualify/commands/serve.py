@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -69,7 +70,10 @@ def read_token(token_file: str | None) -> str | None:
 @store_errors
 def serve(host: str, port: int, db_url: str | None, token_file: str | None, key_path: str | None) -> None:
     """Serve receipts, proofs, checkpoints and approvals over HTTP (OpenAPI at /docs, /redoc and
-    /openapi.json; the docs pages need no network). The --token-file must be private (chmod 600)."""
+    /openapi.json; the docs pages need no network). The --token-file must be private (chmod 600).
+
+    Exit codes: 0 stopped by a signal, 2 bad input (a busy or unusable --host/--port, no store, a bad
+    token file)."""
     import uvicorn
 
     from qualify.api import create_app
@@ -80,12 +84,35 @@ def serve(host: str, port: int, db_url: str | None, token_file: str | None, key_
     store = open_append(db_url, create=False) if token is not None else open_read(db_url)
     with opened(store):
         key = load_signing_key(store, key_path) if token is not None else None
+        # Bind here, before uvicorn starts: a busy port is one line and exit 2 (bad input), not uvicorn's
+        # log lines and its exit 3. The bound socket is the one uvicorn serves on (no window between).
+        listening = listen(host, port)
         if token is None:
             click.echo(f"decisions disabled: no --token-file or ${TOKEN_ENV}; serving read-only", err=True)
-        uvicorn.run(
+        config = uvicorn.Config(
             create_app(store, token=token, signing_key=key),
             host=host,
             port=port,
             log_level="info",
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
+        with listening:
+            uvicorn.Server(config).run(sockets=[listening])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port; UsageError (exit 2) when the address is in use or not ours."""
+    try:
+        return socket.create_server((host, port), family=_family(host), backlog=2048)
+    except OSError as error:
+        why = os.strerror(error.errno) if error.errno else str(error)
+        raise UsageError(
+            f"cannot listen on {host}:{port}: {why}; choose another --port or stop what holds it"
+        ) from None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return socket.AF_INET  # binding says why

@@ -21,9 +21,9 @@ def open_store(url: str) -> Store:
     try:
         return open_append(url)
     except ReceiptsError as exc:
-        raise StoreUnavailable(
-            f"cannot open the store: {exc.diagnostics()}; check --db / QUALIFY_DB_URL"
-        ) from exc
+        line = exc.diagnostics()
+        hint = "" if "check --db / QUALIFY_DB_URL" in line else "; check --db / QUALIFY_DB_URL"
+        raise StoreUnavailable(f"cannot open the store: {line}{hint}") from exc
     except Exception as exc:  # a driver error that the store did not wrap: still one line
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise StoreUnavailable(f"cannot open the store {url}: {line}; check --db / QUALIFY_DB_URL") from exc

@@ -122,9 +122,11 @@ def test_export_then_import_on_another_node(cli, node, tmp_path, sqlite_url) -> 
     assert cli("receipts", "export", "--format", "jsonl", "--out", exported, "--db", node["url"]).code == 0
     assert len(exported.read_text().splitlines()) == 3
     other = f"sqlite:///{tmp_path / 'other.db'}"
-    # The other node does not trust the signer yet: nothing is imported.
+    # The other node has no log yet, so it trusts no signer: nothing is imported, and nothing is created
+    # (no database, no log key).
     refused = _one_line_error(cli("receipts", "import", exported, "--db", other))
-    assert "not by a trusted key" in refused
+    assert "no store at" in refused and "qualify keys trust" in refused
+    assert not (tmp_path / "other.db").exists()
     public = tmp_path / "op.pub"
     public.write_text(node["key"].public_key().public_pem().decode())
     assert cli("keys", "trust", public, "--db", other).code == 0
