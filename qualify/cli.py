@@ -17,7 +17,7 @@ from qualify.errors import QualifyError
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("run", "run", "Boot the engine, run the checks, sign and store the receipt."),
     "keys": ("keys", "keys", "Signing keys: generate, list, export, trust, revoke."),
-    "receipts": ("receipts", "receipts", "Stored receipts: list, show, verify, prove, export, import, schema."),
+    "receipts": ("receipts", "receipts", "Stored receipts: list, show, verify, prove, bundle, export, …"),
     "log": ("log", "log", "The Merkle log: checkpoints and whole-log verification."),
     "db": ("db", "db", "The store's database schema (Alembic migrations)."),
     "approve": ("approve", "approve", "Approve or deny the rollout of a build from its receipts."),

@@ -40,21 +40,42 @@ def _done(ok: bool, data: dict[str, Any], line: str, as_json: bool) -> None:
 
 @click.command("verify-proof")
 @click.argument("proof", type=click.Path(dir_okay=False))
-@click.option("--envelope", "envelope_path", required=True, type=click.Path(dir_okay=False),
+@click.option("--envelope", "envelope_path", type=click.Path(dir_okay=False),
               help="The receipt's exact DSSE envelope (`qualify receipts show ID --envelope`).")  # fmt: skip
+@click.option("--bundle", "bundle_path", type=click.Path(dir_okay=False),
+              help="Or the receipt's Sigstore bundle (`qualify receipts bundle`): its envelope.")  # fmt: skip
 @click.option(
     "--vkey", required=True, help="The log's verifier key (`qualify log vkey`), or a file holding it."
 )
 @click.option("--key", "key_path", type=click.Path(dir_okay=False),
               help="The operator's public key (`keys export-public`): also check the signature.")  # fmt: skip
 @json_option
-def verify_proof(proof: str, envelope_path: str, vkey: str, key_path: str | None, as_json: bool) -> None:
-    """Verify a receipt offline: PROOF (a C2SP tlog-proof from `qualify receipts prove`) proves that the
-    envelope's exact bytes are a leaf of the log under a checkpoint signed by --vkey; with --key, the
-    envelope's DSSE signature too. No store is opened."""
+def verify_proof(
+    proof: str,
+    envelope_path: str | None,
+    bundle_path: str | None,
+    vkey: str,
+    key_path: str | None,
+    as_json: bool,
+) -> None:
+    """Verify a receipt offline: PROOF (a C2SP tlog-proof from `qualify receipts prove`, or the one
+    `receipts bundle` writes beside the bundle) proves that the envelope's exact bytes (--envelope, or
+    the --bundle's dsseEnvelope) are a leaf of the log under a checkpoint signed by --vkey; with --key,
+    the envelope's DSSE signature too. No store is opened."""
+    if (envelope_path is None) == (bundle_path is None):
+        raise UsageError("give --envelope FILE or --bundle FILE")
     verifier = _verifier(vkey)
     text = read_text_limited(proof, MAX_PROOF_BYTES, "proof")
-    raw = read_bytes_limited(envelope_path, MAX_IMPORT_BYTES, "envelope")
+    if bundle_path is not None:
+        from receipts.canonical import loads
+        from receipts.sigstore_bundle import envelope_from_bundle
+
+        try:
+            raw = envelope_from_bundle(loads(read_bytes_limited(bundle_path, MAX_IMPORT_BYTES, "bundle")))
+        except (ValueError, ReceiptsError) as exc:
+            raise UsageError(f"{bundle_path} is not a qualify Sigstore bundle: {exc}") from None
+    else:
+        raw = read_bytes_limited(str(envelope_path), MAX_IMPORT_BYTES, "envelope")
     key = None
     if key_path:
         try:

@@ -1,10 +1,12 @@
-"""`qualify receipts`: list, show, verify, prove, export and import stored receipts; print their schema.
+"""`qualify receipts`: list, show, verify, prove, bundle (Sigstore), export and import stored receipts;
+print their schema.
 
 Exit codes: 0 done, 1 a verification found a problem, 2 bad input (nothing written)."""
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -27,12 +29,16 @@ from qualify.commands._common import (
     store_errors,
     tamper_exits_1,
     vkey_option,
+    write_file,
     write_or_echo,
 )
 from receipts import merkle
 from receipts.checkpoint import format_tlog_proof, open_checkpoint
 from receipts.errors import StoreError
 from receipts.records import ReceiptRecord, rfc3339
+
+if TYPE_CHECKING:
+    from receipts.store import Store
 
 # receipt_view, receipts.receipt and receipts.statement (pydantic) are imported by the commands that use
 # them, so that `qualify receipts --help` and `receipts list` start without them.
@@ -47,7 +53,7 @@ def _subject_line(record: ReceiptRecord) -> str:
 
 @click.group("receipts")
 def receipts() -> None:
-    """Stored receipts: list, show, verify, prove, export, import, schema."""
+    """Stored receipts: list, show, verify, prove, bundle, export, import, schema."""
 
 
 @receipts.command("list")
@@ -238,14 +244,79 @@ def prove(receipt_id: str, out: str | None, db_url: str | None) -> None:
     """Print a C2SP tlog-proof: the receipt's inclusion under the latest signed checkpoint."""
     with opened(open_read(db_url)) as store:
         record = store.get_receipt(receipt_id)
-        note = store.latest_checkpoint()
-        cp = open_checkpoint(note, [store.log_verifier()])
-        proof = store.inclusion_proof(record.log_idx, cp.size)
-        entry = store.entry(record.log_idx)
-    # Never hand out a proof that does not verify.
+        # Never hand out a proof that does not verify (inclusion_of checks it).
+        text, size = inclusion_of(store, record)
+    write_or_echo(text, out, f"wrote {out} (leaf {record.log_idx} of {size})")
+
+
+def _proof_path(out: str) -> str:
+    """receipt.sigstore.json -> receipt.tlog-proof (beside it); any other name gets .tlog-proof added."""
+    for suffix in (".sigstore.json", ".json"):
+        if out.endswith(suffix):
+            return out[: -len(suffix)] + ".tlog-proof"
+    return out + ".tlog-proof"
+
+
+def inclusion_of(store: Store, record: ReceiptRecord) -> tuple[str, int]:
+    """The receipt's C2SP tlog-proof under the latest signed checkpoint (checked before it is handed
+    out), and that checkpoint's size."""
+    note = store.latest_checkpoint()
+    cp = open_checkpoint(note, [store.log_verifier()])
+    proof = store.inclusion_proof(record.log_idx, cp.size)
+    entry = store.entry(record.log_idx)
     merkle.verify_inclusion(record.log_idx, cp.size, entry.leaf_hash, proof, cp.root)
-    text = format_tlog_proof(record.log_idx, proof, note)
-    write_or_echo(text, out, f"wrote {out} (leaf {record.log_idx} of {cp.size})")
+    return format_tlog_proof(record.log_idx, proof, note), cp.size
+
+
+@receipts.command("bundle")
+@click.argument("receipt_id")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="The Sigstore bundle file (e.g. receipt.sigstore.json).",
+)
+@click.option(
+    "--proof-out",
+    type=click.Path(dir_okay=False),
+    help="Where the log's C2SP tlog-proof goes (default: beside --out, as NAME.tlog-proof).",
+)
+@db_option
+@json_option
+@store_errors
+@tamper_exits_1
+def bundle(receipt_id: str, out: str, proof_out: str | None, db_url: str | None, as_json: bool) -> None:
+    """Write a receipt as a Sigstore bundle v0.3 (the exact stored DSSE envelope, the signer's key id as
+    publicKey.hint) and, beside it, its inclusion in the log (a C2SP tlog-proof: a Rekor tlog entry
+    cannot describe this log's leaves, see docs/FORMATS.md). Verify the bundle with the operator's
+    public key (qualify keys export-public KEYID) and the proof with qualify verify-proof."""
+    from receipts.sigstore_bundle import bundle_of
+
+    proof_path = proof_out or _proof_path(out)
+    if proof_path == out:
+        raise click.UsageError("--proof-out must differ from --out")
+    with opened(open_read(db_url)) as store:
+        record = store.get_receipt(receipt_id)
+        proof, _ = inclusion_of(store, record)
+    assert record.envelope is not None
+    data = bundle_of(record.envelope)
+    write_file(out, json.dumps(data, indent=2) + "\n")
+    write_file(proof_path, proof)
+    info = {
+        "id": record.id,
+        "log_index": record.log_idx,
+        "keyid": data["verificationMaterial"]["publicKey"]["hint"],
+        "bundle": out,
+        "tlog_proof": proof_path,
+    }
+    emit(
+        as_json,
+        info,
+        lambda: console.print(
+            f"wrote Sigstore bundle {out} (receipt {short(record.id)}, key {short(info['keyid'])}) "
+            f"and its log inclusion {proof_path}"
+        ),
+    )
 
 
 @receipts.command("export")
