@@ -16,6 +16,7 @@ from typing import Any
 
 from qualify import __version__
 from qualify.errors import QualifyError
+from qualify.run import weights_identity
 from receipts import dsse
 from receipts import statement as st
 from receipts.keys import SigningKey
@@ -116,6 +117,11 @@ def subjects(
         if bare_hex(weights_digest):
             out.append(
                 st.Subject(name=f"{engine['name']}-weights", digest={"sha256": bare_hex(weights_digest)})
+            )
+            # The same weights as OpenSSF model signing names them (its root digest of the one file).
+            oms = bare_hex(weights_identity.root_of_one_file(str(bare_hex(weights_digest))))
+            out.append(
+                st.Subject(name=engine["name"] + weights_identity.SUBJECT_SUFFIX, digest={"sha256": oms})
             )
     out.append(
         st.Subject(name=f"{engine['name']}-config", digest={"sha256": bare_hex(engine["config_digest"])})
