@@ -1,16 +1,22 @@
-"""The audit report: `collect` reads and verifies the store; `render` draws one self-contained HTML page
-(inline CSS and SVG, no script, no network): history, failures, faults, timings, log growth, verification."""
+"""The audit report: `collect` reads and verifies the store; `render` fills the jinja2 templates in
+qualify/templates/report/ into one self-contained HTML page (inline CSS and SVG, no script, no network):
+history, failures, faults, timings, log growth, verification. Python computes what is shown and every
+chart coordinate; the templates only lay it out (autoescaped)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from html import escape
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import jinja2
+import markupsafe
 
 from qualify.receipt_view import explain_exit
 from receipts import dsse
@@ -144,21 +150,7 @@ def checks_of(predicate: dict[str, Any]) -> tuple[CheckPoint, ...]:
     )
 
 
-# --------------------------------------------------------------------------- SVG helpers
-
-
-def _t(text: Any) -> str:
-    return escape(str(text), quote=True)
-
-
-def _svg(height: int, body: list[str], label: str, left: int = 0) -> str:
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{_t(label)}" data-left="{left}" '
-        f'width="{CHART_WIDTH}" height="{height}" viewBox="0 0 {CHART_WIDTH} {height}">'
-        + "".join(body)
-        + "</svg>"
-    )
-
+# --------------------------------------------------------------------------- chart geometry
 
 # Width of one character of a 12 px chart label, rounded up (wide letters included), so that a margin sized
 # from it holds the label: labels are right-aligned against the chart and must not run off its left edge.
@@ -176,23 +168,22 @@ def _margin(labels: list[str], least: int = 120) -> int:
     return max(least, int(longest * LABEL_CHAR_PX) + 24)
 
 
-def _empty(message: str) -> str:
-    return f'<p class="empty">{_t(message)}</p>'
-
-
 def _short(digest: str) -> str:
     algo, _, hexpart = digest.partition(":")
     return f"{algo}:{hexpart[:12]}" if hexpart else digest[:19]
 
 
-def _time_axis(lo: float, hi: float, x0: int, x1: int, y: int) -> tuple[list[str], Any]:
+def _px(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def _time_axis(lo: float, hi: float, x0: int, x1: int, y: int) -> tuple[dict[str, Any], Any]:
     """Tick marks for a time axis and the x(t) mapping; a single instant is centred."""
     span = hi - lo
 
     def x_of(ts: float) -> float:
         return (x0 + x1) / 2 if span <= 0 else x0 + (ts - lo) / span * (x1 - x0)
 
-    parts = [f'<line x1="{x0}" y1="{y}" x2="{x1}" y2="{y}" class="axis"/>']
     ticks = 1 if span <= 0 else 5
     # Label precision follows the span, so a burst of appends within a minute still gets distinct ticks.
     fmt = (
@@ -204,21 +195,27 @@ def _time_axis(lo: float, hi: float, x0: int, x1: int, y: int) -> tuple[list[str
         if span < 5 * 86400
         else "%Y-%m-%d"
     )
+    marks = []
     for i in range(ticks):
         ts = lo if ticks == 1 else lo + span * i / (ticks - 1)
-        x = x_of(ts)
         label = datetime.fromtimestamp(ts, UTC).strftime(fmt)
-        label = label[:-3] if fmt.endswith("%f") else label  # milliseconds are enough
-        parts.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 5}" class="axis"/>')
-        parts.append(f'<text x="{x:.1f}" y="{y + 18}" class="tick" text-anchor="middle">{label}</text>')
-    return parts, x_of
+        marks.append({"x": _px(x_of(ts)), "label": label[:-3] if fmt.endswith("%f") else label})
+    return {"x0": x0, "x1": x1, "y": y, "ticks": marks}, x_of
 
 
-def history_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
+def _chart(label: str, height: int, left: int = 0, **rest: Any) -> dict[str, Any]:
+    return {"label": label, "width": CHART_WIDTH, "height": height, "left": left, "empty": None, **rest}
+
+
+def _empty_chart(message: str) -> dict[str, Any]:
+    return {"empty": message}
+
+
+def history_chart(receipts: tuple[ReceiptPoint, ...]) -> dict[str, Any]:
     """One row per subject (its name over its short digest); one dot per receipt at its finish time,
     coloured by verdict."""
     if not receipts:
-        return _empty("No receipts yet: run `qualify run` to qualify a build.")
+        return _empty_chart("No receipts yet: run `qualify run` to qualify a build.")
     by_subject: dict[str, list[ReceiptPoint]] = defaultdict(list)
     for r in receipts:
         by_subject[r.subject].append(r)
@@ -226,61 +223,68 @@ def history_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
     names = {s: _fit(by_subject[s][0].subject_name) for s in subjects}
     row, top, right = 38, 16, CHART_WIDTH - 60
     left = _margin([*names.values(), *(_short(s) for s in subjects)])
-    height = top + row * len(subjects) + 40
     times = [r.finished_at.timestamp() for r in receipts]
     axis, x_of = _time_axis(min(times), max(times), left, right, top + row * len(subjects) + 4)
-    body = list(axis)
+    rows = []
     for i, subject in enumerate(subjects):
-        y = top + row * i + row / 2
-        body.append(f'<line x1="{left}" y1="{y}" x2="{right}" y2="{y}" class="grid"/>')
-        body.append(
-            f'<text x="{left - 12}" y="{y - 3}" text-anchor="end" class="label subject-label">'
-            f"<title>{_t(by_subject[subject][0].subject_name)} {_t(subject)}</title>"
-            f'{_t(names[subject])}<tspan x="{left - 12}" dy="14" class="tick">{_t(_short(subject))}</tspan>'
-            "</text>"
+        dots = [
+            {
+                "verdict": r.verdict,
+                "receipt_id": r.receipt_id,
+                "x": _px(x_of(r.finished_at.timestamp())),
+                "colour": VERDICT_COLOURS.get(r.verdict, "#616161"),
+                "verified": r.verified,
+                "host": r.host,
+                "finished": r.finished_at.isoformat(),
+                "log_index": r.log_index,
+            }
+            for r in sorted(by_subject[subject], key=lambda r: r.log_index)
+        ]
+        rows.append(
+            {
+                "y": top + row * i + row / 2,
+                "name": by_subject[subject][0].subject_name,
+                "subject": subject,
+                "fitted": names[subject],
+                "short": _short(subject),
+                "dots": dots,
+            }
         )
-        for r in sorted(by_subject[subject], key=lambda r: r.log_index):
-            colour = VERDICT_COLOURS.get(r.verdict, "#616161")
-            ring = "" if r.verified else ' stroke="#000" stroke-width="2" stroke-dasharray="2 2"'
-            body.append(
-                f'<circle class="receipt-dot verdict-{_t(r.verdict)}" data-receipt="{_t(r.receipt_id)}" '
-                f'cx="{x_of(r.finished_at.timestamp()):.1f}" cy="{y}" r="7" fill="{colour}"{ring}>'
-                f"<title>{_t(r.verdict)} on {_t(r.host)} at {r.finished_at.isoformat()} "
-                f"(log #{r.log_index}{'' if r.verified else ', DOES NOT VERIFY'})</title></circle>"
-            )
-    return _svg(height, body, "qualification history per subject", left)
+    height = top + row * len(subjects) + 40
+    return _chart("qualification history per subject", height, left, right=right, axis=axis, rows=rows)
 
 
-def _bars(rows: list[tuple[str, list[tuple[int | float, str, str]]]], label: str, unit: str = "") -> str:
+def _bars(rows: list[tuple[str, list[tuple[int | float, str, str]]]], label: str, unit: str = "") -> dict:
     """Horizontal stacked bars: rows of (label, [(value, colour, css class)])."""
     row, top, right = 28, 10, CHART_WIDTH - 90
     left = _margin([_fit(name) for name, _ in rows])
-    height = top + row * len(rows) + 10
     peak = max((sum(v for v, _, _ in parts) for _, parts in rows), default=0) or 1
-    body = []
+    out = []
     for i, (name, parts) in enumerate(rows):
-        y = top + row * i
-        body.append(
-            f'<text x="{left - 10}" y="{y + 17}" text-anchor="end" class="label">'
-            f"<title>{_t(name)}</title>{_t(_fit(name))}</text>"
-        )
         x = float(left)
+        drawn = []
         for value, colour, css in parts:
             width = (right - left) * value / peak
             if width > 0:
-                body.append(
-                    f'<rect class="bar {css}" data-name="{_t(name)}" data-value="{value}" x="{x:.1f}" '
-                    f'y="{y + 4}" width="{width:.1f}" height="{row - 10}" fill="{colour}">'
-                    f"<title>{_t(name)}: {value}{unit} {css}</title></rect>"
-                )
+                drawn.append({"value": value, "colour": colour, "css": css, "x": _px(x), "width": _px(width)})
             x += width
         total = sum(v for v, _, _ in parts)
         shown = f"{total:.2f}{unit}" if isinstance(total, float) else f"{total}{unit}"
-        body.append(f'<text x="{x + 6:.1f}" y="{y + 17}" class="value">{shown}</text>')
-    return _svg(height, body, label, left)
+        out.append(
+            {
+                "y": top + row * i,
+                "name": name,
+                "fitted": _fit(name),
+                "parts": drawn,
+                "total": shown,
+                "total_x": _px(x + 6),
+            }  # fmt: skip
+        )
+    height = top + row * len(rows) + 10
+    return _chart(label, height, left, rows=out, unit=unit, bar_height=row - 10)
 
 
-def failures_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
+def failures_chart(receipts: tuple[ReceiptPoint, ...]) -> dict[str, Any]:
     """Per check: how many runs failed or errored (stacked), out of how many ran it."""
     failed: Counter[str] = Counter()
     errored: Counter[str] = Counter()
@@ -293,7 +297,7 @@ def failures_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
             elif c.status == "error":
                 errored[c.name] += 1
     if not ran:
-        return _empty("No checks recorded yet.")
+        return _empty_chart("No checks recorded yet.")
     rows = [
         (
             f"{name} ({ran[name]} runs)",
@@ -304,80 +308,69 @@ def failures_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
     return _bars(rows, "failures by check")
 
 
-def faults_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
+def faults_chart(receipts: tuple[ReceiptPoint, ...]) -> dict[str, Any]:
     """Totals of restarts, Xid events, OOMs and dead engines over all receipts."""
     if not receipts:
-        return _empty("No faults to count: there are no receipts.")
+        return _empty_chart("No faults to count: there are no receipts.")
     totals = {kind: sum(r.faults.get(kind, 0) for r in receipts) for kind in FAULT_KINDS}
     colours = {"restarts": "#1565c0", "fatal Xid": "#c62828", "non-fatal Xid": "#f9a825"}
     rows = [(kind, [(totals[kind], colours.get(kind, "#6d4c41"), "fault")]) for kind in FAULT_KINDS]
     return _bars(rows, "restart, Xid and OOM counts")
 
 
-def durations_chart(receipts: tuple[ReceiptPoint, ...]) -> str:
+def durations_chart(receipts: tuple[ReceiptPoint, ...]) -> dict[str, Any]:
     """Per check: the range of wall times (min to max) with the median marked."""
     seconds: dict[str, list[float]] = defaultdict(list)
     for r in receipts:
         for c in r.checks:
             seconds[c.name].append(c.seconds)
     if not seconds:
-        return _empty("No check timings recorded yet.")
+        return _empty_chart("No check timings recorded yet.")
     names = sorted(seconds)
     row, top, right = 28, 10, CHART_WIDTH - 150
     left = _margin([_fit(name) for name in names])
-    height = top + row * len(names) + 34
     peak = max(max(v) for v in seconds.values()) or 1.0
-    axis_y = top + row * len(names)
-    body = [f'<line x1="{left}" y1="{axis_y}" x2="{right}" y2="{axis_y}" class="axis"/>']
-    for i in range(5):
-        value = peak * i / 4
-        x = left + (right - left) * i / 4
-        body.append(
-            f'<text x="{x:.1f}" y="{top + row * len(names) + 18}" class="tick" text-anchor="middle">'
-            f"{value:.2f} s</text>"
-        )
+    ticks = [{"x": _px(left + (right - left) * i / 4), "label": f"{peak * i / 4:.2f} s"} for i in range(5)]
+    rows = []
     for i, name in enumerate(names):
         values = sorted(seconds[name])
         lo, mid, hi = values[0], statistics.median(values), values[-1]
-        y = top + row * i + row / 2
         xs = [left + (right - left) * v / peak for v in (lo, mid, hi)]
-        body.append(
-            f'<text x="{left - 10}" y="{y + 4}" text-anchor="end" class="label">'
-            f"<title>{_t(name)}</title>{_t(_fit(name))}</text>"
+        rows.append(
+            {
+                "y": top + row * i + row / 2,
+                "name": name,
+                "fitted": _fit(name),
+                "x_lo": _px(xs[0]),
+                "x_mid": _px(xs[1]),
+                "x_hi": _px(xs[2]),
+                "x_value": _px(xs[2] + 10),
+                "lo": f"{lo:.3f}",
+                "mid": f"{mid:.3f}",
+                "hi": f"{hi:.3f}",
+                "mid_short": f"{mid:.2f}",
+                "n": len(values),
+            }
         )
-        body.append(
-            f'<line class="duration-range" data-check="{_t(name)}" '
-            f'x1="{xs[0]:.1f}" y1="{y}" x2="{xs[2]:.1f}" '
-            f'y2="{y}" stroke="#1565c0" stroke-width="6" stroke-linecap="round"/>'
-        )
-        body.append(
-            f'<circle cx="{xs[1]:.1f}" cy="{y}" r="5" fill="#fff" stroke="#0d47a1" stroke-width="2">'
-            f"<title>{_t(name)}: min {lo:.3f} s, median {mid:.3f} s, max {hi:.3f} s "
-            f"({len(values)} runs)</title>"
-            "</circle>"
-        )
-        body.append(
-            f'<text x="{xs[2] + 10:.1f}" y="{y + 4}" class="value">'
-            f"median {mid:.2f} s (n={len(values)})</text>"
-        )
-    return _svg(height, body, "check durations", left)
+    height = top + row * len(names) + 34
+    return _chart(
+        "check durations", height, left, right=right, axis_y=top + row * len(names), ticks=ticks, rows=rows
+    )
 
 
-def log_chart(checkpoints: tuple[CheckpointPoint, ...]) -> str:
+def log_chart(checkpoints: tuple[CheckpointPoint, ...]) -> dict[str, Any]:
     """Tree size of every signed checkpoint over time (a step line)."""
     if not checkpoints:
-        return _empty("The log is empty: no checkpoint has been signed yet.")
+        return _empty_chart("The log is empty: no checkpoint has been signed yet.")
     points = sorted(checkpoints, key=lambda c: (c.created_at, c.size))
     top, left, right, bottom = 14, 80, CHART_WIDTH - 60, 190
     times = [c.created_at.timestamp() for c in points]
     axis, x_of = _time_axis(min(times), max(times), left, right, bottom)
     peak = max(c.size for c in points) or 1
-    body = list(axis)
-    body.append(f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" class="axis"/>')
+    ticks = []
     for i in range(3):
         value = round(peak * i / 2)
-        y = bottom - (bottom - top) * value / peak
-        body.append(f'<text x="{left - 8}" y="{y + 4:.1f}" text-anchor="end" class="tick">{value}</text>')
+        ticks.append({"y": _px(bottom - (bottom - top) * value / peak + 4), "label": value})
     coords: list[str] = []
     previous_y: float | None = None
     for c in points:
@@ -386,114 +379,34 @@ def log_chart(checkpoints: tuple[CheckpointPoint, ...]) -> str:
             coords.append(f"{x:.1f},{previous_y:.1f}")
         coords.append(f"{x:.1f},{y:.1f}")
         previous_y = y
-    body.append(f'<polyline points="{" ".join(coords)}" fill="none" stroke="#1565c0" stroke-width="2"/>')
     # Dots for at most 200 checkpoints keep the page light; the line still shows every one.
     step = max(1, len(points) // 200)
-    for c in points[::step]:
-        x, y = x_of(c.created_at.timestamp()), bottom - (bottom - top) * c.size / peak
-        body.append(
-            f'<circle class="checkpoint-dot" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="#0d47a1">'
-            f"<title>size {c.size} at {c.created_at.isoformat()}</title></circle>"
-        )
-    return _svg(bottom + 30, body, "log size and checkpoint history")
+    dots = [
+        {
+            "x": _px(x_of(c.created_at.timestamp())),
+            "y": _px(bottom - (bottom - top) * c.size / peak),
+            "size": c.size,
+            "at": c.created_at.isoformat(),
+        }
+        for c in points[::step]
+    ]
+    return _chart(
+        "log size and checkpoint history",
+        bottom + 30,
+        0,
+        axis=axis,
+        top=top,
+        bottom=bottom,
+        axis_left=left,
+        ticks=ticks,
+        points=" ".join(coords),
+        dots=dots,
+    )
 
 
 # --------------------------------------------------------------------------- page
 
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
-_CSS = """
-body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;margin:0;background:#f5f5f5;
-color:#212121}
-header{background:#263238;color:#fff;padding:18px 32px}
-header h1{margin:0;font-size:24px} header p{margin:4px 0 0;color:#cfd8dc;font-size:13px}
-main{padding:16px 32px;max-width:1100px}
-section{background:#fff;border-radius:6px;padding:14px 20px;margin:14px 0;box-shadow:0 1px 2px #0002}
-h2{font-size:17px;margin:0 0 10px}
-.status{padding:14px 20px;border-radius:6px;font-size:16px;color:#fff}
-.status.ok{background:#2e7d32} .status.bad{background:#c62828}
-.status ul{margin:6px 0 0;font-size:13px}
-.stats{display:flex;gap:14px;flex-wrap:wrap}
-.stat{background:#eceff1;border-radius:6px;padding:8px 14px;min-width:110px}
-.stat b{display:block;font-size:22px}
-.legend span{display:inline-block;margin-right:16px;font-size:13px}
-.legend i{display:inline-block;width:11px;height:11px;border-radius:6px;margin-right:5px;vertical-align:-1px}
-table{border-collapse:collapse;width:100%;font-size:12px}
-th,td{text-align:left;padding:4px 6px;border-bottom:1px solid #e0e0e0;vertical-align:top}
-code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
-pre{background:#eceff1;padding:8px;border-radius:4px;overflow-x:auto}
-.empty{color:#757575;font-style:italic}
-svg text{font-size:12px;fill:#37474f} svg .tick{font-size:11px;fill:#78909c}
-svg .axis{stroke:#90a4ae} svg .grid{stroke:#eceff1}
-.verdict{font-weight:600}
-ul.sources{margin:0 0 8px;font-size:13px} .source{font-weight:600} .failed-check{margin:0 0 2px}
-"""
-
-
-def _status_section(status: LogStatus) -> str:
-    css = "ok" if status.ok else "bad"
-    mark = "\u2714 log verifies" if status.ok else "\u2718 log does NOT verify"
-    problems = "".join(f"<li>{_t(p)}</li>" for p in status.problems[:20])
-    more = f"<li>and {len(status.problems) - 20} more</li>" if len(status.problems) > 20 else ""
-    checkpoint = f"<pre>{_t(status.checkpoint)}</pre>" if status.checkpoint else ""
-    return (
-        f'<section id="verification"><h2>Verification at report time</h2>'
-        f'<div class="status {css}" data-ok="{str(status.ok).lower()}" data-size="{status.size}">'
-        f"<b>{mark}</b>: {_t(status.summary)}"
-        f"{'<ul>' + problems + more + '</ul>' if problems else ''}</div>"
-        f"<p>Latest signed checkpoint:</p>{checkpoint or _empty('none')}</section>"
-    )
-
-
-def _stats(data: ReportData) -> str:
-    verdicts = Counter(r.verdict for r in data.receipts)
-    items = [
-        ("receipts", len(data.receipts)),
-        ("qualified", verdicts.get("qualified", 0)),
-        ("rejected", verdicts.get("rejected", 0)),
-        ("aborted", verdicts.get("aborted", 0)),
-        ("subjects", len({r.subject for r in data.receipts})),
-        ("hosts", len({r.host for r in data.receipts})),
-        ("approvals", len(data.approvals)),
-        ("log entries", data.status.size),
-    ]
-    cells = "".join(
-        f'<div class="stat" data-stat="{_t(k)}" data-value="{v}"><b>{v}</b>{_t(k)}</div>' for k, v in items
-    )
-    return f'<section id="summary"><h2>Summary</h2><div class="stats">{cells}</div></section>'
-
-
-def _legend(colours: dict[str, str]) -> str:
-    return (
-        '<p class="legend">'
-        + "".join(f'<span><i style="background:{c}"></i>{_t(k)}</span>' for k, c in colours.items())
-        + "</p>"
-    )
-
-
-def _receipts_table(receipts: tuple[ReceiptPoint, ...], limit: int = 50) -> str:
-    if not receipts:
-        return _empty("No receipts.")
-    rows = []
-    for r in sorted(receipts, key=lambda r: r.log_index, reverse=True)[:limit]:
-        colour = VERDICT_COLOURS.get(r.verdict, "#616161")
-        rows.append(
-            f'<tr class="receipt-row" data-subject="{_t(r.subject)}"><td>{r.log_index}</td>'
-            f"<td><code>{_t(r.receipt_id[:16])}</code></td>"
-            f"<td>{_t(r.subject_name)} <code>{_t(_short(r.subject))}</code></td>"
-            f'<td class="verdict" style="color:{colour}">{_t(r.verdict)}</td><td>{_t(r.host)}</td>'
-            f"<td>{r.finished_at.strftime('%Y-%m-%d %H:%M:%S')}</td><td>{_failed_cell(r)}</td>"
-            f"<td>{'yes' if r.verified else '<b>NO</b>'}</td></tr>"
-        )
-    more = f"<p>{len(receipts) - limit} older receipts not listed.</p>" if len(receipts) > limit else ""
-    return (
-        "<table><tr><th>log #</th><th>receipt</th><th>subject</th><th>verdict</th><th>host</th>"
-        "<th>finished (UTC)</th><th>failed checks: conditions (source)</th><th>verifies</th></tr>"
-        + "".join(rows)
-        + "</table>"
-        + more
-    )
-
-
 SOURCE_COLOURS = {"observed": "#2e7d32", "derived": "#1565c0", "monitored": "#6a1b9a", "engine": "#ef6c00"}
 SOURCE_WORDS = {
     "observed": "measured by the harness (or a process it launched that is not the engine)",
@@ -501,34 +414,62 @@ SOURCE_WORDS = {
     "monitored": "recorded inside the engine process by the harness's CUDA activity monitor (CUPTI)",
     "engine": "the engine's own report",
 }
+TEMPLATES = Path(__file__).parent / "templates" / "report"
 
 
-def _source(source: str) -> str:
-    colour = SOURCE_COLOURS.get(source, "#616161")
-    return f'<span class="source source-{_t(source)}" style="color:{colour}">{_t(source)}</span>'
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=True,  # every value from the store is escaped (subject names, details, hosts)
+        undefined=jinja2.StrictUndefined,  # a missing field is a bug, never an empty cell
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=False,
+    )
 
 
-def _failed_cell(r: ReceiptPoint) -> str:
+def _failed(r: ReceiptPoint) -> list[dict[str, Any]]:
     """Each failed check, with its failing conditions and their sources (or its reason)."""
-    items = []
+    oom = bool(r.faults.get("container OOM") or r.faults.get("CUDA OOM"))
+    out = []
     for c in r.checks:
         if c.status not in ("fail", "error"):
             continue
         failing = [
-            f"{_t(x.name)} ({_source(x.source)}){': ' + _t(x.detail[:160]) if x.detail else ''}"
+            {"name": x.name, "source": x.source, "detail": x.detail[:160] if x.detail else None}
             for x in c.conditions
             if not x.holds
         ]
-        reason = explain_exit(
-            c.reason or c.status, bool(r.faults.get("container OOM") or r.faults.get("CUDA OOM"))
+        out.append(
+            {"check": c.name, "conditions": failing, "reason": explain_exit(c.reason or c.status, oom)[:160]}
         )
-        why = "; ".join(failing) or _t(reason[:160])
-        items.append(f'<div class="failed-check"><b>{_t(c.name)}</b>: {why}</div>')
-    return "".join(items) or "-"
+    return out
 
 
-def conditions_table(receipts: tuple[ReceiptPoint, ...]) -> str:
-    """Every check condition seen, with its source and how often it held or failed over all receipts."""
+def _receipt_rows(receipts: tuple[ReceiptPoint, ...], limit: int = 50) -> dict[str, Any]:
+    newest = sorted(receipts, key=lambda r: r.log_index, reverse=True)[:limit]
+    rows = [
+        {
+            "log_index": r.log_index,
+            "receipt_id": r.receipt_id,
+            "subject": r.subject,
+            "subject_name": r.subject_name,
+            "short": _short(r.subject),
+            "colour": VERDICT_COLOURS.get(r.verdict, "#616161"),
+            "verdict": r.verdict,
+            "host": r.host,
+            "finished": r.finished_at.strftime("%Y-%m-%d %H:%M:%S"),
+            "failed": _failed(r),
+            "verified": r.verified,
+        }
+        for r in newest
+    ]
+    return {"rows": rows, "older": max(0, len(receipts) - limit)}
+
+
+def conditions_rows(receipts: tuple[ReceiptPoint, ...]) -> dict[str, Any]:
+    """Every check condition seen, with its sources and how often it held or failed over all receipts."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     without = 0
     for r in receipts:
@@ -543,93 +484,77 @@ def conditions_table(receipts: tuple[ReceiptPoint, ...]) -> str:
                 row["held" if x.holds else "failed"] += 1
                 if not x.holds and x.detail:
                     row["last"] = x.detail
-    note = (
-        f"<p>{without} receipt(s) were written before conditions were recorded: their checks show status "
-        "only.</p>"
-        if without
-        else ""
-    )
-    if not rows:
-        return _empty("No check conditions recorded yet.") + note
-    legend = "".join(f"<li>{_source(k)}: {_t(v)}</li>" for k, v in SOURCE_WORDS.items())
-    body = []
-    for (check, name), row in rows.items():
-        sources = ", ".join(_source(k) for k in row["sources"])
-        body.append(
-            f'<tr class="condition-row" data-check="{_t(check)}" data-condition="{_t(name)}" '
-            f'data-source="{_t(",".join(row["sources"]))}" data-failed="{row["failed"]}">'
-            f"<td>{_t(check)}</td><td><code>{_t(name)}</code></td><td>{sources}</td>"
-            f"<td>{row['held']}</td><td>{row['failed']}</td><td>{_t((row['last'] or '')[:160])}</td></tr>"
-        )
-    return (
-        f'<ul class="sources">{legend}</ul>'
-        "<table><tr><th>check</th><th>condition</th><th>source</th><th>held</th><th>failed</th>"
-        "<th>last failure</th></tr>" + "".join(body) + "</table>" + note
-    )
+    out = [
+        {
+            "check": check,
+            "name": name,
+            "sources": list(row["sources"]),
+            "held": row["held"],
+            "failed": row["failed"],
+            "last": (row["last"] or "")[:160],
+        }  # fmt: skip
+        for (check, name), row in rows.items()
+    ]
+    return {"rows": out, "without": without}
 
 
-def _approvals_table(approvals: tuple[ApprovalPoint, ...], limit: int = 50) -> str:
-    if not approvals:
-        return _empty("No rollout decisions recorded.")
-    rows = []
-    for a in sorted(approvals, key=lambda a: a.log_index, reverse=True)[:limit]:
-        colour = DECISION_COLOURS.get(a.decision, "#616161")
-        reason = a.reasons[0] if a.reasons else ""
-        rows.append(
-            f'<tr class="approval-row" data-subject="{_t(a.subject)}"><td>{a.log_index}</td>'
-            f"<td>{_t(a.subject_name)} <code>{_t(_short(a.subject))}</code></td>"
-            f'<td class="verdict" style="color:{colour}">{_t(a.decision)}</td>'
-            f"<td>{a.created_at.strftime('%Y-%m-%d %H:%M:%S')}</td><td>{_t(reason[:160])}</td></tr>"
-        )
-    return (
-        "<table><tr><th>log #</th><th>subject</th><th>decision</th><th>decided (UTC)</th>"
-        "<th>first reason</th></tr>" + "".join(rows) + "</table>"
-    )
+def _approval_rows(approvals: tuple[ApprovalPoint, ...], limit: int = 50) -> list[dict[str, Any]]:
+    return [
+        {
+            "log_index": a.log_index,
+            "subject": a.subject,
+            "subject_name": a.subject_name,
+            "short": _short(a.subject),
+            "colour": DECISION_COLOURS.get(a.decision, "#616161"),
+            "decision": a.decision,
+            "decided": a.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            "reason": (a.reasons[0] if a.reasons else "")[:160],
+        }
+        for a in sorted(approvals, key=lambda a: a.log_index, reverse=True)[:limit]
+    ]
+
+
+def _stats(data: ReportData) -> list[tuple[str, int]]:
+    verdicts = Counter(r.verdict for r in data.receipts)
+    return [
+        ("receipts", len(data.receipts)),
+        ("qualified", verdicts.get("qualified", 0)),
+        ("rejected", verdicts.get("rejected", 0)),
+        ("aborted", verdicts.get("aborted", 0)),
+        ("subjects", len({r.subject for r in data.receipts})),
+        ("hosts", len({r.host for r in data.receipts})),
+        ("approvals", len(data.approvals)),
+        ("log entries", data.status.size),
+    ]
+
+
+def page_context(data: ReportData) -> dict[str, Any]:
+    """Everything templates/report/page.html.j2 shows, computed from the collected data."""
+    return {
+        "csp": markupsafe.Markup(_CSP),  # a constant with quotes the policy needs, not data
+        "generated": data.generated_at.strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "store": data.store,
+        "status": data.status,
+        "stats": _stats(data),
+        "verdict_colours": VERDICT_COLOURS,
+        "failure_colours": {"failed": "#c62828", "errored": "#8e24aa"},
+        "source_colours": SOURCE_COLOURS,
+        "source_words": SOURCE_WORDS,
+        "history": history_chart(data.receipts),
+        "failures": failures_chart(data.receipts),
+        "faults": faults_chart(data.receipts),
+        "durations": durations_chart(data.receipts),
+        "log": log_chart(data.checkpoints),
+        "checkpoint_count": len(data.checkpoints),
+        "conditions": conditions_rows(data.receipts),
+        "receipts": _receipt_rows(data.receipts),
+        "approvals": _approval_rows(data.approvals),
+    }
 
 
 def render(data: ReportData) -> str:
-    """The complete HTML page."""
-    sections = [
-        _status_section(data.status),
-        _stats(data),
-        '<section id="history"><h2>Qualification history per subject (times in UTC)</h2>'
-        + _legend(VERDICT_COLOURS)
-        + history_chart(data.receipts)
-        + "</section>",
-        '<section id="failures"><h2>Failures by check</h2>'
-        + _legend({"failed": "#c62828", "errored": "#8e24aa"})
-        + failures_chart(data.receipts)
-        + "</section>",
-        '<section id="faults"><h2>Restarts, Xid events and OOMs (all receipts)</h2>'
-        + faults_chart(data.receipts)
-        + "</section>",
-        '<section id="durations"><h2>Check durations (min to max, median marked)</h2>'
-        + durations_chart(data.receipts)
-        + "</section>",
-        f'<section id="log"><h2>Log size and checkpoint history ({len(data.checkpoints)} checkpoints)</h2>'
-        + log_chart(data.checkpoints)
-        + "</section>",
-        '<section id="conditions"><h2>Check conditions and where each is known from</h2>'
-        + conditions_table(data.receipts)
-        + "</section>",
-        '<section id="receipts"><h2>Receipts (newest first)</h2>'
-        + _receipts_table(data.receipts)
-        + "</section>",
-        '<section id="approvals"><h2>Rollout decisions</h2>'
-        + _approvals_table(data.approvals)
-        + "</section>",
-    ]
-    generated = data.generated_at.strftime("%Y-%m-%d %H:%M:%S UTC")
-    return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        # Forbid every fetch: the page must stand alone, offline, as an auditor's archived copy.
-        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
-        f"<title>qualify audit report {generated}</title><style>{_CSS}</style></head><body>"
-        f"<header><h1>qualify audit report</h1>"
-        f"<p>store {_t(data.store)} &middot; generated {generated}</p></header>"
-        f"<main>{''.join(sections)}</main></body></html>"
-    )
+    """The complete HTML page, from the jinja2 templates in qualify/templates/report/."""
+    return _environment().get_template("page.html.j2").render(page_context(data))
 
 
 # --------------------------------------------------------------------------- collecting from the store

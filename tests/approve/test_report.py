@@ -231,3 +231,13 @@ def test_receipts_and_decisions_are_shown_under_the_same_subject(log: Log, tmp_p
     receipt_rows = {a["data-subject"] for a in dom.classed("tr", "receipt-row")}
     (approval_row,) = dom.classed("tr", "approval-row")
     assert approval_row["data-subject"] == config and config in receipt_rows
+
+
+def test_the_templates_escape_what_the_store_holds(log: Log) -> None:
+    """Subject names, hosts and condition details come from signed but operator-written receipts: the
+    jinja2 templates autoescape them, so no markup from a receipt reaches the page."""
+    hostile = '<script>alert(1)</script>"><img src=x>'
+    log.add(host=hostile, failed_check="layout", verdict="rejected")
+    html = render(collect(log.store))
+    assert "<script" not in html and "<img" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
