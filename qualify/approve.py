@@ -321,16 +321,59 @@ def gather(
     return candidates, tree_size
 
 
+def gather_attested(
+    store: Store, attestations: list[Any], subject: str, verifiers: list[NoteVerifier]
+) -> tuple[list[Candidate], int | None]:
+    """Receipts found outside the store (attached to an image in its registry: qualify.oci.Attestation),
+    each verified as `gather` verifies a stored one: its inclusion in this log under a checkpoint signed
+    by `verifiers` (the tlog-proof that came with it; without one, only a receipt this store holds can be
+    placed), its signature by a key this log trusted at that index, and its signed subjects."""
+    from receipts import merkle
+    from receipts.checkpoint import verify_tlog_proof
+    from receipts.errors import ReceiptsError
+
+    history = store.key_history()
+    candidates: list[Candidate] = []
+    tree_size: int | None = None
+    for found in attestations:
+        rid, idx = found.receipt_id, -1
+        try:
+            if found.proof is not None:
+                parsed, cp = verify_tlog_proof(found.proof, merkle.leaf_hash(found.envelope), verifiers)
+                idx, size = parsed.index, cp.size
+            else:
+                report = store.verify_receipt(rid, verifiers=verifiers, history=history)
+                if not report.ok:
+                    raise VerificationError(report.problem or "it does not verify in this log")
+                idx, size = report.log_idx, report.checkpoint_size
+            keyid = history.signers(dsse.parse(found.envelope), idx, "receipt")[0]
+        except (ReceiptsError, ValueError) as exc:
+            where = ", ".join(found.found_in) or "the registry"
+            candidates.append(Candidate(rid, idx, None, None, f"found in {where}, but {exc}"))
+            continue
+        tree_size = max(tree_size or 0, size or 0)
+        predicate, problem = _signed_predicate(found.envelope, subject)
+        candidates.append(Candidate(rid, idx, keyid, predicate, problem))
+    return candidates, tree_size
+
+
 def decide(
     store: Store,
     loaded: LoadedPolicy,
     subject: str,
     now: datetime | None = None,
     verifiers: list[NoteVerifier] | None = None,
+    attestations: list[Any] | None = None,
 ) -> Decision:
-    """Verify the subject's receipts in `store` and judge them against the policy (nothing is written)."""
+    """Verify the subject's receipts in `store` (or, given `attestations`, those receipts found with the
+    image in its registry) and judge them against the policy (nothing is written)."""
     subject = check_subject(subject)
-    candidates, tree_size = gather(store, subject, verifiers)
+    if attestations is not None:
+        candidates, tree_size = gather_attested(
+            store, attestations, subject, verifiers or [store.log_verifier()]
+        )
+    else:
+        candidates, tree_size = gather(store, subject, verifiers)
     return evaluate(loaded, subject, candidates, now=now, tree_size=tree_size)
 
 

@@ -143,6 +143,13 @@ def print_decision(console: Console, decision: Decision) -> None:
     "--dry-run", is_flag=True, help="Evaluate and print the decision without writing it to the log."
 )
 @click.option("--schema", is_flag=True, help="Print the policy file's JSON Schema and exit.")
+@click.option(
+    "--from-registry",
+    is_flag=True,
+    help="With --image REGISTRY/REPO:TAG: judge the receipts attached to the image in its registry "
+    "(qualify receipts attach), each verified against this log's keys.",
+)
+@click.option("--plain-http", is_flag=True, help="Talk HTTP to the registry (default: only for loopback).")
 @store_errors
 def approve(
     policy_path: str | None,
@@ -154,11 +161,16 @@ def approve(
     as_json: bool,
     dry_run: bool,
     schema: bool,
+    from_registry: bool,
+    plain_http: bool,
 ) -> None:
     """Approve or deny the rollout of a build from its stored receipts, and record the signed decision.
 
     Exit 0: approved (or denied in warn mode). 1: denied. 2: bad input, nothing written. With --dry-run
-    the store is only read and nothing is signed or written; the exit code is the same.
+    the store is only read and nothing is signed or written; the exit code is the same. With
+    --from-registry the receipts come from the image's registry (referrers and the .att tag), each
+    counted only if its tlog-proof verifies under this log's checkpoint key and a key this log trusted
+    at its index signed it.
     """
     if schema:
         print_even_if_closed(lambda: click.echo(json.dumps(policy_json_schema(), indent=2)))
@@ -167,16 +179,26 @@ def approve(
         raise UsageError("--policy FILE is required (see qualify approve --schema for its format)")
     if bool(subject) == bool(image):
         raise UsageError("give exactly one of --subject sha256:<hex> or --image REF")
+    if from_registry and not image:
+        raise UsageError("--from-registry reads the receipts attached to an image: give --image REF")
     # Everything that can be refused is checked before the store is written to.
     loaded = load_policy(policy_path)
-    digest = check_subject(subject) if subject else check_subject(resolve_image(image or ""))
+    attestations = None
+    if from_registry:
+        from qualify import oci
+
+        found, attestations = oci.read_back(image or "", plain_http or None)
+        # Receipts of a docker run name the image by its id (the config digest docker shows).
+        digest = check_subject(found.config_digest or found.digest)
+    else:
+        digest = check_subject(subject) if subject else check_subject(resolve_image(image or ""))
     pinned = [parse_vkey(vkey)] if vkey else None
     # The store must exist: an approval about a log that was never written is a mistake in --db.
     with opened(open_read(db_url) if dry_run else open_append(db_url, create=False)) as store:
         key = None if dry_run else load_signing_key(store, key_path)
         # Checkpoints are checked against the local log key (or --vkey), not the one the database names.
         verifiers = pinned or log_verifiers(store)[0]
-        decision = decide(store, loaded, digest, verifiers=verifiers)
+        decision = decide(store, loaded, digest, verifiers=verifiers, attestations=attestations)
         if key is not None:
             decision = record(store, decision, loaded, key)
     console = _PipeConsole(highlight=False, soft_wrap=True)

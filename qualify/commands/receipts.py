@@ -53,7 +53,7 @@ def _subject_line(record: ReceiptRecord) -> str:
 
 @click.group("receipts")
 def receipts() -> None:
-    """Stored receipts: list, show, verify, prove, bundle, export, import, schema."""
+    """Stored receipts: list, show, verify, prove, bundle, attach, export, import, schema."""
 
 
 @receipts.command("list")
@@ -315,6 +315,54 @@ def bundle(receipt_id: str, out: str, proof_out: str | None, db_url: str | None,
         lambda: console.print(
             f"wrote Sigstore bundle {out} (receipt {short(record.id)}, key {short(info['keyid'])}) "
             f"and its log inclusion {proof_path}"
+        ),
+    )
+
+
+@receipts.command("attach")
+@click.argument("receipt_id")
+@click.option(
+    "--image", "image", required=True, metavar="REF", help="The image: REGISTRY/REPO:TAG or @sha256:…"
+)
+@click.option("--plain-http", is_flag=True, help="Talk HTTP to the registry (default: only for loopback).")
+@db_option
+@json_option
+@store_errors
+@tamper_exits_1
+def attach(receipt_id: str, image: str, plain_http: bool, db_url: str | None, as_json: bool) -> None:
+    """Store a receipt with the image it is about, in the image's registry: its Sigstore bundle and
+    tlog-proof as an OCI 1.1 artifact whose subject is the image's manifest (listed by the referrers API,
+    or the sha256-<digest> referrers tag where the registry has no such API), and its envelope in
+    cosign's sha256-<digest>.att tag. The receipt must name the image (its id or manifest digest)."""
+    from qualify import oci
+    from receipts.sigstore_bundle import bundle_of
+    from receipts.statement import PREDICATE_TYPE
+
+    with opened(open_read(db_url)) as store:
+        record = store.get_receipt(receipt_id)
+        proof, _ = inclusion_of(store, record)
+    assert record.envelope is not None
+    found = oci.Registry(image, plain_http or None).image()
+    named = {s.digest for s in record.subjects}
+    if not named & {found.digest, found.config_digest}:
+        raise click.UsageError(
+            f"receipt {short(record.id)} is not about {image} (manifest {found.digest}, image id "
+            f"{found.config_digest}); its subjects are {', '.join(sorted(named))}"
+        )
+    info = oci.attach(
+        image,
+        bundle=bundle_of(record.envelope),
+        proof=proof,
+        predicate_type=PREDICATE_TYPE,
+        plain_http=plain_http or None,
+    )
+    where = "the referrers API" if info["referrers_api"] else f"referrers tag {info['referrers_tag']}"
+    emit(
+        as_json,
+        info,
+        lambda: console.print(
+            f"attached receipt {short(record.id)} to {image} ({found.digest}): artifact {info['referrer']} "
+            f"(listed by {where}) and tag {info['att_tag']}"
         ),
     )
 

@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,3 +90,82 @@ def receipt_store(cli, home: Path, tmp_path: Path) -> Callable[[str], dict[str, 
         return {"url": url, "key": key, "public": public, "id": json.loads(imported.out)[0]["id"]}
 
     return make
+
+
+# ---------------------------------------------------------------- a real registry (Debian's docker-registry)
+
+DOCKER = "/usr/bin/docker"
+REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Docker's distribution registry (2.x: no referrers API, so the referrers tag schema is used) on
+    127.0.0.1 at a free port, storing into a temp dir; yields host:port."""
+    import socket
+    import time
+    import urllib.request
+
+    if not os.path.exists(REGISTRY_BIN):
+        _need("docker-registry", "not installed (apt-get install -y docker-registry)")
+    root = tmp_path_factory.mktemp("registry")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = root / "config.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {root / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+    )
+    log = (root / "registry.log").open("wb")
+    proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _need("docker-registry", f"did not start: {(root / 'registry.log').read_text()[-400:]}")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+def _docker(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def pushed_image(registry: str, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A tiny image made with `docker import` and pushed to the test registry (dockerd lets 127.0.0.1
+    registries speak plain HTTP); yields its reference and image id (the config digest receipts name)."""
+    import uuid
+
+    if not os.path.exists(DOCKER) or _docker("info", timeout=30).returncode != 0:
+        _need("Docker", "no docker engine (docker info failed)")
+    files = tmp_path / "rootfs"
+    files.mkdir()
+    (files / "engine.txt").write_text(f"a tiny stand-in for the engine image {uuid.uuid4()}\n")
+    tar = tmp_path / "rootfs.tar"
+    subprocess.run(["tar", "-C", str(files), "-cf", str(tar), "."], check=True, timeout=60)
+    ref = f"{registry}/qualify-test/engine:{uuid.uuid4().hex[:12]}"
+    made = _docker("import", str(tar), ref)
+    assert made.returncode == 0, made.stderr
+    try:
+        pushed = _docker("push", ref, timeout=300)
+        assert pushed.returncode == 0, pushed.stderr
+        image_id = _docker("image", "inspect", "--format", "{{.Id}}", ref).stdout.strip()
+        yield {"ref": ref, "image_id": image_id}
+    finally:
+        _docker("rmi", "-f", ref)
