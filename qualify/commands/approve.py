@@ -8,12 +8,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 
 from qualify import settings
-from qualify.approve import Decision, check_subject, decide, record
 from qualify.commands._common import (
     db_option,
     emit,
@@ -27,9 +27,14 @@ from qualify.commands._common import (
     vkey_option,
 )
 from qualify.errors import UsageError
-from qualify.policy import load_policy, policy_json_schema
 from receipts.keys import SigningKey
-from receipts.store import Store
+
+if TYPE_CHECKING:
+    from qualify.approve import Decision
+    from receipts.store import Store
+
+# qualify.approve and qualify.policy (pydantic, CEL) and the store are imported when a decision is made,
+# so that `qualify approve --help` starts at once.
 
 STYLE = {"approved": "bold green", "denied": "bold red", "warn": "bold yellow"}
 
@@ -172,6 +177,9 @@ def approve(
     counted only if its tlog-proof verifies under this log's checkpoint key and a key this log trusted
     at its index signed it.
     """
+    from qualify.approve import check_subject, decide, record
+    from qualify.policy import load_policy, policy_json_schema
+
     if schema:
         print_even_if_closed(lambda: click.echo(json.dumps(policy_json_schema(), indent=2)))
         return

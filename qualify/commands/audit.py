@@ -18,7 +18,6 @@ from qualify.commands._common import (
     vkey_option,
 )
 from qualify.errors import UsageError
-from qualify.report import collect, render
 from receipts.checkpoint import open_checkpoint
 
 
@@ -45,6 +44,8 @@ def report(
 ) -> None:
     """Write one HTML page (no network needed to view it): history, failures, faults, timings, log growth,
     and whether the whole log verifies now. Exit 0 when it verifies, 1 when it does not."""
+    from qualify.report import collect, render  # jinja2 and the store: only when a report is written
+
     checkpoint_text = None
     if checkpoint_file:
         try:

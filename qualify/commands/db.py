@@ -5,8 +5,6 @@ from __future__ import annotations
 import click
 
 from qualify.commands._common import console, db_option, emit, json_option, opened, resolve_db, store_errors
-from receipts.db import check_connection, create_engine, head_revision, parse_url, shown, writer_role
-from receipts.store import Store
 
 
 @click.group("db")
@@ -20,6 +18,9 @@ def db() -> None:
 @store_errors
 def upgrade(db_url: str | None, as_json: bool) -> None:
     """Create the store if needed and apply every migration."""
+    from receipts.db import head_revision
+    from receipts.store import Store
+
     with opened(Store.open(resolve_db(db_url), create=True)) as store:
         revision = store.revision()
         data = {
@@ -37,6 +38,8 @@ def upgrade(db_url: str | None, as_json: bool) -> None:
 @store_errors
 def current(db_url: str | None, as_json: bool) -> None:
     """Print the schema revision of the store, changing nothing."""
+    from receipts.db import check_connection, create_engine, head_revision, parse_url, shown, writer_role
+
     url = parse_url(resolve_db(db_url))
     engine = create_engine(url, create=False)
     try:

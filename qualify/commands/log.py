@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -30,8 +31,12 @@ from qualify.limits import read_text_limited
 from receipts import merkle
 from receipts.checkpoint import Checkpoint, open_checkpoint
 from receipts.errors import TamperError
-from receipts.repair import repair
-from receipts.verify import LogReport, verify_log
+
+if TYPE_CHECKING:
+    from receipts.verify import LogReport
+
+# receipts.verify and receipts.repair (SQLAlchemy) are imported by the commands that run them, so that
+# `qualify log --help` starts at once.
 
 
 @click.group("log")
@@ -178,6 +183,8 @@ def verify(
         if text is not None:
             # A checkpoint that does not verify, or of another log, is bad input (exit 2), not tampering.
             open_checkpoint(text, verifiers, store.origin)
+        from receipts.verify import verify_log
+
         signer = load_log_signer(create=False)
         try:
             report = verify_log(
@@ -222,6 +229,8 @@ def repair_(
             "a repair trusts only a log key kept outside the database: pass --vkey, or run it where the "
             "log key is"
         )
+    from receipts.repair import repair
+
     report = repair(url, verifiers[0], Path(evidence), reason)
     if report is None:
         # Nothing lies beyond the last good checkpoint; but "nothing to repair" is said only of a log that
@@ -255,6 +264,8 @@ def repair_(
 
 def _verify_problem(db_url: str | None, verifiers: list) -> str | None:
     """The first problem `log verify` finds with the log (None when it verifies)."""
+    from receipts.verify import verify_log
+
     with opened(open_read(db_url)) as store:
         try:
             verify_log(store, verifiers=verifiers, log_signer=load_log_signer(create=False))

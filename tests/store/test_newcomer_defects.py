@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from receipts import keys
 from receipts.keys import SigningKey
 from receipts.testing import synthetic_envelope
@@ -165,3 +167,18 @@ def test_help_imports_no_command_module_and_every_command_resolves(cli) -> None:
         assert cli(*name.split(), "--help").code == 0
     listed = cli("--help").out
     assert all(name in listed for name in COMMANDS)
+
+
+@pytest.mark.parametrize("group", ["receipts", "keys", "log", "approve", "audit", "db", "serve", "gc"])
+def test_a_groups_help_loads_no_database_or_model_library(group: str) -> None:
+    """`qualify <group> --help` imports the group's module only: SQLAlchemy, pydantic, jinja2, CEL and
+    the registry client wait until a command needs them (bench/startup.py measures the time)."""
+    heavy = ("sqlalchemy", "pydantic", "jinja2", "celpy", "oras", "fastapi")
+    code = (
+        "import sys; from qualify.cli import main\n"
+        f"try:\n    main([{group!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules if m.startswith({heavy!r})}}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
