@@ -399,13 +399,18 @@ def import_(file: str, db_url: str | None, as_json: bool) -> None:
     try:
         # Never a new store: a log that does not exist trusts no key, so every envelope would be refused,
         # and a refused import must leave nothing behind (no database, no log key).
-        store = open_append(db_url, create=False)
+        with opened(open_read(db_url)) as probe:
+            history, size = probe.key_history(), probe.size()
     except MissingStore as error:
         raise StoreError(
             f"{error}; a new log trusts no key, so nothing would be imported: trust the signer's public "
             "key there first (qualify keys trust FILE), then import"
         ) from None
-    with opened(store):
+    # Refused before anything is opened for writing (which may make the log key of a log that has no
+    # entries yet); the append checks every signature again, under the writer lock.
+    for offset, receipt in enumerate(parsed):
+        history.signers(receipt.envelope, size + offset, f"receipt {receipt.id[:16]}")
+    with opened(open_append(db_url, create=False)) as store:
         records = store.append_receipts(parsed)
     emit(
         as_json,

@@ -68,6 +68,11 @@ def test_a_refused_import_creates_no_database_and_no_key(cli, home, tmp_path) ->
     # The default store too.
     _one_line(cli("receipts", "import", path))
     assert not (home / "qualify.db").exists() and not (home / "keys").exists()
+    # A store that exists but has no entries (and so no log key yet): refused, and still no key made.
+    assert cli("db", "upgrade", "--db", f"sqlite:///{target}").code == 0
+    line = _one_line(cli("receipts", "import", path, "--db", f"sqlite:///{target}"))
+    assert "not by a trusted key" in line
+    assert not (home / "keys" / "log.key").exists()
 
 
 def test_piped_keys_list_prints_whole_key_ids(cli, home, sqlite_url) -> None:
