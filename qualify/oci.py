@@ -144,17 +144,29 @@ class Registry:
 
     def _get(self, path: str, accept: str, limit: int) -> tuple[bytes, str, str] | None:
         """(bytes, content type, digest) of a manifest or blob, None when the registry has none."""
-        response = self._request(f"{self.base}/{path}", headers={"Accept": accept})
-        if response.status_code == 404:
-            return None
-        if response.status_code != 200:
-            raise UsageError(
-                f"registry {self.container.registry} answered {response.status_code} for {path}: "
-                f"{response.text[:200]}"
-            )
-        data = response.content
-        if len(data) > limit:
-            raise UsageError(f"{path} in {self.container.registry} is over {limit} bytes; not read")
+        import requests
+
+        response = self._request(f"{self.base}/{path}", headers={"Accept": accept}, stream=True)
+        try:
+            if response.status_code == 404:
+                return None
+            if response.status_code != 200:
+                raise UsageError(
+                    f"registry {self.container.registry} answered {response.status_code} for {path}: "
+                    f"{response.raw.read(200).decode('utf-8', 'replace')}"
+                )
+            # At most `limit` bytes are read, whatever the registry sends or says it will send.
+            chunks, size = [], 0
+            for chunk in response.iter_content(chunk_size=1 << 16):
+                size += len(chunk)
+                if size > limit:
+                    raise UsageError(f"{path} in {self.container.registry} is over {limit} bytes; not read")
+                chunks.append(chunk)
+        except requests.RequestException as exc:
+            raise UsageError(f"registry {self.container.registry} did not answer: {exc}") from None
+        finally:
+            response.close()
+        data = b"".join(chunks)
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         kind = response.headers.get("Content-Type", "").split(";")[0].strip()
         return data, kind, digest
@@ -162,8 +174,8 @@ class Registry:
     def manifest(self, reference: str) -> tuple[bytes, str, str] | None:
         return self._get(f"manifests/{reference}", ", ".join(MANIFEST_TYPES), MAX_MANIFEST_BYTES)
 
-    def blob(self, digest: str, limit: int = MAX_BLOB_BYTES) -> bytes:
-        found = self._get(f"blobs/{digest}", "*/*", limit)
+    def blob(self, digest: str, limit: int | None = None) -> bytes:
+        found = self._get(f"blobs/{digest}", "*/*", MAX_BLOB_BYTES if limit is None else limit)
         if found is None or found[2] != digest:
             raise UsageError(f"blob {digest} is missing from {self.ref}, or its bytes are not that digest")
         return found[0]
@@ -202,9 +214,15 @@ class Registry:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         return {"mediaType": media_type, "digest": digest, "size": len(data)}, response
 
+    def referrers(self, image: Image) -> tuple[bytes, str, str] | None:
+        """The referrers API's index for the image, None where the registry has no such API."""
+        try:
+            return self._get(f"referrers/{image.digest}", OCI_INDEX, MAX_MANIFEST_BYTES)
+        except UsageError:
+            return None  # e.g. 400/405 from a registry that predates the API: the tag schema is used
+
     def has_referrers_api(self, image: Image) -> bool:
-        response = self._request(f"{self.base}/referrers/{image.digest}", headers={"Accept": OCI_INDEX})
-        return response.status_code == 200
+        return self.referrers(image) is not None
 
     # ------------------------------------------------------------------ the image
 
@@ -409,11 +427,11 @@ def _layers(data: bytes) -> Iterator[dict[str, Any]]:
 
 def _referrers(registry: Registry, image: Image) -> list[dict[str, Any]]:
     """The referrers API where the registry has it, else the referrers tag schema's index."""
-    response = registry._request(f"{registry.base}/referrers/{image.digest}", headers={"Accept": OCI_INDEX})
     index: dict[str, Any] | None = None
-    if response.status_code == 200 and len(response.content) <= MAX_MANIFEST_BYTES:
+    found = registry.referrers(image)
+    if found is not None:
         with contextlib.suppress(ValueError):
-            index = json.loads(response.content)
+            index = json.loads(found[0])
     if index is None:
         found = registry.manifest(image.tag_prefix)
         index = json.loads(found[0]) if found else {"manifests": []}

@@ -169,3 +169,14 @@ def test_attach_refuses_a_receipt_about_another_image_and_bad_references(
         dead = f"127.0.0.1:{s.getsockname()[1]}/x/y:z"
     unreachable = _approve(cli, log, dead, "--dry-run")
     assert unreachable.code == 2 and "did not answer" in unreachable.err, unreachable.err
+
+
+def test_read_back_reads_no_more_than_its_limits(cli, log, pushed_image, tmp_path, monkeypatch) -> None:
+    ref, image_id = pushed_image["ref"], pushed_image["image_id"]
+    rid = _receipt(cli, log, tmp_path, image_id, "node-a", 5)
+    assert cli("receipts", "attach", rid, "--image", ref, "--db", log["url"]).code == 0
+    monkeypatch.setattr(oci, "MAX_BLOB_BYTES", 100)  # the bundle is a few KiB
+    with pytest.raises(oci.UsageError, match="over 100 bytes; not read"):
+        oci.read_back(ref)
+    refused = _approve(cli, log, ref, "--dry-run")
+    assert refused.code == 2 and "over 100 bytes" in refused.err  # could not decide, said in one line
