@@ -44,8 +44,10 @@ def excerpt(full: str, name: str) -> str:
         start = next(i for i, line in enumerate(lines) if line.startswith("checks (condition"))
     except StopIteration:
         return full
-    head, checks, tail = lines[: start + 2], [], []
-    body = lines[start + 2 :]
+    # The legend runs from "checks (condition, ..." to the line that ends with "):".
+    legend_end = next((i for i in range(start, len(lines)) if lines[i].rstrip().endswith("):")), start)
+    head, checks, tail = lines[: legend_end + 1], [], []
+    body = lines[legend_end + 1 :]
     end = next((i for i, line in enumerate(body) if not line.strip()), len(body))
     body, tail = body[:end], body[end:]
     keep, folded = False, False
