@@ -1,5 +1,6 @@
 """capture: FULL CUDA graphs captured for every size, and replay equals eager (coherence rule).
-Where the engine cannot capture (CPU) the check is a skip carrying the engine's reason."""
+A CPU target never carries a capture pass: there is no CUDA there, so the check is a skip whatever the
+engine answers, and an engine that claims graphs on a CPU target fails it (the claim is false)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,16 @@ def run(ctx: Context) -> Outcome:
         "cudagraph_mode": before.cudagraph_mode,
         "device_type": before.device.type,
     }
+    if ctx.target == "cpu":
+        # The harness decided the target before boot (no GPU on the host, or every GPU hidden): CUDA graphs
+        # cannot exist there, so nothing the engine says makes this a pass, and graph mode stays off.
+        if cap.captured or before.device.type == "cuda":
+            said = f"captured {cap.captured}, device {before.device.type}"
+            conditions = {"no_graphs_claimed_on_a_cpu_target": engine_says(False, said)}
+            return fail_unless(conditions, evidence)
+        why = cap.reason or "CUDA graphs need a CUDA device; a cpu target has none"
+        return Outcome("skip", evidence, why)
     if not cap.captured:
-        if ctx.target == "cpu":
-            return Outcome(
-                "skip", evidence, cap.reason or "the engine does not capture graphs on this device"
-            )
         return Outcome("fail", evidence, f"no graphs captured on a {ctx.target} target: {cap.reason}")
     ctx.captured = True
     want = sorted(before.config.get("capture_sizes") or [])

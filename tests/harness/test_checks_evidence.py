@@ -369,3 +369,17 @@ def test_the_harness_sees_which_process_holds_the_engine_port() -> None:
 
 def test_container_oom_is_a_condition_only_where_docker_could_kill_for_memory() -> None:
     assert "no_container_oom" not in faults.run(_context(Engine())).conditions
+
+
+def test_a_cpu_target_never_carries_a_capture_pass_whatever_the_engine_says() -> None:
+    # The mock engine claims a capture and answers "graph": on a cpu target that is a false claim.
+    out = capture.run(_context(Engine(device="cpu"), target="cpu"))
+    assert out.status == "fail" and _failed(out) == {"no_graphs_claimed_on_a_cpu_target"}
+
+
+def test_only_torch_or_an_interpreted_triton_asked_for_by_name_runs_on_a_cpu() -> None:
+    assert backend.runs_on_cpu("torch", "auto", {})[0]
+    assert not backend.runs_on_cpu("triton", "auto", {"TRITON_INTERPRET": "1"})[0]
+    assert not backend.runs_on_cpu("triton", "triton", {})[0]
+    assert backend.runs_on_cpu("triton", "triton", {"TRITON_INTERPRET": "1"})[0]
+    assert not backend.runs_on_cpu("b12x", "b12x", {"TRITON_INTERPRET": "1"})[0]

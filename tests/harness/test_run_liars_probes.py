@@ -1,0 +1,47 @@
+"""Lying engines that react to what they can see (issue 21, the probe half), through the real `qualify run`
+path (local launcher, tiny preset, CPU): graphs claimed on a CPU, a triton backend claimed on a CPU, a
+supervisor that hides a restarted worker, answers that react to the harness's probes, speculation simulated
+against the engine's own output. Each is rejected by the condition that catches its lie."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .conftest import ROOT, Home, check
+
+pytestmark = pytest.mark.slow
+
+
+def _run(home: Home, liar: str | None, *args: str, **env: str) -> tuple[dict, dict]:
+    extra = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if liar:
+        extra["QUALIFY_ENGINE_MODULE"] = f"tests.liars.{liar}"
+    ran = home.qualify("run", "--json", *args, env=home.env(**extra, **env), timeout=300)
+    assert ran.code in (0, 1), ran.stderr[-2000:]
+    (p,) = home.predicates()
+    return ran.summary(), p
+
+
+def _failed(p: dict, name: str) -> dict[str, str]:
+    return {k: c["detail"] for k, c in check(p, name)["conditions"].items() if not c["holds"]}
+
+
+def test_graphs_claimed_on_a_cpu_target_fail_the_capture_check(home: Home) -> None:
+    s, p = _run(home, "claimed_graphs")
+    assert s["verdict"] == "rejected"
+    cap = check(p, "capture")
+    assert cap["status"] == "fail"
+    assert set(_failed(p, "capture")) == {"no_graphs_claimed_on_a_cpu_target"}
+    assert cap["conditions"]["no_graphs_claimed_on_a_cpu_target"]["source"] == "engine"
+    assert "capture: fail" in s["reasons"]
+
+
+def test_a_triton_backend_claimed_on_a_cpu_target_is_rejected(home: Home) -> None:
+    s, p = _run(home, "cpu_triton")
+    assert s["verdict"] == "rejected"
+    assert check(p, "backend")["evidence"]["resolved"] == "triton"
+    failed = _failed(p, "backend")
+    assert set(failed) == {"resolved_backend_runs_on_a_cpu"}
+    assert "cannot run on a cpu target" in failed["resolved_backend_runs_on_a_cpu"]
