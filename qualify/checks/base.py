@@ -11,6 +11,7 @@ from qualify.client import EngineClient
 from qualify.launch.base import Launcher
 from qualify.protocol import Choice, CompletionRequest, CompletionResponse, Describe, compare_greedy
 from qualify.run.request import RunRequest
+from qualify.watch.procs import ProcessWatch
 
 # Coherence rule epsilon (logit units): a first difference where both runs report the same two top tokens,
 # swapped, with top-2 gaps below this is a near tie (confirmed by teacher forcing), not a disagreement. The
@@ -81,6 +82,8 @@ class Context:
     # pid -> GPU indices with compute work, as NVML lists them (the harness's view); None: no NVML here
     gpu_pids: Callable[[], dict[int, list[int]] | None] = lambda: None
     deadline: float = float("inf")  # monotonic: the current check's budget, within the run's
+    # The launched process tree as /proc shows it, sampled during the run (None: not a host process)
+    procs: ProcessWatch | None = None
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

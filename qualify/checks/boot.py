@@ -15,6 +15,7 @@ from qualify.checks.base import Check, Cond, Context, Outcome, derived, engine_s
 from qualify.protocol import Describe
 from qualify.run.geometry import geometry_for
 from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_digest
+from qualify.watch.procs import resolve_ns_pid
 
 
 def sent_config(ctx: Context) -> dict[str, Any]:
@@ -100,6 +101,27 @@ def holds_listener(pid: int, port: int) -> bool | None:
     return False
 
 
+def serving_process(ctx: Context, health_pid: int, port: int | None) -> tuple[Cond, dict[str, Any]]:
+    """`/health`'s pid, as the engine sees itself (its own pid namespace's view), mapped through /proc's
+    NSpid onto the launched process tree: exactly one process of the tree must be it, and (where /proc can
+    say) it must hold the socket listening on the engine's port."""
+    tree = ctx.procs.sample() if ctx.procs is not None else {}
+    hits = resolve_ns_pid(health_pid, tree.values())
+    facts: dict[str, Any] = {"health_pid": health_pid, "tree": sorted(tree), "matches": [p.pid for p in hits]}
+    if len(hits) != 1:
+        why = f"/health pid {health_pid} is {len(hits)} processes of the launched tree {sorted(tree)}"
+        return observed(False, why), facts
+    proc = hits[0]
+    facts.update(host_pid=proc.pid, start_ticks=proc.start)
+    held = holds_listener(proc.pid, port) if port is not None else None
+    facts["holds_listener"] = held
+    ctx.facts["serving_process"] = {"pid": proc.pid, "start_ticks": proc.start, "health_pid": health_pid}
+    if held is False:
+        why = f"/health pid {health_pid} (host pid {proc.pid}) does not hold the listener on port {port}"
+        return observed(False, why), facts
+    return observed(True, f"/health pid {health_pid} is host pid {proc.pid} of the launched tree"), facts
+
+
 def run(ctx: Context) -> Outcome:
     t0 = time.monotonic()
     try:
@@ -113,6 +135,8 @@ def run(ctx: Context) -> Outcome:
             str(exc),
         )
     ready_s = time.monotonic() - t0
+    if ctx.procs is not None:
+        ctx.procs.start().mark_baseline()  # the engine as booted: what a later restart would replace
     health = ctx.client.health()
     d = ctx.client.describe()
     ctx.describe = d
@@ -158,6 +182,11 @@ def run(ctx: Context) -> Outcome:
             conditions["launched_process_serves_the_port"] = observed(
                 held, None if held else f"pid {launcher_pid} does not hold the listener on port {port}"
             )
+    if ctx.procs is not None:
+        # /health's pid is compared with the processes the harness launched, not just recorded.
+        cond, facts = serving_process(ctx, health.pid, port)
+        evidence["health_pid"] = facts
+        conditions["health_pid_is_the_serving_process"] = cond
     if weights_cond is not None:
         conditions["weights_file_hashed"] = weights_cond
     if disk_digest is not None:

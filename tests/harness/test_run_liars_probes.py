@@ -45,3 +45,18 @@ def test_a_triton_backend_claimed_on_a_cpu_target_is_rejected(home: Home) -> Non
     failed = _failed(p, "backend")
     assert set(failed) == {"resolved_backend_runs_on_a_cpu"}
     assert "cannot run on a cpu target" in failed["resolved_backend_runs_on_a_cpu"]
+
+
+def test_a_worker_reforked_by_a_supervisor_is_a_restart(home: Home) -> None:
+    s, p = _run(home, "supervised")
+    assert s["verdict"] == "rejected"
+    # Every check that talks to the engine passed: the restart is invisible to the launcher.
+    assert {c["name"] for c in s["checks"] if c["status"] not in ("pass", "skip")} == {"faults"}
+    assert set(_failed(p, "faults")) == {"no_restarts"}
+    faults = check(p, "faults")
+    assert faults["evidence"]["launcher"]["restart_count"] == 0
+    (r,) = faults["evidence"]["process_tree"]["restarts"]
+    assert r["parent"] == faults["evidence"]["launcher"]["pid"] and r["why"] == "same parent and command line"
+    assert p["faults"]["restart_count"] == 1 and "fault: engine restarted 1 time(s)" in s["reasons"]
+    # /health answered with the launched pid throughout, which holds the listening socket.
+    assert check(p, "boot")["conditions"]["health_pid_is_the_serving_process"]["holds"]
