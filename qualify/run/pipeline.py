@@ -415,6 +415,7 @@ class Pipeline:
         if ctx.procs is not None:
             ctx.procs.stop()  # the last sample of the tree, before the harness ends it
         final = self.launcher.stop(STOP_GRACE_UNRESPONSIVE_S if self.unresponsive else STOP_GRACE_S)
+        self._reveal_probes(ctx)
         self.kmsg.stop()
         self.nvml.stop()
         client.close()
@@ -465,6 +466,14 @@ class Pipeline:
             started_at=self.started.isoformat(),
             finished_at=finished.isoformat(),
         )
+
+    def _reveal_probes(self, ctx: Context) -> None:
+        """The prompts' seed, written only now that the engine has stopped (checks/probes.py): into the
+        generation check's evidence (or the last check's, when generation did not run)."""
+        if not self.results or not ctx.probes.learned:
+            return
+        record = next((r for r in self.results if r["name"] == "generation"), self.results[-1])
+        record["evidence"]["probes"] = _json_safe(ctx.probes.evidence())
 
     def _identity(self) -> dict[str, Any]:
         try:

@@ -60,3 +60,36 @@ def test_a_worker_reforked_by_a_supervisor_is_a_restart(home: Home) -> None:
     assert p["faults"]["restart_count"] == 1 and "fault: engine restarted 1 time(s)" in s["reasons"]
     # /health answered with the launched pid throughout, which holds the listening socket.
     assert check(p, "boot")["conditions"]["health_pid_is_the_serving_process"]["holds"]
+
+
+def test_an_engine_deterministic_only_on_the_old_fixed_prompts_is_not_deterministic_here(home: Home) -> None:
+    s, p = _run(home, "prompt_aware")
+    assert s["verdict"] == "rejected"
+    assert "deterministic" in _failed(p, "generation")
+    probes = check(p, "generation")["evidence"]["probes"]
+    assert isinstance(probes["seed"], int) and probes["prompts_drawn"] > 10
+    assert probes["tokenization"].startswith("byte-level")
+
+
+def test_near_ties_forced_except_under_old_style_teacher_forcing_are_caught(home: Home) -> None:
+    s, p = _run(home, "forcing_aware")
+    assert s["verdict"] == "rejected"
+    # Forcing requests look like every other request now, so it lies to them too: the forced candidate
+    # diverges again.
+    detail = _failed(p, "reload")["output_same_after_same_reload"]
+    assert detail.startswith("differs") and "diverges again" in detail
+    assert check(p, "generation")["evidence"]["probes"]["forcing_requests"] > 0
+
+
+def test_a_damaging_reload_hidden_by_a_cache_is_caught_by_a_fresh_engine(home: Home) -> None:
+    s, p = _run(home, "cached_reload")
+    assert s["verdict"] == "rejected"
+    # Every comparison on prompts the engine had seen holds (the cache answers them); only the fresh engine,
+    # on prompts neither had seen, differs.
+    assert set(_failed(p, "reload")) == {
+        "after_same_reload_equals_a_fresh_engine",
+        "restored_equals_a_fresh_engine",
+    }
+    fresh = check(p, "reload")["evidence"]["fresh_engine"]
+    assert fresh["weights_digest"] == check(p, "reload")["evidence"]["subject_weights_digest"]
+    assert {c["name"]: c["status"] for c in s["checks"]}["generation"] == "pass"
