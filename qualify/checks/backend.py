@@ -3,6 +3,8 @@ is refused by a second engine at construction (no silent fallback)."""
 
 from __future__ import annotations
 
+import os
+
 from qualify.checks.base import Check, Context, Outcome, engine_says, fail_unless, observed
 from qualify.launch.base import READY_RE
 from qualify.run.request import KDA_BACKENDS
@@ -131,7 +133,8 @@ def run(ctx: Context) -> Outcome:
     if ctx.target == "cpu":
         # The target is the harness's (decided before boot), the launch environment too; the resolved name is
         # the engine's: a backend that cannot run on a CPU means the engine's account is false.
-        ok, why = runs_on_cpu(b.resolved, ctx.request.kda_backend, getattr(ctx.launcher, "env", None))
+        env = getattr(ctx.launcher, "env", None) or dict(os.environ)  # what the harness launched it with
+        ok, why = runs_on_cpu(b.resolved, ctx.request.kda_backend, env)
         conditions["resolved_backend_runs_on_a_cpu"] = engine_says(ok, why)
     if needs_device_kernel:
         conditions["device_kernels_of_resolved_backend_ran"] = engine_says(

@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from qualify import settings
-from qualify.checks.base import Check, Cond, Context, Outcome, derived, engine_says, fail_unless, observed
+from qualify.checks.base import Check, Cond, Context, Outcome, engine_says, fail_unless, observed
 from qualify.protocol import Describe
 from qualify.run.geometry import geometry_for
 from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_digest
@@ -104,13 +104,14 @@ def holds_listener(pid: int, port: int) -> bool | None:
 def serving_process(ctx: Context, health_pid: int, port: int | None) -> tuple[Cond, dict[str, Any]]:
     """`/health`'s pid, as the engine sees itself (its own pid namespace's view), mapped through /proc's
     NSpid onto the launched process tree: exactly one process of the tree must be it, and (where /proc can
-    say) it must hold the socket listening on the engine's port."""
+    say) it must hold the socket listening on the engine's port. The pid is the engine's number, so the
+    condition is `engine` (a supervisor naming itself passes it; /proc's restarts catch that one)."""
     tree = ctx.procs.sample() if ctx.procs is not None else {}
     hits = resolve_ns_pid(health_pid, tree.values())
     facts: dict[str, Any] = {"health_pid": health_pid, "tree": sorted(tree), "matches": [p.pid for p in hits]}
     if len(hits) != 1:
         why = f"/health pid {health_pid} is {len(hits)} processes of the launched tree {sorted(tree)}"
-        return observed(False, why), facts
+        return engine_says(False, why), facts
     proc = hits[0]
     facts.update(host_pid=proc.pid, start_ticks=proc.start)
     held = holds_listener(proc.pid, port) if port is not None else None
@@ -118,8 +119,8 @@ def serving_process(ctx: Context, health_pid: int, port: int | None) -> tuple[Co
     ctx.facts["serving_process"] = {"pid": proc.pid, "start_ticks": proc.start, "health_pid": health_pid}
     if held is False:
         why = f"/health pid {health_pid} (host pid {proc.pid}) does not hold the listener on port {port}"
-        return observed(False, why), facts
-    return observed(True, f"/health pid {health_pid} is host pid {proc.pid} of the launched tree"), facts
+        return engine_says(False, why), facts
+    return engine_says(True, f"/health pid {health_pid} is host pid {proc.pid} of the launched tree"), facts
 
 
 def run(ctx: Context) -> Outcome:
@@ -190,8 +191,10 @@ def run(ctx: Context) -> Outcome:
     if weights_cond is not None:
         conditions["weights_file_hashed"] = weights_cond
     if disk_digest is not None:
-        # The harness hashed the code it launched; the engine's claim about itself must agree with it.
-        conditions["code_digest_matches_disk"] = derived(
+        # The harness hashed the code it launched; the engine's claim about itself must agree with it. The
+        # engine's number is one side of the comparison, so the condition rests on its word (a build that
+        # reports the digest of the files on disk while running other code passes it): `engine`.
+        conditions["code_digest_matches_disk"] = engine_says(
             bare_hex(d.engine.code_digest) == bare_hex(disk_digest),
             f"engine says {d.engine.code_digest}, disk has {disk_digest}",
         )

@@ -68,7 +68,8 @@ def run(ctx: Context) -> Outcome:
             boot["pid"],
             boot["start_ticks"],
         )
-        conditions["same_serving_process_as_at_boot"] = observed(same, f"boot {boot}, end {serving}")
+        # /health's pid is the engine's number (mapped through /proc): `engine`.
+        conditions["same_serving_process_as_at_boot"] = engine_says(same, f"boot {boot}, end {serving}")
     if ctx.launcher.kind == "docker":  # only docker can kill for memory; locally it could never fail
         conditions["no_container_oom"] = observed(not status.oom_killed)
     if ctx.request.dcp is not None:
