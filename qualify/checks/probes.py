@@ -152,7 +152,7 @@ class Probes:
 
     def evidence(self) -> dict[str, Any]:
         return {
-            "seed": self.seed,
+            "seed": f"{self.seed:016x}",  # hex: a 63-bit integer does not survive every JSON reader
             "tokenization": "byte-level: prompts sent as token ids" if self.prefix is not None else (
                 "not byte-level: prompts sent as text, forcing requests as token ids"
             ),

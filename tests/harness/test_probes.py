@@ -65,3 +65,10 @@ def test_a_decoy_is_shaped_like_a_forcing_request_at_the_most_tie_like_position(
     # What teacher forcing after a near tie at token 1 would send: the prompt, the tokens before it, and the
     # other half of the swapped pair.
     assert p.decoy() == [*prompt, 10, 77]
+
+
+def test_the_seed_is_recorded_so_that_a_reviewer_can_draw_the_same_prompts() -> None:
+    p = Probes()
+    drawn = p.fresh(4)
+    again = Probes(seed=int(p.evidence()["seed"], 16))
+    assert again.fresh(4) == drawn
