@@ -14,11 +14,11 @@ from .conftest import ROOT, Home, check
 pytestmark = pytest.mark.slow
 
 
-def _run(home: Home, liar: str | None, *args: str, **env: str) -> tuple[dict, dict]:
+def _run(home: Home, liar: str | None, *args: str, wait: float = 300, **env: str) -> tuple[dict, dict]:
     extra = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if liar:
         extra["QUALIFY_ENGINE_MODULE"] = f"tests.liars.{liar}"
-    ran = home.qualify("run", "--json", *args, env=home.env(**extra, **env), timeout=300)
+    ran = home.qualify("run", "--json", *args, env=home.env(**extra, **env), timeout=wait)
     assert ran.code in (0, 1), ran.stderr[-2000:]
     (p,) = home.predicates()
     return ran.summary(), p
@@ -93,3 +93,36 @@ def test_a_damaging_reload_hidden_by_a_cache_is_caught_by_a_fresh_engine(home: H
     fresh = check(p, "reload")["evidence"]["fresh_engine"]
     assert fresh["weights_digest"] == check(p, "reload")["evidence"]["subject_weights_digest"]
     assert {c["name"]: c["status"] for c in s["checks"]}["generation"] == "pass"
+
+
+# ---------------------------------------------------------------- GPU only (scripts/gpu-check)
+GPU_RUN = ("--preset", "proxy", "--spec", "mtp:3", "--timeout", "600")
+
+
+@pytest.mark.gpu
+def test_the_honest_proxy_engine_is_measurably_faster_replaying_and_speculating_on_a_gpu(home: Home) -> None:
+    s, p = _run(home, None, *GPU_RUN, wait=700)
+    assert s["verdict"] == "qualified", s["reasons"]
+    timing = check(p, "capture")["evidence"]["step_timing"]
+    assert timing and all(t["graph_step_s"] < t["bound_s"] for t in timing.values()), timing
+    spec = check(p, "generation")["evidence"]["spec_timing"]
+    assert spec["measured_ratio"] <= 0.8, spec
+
+
+@pytest.mark.gpu
+def test_graphs_claimed_from_eager_steps_run_at_eager_speed_on_a_gpu(home: Home) -> None:
+    s, p = _run(home, "claimed_graphs", *GPU_RUN, wait=700)
+    assert s["verdict"] == "rejected"
+    assert "graph_steps_faster_than_eager" in _failed(p, "capture"), check(p, "capture")["evidence"][
+        "step_timing"
+    ]
+
+
+@pytest.mark.gpu
+def test_speculation_simulated_on_plain_decoding_is_as_slow_as_plain_decoding_on_a_gpu(home: Home) -> None:
+    s, p = _run(home, "spec_simulated", *GPU_RUN, wait=700)
+    assert s["verdict"] == "rejected"
+    failed = _failed(p, "generation")
+    assert "speculative_all_accepted_takes_fewer_steps" in failed, check(p, "generation")["evidence"][
+        "spec_timing"
+    ]
