@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from qualify.checks.base import (
+    GEN_TOKENS,
     Check,
     Cond,
     Context,
@@ -55,8 +56,8 @@ def fresh_engine_answers(
         booted = time.monotonic() - t0
         client = ctx.client_for(url, max(1.0, ctx.remaining()))
         out = [
-            client.complete(CompletionRequest(prompt=prompts, max_tokens=ctx_tokens(resp), mode="eager"))
-            for prompts, resp in asked
+            client.complete(CompletionRequest(prompt=prompts, max_tokens=GEN_TOKENS, mode="eager"))
+            for prompts, _ in asked
         ]
         weights = client.describe().engine.weights_digest
         seconds = {"boot": round(booted, 3), "total": round(time.monotonic() - t0, 3)}
@@ -68,11 +69,6 @@ def fresh_engine_answers(
             client.close()
         with contextlib.suppress(Exception):
             ref.stop(5.0)
-
-
-def ctx_tokens(resp: CompletionResponse) -> int:
-    """The tokens asked for in `resp`'s request: its longest answer (a stop ends one earlier)."""
-    return max((len(c.token_ids) for c in resp.choices), default=1) or 1
 
 
 def _counts(d: Describe) -> dict[str, int]:

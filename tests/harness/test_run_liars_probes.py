@@ -36,6 +36,8 @@ def test_graphs_claimed_on_a_cpu_target_fail_the_capture_check(home: Home) -> No
     assert set(_failed(p, "capture")) == {"no_graphs_claimed_on_a_cpu_target"}
     assert cap["conditions"]["no_graphs_claimed_on_a_cpu_target"]["source"] == "engine"
     assert "capture: fail" in s["reasons"]
+    # Its "graph" answers to ordinary requests are false on a cpu target too.
+    assert "eager_on_a_cpu_target" in _failed(p, "generation")
 
 
 def test_a_triton_backend_claimed_on_a_cpu_target_is_rejected(home: Home) -> None:
