@@ -34,7 +34,11 @@ FRESH_BOOT_S = 300.0
 
 
 def fresh_options(ctx: Context) -> EngineOptions:
-    """The options the engine under test was launched with (qualify.run.pipeline.make_launcher)."""
+    """The options the engine under test was launched with: the launcher's own, else what
+    qualify.run.pipeline.make_launcher gives it."""
+    own = getattr(ctx.launcher, "options", None)
+    if isinstance(own, EngineOptions):
+        return own
     r = ctx.request
     extra = geometry_for(r).engine_args()
     return EngineOptions(preset=r.preset, kda_backend=r.kda_backend, num_spec=r.num_spec, extra_args=extra)
