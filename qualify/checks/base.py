@@ -131,7 +131,8 @@ class Context:
         """The engine's tokenization, once, from a first request of fresh text (checks/probes.py)."""
         if self.probes.learned:
             return
-        texts = [self.probes.text() for _ in range(self.probes.rng.randint(2, self.capacity("eager")))]
+        n = self.probes.rng.randint(2, min(4, self.capacity("eager")))
+        texts = [self.probes.text() for _ in range(n)]
         resp = self.generate(texts, mode="eager")
         self.probes.learn(texts, resp)
 

@@ -37,7 +37,7 @@ WORDS = (
     "zephyr", "zinc",
 )  # fmt: skip
 PUNCT = ("", "", "", ",", ".", ":", ";")
-MAX_FILLERS = 3  # prompts beside the wanted ones, at most (each costs the engine a sequence)
+MAX_FILLERS = 2  # prompts beside the wanted ones, at most (each costs the engine a sequence)
 MAX_DECOYS = 64  # earlier answers kept as material for decoys
 
 

@@ -9,6 +9,7 @@ the harness's repeated prompts from a cache while its weights were damaged by a 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any
 
@@ -44,35 +45,65 @@ def fresh_options(ctx: Context) -> EngineOptions:
     return EngineOptions(preset=r.preset, kda_backend=r.kda_backend, num_spec=r.num_spec, extra_args=extra)
 
 
-def fresh_engine_answers(
-    ctx: Context, asked: list[tuple[list[Any], CompletionResponse]]
-) -> tuple[list[CompletionResponse] | None, dict[str, Any]]:
-    """Boot a fresh engine of the same build and options (the launcher's sibling), ask it each group of
-    prompts eagerly in a request of its own, stop it. None (and why) when it cannot be booted."""
-    try:
-        ref = ctx.launcher.sibling(fresh_options(ctx), "fresh-reference")
-    except NotImplementedError as exc:
-        return None, {"error": str(exc)}
-    client: EngineClient | None = None
-    t0 = time.monotonic()
-    try:
-        url = ref.start(min(FRESH_BOOT_S, ctx.remaining()))
-        booted = time.monotonic() - t0
-        client = ctx.client_for(url, max(1.0, ctx.remaining()))
-        out = [
-            client.complete(CompletionRequest(prompt=prompts, max_tokens=GEN_TOKENS, mode="eager"))
-            for prompts, _ in asked
-        ]
-        weights = client.describe().engine.weights_digest
-        seconds = {"boot": round(booted, 3), "total": round(time.monotonic() - t0, 3)}
-        return out, {"url": url, "launcher": ref.identity(), "weights_digest": weights, "seconds": seconds}
-    except Exception as exc:  # a reference that cannot boot or answer fails the comparison, never the run
-        return None, {"error": f"{type(exc).__name__}: {exc}"[:400]}
-    finally:
-        if client is not None:
-            client.close()
-        with contextlib.suppress(Exception):
-            ref.stop(5.0)
+class FreshReference:
+    """A fresh engine of the same build and options (the launcher's sibling), booted in a thread while the
+    reload check talks to the engine under test; `answers` asks it each group of prompts eagerly, in a
+    request of its own; `close` stops it whatever happened."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.url: str | None = None
+        self.error: str | None = None
+        self.t0 = time.monotonic()
+        self.booted_s: float | None = None
+        try:
+            self.ref: Any = ctx.launcher.sibling(fresh_options(ctx), "fresh-reference")
+        except NotImplementedError as exc:
+            self.ref, self.error = None, str(exc)
+        self.thread = threading.Thread(target=self._boot, name="fresh-reference-boot", daemon=True)
+        if self.ref is not None:
+            self.thread.start()
+
+    def _boot(self) -> None:
+        try:
+            self.url = self.ref.start(min(FRESH_BOOT_S, self.ctx.remaining()))
+            self.booted_s = time.monotonic() - self.t0
+        except Exception as exc:  # a reference that cannot boot fails the comparison, never the run
+            self.error = f"{type(exc).__name__}: {exc}"[:400]
+
+    def answers(
+        self, asked: list[tuple[list[Any], CompletionResponse]]
+    ) -> tuple[list[CompletionResponse] | None, dict[str, Any]]:
+        if self.ref is not None:
+            self.thread.join(max(0.0, min(FRESH_BOOT_S, self.ctx.remaining())))
+        if self.url is None:
+            return None, {"error": self.error or "the fresh engine did not boot within the check's time"}
+        client: EngineClient | None = None
+        try:
+            client = self.ctx.client_for(self.url, max(1.0, self.ctx.remaining()))
+            out = [
+                client.complete(CompletionRequest(prompt=prompts, max_tokens=GEN_TOKENS, mode="eager"))
+                for prompts, _ in asked
+            ]
+            weights = client.describe().engine.weights_digest
+        except Exception as exc:  # an answer it cannot give fails the comparison, never the run
+            return None, {"url": self.url, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        finally:
+            if client is not None:
+                client.close()
+        seconds = {"boot": round(self.booted_s or 0.0, 3), "total": round(time.monotonic() - self.t0, 3)}
+        return out, {
+            "url": self.url,
+            "launcher": self.ref.identity(),
+            "weights_digest": weights,
+            "seconds": seconds,
+        }
+
+    def close(self) -> None:
+        if self.ref is not None:
+            with contextlib.suppress(Exception):
+                self.ref.stop(5.0)
+            self.thread.join(10.0)
 
 
 def _counts(d: Describe) -> dict[str, int]:
@@ -80,6 +111,14 @@ def _counts(d: Describe) -> dict[str, int]:
 
 
 def run(ctx: Context) -> Outcome:
+    fresh_ref = FreshReference(ctx)  # boots while the checks below run
+    try:
+        return _run(ctx, fresh_ref)
+    finally:
+        fresh_ref.close()
+
+
+def _run(ctx: Context, fresh_ref: FreshReference) -> Outcome:
     # With graphs captured every comparison below replays them: mode "graph" refuses to run eagerly.
     replay = "graph" if ctx.captured else "auto"
     d0 = ctx.client.describe()
@@ -111,7 +150,7 @@ def run(ctx: Context) -> Outcome:
     unseen_restored = ctx.fresh()
     restored_unseen = ctx.ask(unseen_restored, mode=replay)
     asked = [(unseen_after_same, after_same_unseen), (unseen_restored, restored_unseen)]
-    fresh, fresh_info = fresh_engine_answers(ctx, asked)
+    fresh, fresh_info = fresh_ref.answers(asked)
     vs_fresh: list[dict[str, Any]] = []
     if fresh is not None:
         reask = ctx.reask(mode=replay)  # the engine now has the subject weights, as it had for both

@@ -51,9 +51,9 @@ def test_batches_vary_in_size_and_order_and_keep_track_of_the_wanted_prompts() -
     shapes = set()
     for _ in range(30):
         batch, where = p.batch(wanted, capacity=8)
-        assert [batch[i] for i in where] == wanted and 4 <= len(batch) <= 6
+        assert [batch[i] for i in where] == wanted and 4 <= len(batch) <= 5
         shapes.add((len(batch), tuple(where)))
-    assert len(shapes) > 5  # never one request repeated
+    assert len(shapes) > 4  # never one request repeated
 
 
 def test_a_decoy_is_shaped_like_a_forcing_request_at_the_most_tie_like_position() -> None:
