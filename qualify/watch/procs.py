@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SAMPLE_INTERVAL_S = 0.5
@@ -183,6 +183,9 @@ class TreeHistory:
                     continue
                 s = self.seen[p.key] = Seen(p, rkey, now, now)
             else:
+                # A zombie has no command line and no NSpid left: keep what the live process showed.
+                if p.state in ("Z", "X") or not p.cmdline:
+                    p = replace(p, cmdline=s.proc.cmdline, nspid=s.proc.nspid)
                 s.last, s.samples, s.proc = now, s.samples + 1, p
             s.gpu = s.gpu or p.pid in gpu
             if p.state in ("Z", "X") and s.ended is None:

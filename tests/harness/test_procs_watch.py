@@ -46,6 +46,16 @@ def test_a_worker_reforked_under_the_launched_process_is_a_restart() -> None:
     assert h.evidence()["restarts"] == [r]
 
 
+def test_a_worker_seen_as_a_zombie_before_it_was_reaped_is_still_the_worker_that_was_replaced() -> None:
+    sup, w1, w2 = P(10, 1, 100), P(11, 10, 101), P(12, 10, 900)
+    zombie = Proc(11, 10, 101, "Z", "python", "", (11,), 5)  # /proc shows no command line for a zombie
+    h = TreeHistory()
+    _feed(h, [[sup, w1]])
+    h.mark_baseline()
+    _feed(h, [[sup, w1], [sup, zombie], [sup, w2]])
+    assert [r["replaced_by"]["pid"] for r in h.restarts()] == [12]
+
+
 def test_a_reused_pid_with_a_later_start_time_is_another_process() -> None:
     sup, w1, w1_again = P(10, 1, 100), P(11, 10, 101), P(11, 10, 700)
     h = TreeHistory()
