@@ -203,8 +203,9 @@ class TreeHistory:
 
     def restarts(self) -> list[dict[str, Any]]:
         """Workers replaced under the same launched process: a long-lived process of the tree ended, and
-        a later process with the same parent and command line appeared (or, on a GPU, a later process of
-        the tree took a GPU after a GPU process of it ended)."""
+        a later process with the same parent and command line appeared, or with the same parent and
+        program that lived on itself (or, on a GPU, a later process of the tree took a GPU after a GPU
+        process of it ended)."""
         out: list[dict[str, Any]] = []
         used: set[tuple[int, int]] = set()
         by_start = sorted(self.seen.values(), key=lambda s: s.first)
@@ -216,10 +217,20 @@ class TreeHistory:
                     continue
                 if new.proc.start < old.proc.start or new.first < old.first or new.at_boot:
                     continue
-                same = new.proc.ppid == old.proc.ppid and new.proc.cmdline == old.proc.cmdline
-                if same or (old.gpu and new.gpu):
+                parent = new.proc.ppid == old.proc.ppid
+                same = parent and new.proc.cmdline == old.proc.cmdline
+                # A worker started again with other arguments: the same program under the same parent,
+                # living on (a helper that comes and goes is not a worker).
+                again = parent and new.proc.comm == old.proc.comm and new.long_lived()
+                if same or again or (old.gpu and new.gpu):
                     used.add(new.proc.key)
-                    why = "same parent and command line" if same else "a new GPU process of the tree"
+                    why = (
+                        "same parent and command line"
+                        if same
+                        else "same parent and program, long-lived"
+                        if again
+                        else "a new GPU process of the tree"
+                    )
                     out.append({
                         "ended": {"pid": old.proc.pid, "start_ticks": old.proc.start},
                         "replaced_by": {"pid": new.proc.pid, "start_ticks": new.proc.start},

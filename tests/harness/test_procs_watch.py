@@ -46,6 +46,18 @@ def test_a_worker_reforked_under_the_launched_process_is_a_restart() -> None:
     assert h.evidence()["restarts"] == [r]
 
 
+def test_a_worker_started_again_with_other_arguments_is_a_restart_once_it_lives_on() -> None:
+    sup, w1 = P(10, 1, 100), P(11, 10, 101, "python -m engine worker --incarnation 1")
+    w2 = P(12, 10, 900, "python -m engine worker --incarnation 2")
+    h = TreeHistory()
+    _feed(h, [[sup, w1]])
+    h.mark_baseline()
+    _feed(h, [[sup, w1], [sup], [sup, w2]])
+    assert h.restarts() == []  # seen once: it might be a passing helper
+    h.add(10.0, 10, {p.pid: p for p in (sup, w2)})
+    assert [r["why"] for r in h.restarts()] == ["same parent and program, long-lived"]
+
+
 def test_a_worker_seen_as_a_zombie_before_it_was_reaped_is_still_the_worker_that_was_replaced() -> None:
     sup, w1, w2 = P(10, 1, 100), P(11, 10, 101), P(12, 10, 900)
     zombie = Proc(11, 10, 101, "Z", "python", "", (11,), 5)  # /proc shows no command line for a zombie
