@@ -174,6 +174,11 @@ def run(ctx: Context) -> Outcome:
         ),
         "device_matches_target": _device(ctx, d, launcher_pid if isinstance(launcher_pid, int) else None),
     }
+    if ctx.procs is not None:
+        # /health's pid is compared with the processes the harness launched, not just recorded.
+        cond, facts = serving_process(ctx, health.pid, urlsplit(ctx.url).port)
+        evidence["health_pid"] = facts
+        conditions["health_pid_is_the_serving_process"] = cond
     port = urlsplit(ctx.url).port
     if ctx.launcher.kind == "local" and isinstance(launcher_pid, int) and port is not None:
         # The process the harness launched is the one listening where the harness sends its requests.
@@ -183,18 +188,11 @@ def run(ctx: Context) -> Outcome:
             conditions["launched_process_serves_the_port"] = observed(
                 held, None if held else f"pid {launcher_pid} does not hold the listener on port {port}"
             )
-    if ctx.procs is not None:
-        # /health's pid is compared with the processes the harness launched, not just recorded.
-        cond, facts = serving_process(ctx, health.pid, port)
-        evidence["health_pid"] = facts
-        conditions["health_pid_is_the_serving_process"] = cond
     if weights_cond is not None:
         conditions["weights_file_hashed"] = weights_cond
     if disk_digest is not None:
-        # The harness hashed the code it launched; the engine's claim about itself must agree with it. The
-        # engine's number is one side of the comparison, so the condition rests on its word (a build that
-        # reports the digest of the files on disk while running other code passes it): `engine`.
-        conditions["code_digest_matches_disk"] = engine_says(
+        # The harness hashed the code it launched; the engine's claim about itself must agree with it.
+        conditions["code_digest_matches_disk"] = engine_says(  # one side is the engine's number: `engine`
             bare_hex(d.engine.code_digest) == bare_hex(disk_digest),
             f"engine says {d.engine.code_digest}, disk has {disk_digest}",
         )
