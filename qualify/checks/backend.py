@@ -3,6 +3,8 @@ is refused by a second engine at construction (no silent fallback)."""
 
 from __future__ import annotations
 
+import os
+
 from qualify.checks.base import Check, Context, Outcome, engine_says, fail_unless, observed
 from qualify.launch.base import READY_RE
 from qualify.run.request import KDA_BACKENDS
@@ -43,6 +45,19 @@ def kernels_belong(names: list[str], resolved: str, device_type: str) -> dict[st
             if other != resolved:
                 foreign |= {n for n in names if n in sigs}
     return {"labels": ours, "device": device, "foreign": sorted(foreign)}
+
+
+def runs_on_cpu(resolved: str, requested: str, env: dict[str, str] | None) -> tuple[bool, str]:
+    """Whether a backend can run on a CPU: torch always; triton only when asked for by name and run by
+    Triton's interpreter, which the harness's own launch environment must have switched on (an engine
+    asked for `auto` never resolves to triton there); b12x (CuTe kernels) never."""
+    if resolved == "torch":
+        return True, "torch runs on a CPU"
+    interpreting = (env or {}).get("TRITON_INTERPRET") == "1"
+    if resolved == "triton" and requested == "triton" and interpreting:
+        return True, "triton asked for by name, under TRITON_INTERPRET=1 set by the harness's launch"
+    why = "no TRITON_INTERPRET=1 in the launch environment" if resolved == "triton" else "it needs CUDA"
+    return False, f"resolved {resolved!r} (requested {requested!r}) cannot run on a cpu target: {why}"
 
 
 def run(ctx: Context) -> Outcome:
@@ -115,6 +130,12 @@ def run(ctx: Context) -> Outcome:
             last[-200:] or "no output",
         ),
     }
+    if ctx.target == "cpu":
+        # The target is the harness's (decided before boot), the launch environment too; the resolved name is
+        # the engine's: a backend that cannot run on a CPU means the engine's account is false.
+        env = getattr(ctx.launcher, "env", None) or dict(os.environ)  # what the harness launched it with
+        ok, why = runs_on_cpu(b.resolved, ctx.request.kda_backend, env)
+        conditions["resolved_backend_runs_on_a_cpu"] = engine_says(ok, why)
     if needs_device_kernel:
         conditions["device_kernels_of_resolved_backend_ran"] = engine_says(
             bool(proof["device"]), f"device kernels seen: {proof['device'] or 'none'}"

@@ -7,10 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qualify.checks.probes import Probes
 from qualify.client import EngineClient
 from qualify.launch.base import Launcher
 from qualify.protocol import Choice, CompletionRequest, CompletionResponse, Describe, compare_greedy
 from qualify.run.request import RunRequest
+from qualify.watch.procs import ProcessWatch
 
 # Coherence rule epsilon (logit units): a first difference where both runs report the same two top tokens,
 # swapped, with top-2 gaps below this is a near tie (confirmed by teacher forcing), not a disagreement. The
@@ -81,6 +83,14 @@ class Context:
     # pid -> GPU indices with compute work, as NVML lists them (the harness's view); None: no NVML here
     gpu_pids: Callable[[], dict[int, list[int]] | None] = lambda: None
     deadline: float = float("inf")  # monotonic: the current check's budget, within the run's
+    # The launched process tree as /proc shows it, sampled during the run (None: not a host process)
+    procs: ProcessWatch | None = None
+    clock: Callable[[], float] = time.perf_counter  # the harness's clock for what it times (checks/timing.py)
+    # A client for another engine the harness boots (a fresh reference): (url, timeout_s) -> client
+    client_for: Callable[[str, float], EngineClient] = lambda url, t: EngineClient(url, timeout_s=t)
+    # The run's prompts, drawn from a seed the engine never sees (checks/probes.py)
+    probes: Probes = field(default_factory=Probes)
+    last_batch: CompletionResponse | None = None
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -104,13 +114,73 @@ class Context:
             )
         )
 
+    def capacity(self, mode: str = "auto") -> int:
+        """The most prompts one request may carry (the engine's live slots; with graph mode, its largest
+        graph batch too)."""
+        if self.describe is None:
+            return 4
+        c = self.describe.capacity
+        return max(1, min(c.max_num_seqs, c.graph_max_batch) if mode == "graph" else c.max_num_seqs)
+
+    def fresh(self, n: int = len(PROMPTS)) -> list[Any]:
+        """n prompts the engine has not been sent before in this run."""
+        self._learn()
+        return self.probes.fresh(n)
+
+    def _learn(self) -> None:
+        """The engine's tokenization, once, from a first request of fresh text (checks/probes.py)."""
+        if self.probes.learned:
+            return
+        n = self.probes.rng.randint(2, min(4, self.capacity("eager")))
+        texts = [self.probes.text() for _ in range(n)]
+        resp = self.generate(texts, mode="eager")
+        self.probes.learn(texts, resp)
+
+    def ask(
+        self,
+        prompts: list[Any],
+        *,
+        mode: str = "auto",
+        speculative: bool = False,
+        max_tokens: int = GEN_TOKENS,
+    ) -> CompletionResponse:
+        """`prompts` sent among fillers in a batch of random size and order (a request the engine has not
+        seen, shaped like every other); the answer keeps only their choices, in their order."""
+        self._learn()
+        texts = [isinstance(p, str) for p in prompts]
+        if any(texts) and not all(texts):  # a batch is all text or all token ids: send them alone
+            resp = self.generate(prompts, mode=mode, speculative=speculative, max_tokens=max_tokens)
+            self.last_batch = resp
+            return resp
+        batch, where = self.probes.batch(prompts, self.capacity(mode))
+        if any(isinstance(p, str) for p in batch) and not all(isinstance(p, str) for p in batch):
+            batch, where = list(prompts), list(range(len(prompts)))
+        resp = self.generate(batch, mode=mode, speculative=speculative, max_tokens=max_tokens)
+        self.last_batch = resp  # the whole answer, fillers included (what the engine's counters count)
+        by_index = {c.index: c for c in resp.choices}
+        picked = []
+        for i, pos in enumerate(where):
+            c = by_index.get(pos)
+            if c is not None:
+                picked.append(c.model_copy(update={"index": i}))
+        for pos, c in by_index.items():
+            if pos not in where:
+                self.probes.remember(batch[pos], c)
+        return resp.model_copy(update={"choices": picked})
+
     def reask(self, *, mode: str = "auto", speculative: bool = False) -> Reask:
         """Teacher forcing in the candidate's configuration (mode, speculative): call it before anything
-        changes the engine (a reload), since it must see the engine the candidate saw."""
+        changes the engine (a reload), since it must see the engine the candidate saw. The forcing request
+        is an ordinary one: token ids among fillers and decoys, the usual number of tokens (cut here)."""
 
         def ask(prompt_ids: list[int], max_tokens: int) -> list[int] | None:
-            resp = self.generate([prompt_ids], mode=mode, speculative=speculative, max_tokens=max_tokens)
-            return tokens(resp)[0] if well_formed(resp, 1) else None
+            self.probes.forcing_requests += 1
+            if self.probes.prefix is None:  # text prompts: a token-id batch of one is all that works
+                resp = self.generate([prompt_ids], mode=mode, speculative=speculative, max_tokens=max_tokens)
+                return tokens(resp)[0] if well_formed(resp, 1) else None
+            n = max(GEN_TOKENS, max_tokens)
+            resp = self.ask([prompt_ids], mode=mode, speculative=speculative, max_tokens=n)
+            return tokens(resp)[0][:max_tokens] if well_formed(resp, 1) else None
 
         return ask
 

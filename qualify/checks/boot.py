@@ -11,10 +11,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from qualify import settings
-from qualify.checks.base import Check, Cond, Context, Outcome, derived, engine_says, fail_unless, observed
+from qualify.checks.base import Check, Cond, Context, Outcome, engine_says, fail_unless, observed
 from qualify.protocol import Describe
 from qualify.run.geometry import geometry_for
 from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_digest
+from qualify.watch.procs import resolve_ns_pid
 
 
 def sent_config(ctx: Context) -> dict[str, Any]:
@@ -100,6 +101,28 @@ def holds_listener(pid: int, port: int) -> bool | None:
     return False
 
 
+def serving_process(ctx: Context, health_pid: int, port: int | None) -> tuple[Cond, dict[str, Any]]:
+    """`/health`'s pid, as the engine sees itself (its own pid namespace's view), mapped through /proc's
+    NSpid onto the launched process tree: exactly one process of the tree must be it, and (where /proc can
+    say) it must hold the socket listening on the engine's port. The pid is the engine's number, so the
+    condition is `engine` (a supervisor naming itself passes it; /proc's restarts catch that one)."""
+    tree = ctx.procs.sample() if ctx.procs is not None else {}
+    hits = resolve_ns_pid(health_pid, tree.values())
+    facts: dict[str, Any] = {"health_pid": health_pid, "tree": sorted(tree), "matches": [p.pid for p in hits]}
+    if len(hits) != 1:
+        why = f"/health pid {health_pid} is {len(hits)} processes of the launched tree {sorted(tree)}"
+        return engine_says(False, why), facts
+    proc = hits[0]
+    facts.update(host_pid=proc.pid, start_ticks=proc.start)
+    held = holds_listener(proc.pid, port) if port is not None else None
+    facts["holds_listener"] = held
+    ctx.facts["serving_process"] = {"pid": proc.pid, "start_ticks": proc.start, "health_pid": health_pid}
+    if held is False:
+        why = f"/health pid {health_pid} (host pid {proc.pid}) does not hold the listener on port {port}"
+        return engine_says(False, why), facts
+    return engine_says(True, f"/health pid {health_pid} is host pid {proc.pid} of the launched tree"), facts
+
+
 def run(ctx: Context) -> Outcome:
     t0 = time.monotonic()
     try:
@@ -113,6 +136,8 @@ def run(ctx: Context) -> Outcome:
             str(exc),
         )
     ready_s = time.monotonic() - t0
+    if ctx.procs is not None:
+        ctx.procs.start().mark_baseline()  # the engine as booted: what a later restart would replace
     health = ctx.client.health()
     d = ctx.client.describe()
     ctx.describe = d
@@ -149,6 +174,11 @@ def run(ctx: Context) -> Outcome:
         ),
         "device_matches_target": _device(ctx, d, launcher_pid if isinstance(launcher_pid, int) else None),
     }
+    if ctx.procs is not None:
+        # /health's pid is compared with the processes the harness launched, not just recorded.
+        cond, facts = serving_process(ctx, health.pid, urlsplit(ctx.url).port)
+        evidence["health_pid"] = facts
+        conditions["health_pid_is_the_serving_process"] = cond
     port = urlsplit(ctx.url).port
     if ctx.launcher.kind == "local" and isinstance(launcher_pid, int) and port is not None:
         # The process the harness launched is the one listening where the harness sends its requests.
@@ -162,7 +192,7 @@ def run(ctx: Context) -> Outcome:
         conditions["weights_file_hashed"] = weights_cond
     if disk_digest is not None:
         # The harness hashed the code it launched; the engine's claim about itself must agree with it.
-        conditions["code_digest_matches_disk"] = derived(
+        conditions["code_digest_matches_disk"] = engine_says(  # one side is the engine's number: `engine`
             bare_hex(d.engine.code_digest) == bare_hex(disk_digest),
             f"engine says {d.engine.code_digest}, disk has {disk_digest}",
         )

@@ -1,11 +1,38 @@
 """capture: FULL CUDA graphs captured for every size, and replay equals eager (coherence rule).
-Where the engine cannot capture (CPU) the check is a skip carrying the engine's reason."""
+A CPU target never carries a capture pass: there is no CUDA there, so the check is a skip whatever the
+engine answers, and an engine that claims graphs on a CPU target fails it (the claim is false)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from qualify.checks.base import Check, Context, Outcome, coherence, engine_says, fail_unless, observed
+from qualify.checks.timing import TIMING_REPEATS, graph_rule, per_step
+
+SHORT_TOKENS, LONG_TOKENS = 2, 18  # per-step time by difference: 16 decode steps apart
+
+
+def timed_sizes(ctx: Context, sizes: list[int], tokens_per_request: int) -> list[int]:
+    """Request counts to time at: the smallest and the largest captured size that one batch may carry."""
+    cap = ctx.capacity("graph")
+    counts = sorted({s // tokens_per_request for s in sizes if 0 < s // tokens_per_request <= cap})
+    return sorted({counts[0], counts[-1]}) if counts else []
+
+
+def step_times(ctx: Context, n: int) -> dict[str, list[float]]:
+    """Per-step seconds of eager and of graph steps for batches of n fresh prompts, interleaved, timed by
+    the harness (same prompts for the short and the long request of a pair: prefill cancels)."""
+    out: dict[str, list[float]] = {"eager": [], "graph": []}
+    for _ in range(TIMING_REPEATS):
+        for mode in ("eager", "graph"):
+            prompts = ctx.fresh(n)
+            times = []
+            for tokens in (SHORT_TOKENS, LONG_TOKENS):
+                t0 = ctx.clock()
+                ctx.generate(prompts, mode=mode, max_tokens=tokens)
+                times.append(ctx.clock() - t0)
+            out[mode] += per_step([times[0]], [times[1]], LONG_TOKENS - SHORT_TOKENS)
+    return out
 
 
 def sizes_covered(plans: Any, tokens_per_request: int) -> list[int] | None:
@@ -30,11 +57,16 @@ def run(ctx: Context) -> Outcome:
         "cudagraph_mode": before.cudagraph_mode,
         "device_type": before.device.type,
     }
+    if ctx.target == "cpu":
+        # The harness decided the target before boot (no GPU on the host, or every GPU hidden): CUDA graphs
+        # cannot exist there, so nothing the engine says makes this a pass, and graph mode stays off.
+        if cap.captured or before.device.type == "cuda":
+            said = f"captured {cap.captured}, device {before.device.type}"
+            conditions = {"no_graphs_claimed_on_a_cpu_target": engine_says(False, said)}
+            return fail_unless(conditions, evidence)
+        why = cap.reason or "CUDA graphs need a CUDA device; a cpu target has none"
+        return Outcome("skip", evidence, why)
     if not cap.captured:
-        if ctx.target == "cpu":
-            return Outcome(
-                "skip", evidence, cap.reason or "the engine does not capture graphs on this device"
-            )
         return Outcome("fail", evidence, f"no graphs captured on a {ctx.target} target: {cap.reason}")
     ctx.captured = True
     want = sorted(before.config.get("capture_sizes") or [])
@@ -42,10 +74,11 @@ def run(ctx: Context) -> Outcome:
     # least one graph per size, and (where it reports them) its graph plans cover every requested size.
     captured_graphs = after_capture.counters.graph_captures - before.counters.graph_captures
     covered = sizes_covered((cap.model_extra or {}).get("plans"), 1 + before.capacity.num_spec)
-    eager = ctx.generate(mode="eager")
-    graph = ctx.generate(mode="graph")
+    prompts = ctx.fresh()
+    eager = ctx.ask(prompts, mode="eager")
+    graph = ctx.ask(prompts, mode="graph")
     after = ctx.client.describe()
-    coh = coherence(eager, graph, reask=ctx.reask(mode="graph"))
+    coh = coherence(eager, graph, len(prompts), reask=ctx.reask(mode="graph"))
     ctx.facts["eager_vs_graph"] = coh
     evidence.update(
         requested_sizes=want,
@@ -66,6 +99,25 @@ def run(ctx: Context) -> Outcome:
         # Tokens compared by the harness: what the engine returned, not what it says about it.
         "replay_equals_eager": observed(coh["agrees"], coh.get("summary")),
     }
+    if ctx.target == "gpu":
+        # Physical evidence: a replayed graph step is measurably faster than an eager one, timed by the
+        # harness at the captured sizes (an engine answering "graph" from eager steps runs at eager speed).
+        timings: dict[str, Any] = {}
+        fast = True
+        for n in timed_sizes(ctx, want, 1 + before.capacity.num_spec):
+            holds, facts = graph_rule(**step_times(ctx, n))
+            timings[str(n)] = facts
+            fast = fast and holds
+        evidence["step_timing"] = timings
+        conditions["graph_steps_faster_than_eager"] = observed(
+            fast and bool(timings),
+            "; ".join(
+                f"{n} requests: graph {f.get('graph_step_s', 0) * 1e3:.3f} ms vs eager "
+                f"{f.get('eager_step_s', 0) * 1e3:.3f} ms (bound {f.get('bound_s', 0) * 1e3:.3f} ms)"
+                for n, f in timings.items()
+            )
+            or "no captured size fits one batch",
+        )
     if covered is not None:  # only where the engine reports its plans; absent plans prove nothing
         conditions["every_size_has_a_graph"] = engine_says(
             covered == want, f"sizes with a graph {covered}, requested {want}"

@@ -1,15 +1,109 @@
 """reload: in-place reload keeps every parameter and arena address and recaptures nothing; output after it
 equals output before; different weights change the output, and captured graphs replay them exactly as an
-eager step does (graphs are not stale); then reload back to the weights the receipt names."""
+eager step does (graphs are not stale); then reload back to the weights the receipt names. Every comparison
+is made on prompts drawn for this run, in requests of other composition, order and size (checks/probes.py);
+and answers the engine gave after each same-weights reload, on prompts it had not seen, are compared with a
+freshly booted engine's on the same prompts, which that engine has not seen either: an engine that answers
+the harness's repeated prompts from a cache while its weights were damaged by a reload is caught there."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from typing import Any
 
-from qualify.checks.base import Check, Context, Outcome, coherence, engine_says, fail_unless, observed, tokens
-from qualify.protocol import Describe, ReloadRequest
+from qualify.checks.base import (
+    GEN_TOKENS,
+    Check,
+    Cond,
+    Context,
+    Outcome,
+    coherence,
+    engine_says,
+    fail_unless,
+    observed,
+    tokens,
+)
+from qualify.client import EngineClient
+from qualify.launch.base import EngineOptions
+from qualify.protocol import CompletionRequest, CompletionResponse, Describe, ReloadRequest
+from qualify.run.geometry import geometry_for
 
 OTHER_SEED_OFFSET = 7919  # any other seed gives other random weights
+FRESH_BOOT_S = 300.0
+
+
+def fresh_options(ctx: Context) -> EngineOptions:
+    """The options the engine under test was launched with: the launcher's own, else what
+    qualify.run.pipeline.make_launcher gives it."""
+    own = getattr(ctx.launcher, "options", None)
+    if isinstance(own, EngineOptions):
+        return own
+    r = ctx.request
+    extra = geometry_for(r).engine_args()
+    return EngineOptions(preset=r.preset, kda_backend=r.kda_backend, num_spec=r.num_spec, extra_args=extra)
+
+
+class FreshReference:
+    """A fresh engine of the same build and options (the launcher's sibling), booted in a thread while the
+    reload check talks to the engine under test; `answers` asks it each group of prompts eagerly, in a
+    request of its own; `close` stops it whatever happened."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.url: str | None = None
+        self.error: str | None = None
+        self.t0 = time.monotonic()
+        self.booted_s: float | None = None
+        try:
+            self.ref: Any = ctx.launcher.sibling(fresh_options(ctx), "fresh-reference")
+        except NotImplementedError as exc:
+            self.ref, self.error = None, str(exc)
+        self.thread = threading.Thread(target=self._boot, name="fresh-reference-boot", daemon=True)
+        if self.ref is not None:
+            self.thread.start()
+
+    def _boot(self) -> None:
+        try:
+            self.url = self.ref.start(min(FRESH_BOOT_S, self.ctx.remaining()))
+            self.booted_s = time.monotonic() - self.t0
+        except Exception as exc:  # a reference that cannot boot fails the comparison, never the run
+            self.error = f"{type(exc).__name__}: {exc}"[:400]
+
+    def answers(
+        self, asked: list[tuple[list[Any], CompletionResponse]]
+    ) -> tuple[list[CompletionResponse] | None, dict[str, Any]]:
+        if self.ref is not None:
+            self.thread.join(max(0.0, min(FRESH_BOOT_S, self.ctx.remaining())))
+        if self.url is None:
+            return None, {"error": self.error or "the fresh engine did not boot within the check's time"}
+        client: EngineClient | None = None
+        try:
+            client = self.ctx.client_for(self.url, max(1.0, self.ctx.remaining()))
+            out = [
+                client.complete(CompletionRequest(prompt=prompts, max_tokens=GEN_TOKENS, mode="eager"))
+                for prompts, _ in asked
+            ]
+            weights = client.describe().engine.weights_digest
+        except Exception as exc:  # an answer it cannot give fails the comparison, never the run
+            return None, {"url": self.url, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        finally:
+            if client is not None:
+                client.close()
+        seconds = {"boot": round(self.booted_s or 0.0, 3), "total": round(time.monotonic() - self.t0, 3)}
+        return out, {
+            "url": self.url,
+            "launcher": self.ref.identity(),
+            "weights_digest": weights,
+            "seconds": seconds,
+        }
+
+    def close(self) -> None:
+        if self.ref is not None:
+            with contextlib.suppress(Exception):
+                self.ref.stop(5.0)
+            self.thread.join(10.0)
 
 
 def _counts(d: Describe) -> dict[str, int]:
@@ -17,31 +111,51 @@ def _counts(d: Describe) -> dict[str, int]:
 
 
 def run(ctx: Context) -> Outcome:
+    fresh_ref = FreshReference(ctx)  # boots while the checks below run
+    try:
+        return _run(ctx, fresh_ref)
+    finally:
+        fresh_ref.close()
+
+
+def _run(ctx: Context, fresh_ref: FreshReference) -> Outcome:
     # With graphs captured every comparison below replays them: mode "graph" refuses to run eagerly.
     replay = "graph" if ctx.captured else "auto"
     d0 = ctx.client.describe()
     subject_weights = ctx.describe.engine.weights_digest if ctx.describe else d0.engine.weights_digest
-    fresh_eager = ctx.generate(mode="eager")  # the engine as booted, before any reload, stepping eagerly
-    base = ctx.generate(mode=replay)
+    prompts = ctx.fresh()
+    fresh_eager = ctx.ask(prompts, mode="eager")  # the engine as booted, before any reload, stepping eagerly
+    base = ctx.ask(prompts, mode=replay)
     same = ctx.client.reload(ReloadRequest(), timeout_s=ctx.remaining())
     d1 = ctx.client.describe()
-    after_same = ctx.generate(mode=replay)
+    after_same = ctx.ask(prompts, mode=replay)
     coh_same = coherence(base, after_same, reask=ctx.reask(mode=replay))
     ctx.facts["before_vs_after_reload"] = coh_same
+    unseen_after_same = ctx.fresh()  # for the fresh engine, later: what this engine answers now
+    after_same_unseen = ctx.ask(unseen_after_same, mode=replay)
 
     seed = int(d0.config.get("seed", 0)) + OTHER_SEED_OFFSET
     # Each comparison is made (teacher forcing included) before the next reload changes the engine.
     other = ctx.client.reload(ReloadRequest(seed=seed), timeout_s=ctx.remaining())
-    with_other = ctx.generate(mode=replay)
-    with_other_eager = ctx.generate(mode="eager")
+    with_other = ctx.ask(prompts, mode=replay)
+    with_other_eager = ctx.ask(prompts, mode="eager")
     changed_output = tokens(with_other) != tokens(base)
     coh_other = coherence(with_other_eager, with_other, reask=ctx.reask(mode=replay))
 
     back = ctx.client.reload(ReloadRequest(path=same.weights_path), timeout_s=ctx.remaining())
     d2 = ctx.client.describe()
-    restored = ctx.generate(mode=replay)
+    restored = ctx.ask(prompts, mode=replay)
     coh_back = coherence(base, restored, reask=ctx.reask(mode=replay))
     coh_fresh = coherence(fresh_eager, restored, reask=ctx.reask(mode=replay))
+    unseen_restored = ctx.fresh()
+    restored_unseen = ctx.ask(unseen_restored, mode=replay)
+    asked = [(unseen_after_same, after_same_unseen), (unseen_restored, restored_unseen)]
+    fresh, fresh_info = fresh_ref.answers(asked)
+    vs_fresh: list[dict[str, Any]] = []
+    if fresh is not None:
+        reask = ctx.reask(mode=replay)  # the engine now has the subject weights, as it had for both
+        pairs = zip(fresh, asked, strict=True)
+        vs_fresh = [coherence(ref, cand, len(p), reask=reask) for ref, (p, cand) in pairs]
 
     arenas0 = {k: v.address for k, v in d0.arenas.items()}
     moved: dict[str, Any] = {
@@ -62,6 +176,7 @@ def run(ctx: Context) -> Outcome:
         "restored_vs_first": coh_back,
         "replay_after_reload_vs_fresh_eager": coh_fresh,
         "graph_addresses_moved": moved,
+        "fresh_engine": {**fresh_info, "after_same_reload": vs_fresh[:1], "restored": vs_fresh[1:]},
         "counters": {"before": _counts(d0), "after_same": _counts(d1), "end": _counts(d2)},
     }
     conditions = {
@@ -90,12 +205,22 @@ def run(ctx: Context) -> Outcome:
         "weights_at_end_are_the_subject": engine_says(d2.engine.weights_digest == subject_weights),
         "restored_output_equals_first": observed(coh_back["agrees"], coh_back.get("summary")),
         "replay_after_reload_equals_fresh_eager": observed(coh_fresh["agrees"], coh_fresh.get("summary")),
+        # A freshly booted engine (the harness's own launch) on prompts neither engine had seen.
+        "after_same_reload_equals_a_fresh_engine": _vs_fresh(vs_fresh[:1], fresh_info),
+        "restored_equals_a_fresh_engine": _vs_fresh(vs_fresh[1:], fresh_info),
     }
     if ctx.captured:
         conditions["every_comparison_replayed_graphs"] = engine_says(
             all(m == "graph" for m in replay_modes), f"modes used {replay_modes}"
         )
     return fail_unless(conditions, evidence)
+
+
+def _vs_fresh(reports: list[dict[str, Any]], info: dict[str, Any]) -> Cond:
+    if not reports:
+        return observed(False, f"no fresh engine to compare with: {info.get('error', 'no answer')}")
+    r = reports[0]
+    return observed(r["agrees"], r.get("summary"))
 
 
 CHECK = Check("reload", run, timeout_s=240.0)

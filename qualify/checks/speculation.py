@@ -7,7 +7,6 @@ from typing import Any
 
 from qualify.checks.base import (
     GEN_TOKENS,
-    PROMPTS,
     Cond,
     Context,
     choices,
@@ -18,6 +17,7 @@ from qualify.checks.base import (
     observed,
     well_formed,
 )
+from qualify.checks.timing import SPEC_REPEATS, spec_rule
 from qualify.protocol import Choice, CompletionResponse, Counters
 
 
@@ -85,24 +85,37 @@ def _histogram(counts: list[int], num_spec: int) -> dict[str, int]:
     return {str(k): counts.count(k) for k in keys}
 
 
-def prove(ctx: Context, plain: CompletionResponse) -> tuple[dict[str, Cond], dict[str, Any]]:
-    """Conditions and evidence of speculation with --spec mtp:N (N = ctx.request.num_spec)."""
+def prove(
+    ctx: Context, plain: CompletionResponse, prompts: list[Any]
+) -> tuple[dict[str, Cond], dict[str, Any]]:
+    """Conditions and evidence of speculation with --spec mtp:N (N = ctx.request.num_spec); `plain` is
+    the plain answer to `prompts`."""
     N, M = ctx.request.num_spec, GEN_TOKENS
     before = ctx.client.describe().counters
-    mtp = ctx.generate(speculative=True)
-    long = ctx.generate([PROMPTS[0]], max_tokens=M + N)
+    mtp = ctx.ask(prompts, speculative=True)
+    mtp_batch = ctx.last_batch or mtp  # its fillers' verify steps move the counters too
+    drafted = ctx.fresh(1)  # drafts go with a batch of one (the protocol's rule): a prompt of its own
+    long = ctx.ask(drafted, max_tokens=M + N)
     ref: Choice | None = choices(long)[0] if well_formed(long, 1) else None
     runs: list[tuple[int, list[list[int]], CompletionResponse]] = []
+    times: dict[str, list[float]] = {"first": [], "plain": [], "none": [], "every": []}
     if ref is not None:
+        _time_plain(ctx, drafted, M, times)
         for j in range(N + 1):
             drafts = plan(ref.token_ids, M, j, N)
-            runs.append(
-                (j, drafts, ctx.generate([PROMPTS[0]], speculative=True, max_tokens=M, drafts=drafts))
-            )
+            t0 = ctx.clock()
+            resp = ctx.generate(drafted, speculative=True, max_tokens=M, drafts=drafts)
+            if j in (0, N):
+                times["none" if j == 0 else "every"].append(ctx.clock() - t0)
+            runs.append((j, drafts, resp))
     after = ctx.client.describe().counters
+    if ref is not None and ctx.target == "gpu":  # more timings, each on a prompt of its own
+        for _ in range(SPEC_REPEATS - 1):
+            _time_drafted(ctx, ctx.fresh(1), M, N, times)
+    fast, timing = spec_rule(**times, max_tokens=M, num_spec=N)
 
     reask = ctx.reask(speculative=True)
-    vs_plain = coherence(plain, mtp, reask=reask)
+    vs_plain = coherence(plain, mtp, len(prompts), reask=reask)
     per_j, reproduce, exact, consistent, counts = [], [], [], [], []
     for j, drafts, resp in runs:
         formed = well_formed(resp, 1)
@@ -137,7 +150,7 @@ def prove(ctx: Context, plain: CompletionResponse) -> tuple[dict[str, Cond], dic
         })  # fmt: skip
     histogram = _histogram(counts, N)
     covered = bool(runs) and all(histogram[str(k)] > 0 for k in range(N + 1))
-    mtp_counts = _accepted(mtp)
+    mtp_counts = _accepted(mtp_batch)
     mtp_flat = [m for per in (mtp_counts or []) for m in per]
     steps_reported = len(mtp_flat) + sum(len(p["accepted_per_step"] or []) for p in per_j)
     accepted_reported = sum(mtp_flat) + sum(counts)
@@ -162,17 +175,52 @@ def prove(ctx: Context, plain: CompletionResponse) -> tuple[dict[str, Cond], dic
             bool(runs) and not any(consistent), "; ".join(c for c in consistent if c) or "consistent"
         ),
     }
+    if ctx.target == "gpu":
+        # Wall time the harness measured: all drafts accepted means fewer engine steps than plain decoding.
+        # Not on a cpu target: its timings there are recorded, but a shared CPU's load can swamp them.
+        conditions["speculative_all_accepted_takes_fewer_steps"] = observed(
+            fast,
+            f"all accepted / plain decode time {_num(timing.get('measured_ratio'))}, "
+            f"expected {_num(timing.get('expected_ratio'))} from the measured step times",
+        )
+    else:
+        timing["condition"] = "recorded only: a cpu target's timings are not a condition"
     evidence = {
         "speculative_vs_plain": vs_plain,
         "speculative_drafts": per_j,
         "acceptance_histogram": histogram,
         "mtp_acceptance_histogram": _histogram(mtp_flat, N),
+        "spec_timing": timing,
         "spec_counters": {
             "before": {"spec_drafted": before.spec_drafted, "spec_accepted": before.spec_accepted},
             "after": {"spec_drafted": after.spec_drafted, "spec_accepted": after.spec_accepted},
         },
     }
     return conditions, evidence
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _time_plain(ctx: Context, prompt: list[Any], M: int, times: dict[str, list[float]]) -> None:
+    for key, n in (("first", 1), ("plain", M)):
+        t0 = ctx.clock()
+        ctx.generate(prompt, max_tokens=n)
+        times[key].append(ctx.clock() - t0)
+
+
+def _time_drafted(ctx: Context, prompt: list[Any], M: int, N: int, times: dict[str, list[float]]) -> None:
+    """One more timing of plain decoding, drafts all rejected and drafts all accepted, on `prompt`."""
+    long = ctx.generate(prompt, max_tokens=M + N)
+    if not well_formed(long, 1):
+        return
+    ref = choices(long)[0].token_ids
+    _time_plain(ctx, prompt, M, times)
+    for key, j in (("none", 0), ("every", N)):
+        t0 = ctx.clock()
+        ctx.generate(prompt, speculative=True, max_tokens=M, drafts=plan(ref, M, j, N))
+        times[key].append(ctx.clock() - t0)
 
 
 def _moved(

@@ -37,6 +37,7 @@ from qualify.run.verdict import judge
 from qualify.watch.kmsg import KmsgWatcher
 from qualify.watch.nvml import NvmlWatcher
 from qualify.watch.oom import cgroup_oom_kills, kernel_oom
+from qualify.watch.procs import ProcessWatch
 from qualify.watch.xid import XidEvent, table_evidence
 from receipts.statement import Faults, config_digest
 from receipts.store import Store
@@ -202,6 +203,8 @@ class Pipeline:
             xid_watch=self._xid_watch,
             gpu_pids=self.nvml.compute_pids,
         )
+        if self.launcher.kind == "local":  # a container's processes are docker's to count
+            ctx.procs = ProcessWatch(self._launched_pid, self.nvml.compute_pids)
         try:
             with _signals_raise():
                 self.rundir.claim(self.req.request_info(), self.req.db_url, self.started, __version__)
@@ -238,6 +241,9 @@ class Pipeline:
             ctx.deadline = min(run_deadline, now + check.timeout_s)
             ctx.client.deadline = ctx.deadline
             outcome, seconds, trouble = self._one(check, ctx)
+            if ctx.procs is not None:
+                with contextlib.suppress(Exception):
+                    ctx.procs.sample()  # at every check boundary, besides the background samples
             self._record(check.name, outcome, seconds)
             if outcome.status != "pass" and time.monotonic() >= run_deadline:
                 # The run's limit ended this check (a boot slower than --timeout): the run was cut short,
@@ -282,6 +288,10 @@ class Pipeline:
                 "error", {"exception": type(exc).__name__}, f"{type(exc).__name__}: {exc}"[:500]
             )
         return outcome, time.monotonic() - t, trouble
+
+    def _launched_pid(self) -> int | None:
+        pid = self.launcher.status().detail.get("pid")
+        return pid if isinstance(pid, int) else None
 
     def _recovered(self, ctx: Context, wait_s: float) -> bool:
         """After a lost connection: did the (maybe restarted) engine answer /health within `wait_s`?"""
@@ -403,7 +413,10 @@ class Pipeline:
         pre: LaunchStatus | None = None
         with contextlib.suppress(Exception):
             pre = self.launcher.status()
+        if ctx.procs is not None:
+            ctx.procs.stop()  # the last sample of the tree, before the harness ends it
         final = self.launcher.stop(STOP_GRACE_UNRESPONSIVE_S if self.unresponsive else STOP_GRACE_S)
+        self._reveal_probes(ctx)
         self.kmsg.stop()
         self.nvml.stop()
         client.close()
@@ -454,6 +467,14 @@ class Pipeline:
             started_at=self.started.isoformat(),
             finished_at=finished.isoformat(),
         )
+
+    def _reveal_probes(self, ctx: Context) -> None:
+        """The prompts' seed, written only now that the engine has stopped (checks/probes.py): into the
+        generation check's evidence (or the last check's, when generation did not run)."""
+        if not self.results or not ctx.probes.learned:
+            return
+        record = next((r for r in self.results if r["name"] == "generation"), self.results[-1])
+        record["evidence"]["probes"] = _json_safe(ctx.probes.evidence())
 
     def _identity(self) -> dict[str, Any]:
         try:
@@ -512,8 +533,10 @@ class Pipeline:
         cuda_oom = int(ctx.facts.get("cuda_oom", 0))
         # Dead when the faults check found it not answering, or the launcher saw it gone before the stop.
         dead = bool(ctx.facts.get("engine_dead")) or not (pre.alive if pre is not None else False)
+        # Workers re-forked under the launched process (seen in /proc) are restarts the launcher cannot see.
+        hidden = len(ctx.procs.restarts()) if ctx.procs is not None else 0
         return {
-            "restart_count": max(final.restart_count, pre.restart_count if pre else 0),
+            "restart_count": max(final.restart_count, pre.restart_count if pre else 0) + hidden,
             "xid_events": [
                 {
                     "code": e.code,

@@ -40,8 +40,11 @@ REQUIRED_OBSERVED: dict[str, tuple[str, ...]] = {
         "layout.spans_equal_request",
         "layout.peer_*",
         "capture.replay_equals_eager",
+        "capture.graph_steps_faster_than_eager",
         "reload.other_weights_replay_equals_eager",
         "reload.replay_after_reload_equals_fresh_eager",
+        "reload.after_same_reload_equals_a_fresh_engine",
+        "reload.restored_equals_a_fresh_engine",
         "generation.tokens_generated",
         "generation.deterministic",
         "generation.replay_vs_eager",
@@ -69,7 +72,8 @@ REQUIRED_MONITORED: dict[str, tuple[str, ...]] = {
 
 
 # target -> conditions that, where the run has them (speculation exists only with --spec), must hold and be
-# observed like the ones above. The engine's own speculation reports are named spec_* and stay outside.
+# observed like the ones above (on a GPU, generation.speculative_all_accepted_takes_fewer_steps: the
+# harness's timing of speculation). The engine's own speculation reports are named spec_* and stay outside.
 OBSERVED_WHERE_PRESENT: dict[str, tuple[str, ...]] = {
     "cpu": (),
     "gpu": ("generation.speculative_*", "dcp.dcp_vs_dcp1*", "dcp.every_rank_is_a_live_process_of_the_engine"),

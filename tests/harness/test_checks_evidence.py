@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ class Engine:
         self.captures = self.replays = 0
         self.weights = W0
         self.captured = False
+        self.now = 0.0  # the harness's clock in these tests: each answer advances it by its steps' time
         preset = "tiny" if lie == "config" else "proxy"
         g = GEOMETRY["proxy"]  # the KV geometry the harness sends as flags, echoed in the described config
         self.config: dict[str, Any] = {
@@ -74,7 +76,9 @@ class Engine:
             "cudagraph_mode": "full",
         }
 
-    def tokens(self, prompt: int, eager: bool) -> list[int]:
+    def tokens(self, prompt: Any, eager: bool) -> list[int]:
+        """A function of the prompt itself (not of its place in the batch), like a real model's output."""
+        prompt = zlib.crc32(json.dumps(prompt).encode()) % 97
         seed = 0 if self.weights == W0 else 1
         # Graphs that kept reading some of the old weights: their output changes, but not to the new model's.
         if not eager and self.lie == "stale-graphs" and self.weights == W1:
@@ -82,11 +86,17 @@ class Engine:
         return [(prompt + seed + i) % 7 for i in range(4)]
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        n = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+        prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
         eager = body.get("mode", "auto") == "eager" or not self.captured or self.lie == "eager-only"
         if not eager:
             self.replays += 1
-        toks = [] if self.lie == "empty" else [self.tokens(i, eager) for i in range(n)]
+        # Time spent: a round trip, then one step per token; a replayed graph step is 5x faster, unless the
+        # "graph" steps are eager ones (a claim the timing must refuse).
+        step = 1e-3 if eager or self.lie == "eager-speed-graphs" else 2e-4
+        self.now += 5e-3 + step * int(body.get("max_tokens", 1))
+        toks = [] if self.lie == "empty" else [self.tokens(p, eager) for p in prompts]
         choices = [
             {"index": i, "token_ids": t, "text": "", "top2_gaps": [1.0] * len(t), "finish_reason": "length"}
             for i, t in enumerate(toks)
@@ -175,6 +185,9 @@ class StandingLauncher(Launcher):
     def identity(self) -> dict[str, Any]:
         return {"launcher": "local"}
 
+    def sibling(self, options: Any, name: str) -> StandingLauncher:
+        return StandingLauncher()
+
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
         line = f"error: unknown kda_decode_backend {kda_backend!r}; choose one of auto, b12x, triton, torch"
         return RefusalOutcome(["engine"], 2, 0.1, line + "\n")
@@ -187,6 +200,14 @@ def _context(engine: Engine, target: str = "gpu", watch: str = "active") -> Cont
     client = EngineClient("http://engine")
     client._http = httpx.Client(transport=httpx.MockTransport(engine.handle))
     ctx = Context(request=req, launcher=StandingLauncher(), client=client, target=target)
+
+    def fresh_reference(url: str, timeout_s: float) -> EngineClient:
+        other = EngineClient(url)  # a freshly booted engine of the same build: the subject weights, no lie
+        other._http = httpx.Client(transport=httpx.MockTransport(Engine(engine.device).handle))
+        return other
+
+    ctx.client_for = fresh_reference
+    ctx.clock = lambda: engine.now
     ctx.xid_watch = lambda: {"state": watch, "reason": "test"}
     ctx.xid_events = lambda: [classify(13, source="nvml")]
     return ctx
@@ -369,3 +390,29 @@ def test_the_harness_sees_which_process_holds_the_engine_port() -> None:
 
 def test_container_oom_is_a_condition_only_where_docker_could_kill_for_memory() -> None:
     assert "no_container_oom" not in faults.run(_context(Engine())).conditions
+
+
+def test_a_cpu_target_never_carries_a_capture_pass_whatever_the_engine_says() -> None:
+    # The mock engine claims a capture and answers "graph": on a cpu target that is a false claim.
+    out = capture.run(_context(Engine(device="cpu"), target="cpu"))
+    assert out.status == "fail" and _failed(out) == {"no_graphs_claimed_on_a_cpu_target"}
+
+
+def test_only_torch_or_an_interpreted_triton_asked_for_by_name_runs_on_a_cpu() -> None:
+    assert backend.runs_on_cpu("torch", "auto", {})[0]
+    assert not backend.runs_on_cpu("triton", "auto", {"TRITON_INTERPRET": "1"})[0]
+    assert not backend.runs_on_cpu("triton", "triton", {})[0]
+    assert backend.runs_on_cpu("triton", "triton", {"TRITON_INTERPRET": "1"})[0]
+    assert not backend.runs_on_cpu("b12x", "b12x", {"TRITON_INTERPRET": "1"})[0]
+
+
+def test_graph_steps_at_eager_speed_fail_the_harness_timing_on_a_gpu() -> None:
+    honest = capture.run(_context(Engine()))
+    timing = honest.evidence["step_timing"]
+    assert honest.status == "pass" and sorted(timing) == ["1", "4"]  # smallest and largest size that fits
+    assert timing["1"]["eager_step_s"] == pytest.approx(1e-3) and timing["1"][
+        "graph_step_s"
+    ] == pytest.approx(2e-4)
+    out = capture.run(_context(Engine(lie="eager-speed-graphs")))
+    assert out.status == "fail" and _failed(out) == {"graph_steps_faster_than_eager"}
+    assert out.conditions["graph_steps_faster_than_eager"].source == "observed"

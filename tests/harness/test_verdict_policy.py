@@ -131,3 +131,26 @@ def test_speculative_comparisons_must_be_observed_where_the_run_has_them() -> No
     ]
     j = judge(with_condition("generation", "speculative_drafts_reproduce_plain", holds=False), "gpu")
     assert j.reasons == ["not observed: generation.speculative_drafts_reproduce_plain: does not hold"]
+
+
+def test_a_gpu_target_requires_the_harness_timing_and_the_fresh_engine_comparisons() -> None:
+    for check, cond in (
+        ("capture", "graph_steps_faster_than_eager"),
+        ("reload", "after_same_reload_equals_a_fresh_engine"),
+        ("reload", "restored_equals_a_fresh_engine"),
+    ):
+        results = [
+            {**r, "conditions": {k: v for k, v in r["conditions"].items() if k != cond}}
+            if r["name"] == check
+            else r
+            for r in ALL_PASS
+        ]
+        assert judge(results, "gpu").reasons == [
+            f"not observed: {check}.{cond}: no such condition in the run"
+        ]
+        assert judge(results, "cpu").verdict == "qualified"
+    # Speculation's timing, where the run has it (--spec), must hold and be observed on a GPU too.
+    slow = with_condition("generation", "speculative_all_accepted_takes_fewer_steps", holds=False)
+    assert judge(slow, "gpu").reasons == [
+        "not observed: generation.speculative_all_accepted_takes_fewer_steps: does not hold"
+    ]

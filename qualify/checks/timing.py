@@ -1,0 +1,104 @@
+"""Physical evidence the harness times itself: what the engine claims to do must show in wall time.
+
+Graphs: a replayed CUDA graph step must be measurably faster than an eager step of the same batch (an
+engine that answers `mode_used: "graph"` from eager steps runs at eager speed). Per-step time is measured
+by difference, (time of a request of `long` tokens - time of one of `short` tokens) / (long - short), which
+cancels the HTTP round trip and the prefill; the median over repeats is compared with a bound derived from
+the measured eager step (`graph_rule`).
+
+Speculation: drafts that are all accepted must finish the same sequence in fewer engine steps than plain
+decoding, so in less wall time, by about the ratio the measured step times predict (`spec_rule`). An engine
+that decodes plainly and reports acceptance lengths computed against its own output takes as long as plain
+decoding. Times are taken as the minimum over repeats (load only ever adds time).
+
+The harness's clock is `Context.clock` (time.perf_counter), so the rules are tested on recorded numbers.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+MIN_GRAPH_GAIN = 0.1  # a graph step must save at least this share of the eager step...
+NOISE_MADS = 3.0  # ...and more than this many median absolute deviations of the eager samples
+MAX_SPEC_RATIO = 0.8  # all-accepted drafts must take at most this share of plain decoding's wall time...
+SPEC_SLACK = 1.5  # ...and at most this multiple of the ratio the measured step times predict (+ 0.1)
+TIMING_REPEATS = 3
+SPEC_REPEATS = 3
+
+
+def _mad(xs: list[float]) -> float:
+    m = statistics.median(xs)
+    return statistics.median([abs(x - m) for x in xs])
+
+
+def per_step(short_s: list[float], long_s: list[float], steps: int) -> list[float]:
+    """Per-step seconds from paired request times that differ by `steps` decode steps."""
+    return [max(0.0, (b - a) / steps) for a, b in zip(short_s, long_s, strict=True)]
+
+
+def graph_rule(eager: list[float], graph: list[float]) -> tuple[bool, dict[str, Any]]:
+    """Whether graph steps are measurably faster than eager steps: median(graph) below
+    median(eager) - max(MIN_GRAPH_GAIN * median(eager), NOISE_MADS * MAD(eager))."""
+    if not eager or not graph:
+        return False, {"why": "no timings"}
+    e, g = statistics.median(eager), statistics.median(graph)
+    bound = e - max(MIN_GRAPH_GAIN * e, NOISE_MADS * _mad(eager))
+    facts = {
+        "eager_step_s": e,
+        "graph_step_s": g,
+        "bound_s": bound,
+        "speedup": (e / g) if g > 0 else None,
+        "eager_samples_s": eager,
+        "graph_samples_s": graph,
+        "rule": f"median graph step < median eager step - max({MIN_GRAPH_GAIN:g} x it, "
+        f"{NOISE_MADS:g} x its MAD)",
+    }
+    return g < bound, facts
+
+
+def spec_steps(max_tokens: int, accepted: int) -> int:
+    """Engine steps after prefill to emit `max_tokens` tokens when each step accepts `accepted` drafts."""
+    return -(-(max_tokens - 1) // (accepted + 1))
+
+
+def spec_rule(
+    *,
+    first: list[float],
+    plain: list[float],
+    none: list[float],
+    every: list[float],
+    max_tokens: int,
+    num_spec: int,
+) -> tuple[bool, dict[str, Any]]:
+    """Request times (seconds, repeats) of: one token (`first`: prefill and the round trip), plain
+    decoding of max_tokens, drafts all rejected (`none`: as many verify steps as plain decoding) and all
+    accepted (`every`). Holds when all-accepted decoding takes at most MAX_SPEC_RATIO of plain decoding's
+    time and at most SPEC_SLACK x (+0.1) the ratio expected from the measured step times."""
+    if not (first and plain and none and every):
+        return False, {"why": "no timings"}
+    base = min(first)
+    plain_s, none_s, every_s = (max(0.0, min(x) - base) for x in (plain, none, every))
+    steps_plain, steps_every = spec_steps(max_tokens, 0), spec_steps(max_tokens, num_spec)
+    step_plain = plain_s / steps_plain if steps_plain else 0.0
+    step_verify = none_s / steps_plain if steps_plain else 0.0
+    expected = (steps_every * step_verify) / plain_s if plain_s > 0 else None
+    measured = every_s / plain_s if plain_s > 0 else None
+    holds = (
+        measured is not None
+        and expected is not None
+        and measured <= MAX_SPEC_RATIO
+        and measured <= SPEC_SLACK * expected + 0.1
+    )
+    facts = {
+        "steps": {"plain": steps_plain, "all_accepted": steps_every},
+        "plain_step_s": step_plain,
+        "verify_step_s": step_verify,
+        "decode_s": {"plain": plain_s, "none_accepted": none_s, "all_accepted": every_s},
+        "expected_ratio": expected,
+        "measured_ratio": measured,
+        "samples_s": {"first_token": first, "plain": plain, "none_accepted": none, "all_accepted": every},
+        "rule": f"all-accepted decode time / plain decode time <= {MAX_SPEC_RATIO:g} and <= {SPEC_SLACK:g} x "
+        "the ratio the measured step times predict + 0.1 (minimum over repeats, first-token time subtracted)",
+    }
+    return holds, facts
