@@ -1,0 +1,293 @@
+"""The layout check's intervention: prove that the engine computes with the memory it exports, laid out as
+the geometry the harness asked for says, by changing that memory between two decode steps of live
+sequences and watching which outputs move (docs/PEER.md, "Intervention").
+
+Two sessions of the same fresh prompts run side by side in time, one after the other: a baseline, and a
+trial in which the harness's peer (not the engine) exchanges, in every rank's allocations, the bytes the
+geometry assigns to chosen sequences, located by the block ids and state slots the engine says each holds:
+
+- pair F, everything (KDA state and conv rows of its slots, attention K/V rows of its positions): at the
+  next step, fed the same token, F's two sequences must answer exactly as the other did in the baseline;
+- pair A, attention K/V rows only, and pair K, KDA rows only: their outputs must change;
+- the remaining sequences are not touched and must answer exactly as in the baseline;
+- after that step the peer swaps pair F back, including the row the step just wrote at the position the
+  geometry predicts, and the next step must give the baseline's output again.
+
+A decoy allocation, a wrong span or block table, a shard on the wrong rank or a private cache each break
+one of these; an engine that merely scrambles its output when exported memory changes cannot make F's
+sequences answer as each other did, nor leave the untouched ones and the restored step as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from qualify.checks.base import Context, observed
+from qualify.client import EngineError, EngineUnreachable
+from qualify.protocol import KvHandle, SessionStartRequest, SessionState, SessionStepRequest
+
+PROMPT_TOKENS = 24  # every prompt the same length, so that swapped sequences sit at the same positions
+TOKEN_RANGE = (32, 127)  # printable bytes: token ids of the tiny and proxy vocabularies alike
+PAIRS = {"full": (0, 1), "attention": (2, 3), "kda": (4, 5)}
+KINDS = {"full": ["kda", "attention"], "attention": ["attention"], "kda": ["kda"]}
+UNTOUCHED = (6, 7)
+SEQUENCES = 8
+PEER_TIMEOUT_S = 90.0
+# Logits compared between the baseline and the trial: the same computation on the same batch shape. A CPU
+# engine repeats fp32 exactly; a GPU one may differ in low bits of bf16 arithmetic.
+TOLERANCE = {"cpu": 1e-4, "gpu": 2e-2}
+CHANGED = 10.0  # a row "changed" when an id differs or a logit moved this many tolerances
+
+
+def _close(a: dict[str, Any], b: dict[str, Any], tol: float) -> bool:
+    """Two output rows are the same: same top ids in order, logits within tol (relative above 1)."""
+    if a["top_ids"] != b["top_ids"]:
+        return False
+    return all(
+        abs(x - y) <= tol * max(1.0, abs(x)) for x, y in zip(a["top_logits"], b["top_logits"], strict=True)
+    )
+
+
+def _moved(a: dict[str, Any], b: dict[str, Any], tol: float) -> bool:
+    """The row changed beyond noise: an id differs, or a logit moved CHANGED tolerances."""
+    if a["top_ids"] != b["top_ids"]:
+        return True
+    return any(
+        abs(x - y) > CHANGED * tol * max(1.0, abs(x))
+        for x, y in zip(a["top_logits"], b["top_logits"], strict=True)
+    )
+
+
+def _row(s: dict[str, Any]) -> str:
+    return f"token {s['token_id']} (top {s['top_ids'][:3]}, logit {s['top_logits'][0]:.4f})"
+
+
+def _prompts() -> tuple[list[list[int]], list[int]]:
+    """Fresh prompts for this run (nothing the engine could have seen), and the two tokens fed to every
+    sequence at the two steps."""
+    r = secrets.SystemRandom()
+    lo, hi = TOKEN_RANGE
+    prompts = [[r.randrange(lo, hi) for _ in range(PROMPT_TOKENS)] for _ in range(SEQUENCES)]
+    return prompts, [r.randrange(lo, hi), r.randrange(lo, hi)]
+
+
+class _Peer:
+    """Runs the harness's peer in swap mode on every rank's allocations (one process per swap set)."""
+
+    def __init__(self, ctx: Context, geometry: dict[str, Any], rank_sets: list[tuple[int, list[KvHandle]]]):
+        self.ctx, self.geometry, self.rank_sets = ctx, geometry, rank_sets
+        self.runs: list[dict[str, Any]] = []
+
+    def swap(self, label: str, swaps: list[dict[str, Any]]) -> dict[str, Any]:
+        spec = {
+            "mode": "swap",
+            "geometry": self.geometry,
+            "ranks": [
+                {"rank": r, "groups": [h.model_dump(mode="json") for h in hs]} for r, hs in self.rank_sets
+            ],
+            "swaps": swaps,
+        }
+        run_dir = getattr(self.ctx.launcher, "run_dir", None)
+        with contextlib.ExitStack() as stack:
+            where = Path(run_dir) if run_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            where.mkdir(parents=True, exist_ok=True)
+            path = where / f"peer-swap-{label}.json"
+            path.write_text(json.dumps(spec))
+            out = self.ctx.launcher.run_peer(path, min(PEER_TIMEOUT_S, max(1.0, self.ctx.remaining())))
+        report = out.report or {}
+        problems = []
+        if out.report is None or report.get("error"):
+            problems.append(str(out.error or report.get("error") or f"exit {out.exit_code}"))
+        seen_ranks = {e.get("rank") for e in report.get("ranks", []) if isinstance(e, dict)}
+        if out.report is not None and seen_ranks != {r for r, _ in self.rank_sets}:
+            problems.append(f"the peer reported ranks {sorted(seen_ranks, key=str)}")
+        for e in report.get("ranks", []):
+            for g in e.get("groups", []):
+                if g.get("error"):
+                    problems.append(f"rank {e.get('rank')} {g.get('name')}: {g['error']}")
+                    continue
+                for sw in swaps:
+                    if g.get("kind") not in sw["kinds"]:
+                        continue
+                    got = (g.get("swaps") or {}).get(sw["name"])
+                    if not got or not got.get("bytes"):
+                        problems.append(
+                            f"rank {e.get('rank')} {g.get('name')}: nothing swapped for {sw['name']}"
+                        )
+                    elif label == "apply" and got.get("a_before") == got.get("b_before"):
+                        # Two different prompts leave different caches: equal bytes mean no cache is there.
+                        problems.append(
+                            f"rank {e.get('rank')} {g.get('name')}: the bytes the geometry gives the two "
+                            f"sequences of pair {sw['name']} are identical (no cache there)"
+                        )
+        record = {
+            "label": label,
+            "exit_code": out.exit_code,
+            "seconds": round(out.seconds, 3),
+            "problems": problems,
+            "ranks": report.get("ranks"),
+        }
+        self.runs.append(record)
+        return record
+
+
+def _session(
+    ctx: Context,
+    prompts: list[list[int]],
+    feed: list[int],
+    after_start: Any = None,
+    after_step: Any = None,
+) -> tuple[list[SessionState], list[str]]:
+    """start, [after_start], step(feed[0]), [after_step], step(feed[1]), close. Returns the three states
+    (prefill, step 1, step 2) and what went wrong (the session is closed whatever happens)."""
+    states: list[SessionState] = []
+    sid = None
+    try:
+        st = ctx.client.session_start(SessionStartRequest(prompts=prompts, max_tokens=3))
+        sid = st.session
+        states.append(st)
+        if after_start is not None:
+            after_start(st)
+        for i, tok in enumerate(feed):
+            states.append(ctx.client.session_step(sid, SessionStepRequest(feed=[tok] * len(prompts))))
+            if i == 0 and after_step is not None:
+                after_step(st)
+        return states, []
+    except (EngineError, EngineUnreachable) as exc:
+        return states, [f"{type(exc).__name__}: {exc}"[:300]]
+    finally:
+        if sid is not None:
+            with contextlib.suppress(EngineError, EngineUnreachable):
+                ctx.client.session_close(sid)
+
+
+def _pair_swaps(st: SessionState, names: list[str], hi: int) -> list[dict[str, Any]]:
+    seqs = st.sequences
+
+    def mem(i: int) -> dict[str, list[int]]:
+        return {"slots": seqs[i].state_slots, "blocks": seqs[i].kv_blocks}
+
+    return [
+        {"name": n, "kinds": KINDS[n], "a": mem(PAIRS[n][0]), "b": mem(PAIRS[n][1]), "positions": [0, hi]}
+        for n in names
+    ]
+
+
+def intervene(
+    ctx: Context, geometry: dict[str, Any], rank_sets: list[tuple[int, list[KvHandle]]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run the baseline and the trial; return (conditions, evidence)."""
+    tol = TOLERANCE.get(ctx.target, TOLERANCE["gpu"])
+    prompts, feed = _prompts()
+    peer = _Peer(ctx, geometry, rank_sets)
+    base, base_err = _session(ctx, prompts, feed)
+    applied: dict[str, Any] = {}
+
+    def apply(st: SessionState) -> None:
+        applied["apply"] = peer.swap("apply", _pair_swaps(st, list(PAIRS), PROMPT_TOKENS))
+
+    def restore(st: SessionState) -> None:
+        # Position PROMPT_TOKENS is the row the step just wrote: the geometry says where it went.
+        applied["restore"] = peer.swap("restore", _pair_swaps(st, ["full"], PROMPT_TOKENS + 1))
+
+    trial, trial_err = ([], ["no baseline"]) if base_err else _session(ctx, prompts, feed, apply, restore)
+    problems = base_err + trial_err + [p for r in peer.runs for p in r["problems"]]
+    ok = not problems and len(base) == len(trial) == 3
+    b = [[s.model_dump() for s in st.sequences] for st in base]
+    t = [[s.model_dump() for s in st.sequences] for st in trial]
+    memory = (
+        {
+            i: {"state_slots": s.state_slots, "kv_blocks": s.kv_blocks}
+            for i, s in enumerate(trial[0].sequences)
+        }
+        if trial
+        else {}
+    )
+
+    def cond(holds: bool, why: str, ok_detail: str) -> Any:
+        if not ok:
+            return observed(False, ("; ".join(problems) or "the sessions did not run")[:400])
+        return observed(holds, ok_detail if holds else why[:400])
+
+    conditions: dict[str, Any] = {}
+    if ok and len(b[0]) == len(t[0]) == SEQUENCES:
+        fa, fb = PAIRS["full"]
+        prefill_same = all(_close(x, y, tol) for x, y in zip(b[0], t[0], strict=True))
+        informative = _moved(b[1][fa], b[1][fb], tol)
+        exchanged = _close(t[1][fa], b[1][fb], tol) and _close(t[1][fb], b[1][fa], tol)
+        conditions["intervention_ran"] = observed(
+            prefill_same,
+            f"{SEQUENCES} live sequences of {PROMPT_TOKENS} fresh tokens; the peer swapped their memory in "
+            f"{len(rank_sets)} rank(s)"
+            if prefill_same
+            else "the two sessions' prefills of the same prompts differ: the engine is not deterministic",
+        )
+        conditions["intervention_swap_exchanges_outputs"] = cond(
+            informative and exchanged,
+            (
+                f"sequence {fa} answered {_row(t[1][fa])}, {fb} answered {_row(t[1][fb])}; "
+                f"in the baseline {fa} answered {_row(b[1][fa])}, {fb} {_row(b[1][fb])}"
+            )
+            if informative
+            else "the pair answered alike in the baseline: the swap shows nothing (rerun)",
+            f"with each other's KDA slots and attention rows, sequences {fa} and {fb} answered exactly "
+            "as the other had",
+        )
+        for name, label in (("attention", "attention_pages_owned"), ("kda", "kda_slots_owned")):
+            i, j = PAIRS[name]
+            still = [k for k in (i, j) if not _moved(t[1][k], b[1][k], tol)]
+            conditions[f"intervention_{label}"] = cond(
+                not still,
+                f"sequences {still} answered as before with their {name} memory swapped: the engine does not "
+                f"compute with the {name} memory the geometry gives them",
+                f"swapping only their {name} memory changed the output of sequences {i} and {j}",
+            )
+        touched = [
+            k for k in UNTOUCHED if not (_close(t[1][k], b[1][k], tol) and _close(t[2][k], b[2][k], tol))
+        ]
+        conditions["intervention_others_unchanged"] = cond(
+            not touched,
+            f"untouched sequences {touched} changed their output",
+            f"sequences {list(UNTOUCHED)} (not touched) answered as in the baseline at both steps",
+        )
+        back = [k for k in PAIRS["full"] if not _close(t[2][k], b[2][k], tol)]
+        conditions["intervention_restore_gives_original"] = cond(
+            not back,
+            f"after the swap back, sequences {back} answered "
+            + ", ".join(f"{_row(t[2][k])} (baseline {_row(b[2][k])})" for k in back),
+            "swapped back (with the row the step wrote where the geometry puts it), the pair answered as in "
+            "the baseline",
+        )
+    else:
+        why = ("; ".join(problems) or f"sessions of {SEQUENCES} sequences did not run")[:400]
+        for k in (
+            "intervention_ran",
+            "intervention_swap_exchanges_outputs",
+            "intervention_attention_pages_owned",
+            "intervention_kda_slots_owned",
+            "intervention_others_unchanged",
+            "intervention_restore_gives_original",
+        ):
+            conditions[k] = observed(False, why)
+    evidence = {
+        "prompts": prompts,
+        "feed": feed,
+        "pairs": {n: {"sequences": list(p), "swapped": KINDS[n]} for n, p in PAIRS.items()},
+        "untouched": list(UNTOUCHED),
+        "tolerance": tol,
+        "memory": memory,
+        "baseline": [[{k: s[k] for k in ("token_id", "top_ids", "top_logits")} for s in st] for st in b],
+        "trial": [[{k: s[k] for k in ("token_id", "top_ids", "top_logits")} for s in st] for st in t],
+        "peer": peer.runs,
+        "problems": problems,
+    }
+    return conditions, evidence
+
+
+def all_hold(conditions: dict[str, Any]) -> bool:
+    return all(c.holds for k, c in conditions.items() if k.startswith("intervention_"))
