@@ -100,7 +100,7 @@ class _Peer:
             path.write_text(json.dumps(spec))
             out = self.ctx.launcher.run_peer(path, min(PEER_TIMEOUT_S, max(1.0, self.ctx.remaining())))
         report = out.report or {}
-        problems = []
+        problems, same = [], []
         if out.report is None or report.get("error"):
             problems.append(str(out.error or report.get("error") or f"exit {out.exit_code}"))
         seen_ranks = {e.get("rank") for e in report.get("ranks", []) if isinstance(e, dict)}
@@ -119,17 +119,15 @@ class _Peer:
                         problems.append(
                             f"rank {e.get('rank')} {g.get('name')}: nothing swapped for {sw['name']}"
                         )
-                    elif label == "apply" and got.get("a_before") == got.get("b_before"):
+                    elif got.get("a_before") == got.get("b_before"):
                         # Two different prompts leave different caches: equal bytes mean no cache is there.
-                        problems.append(
-                            f"rank {e.get('rank')} {g.get('name')}: the bytes the geometry gives the two "
-                            f"sequences of pair {sw['name']} are identical (no cache there)"
-                        )
+                        same.append(f"{sw['name']}@rank{e.get('rank')}/{g.get('name')}")
         record = {
             "label": label,
             "exit_code": out.exit_code,
             "seconds": round(out.seconds, 3),
             "problems": problems,
+            "identical": same,
             "ranks": report.get("ranks"),
         }
         self.runs.append(record)
@@ -227,6 +225,14 @@ def intervene(
             if prefill_same
             else "the two sessions' prefills of the same prompts differ: the engine is not deterministic",
         )
+        same = applied["apply"]["identical"]
+        conditions["intervention_memory_holds_caches"] = cond(
+            not same,
+            f"the bytes the geometry gives two sequences of different prompts are identical (no cache there) "
+            f"for pair@rank/group {same}",
+            "the memory the geometry gives each swapped pair differed between its two sequences in every "
+            "group and rank",
+        )
         conditions["intervention_swap_exchanges_outputs"] = cond(
             informative and exchanged,
             (
@@ -267,6 +273,7 @@ def intervene(
         why = ("; ".join(problems) or f"sessions of {SEQUENCES} sequences did not run")[:400]
         for k in (
             "intervention_ran",
+            "intervention_memory_holds_caches",
             "intervention_swap_exchanges_outputs",
             "intervention_attention_pages_owned",
             "intervention_kda_slots_owned",

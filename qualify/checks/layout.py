@@ -287,10 +287,10 @@ def run(ctx: Context) -> Outcome:
         # because the intervention at the places that geometry predicts moved the sequences it predicts.
         if spans != want:
             why = f"the asked-for geometry gives spans {spans}, requested {want}"
-        elif not laid_out:
-            why = "the allocations are not laid out for the geometry the peer derived from"
         elif not proven:
             why = "the intervention did not show the engine computing with memory laid out for these spans"
+        elif not laid_out:
+            why = "the allocations are not laid out for the geometry the peer derived from"
         else:
             why = f"spans {spans}: the intervention at the places they predict moved the predicted outputs"
         conditions["spans_equal_request"] = observed(spans == want and laid_out and proven, why)

@@ -36,6 +36,7 @@ REQUIRED_CHECKS: tuple[str, ...] = (
 # cannot pass by absence.
 INTERVENTION: tuple[str, ...] = (
     "layout.intervention_ran",
+    "layout.intervention_memory_holds_caches",
     "layout.intervention_swap_exchanges_outputs",
     "layout.intervention_attention_pages_owned",
     "layout.intervention_kda_slots_owned",

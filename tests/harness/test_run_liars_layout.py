@@ -36,11 +36,15 @@ def test_an_engine_laid_out_for_another_dcp_size_that_reports_the_asked_for_span
     cond = layout["conditions"]
     # The engine's word agrees with the request; what the peer measured does not.
     assert layout["evidence"]["registered"] == [2304, 2304, 2304, 9216]
-    assert cond["registered_spans_match_peer"]["holds"]
+    assert (
+        cond["registered_spans_match_peer"]["holds"]
+        and cond["registered_spans_match_peer"]["source"] == "engine"
+    )
     sizes = cond["peer_allocation_sizes"]
     assert not sizes["holds"] and sizes["source"] == "observed"
     assert sizes["detail"].startswith("attention0: measured ") and "the geometry needs" in sizes["detail"]
-    views = cond["peer_views_match_geometry"]
+    views = cond["exported_views_match_geometry"]  # the engine's own view table: its word
+    assert views["source"] == "engine"
     assert (
         not views["holds"]
         and "attention0: layer 3 k shape [9, 2, 2304, 1, 16] != [9, 4, 2304, 1, 16]" in (views["detail"])
@@ -55,7 +59,7 @@ def test_block_size_halved_with_dcp_doubled_keeps_the_bytes_but_not_the_views(ho
     env = _liar_env(home, "wrong_layout", LIAR_GEOMETRY=json.dumps({"block_size": 1152, "dcp_size": 8}))
     cond = _layout_of_rejected_run(home, env)["conditions"]
     assert cond["peer_allocation_sizes"]["holds"]  # same bytes: only the exported views tell
-    views = cond["peer_views_match_geometry"]
+    views = cond["exported_views_match_geometry"]
     assert not views["holds"] and "[9, 8, 1152, 1, 16] != [9, 4, 2304, 1, 16]" in views["detail"]
 
 
