@@ -39,28 +39,35 @@ UNTOUCHED = (6, 7)
 SEQUENCES = 8
 PEER_TIMEOUT_S = 90.0
 # Logits compared between the baseline and the trial: the same computation on the same batch shape. A CPU
-# engine repeats fp32 exactly; a GPU one may differ in low bits of bf16 arithmetic.
-TOLERANCE = {"cpu": 1e-4, "gpu": 2e-2}
-CHANGED = 10.0  # a row "changed" when an id differs or a logit moved this many tolerances
+# engine repeats fp32 exactly (measured: equal to the last digit); on a GPU the bound is one bf16 step of a
+# logit (2^-7 relative) with room, not yet measured on the H200 (scripts/gpu-check runs it).
+TOLERANCE = {"cpu": 1e-4, "gpu": 8e-3}
+CHANGED = 4.0  # a row "changed" when it is not the same even at this many tolerances
 
 
 def _close(a: dict[str, Any], b: dict[str, Any], tol: float) -> bool:
-    """Two output rows are the same: same top ids in order, logits within tol (relative above 1)."""
-    if a["top_ids"] != b["top_ids"]:
+    """Two output rows are the same: the same top token, every id both rows list with logits within tol
+    (relative above 1), and an id only one row lists within tol of the other row's lowest listed logit (two
+    close logits at the edge of the list may trade places)."""
+    ids_a, ids_b = a["top_ids"], b["top_ids"]
+    if not ids_a or not ids_b or ids_a[0] != ids_b[0]:
         return False
-    return all(
-        abs(x - y) <= tol * max(1.0, abs(x)) for x, y in zip(a["top_logits"], b["top_logits"], strict=True)
+    la, lb = dict(zip(ids_a, a["top_logits"], strict=True)), dict(zip(ids_b, b["top_logits"], strict=True))
+
+    def near(x: float, y: float) -> bool:
+        return abs(x - y) <= tol * max(1.0, abs(x))
+
+    if not all(near(la[i], lb[i]) for i in la.keys() & lb.keys()):
+        return False
+    edge_a, edge_b = min(la.values()), min(lb.values())
+    return all(near(la[i], edge_b) for i in la.keys() - lb.keys()) and all(
+        near(lb[i], edge_a) for i in lb.keys() - la.keys()
     )
 
 
 def _moved(a: dict[str, Any], b: dict[str, Any], tol: float) -> bool:
-    """The row changed beyond noise: an id differs, or a logit moved CHANGED tolerances."""
-    if a["top_ids"] != b["top_ids"]:
-        return True
-    return any(
-        abs(x - y) > CHANGED * tol * max(1.0, abs(x))
-        for x, y in zip(a["top_logits"], b["top_logits"], strict=True)
-    )
+    """The row changed beyond noise: not the same even at CHANGED times the tolerance."""
+    return not _close(a, b, CHANGED * tol)
 
 
 def _row(s: dict[str, Any]) -> str:
@@ -134,6 +141,10 @@ class _Peer:
         return record
 
 
+class _Short(Exception):
+    """The engine's session answer cannot be used (wrong number of sequences)."""
+
+
 def _session(
     ctx: Context,
     prompts: list[list[int]],
@@ -149,14 +160,19 @@ def _session(
         st = ctx.client.session_start(SessionStartRequest(prompts=prompts, max_tokens=3))
         sid = st.session
         states.append(st)
+        if len(st.sequences) != len(prompts):
+            raise _Short(f"the engine answered {len(st.sequences)} sequences for {len(prompts)} prompts")
         if after_start is not None:
             after_start(st)
         for i, tok in enumerate(feed):
-            states.append(ctx.client.session_step(sid, SessionStepRequest(feed=[tok] * len(prompts))))
+            step = ctx.client.session_step(sid, SessionStepRequest(feed=[tok] * len(prompts)))
+            if len(step.sequences) != len(prompts):
+                raise _Short(f"a step answered {len(step.sequences)} sequences for {len(prompts)} prompts")
+            states.append(step)
             if i == 0 and after_step is not None:
                 after_step(st)
         return states, []
-    except (EngineError, EngineUnreachable) as exc:
+    except (EngineError, EngineUnreachable, _Short) as exc:
         return states, [f"{type(exc).__name__}: {exc}"[:300]]
     finally:
         if sid is not None:
