@@ -6,6 +6,11 @@ inside an engine container. Nothing the engine says about spans is read: the pee
 span and its exact byte layout from the geometry the harness asked for, measures each allocation, checks
 the pattern the engine wrote, writes its own, samples a region for the engine to echo, and confirms that a
 view past the allocation's end is refused. The report is one JSON object (docs/PEER.md).
+
+With `"mode": "swap"` in the spec it is the harness's hand in the intervention instead: between two decode
+steps it exchanges, in every rank's allocations, the bytes the geometry assigns two live sequences (their
+state slots and the K/V rows of their positions, located from their block ids) and reports what it swapped;
+the same swap applied again restores the bytes. Both work on shm files and CUDA-IPC storages alike.
 """
 
 from __future__ import annotations
