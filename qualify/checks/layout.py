@@ -69,12 +69,19 @@ def _peer(
     half = KV_PROBE_BYTES // 2
     fills = {}
     for h in handles:
-        fill = ctx.client.kv_fill(
-            KvFillRequest(
-                group=h.name, offset=h.probe.offset, length=half, nonce=f"{read_nonce}:{h.name}", rank=rank
+        try:
+            fill = ctx.client.kv_fill(
+                KvFillRequest(
+                    group=h.name,
+                    offset=h.probe.offset,
+                    length=half,
+                    nonce=f"{read_nonce}:{h.name}",
+                    rank=rank,
+                )
             )
-        )
-        fills[h.name] = fill.sha256
+            fills[h.name] = fill.sha256
+        except EngineError as exc:  # a handle the engine will not fill is a finding about that handle
+            fills[h.name] = f"refused: {exc.status} {exc.type}"
     spec = {
         "geometry": geometry,
         "handles": {"groups": [h.model_dump(mode="json") for h in handles]},

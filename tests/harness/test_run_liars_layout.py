@@ -74,3 +74,20 @@ def test_an_engine_whose_handles_lead_elsewhere_is_rejected_whatever_its_peer_ve
     log = next(home.path.glob("runs/*/engine.log")).read_text()
     assert "LIAR_PEER_VERIFY_CALLED" not in log
     assert not glob.glob("/dev/shm/qualify-liar-copy-*")  # the liar cleaned up its copies
+
+
+def test_an_export_table_that_overstates_and_an_echo_that_clamps_fail_the_observed_peer_conditions(
+    home: Home,
+):
+    # Shared-memory files claimed to be CUDA allocations, one allocation exported twice under a name the
+    # layer pattern does not have, and an echo that clamps an out-of-range request instead of refusing it.
+    cond = _layout_of_rejected_run(home, _liar_env(home, "sloppy_export"))["conditions"]
+    for name, words in (
+        ("peer_device", "not in ['kda0', 'kda1', 'kda2', 'attention0']"),
+        ("peer_found_every_group", "unexpected ['kda9']"),
+        ("echo_refuses_out_of_bounds", "the engine hashed 64 bytes"),
+    ):
+        c = cond[name]
+        assert not c["holds"] and c["source"] == "observed" and words in c["detail"], (name, c)
+    # The memory itself is the engine's real memory: the intervention holds.
+    assert all(c["holds"] for k, c in cond.items() if k.startswith("intervention_"))
