@@ -52,6 +52,8 @@ def _close(a: dict[str, Any], b: dict[str, Any], tol: float) -> bool:
     ids_a, ids_b = a["top_ids"], b["top_ids"]
     if not ids_a or not ids_b or ids_a[0] != ids_b[0]:
         return False
+    if len(ids_a) != len(a["top_logits"]) or len(ids_b) != len(b["top_logits"]):
+        return False  # a row whose ids and logits do not pair up is never the same as anything
     la, lb = dict(zip(ids_a, a["top_logits"], strict=True)), dict(zip(ids_b, b["top_logits"], strict=True))
 
     def near(x: float, y: float) -> bool:
