@@ -111,6 +111,25 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
+def _own_gpus(gpu: dict[int, dict[int, int | None]] | None, hosts: dict[int, int | None], want: int) -> Any:
+    """Observed: every rank's process is in NVML's compute-process list on one GPU no other rank is on,
+    holding device memory there (where the driver reports it)."""
+    if gpu is None:
+        return observed(False, "NVML is not running: no GPU process list to look at")
+    on = {r: gpu.get(h, {}) if h is not None else {} for r, h in hosts.items()}
+    bad = []
+    for r in range(want):
+        used = on.get(r) or {}
+        if len(used) != 1:
+            bad.append(f"rank {r} on GPUs {sorted(used)}")
+        elif any(v is not None and v <= 0 for v in used.values()):
+            bad.append(f"rank {r} holds no memory on GPU {next(iter(used))}")
+    devices = [next(iter(v)) for v in on.values() if len(v) == 1]
+    if len(set(devices)) != len(devices):
+        bad.append(f"ranks share a GPU: {on}")
+    return observed(not bad, "; ".join(bad) if bad else f"NVML compute processes per rank (GPU: bytes): {on}")
+
+
 def reference_options(ctx: Context) -> EngineOptions:
     r = ctx.request
     return EngineOptions(
@@ -160,7 +179,7 @@ def run(ctx: Context) -> Outcome:
     ticks0 = {r: cpu_ticks(h) if h is not None else None for r, h in hosts.items()}
     before = ctx.generate()
     ticks1 = {r: cpu_ticks(h) if h is not None else None for r, h in hosts.items()}
-    gpu = ctx.gpu_pids() if ctx.target == "gpu" else None
+    gpu = ctx.gpu_memory() if ctx.target == "gpu" else None
     coh_before = coherence(ref, before, reask=ctx.reask())  # teacher forcing before the reload
     reloaded = ctx.client.reload(ReloadRequest(), timeout_s=ctx.remaining())
     after = ctx.generate()
@@ -215,13 +234,7 @@ def run(ctx: Context) -> Outcome:
             else f"CPU ticks per rank during generation: {spent}",
         )
         if ctx.target == "gpu":
-            on = {r: (gpu or {}).get(h) if h is not None else None for r, h in hosts.items()}
-            lone = [r for r in range(want) if not on.get(r)]
-            devices = [tuple(v) for v in on.values() if v]
-            conditions["every_rank_on_its_own_gpu"] = observed(
-                gpu is not None and not lone and len(set(devices)) == len(devices) == want,
-                f"NVML compute processes per rank: {on}" if gpu is not None else "NVML is not running",
-            )
+            conditions["every_rank_on_its_own_gpu"] = _own_gpus(gpu, hosts, want)
     return fail_unless(conditions, evidence)
 
 

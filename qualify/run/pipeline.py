@@ -201,6 +201,7 @@ class Pipeline:
             xid_events=self._xid_events,
             xid_watch=self._xid_watch,
             gpu_pids=self.nvml.compute_pids,
+            gpu_memory=self.nvml.compute_memory,
         )
         try:
             with _signals_raise():

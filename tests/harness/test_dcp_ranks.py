@@ -60,3 +60,18 @@ def test_ranks_map_to_the_launched_family_and_only_the_busy_one_spends_cpu() -> 
             os.kill(p, 9)
         parent.kill()
         parent.wait()
+
+
+def test_on_a_gpu_each_rank_must_hold_memory_on_a_gpu_of_its_own() -> None:
+    from qualify.checks.dcp import _own_gpus
+
+    hosts = {0: 100, 1: 101}
+    assert _own_gpus({100: {0: 1 << 30}, 101: {1: 1 << 30}}, hosts, 2).holds
+    assert _own_gpus({100: {0: None}, 101: {1: None}}, hosts, 2).holds  # memory not reported: presence
+    shared = _own_gpus({100: {0: 1 << 30}, 101: {0: 1 << 30}}, hosts, 2)
+    assert not shared.holds and "share a GPU" in shared.detail and shared.source == "observed"
+    idle = _own_gpus({100: {0: 1 << 30}}, hosts, 2)  # rank 1's process is on no GPU
+    assert not idle.holds and "rank 1 on GPUs []" in idle.detail
+    empty = _own_gpus({100: {0: 1 << 30}, 101: {1: 0}}, hosts, 2)
+    assert not empty.holds and "rank 1 holds no memory on GPU 1" in empty.detail
+    assert not _own_gpus(None, hosts, 2).holds
