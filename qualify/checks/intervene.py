@@ -2,12 +2,13 @@
 the geometry the harness asked for says, by changing that memory between two decode steps of live
 sequences and watching which outputs move (docs/PEER.md, "Intervention").
 
-Two sessions of the same fresh prompts run side by side in time, one after the other: a baseline, and a
-trial in which the harness's peer (not the engine) exchanges, in every rank's allocations, the bytes the
-geometry assigns to chosen sequences, located by the block ids and state slots the engine says each holds:
+Two sessions of the same fresh prompts run one after the other: a baseline, and a trial in which the
+harness's peer (not the engine) exchanges, in every rank's allocations, the bytes the geometry assigns to
+chosen sequences, located by the block ids and state slots the engine says each holds:
 
-- pair F, everything (KDA state and conv rows of its slots, attention K/V rows of its positions): at the
-  next step, fed the same token, F's two sequences must answer exactly as the other did in the baseline;
+- pair F (the two sequences whose baseline first steps differ most), everything (KDA state and conv rows
+  of its slots, attention K/V rows of its positions): at the next step, fed the same token, F's two
+  sequences must answer exactly as the other did in the baseline;
 - pair A, attention K/V rows only, and pair K, KDA rows only: their outputs must change;
 - the remaining sequences are not touched and must answer exactly as in the baseline;
 - after that step the peer swaps pair F back, including the row the step just wrote at the position the
@@ -33,16 +34,17 @@ from qualify.protocol import KvHandle, SessionStartRequest, SessionState, Sessio
 
 PROMPT_TOKENS = 24  # every prompt the same length, so that swapped sequences sit at the same positions
 TOKEN_RANGE = (32, 127)  # printable bytes: token ids of the tiny and proxy vocabularies alike
-PAIRS = {"full": (0, 1), "attention": (2, 3), "kda": (4, 5)}
 KINDS = {"full": ["kda", "attention"], "attention": ["attention"], "kda": ["kda"]}
-UNTOUCHED = (6, 7)
 SEQUENCES = 8
 PEER_TIMEOUT_S = 90.0
-# Logits compared between the baseline and the trial: the same computation on the same batch shape. A CPU
-# engine repeats fp32 exactly (measured: equal to the last digit); on a GPU the bound is one bf16 step of a
-# logit (2^-7 relative) with room, not yet measured on the H200 (scripts/gpu-check runs it).
-TOLERANCE = {"cpu": 1e-4, "gpu": 8e-3}
-CHANGED = 4.0  # a row "changed" when it is not the same even at this many tolerances
+# Logits compared between the baseline and the trial, relative above 1. `same`: a row computed again at its
+# own place in a batch of the same shape (untouched rows, the restored pair, the prefills), which a CPU
+# engine repeats exactly (measured: equal to the last digit) and a GPU one should too, with room for low
+# bits. `exchange`: a row computed at another row's place (the swapped pair), where a GPU's kernels may
+# round differently: one bf16 step of a logit (2^-7) with room. The GPU values are not yet measured on the
+# H200 (scripts/gpu-check runs this check).
+TOLERANCE = {"cpu": {"same": 1e-4, "exchange": 1e-4}, "gpu": {"same": 2e-3, "exchange": 8e-3}}
+CHANGED = 4.0  # a row "changed": its top ids in another order, or not the same even at this many `same`s
 
 
 def _close(a: dict[str, Any], b: dict[str, Any], tol: float) -> bool:
@@ -68,8 +70,30 @@ def _close(a: dict[str, Any], b: dict[str, Any], tol: float) -> bool:
 
 
 def _moved(a: dict[str, Any], b: dict[str, Any], tol: float) -> bool:
-    """The row changed beyond noise: not the same even at CHANGED times the tolerance."""
-    return not _close(a, b, CHANGED * tol)
+    """The row changed beyond noise: its top ids in another order (a row computed again in place keeps
+    them), or not the same even at CHANGED times the tolerance."""
+    return a["top_ids"] != b["top_ids"] or not _close(a, b, CHANGED * tol)
+
+
+def _distance(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """How far apart two rows are: another top token beats another order, which beats logits apart."""
+    if a["top_ids"][:1] != b["top_ids"][:1]:
+        return 1e9
+    if a["top_ids"] != b["top_ids"]:
+        return 1e6
+    return max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a["top_logits"], b["top_logits"], strict=False))
+
+
+def roles(step1: list[dict[str, Any]]) -> tuple[dict[str, tuple[int, int]], tuple[int, ...]]:
+    """Who plays which part, from the baseline's first step: the fully swapped pair is the two sequences
+    that answered most differently (so that each answering as the other did is a sharp prediction); the
+    next four, in order, are the attention-only and KDA-only pairs; the rest are not touched."""
+    n = len(step1)
+    full = max(
+        ((i, j) for i in range(n) for j in range(i + 1, n)), key=lambda p: _distance(step1[p[0]], step1[p[1]])
+    )
+    rest = [k for k in range(n) if k not in full]
+    return {"full": full, "attention": (rest[0], rest[1]), "kda": (rest[2], rest[3])}, tuple(rest[4:])
 
 
 def _row(s: dict[str, Any]) -> str:
@@ -182,14 +206,16 @@ def _session(
                 ctx.client.session_close(sid)
 
 
-def _pair_swaps(st: SessionState, names: list[str], hi: int) -> list[dict[str, Any]]:
+def _pair_swaps(
+    st: SessionState, pairs: dict[str, tuple[int, int]], names: list[str], hi: int
+) -> list[dict[str, Any]]:
     seqs = st.sequences
 
     def mem(i: int) -> dict[str, list[int]]:
         return {"slots": seqs[i].state_slots, "blocks": seqs[i].kv_blocks}
 
     return [
-        {"name": n, "kinds": KINDS[n], "a": mem(PAIRS[n][0]), "b": mem(PAIRS[n][1]), "positions": [0, hi]}
+        {"name": n, "kinds": KINDS[n], "a": mem(pairs[n][0]), "b": mem(pairs[n][1]), "positions": [0, hi]}
         for n in names
     ]
 
@@ -198,18 +224,20 @@ def intervene(
     ctx: Context, geometry: dict[str, Any], rank_sets: list[tuple[int, list[KvHandle]]]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run the baseline and the trial; return (conditions, evidence)."""
-    tol = TOLERANCE.get(ctx.target, TOLERANCE["gpu"])
+    tols = TOLERANCE.get(ctx.target, TOLERANCE["gpu"])
+    tol, tol_x = tols["same"], tols["exchange"]
     prompts, feed = _prompts()
     peer = _Peer(ctx, geometry, rank_sets)
     base, base_err = _session(ctx, prompts, feed)
+    pairs, untouched = roles([s.model_dump() for s in base[1].sequences]) if len(base) == 3 else ({}, ())
     applied: dict[str, Any] = {}
 
     def apply(st: SessionState) -> None:
-        applied["apply"] = peer.swap("apply", _pair_swaps(st, list(PAIRS), PROMPT_TOKENS))
+        applied["apply"] = peer.swap("apply", _pair_swaps(st, pairs, list(KINDS), PROMPT_TOKENS))
 
     def restore(st: SessionState) -> None:
         # Position PROMPT_TOKENS is the row the step just wrote: the geometry says where it went.
-        applied["restore"] = peer.swap("restore", _pair_swaps(st, ["full"], PROMPT_TOKENS + 1))
+        applied["restore"] = peer.swap("restore", _pair_swaps(st, pairs, ["full"], PROMPT_TOKENS + 1))
 
     trial, trial_err = ([], ["no baseline"]) if base_err else _session(ctx, prompts, feed, apply, restore)
     problems = base_err + trial_err + [p for r in peer.runs for p in r["problems"]]
@@ -232,10 +260,10 @@ def intervene(
 
     conditions: dict[str, Any] = {}
     if ok and len(b[0]) == len(t[0]) == SEQUENCES:
-        fa, fb = PAIRS["full"]
+        fa, fb = pairs["full"]
         prefill_same = all(_close(x, y, tol) for x, y in zip(b[0], t[0], strict=True))
         informative = _moved(b[1][fa], b[1][fb], tol)
-        exchanged = _close(t[1][fa], b[1][fb], tol) and _close(t[1][fb], b[1][fa], tol)
+        exchanged = _close(t[1][fa], b[1][fb], tol_x) and _close(t[1][fb], b[1][fa], tol_x)
         conditions["intervention_ran"] = observed(
             prefill_same,
             f"{SEQUENCES} live sequences of {PROMPT_TOKENS} fresh tokens; the peer swapped their memory in "
@@ -263,7 +291,7 @@ def intervene(
             "as the other had",
         )
         for name, label in (("attention", "attention_pages_owned"), ("kda", "kda_slots_owned")):
-            i, j = PAIRS[name]
+            i, j = pairs[name]
             still = [k for k in (i, j) if not _moved(t[1][k], b[1][k], tol)]
             conditions[f"intervention_{label}"] = cond(
                 not still,
@@ -272,14 +300,14 @@ def intervene(
                 f"swapping only their {name} memory changed the output of sequences {i} and {j}",
             )
         touched = [
-            k for k in UNTOUCHED if not (_close(t[1][k], b[1][k], tol) and _close(t[2][k], b[2][k], tol))
+            k for k in untouched if not (_close(t[1][k], b[1][k], tol) and _close(t[2][k], b[2][k], tol))
         ]
         conditions["intervention_others_unchanged"] = cond(
             not touched,
             f"untouched sequences {touched} changed their output",
-            f"sequences {list(UNTOUCHED)} (not touched) answered as in the baseline at both steps",
+            f"sequences {list(untouched)} (not touched) answered as in the baseline at both steps",
         )
-        back = [k for k in PAIRS["full"] if not _close(t[2][k], b[2][k], tol)]
+        back = [k for k in pairs["full"] if not _close(t[2][k], b[2][k], tol)]
         conditions["intervention_restore_gives_original"] = cond(
             not back,
             f"after the swap back, sequences {back} answered "
@@ -302,9 +330,9 @@ def intervene(
     evidence = {
         "prompts": prompts,
         "feed": feed,
-        "pairs": {n: {"sequences": list(p), "swapped": KINDS[n]} for n, p in PAIRS.items()},
-        "untouched": list(UNTOUCHED),
-        "tolerance": tol,
+        "pairs": {n: {"sequences": list(p), "swapped": KINDS[n]} for n, p in pairs.items()},
+        "untouched": list(untouched),
+        "tolerance": tols,
         "memory": memory,
         "baseline": [[{k: s[k] for k in ("token_id", "top_ids", "top_logits")} for s in st] for st in b],
         "trial": [[{k: s[k] for k in ("token_id", "top_ids", "top_logits")} for s in st] for st in t],
