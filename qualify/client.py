@@ -26,6 +26,10 @@ from qualify.protocol import (
     ProbeResponse,
     ReloadRequest,
     ReloadResponse,
+    SessionClosed,
+    SessionStartRequest,
+    SessionState,
+    SessionStepRequest,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -136,6 +140,17 @@ class EngineClient:
 
     def kv_echo(self, request: KvEchoRequest, timeout_s: float | None = None) -> KvDigest:
         return self._post(KvDigest, "/qualify/kv-echo", request, timeout_s)
+
+    def session_start(self, request: SessionStartRequest, timeout_s: float | None = None) -> SessionState:
+        return self._post(SessionState, "/qualify/sessions", request, timeout_s)
+
+    def session_step(
+        self, session: str, request: SessionStepRequest, timeout_s: float | None = None
+    ) -> SessionState:
+        return self._post(SessionState, f"/qualify/sessions/{session}/step", request, timeout_s)
+
+    def session_close(self, session: str, timeout_s: float | None = None) -> SessionClosed:
+        return self._post(SessionClosed, f"/qualify/sessions/{session}/close", None, timeout_s)
 
     def metrics(self) -> dict[str, float]:
         """Prometheus text as {name{labels}: value}."""

@@ -374,6 +374,62 @@ class KvDigest(_Reply):
     sha256: str  # sha256:<hex> of the bytes as the engine reads them (echo) or wrote them (fill)
 
 
+# ---------------------------------------------------------------- /qualify/sessions
+
+# Live sequences held between decode steps, so that the harness's peer can change their exported memory
+# between two steps and the harness can watch which outputs move (docs/PROTOCOL.md, docs/PEER.md).
+SESSION_MAX_SEQUENCES = 64
+SESSION_MAX_PROMPT_TOKENS = 4096
+SESSION_TOP_K = 8  # logits reported per sequence and step: enough to see any change of the row
+
+
+class SessionStartRequest(_Msg):
+    """Admit and prefill these prompts and hold them live; `max_tokens` bounds the tokens each may generate
+    (its KV blocks are reserved for prompt + max_tokens)."""
+
+    prompts: list[list[int]] = Field(min_length=1, max_length=SESSION_MAX_SEQUENCES)
+    max_tokens: int = Field(ge=1, le=256)
+
+    @field_validator("prompts")
+    @classmethod
+    def _sizes(cls, v: list[list[int]]) -> list[list[int]]:
+        for p in v:
+            if not 1 <= len(p) <= SESSION_MAX_PROMPT_TOKENS:
+                raise ValueError(f"every prompt needs 1..{SESSION_MAX_PROMPT_TOKENS} tokens")
+        return v
+
+
+class SessionStepRequest(_Msg):
+    """One decode step of every sequence. `feed` (one token per sequence) replaces the token each sequence
+    reads this step (its last token, whose K/V the step writes); without it each reads its own last one."""
+
+    feed: list[int] | None = Field(None, max_length=SESSION_MAX_SEQUENCES)
+
+
+class SessionSequence(_Reply):
+    """One live sequence after prefill or a step: the token it produced, the top of its logits row, and the
+    memory it holds (state slots and KV block ids: the engine's word, which the harness tests by effect)."""
+
+    index: int
+    token_id: int
+    top_ids: list[int]  # the SESSION_TOP_K highest logits' token ids, best first
+    top_logits: list[float]  # and their logits
+    num_tokens: int  # prompt + generated tokens so far
+    state_slots: list[int]  # KDA state slots, 1 + num_spec
+    kv_blocks: list[int]  # attention KV block ids, in block-table order
+
+
+class SessionState(_Reply):
+    session: str
+    mode_used: str = "eager"
+    sequences: list[SessionSequence]
+
+
+class SessionClosed(_Reply):
+    session: str
+    released: int  # sequences whose memory was freed
+
+
 # ---------------------------------------------------------------- /qualify/capture, /qualify/probe
 
 
@@ -558,6 +614,11 @@ __all__ = [
     "ProbeResponse",
     "ReloadRequest",
     "ReloadResponse",
+    "SessionClosed",
+    "SessionSequence",
+    "SessionStartRequest",
+    "SessionState",
+    "SessionStepRequest",
     "Usage",
     "compare_greedy",
     "dcp_ranks_lost",

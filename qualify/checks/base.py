@@ -82,6 +82,8 @@ class Context:
     xid_watch: Callable[[], dict[str, Any]] = lambda: {"state": "unavailable", "reason": "no watcher"}
     # pid -> GPU indices with compute work, as NVML lists them (the harness's view); None: no NVML here
     gpu_pids: Callable[[], dict[int, list[int]] | None] = lambda: None
+    # pid -> {GPU index: device memory bytes (None: not reported)}, as NVML lists them; None: no NVML here
+    gpu_memory: Callable[[], dict[int, dict[int, int | None]] | None] = lambda: None
     deadline: float = float("inf")  # monotonic: the current check's budget, within the run's
     # The launched process tree as /proc shows it, sampled during the run (None: not a host process)
     procs: ProcessWatch | None = None

@@ -1,7 +1,11 @@
 """layout: the harness's own peer process imports every KV allocation the engine exports, derives each
 group's span and byte layout from the geometry the harness asked for, measures the allocations, and
 proves with nonce patterns (engine writes, peer reads; peer writes, engine echoes) that both sides share
-the same memory. The engine's registered layout is compared with what the peer derived; --layout with it."""
+the same memory. Then the intervention (qualify/checks/intervene.py): between decode steps of live sequences
+the peer swaps the memory the geometry assigns to chosen sequences and the harness watches exactly those
+outputs move, and come back when the bytes are swapped back. The engine's registered layout and exported
+view table are compared with the geometry (the engine's word); --layout with the geometry, resting on the
+intervention."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from qualify.checks.base import Check, Context, Outcome, derived, engine_says, fail_unless, observed
+from qualify.checks.base import Check, Context, Outcome, engine_says, fail_unless, observed
+from qualify.checks.intervene import all_hold, intervene
 from qualify.client import EngineError
 from qualify.protocol import KV_PROBE_BYTES, KvEchoRequest, KvFillRequest, KvHandle, pattern_bytes
 from qualify.run.geometry import geometry_for
@@ -50,6 +55,11 @@ def _flag(groups: list[dict[str, Any]], ran: bool, key: str, ok: str) -> Any:
     return observed(not bad, f"not in {bad}" if bad else ok)
 
 
+def _as_engine(c: Any) -> Any:
+    """The same finding, labelled as resting on the engine's word."""
+    return engine_says(c.holds, c.detail)
+
+
 def _peer(
     ctx: Context, geometry: dict[str, Any], rank: int, handles: list[KvHandle], single: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -59,12 +69,19 @@ def _peer(
     half = KV_PROBE_BYTES // 2
     fills = {}
     for h in handles:
-        fill = ctx.client.kv_fill(
-            KvFillRequest(
-                group=h.name, offset=h.probe.offset, length=half, nonce=f"{read_nonce}:{h.name}", rank=rank
+        try:
+            fill = ctx.client.kv_fill(
+                KvFillRequest(
+                    group=h.name,
+                    offset=h.probe.offset,
+                    length=half,
+                    nonce=f"{read_nonce}:{h.name}",
+                    rank=rank,
+                )
             )
-        )
-        fills[h.name] = fill.sha256
+            fills[h.name] = fill.sha256
+        except EngineError as exc:  # a handle the engine will not fill is a finding about that handle
+            fills[h.name] = f"refused: {exc.status} {exc.type}"
     spec = {
         "geometry": geometry,
         "handles": {"groups": [h.model_dump(mode="json") for h in handles]},
@@ -223,8 +240,11 @@ def run(ctx: Context) -> Outcome:
             else f"{len(groups)} groups, as the layer pattern gives",
         ),
         "peer_allocation_sizes": _each(groups, ran, size, "every allocation as large as the geometry needs"),
-        "peer_views_match_geometry": _each(groups, ran, views, "every view where the geometry puts it"),
-        "peer_alignment": _flag(groups, ran, "alignment_ok", "every allocation starts aligned"),
+        # The engine's exported view table against the geometry: its own account of where the caches are
+        # (the intervention below is what shows they are there).
+        "exported_views_match_geometry": _as_engine(
+            _each(groups, ran, views, "every exported view where the geometry puts it")
+        ),
         "peer_device": _flag(groups, ran, "device_ok", "every allocation on the device it was exported from"),
         "peer_read_engine_pattern": _flag(
             groups, ran, "engine_pattern_ok", "the pattern the engine wrote, in every allocation"
@@ -232,20 +252,19 @@ def run(ctx: Context) -> Outcome:
         "peer_echo_round_trip": _each(
             groups, ran, echo, "the engine read back what the peer wrote and sampled"
         ),
-        "peer_out_of_bounds_refused": _flag(
-            groups, ran, "out_of_bounds_refused", "a view past each allocation's end was refused"
-        ),
         "echo_refuses_out_of_bounds": observed(oob_ok, oob_detail),
-        # The engine's registration against the peer's derivation.
-        "registered_spans_match_peer": derived(
+        # The engine's registration against the peer's derivation: the engine's numbers.
+        "registered_spans_match_peer": engine_says(
             ran and registered == spans, f"engine registered {registered}, peer derived {spans}"
         ),
-        "registered_sizes_match_peer": derived(
+        "registered_sizes_match_peer": engine_says(
             ran and sizes_agree(),
             f"engine registered {sizes}, the geometry needs {expected}, peer measured {measured}",
         ),
-        "chunk_is_lcm": derived(lay.chunk == lcm, f"engine chunk {lay.chunk}, lcm of the peer's spans {lcm}"),
-        "ratios_are_chunk_over_span": derived(
+        "chunk_is_lcm": engine_says(
+            lay.chunk == lcm, f"engine chunk {lay.chunk}, lcm of the peer's spans {lcm}"
+        ),
+        "ratios_are_chunk_over_span": engine_says(
             bool(spans) and lay.ratios == [lay.chunk // s for s in spans] and lay.chunk % lcm == 0,
             f"engine ratios {lay.ratios}",
         ),
@@ -266,16 +285,22 @@ def run(ctx: Context) -> Outcome:
         },
         "echoes": echoes,
     }
-    if not single:
-        differ = {r: s for r, s in rank_spans.items() if s != spans}
-        conditions["peer_spans_same_on_every_rank"] = observed(
-            ran and not differ, f"rank 0 {spans}, others {differ}" if differ else f"{len(rank_spans)} ranks"
-        )
+    # The intervention: the memory the geometry assigns each live sequence is the memory it computes with.
+    moved, evidence["intervention"] = intervene(ctx, geometry, rank_sets)
+    conditions.update(moved)
+    proven = all_hold(moved)
     if want is not None:
-        why = None if laid_out else "the allocations are not laid out for the geometry the peer derived from"
-        conditions["spans_equal_request"] = observed(
-            laid_out and spans == want, why if spans == want else f"peer derived {spans}, requested {want}"
-        )
+        # The geometry's spans equal the request (the harness's own numbers), and they count as observed
+        # because the intervention at the places that geometry predicts moved the sequences it predicts.
+        if spans != want:
+            why = f"the asked-for geometry gives spans {spans}, requested {want}"
+        elif not proven:
+            why = "the intervention did not show the engine computing with memory laid out for these spans"
+        elif not laid_out:
+            why = "the allocations are not laid out for the geometry the peer derived from"
+        else:
+            why = f"spans {spans}: the intervention at the places they predict moved the predicted outputs"
+        conditions["spans_equal_request"] = observed(spans == want and laid_out and proven, why)
     else:
         evidence["demanded"] = "nothing: no --layout was given; the registered layout is recorded only"
     peer_ok = all(c.holds for k, c in conditions.items() if k.startswith("peer_"))
@@ -287,7 +312,7 @@ def run(ctx: Context) -> Outcome:
             {"index": i, "kind": g.kind, "layers": g.layers, "span": g.span, "nbytes": g.nbytes}
             for i, g in enumerate(lay.groups)
         ],
-        "peer_verified": peer_ok and conditions["registered_spans_match_peer"].holds,
+        "peer_verified": peer_ok and proven and conditions["registered_spans_match_peer"].holds,
     }
     return fail_unless(conditions, evidence)
 

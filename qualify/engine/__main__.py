@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="1 folded, or dcp_size",
     )
+    s.add_argument("--interleave", type=int, default=None, help="DCP positions dealt per shard at a time")
     s.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=None)
     s.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
     s.add_argument("--cudagraph", dest="cudagraph_mode", choices=["full", "none"], default=None)
@@ -80,8 +81,8 @@ def _config_fields(args: argparse.Namespace) -> dict:
         with open(args.config) as f:
             fields.update(json.load(f))
     keys = ("preset", "kda_decode_backend", "num_spec", "device", "dtype", "weights", "seed",
-            "layer_pattern", "block_size", "dcp_size", "dcp_ranks", "max_num_seqs", "max_model_len",
-            "cudagraph_mode")  # fmt: skip
+            "layer_pattern", "block_size", "dcp_size", "dcp_ranks", "interleave", "max_num_seqs",
+            "max_model_len", "cudagraph_mode")  # fmt: skip
     fields.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     return fields
 

@@ -6,6 +6,11 @@ inside an engine container. Nothing the engine says about spans is read: the pee
 span and its exact byte layout from the geometry the harness asked for, measures each allocation, checks
 the pattern the engine wrote, writes its own, samples a region for the engine to echo, and confirms that a
 view past the allocation's end is refused. The report is one JSON object (docs/PEER.md).
+
+With `"mode": "swap"` in the spec it is the harness's hand in the intervention instead: between two decode
+steps it exchanges, in every rank's allocations, the bytes the geometry assigns two live sequences (their
+state slots and the K/V rows of their positions, located from their block ids) and reports what it swapped;
+the same swap applied again restores the bytes. Both work on shm files and CUDA-IPC storages alike.
 """
 
 from __future__ import annotations
@@ -228,6 +233,126 @@ def verify_group(want: dict, got: dict | None, spec: dict) -> dict:
     return res
 
 
+# ---------------------------------------------------------------- intervention: swap two sequences' memory
+
+
+def token_rows(g: dict, blocks: list[int], lo: int, hi: int, rank: int) -> list[int]:
+    """Rows of an attention K/V view [blocks, shards, block_size, ...], flattened over its first three dims,
+    that hold positions [lo, hi) of a sequence with this block table, on this process (folded: every
+    shard; distributed: only the positions dealt to `rank`). Position p sits in block column p // span,
+    shard (o // interleave) % dcp_size and local slot (o // (interleave * dcp_size)) * interleave +
+    o % interleave of that shard, o = p % span."""
+    span, s, i, bs = span_of("attention", g), g["dcp_size"], g.get("interleave", 1), g["block_size"]
+    folded = g.get("dcp_ranks", 1) == 1
+    rows = []
+    for p in range(lo, hi):
+        col, o = divmod(p, span)
+        if col >= len(blocks):
+            raise ValueError(f"position {p} lies past the {len(blocks)} blocks of the block table")
+        shard, local = (o // i) % s, (o // (i * s)) * i + o % i
+        if folded:
+            rows.append((blocks[col] * s + shard) * bs + local)
+        elif shard == rank:
+            rows.append(blocks[col] * bs + local)
+    return rows
+
+
+def _runs(starts_a: list[int], starts_b: list[int], width: int) -> list[tuple[int, int, int]]:
+    """Pairs of equal rows (byte starts) merged into (a, b, length) runs where both sides are contiguous."""
+    out: list[list[int]] = []
+    for a, b in zip(starts_a, starts_b, strict=True):
+        if out and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
+            out[-1][2] += width
+        else:
+            out.append([a, b, width])
+    return [(a, b, n) for a, b, n in out]
+
+
+def swap_ranges(kind: str, layers: list[int], g: dict, swap: dict, rank: int) -> list[tuple[int, int, int]]:
+    """(offset in a, offset in b, length) byte runs of one group's allocation that hold sequence a's and
+    sequence b's memory, as the geometry lays it out: KDA, every layer's state and conv rows of their state
+    slots; attention, every layer's K and V rows of positions swap["positions"] = [lo, hi)."""
+    views, _, _ = expected_views(kind, layers, g)
+    a, b = swap["a"], swap["b"]
+    out: list[tuple[int, int, int]] = []
+    for v in views:
+        width = math.prod(v["shape"][1:]) * ITEMSIZE[v["dtype"]] if kind == "kda" else 0
+        if kind == "kda":
+            if len(a["slots"]) != len(b["slots"]):
+                raise ValueError("the two sequences hold different numbers of state slots")
+            ra = [v["offset"] + s * width for s in a["slots"]]
+            rb = [v["offset"] + s * width for s in b["slots"]]
+        else:
+            width = math.prod(v["shape"][3:]) * ITEMSIZE[v["dtype"]]
+            lo, hi = swap["positions"]
+            ra = [v["offset"] + r * width for r in token_rows(g, a["blocks"], lo, hi, rank)]
+            rb = [v["offset"] + r * width for r in token_rows(g, b["blocks"], lo, hi, rank)]
+        out += _runs(ra, rb, width)
+    return out
+
+
+def _swap(buf: torch.Tensor, runs: list[tuple[int, int, int]], keep: list) -> dict:
+    """Exchange the bytes of each (a, b, length) run; the digests of a's bytes before and after."""
+    ha, hb, after = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
+    total = 0
+    for a, b, n in runs:
+        ta = buf[a : a + n].clone()
+        tb = buf[b : b + n].clone()
+        ha.update(ta.cpu().numpy().tobytes())
+        hb.update(tb.cpu().numpy().tobytes())
+        buf[a : a + n].copy_(tb)
+        buf[b : b + n].copy_(ta)
+        after.update(buf[a : a + n].cpu().numpy().tobytes())
+        total += n
+    if buf.device.type == "cuda":
+        torch.cuda.synchronize(buf.device)
+    for obj in keep:
+        flush = getattr(obj, "flush", None)
+        if flush is not None:
+            flush()
+    return {
+        "bytes": total,
+        "runs": len(runs),
+        "a_before": "sha256:" + ha.hexdigest(),
+        "b_before": "sha256:" + hb.hexdigest(),
+        "a_after": "sha256:" + after.hexdigest(),
+    }
+
+
+def run_swaps(spec: dict) -> dict:
+    """Between two decode steps: for every rank's allocations and every swap, exchange the bytes the
+    geometry says sequence a and sequence b own (only groups of the swap's kinds). Each swap is its own
+    inverse, so applying the same swap again restores the bytes."""
+    g = spec["geometry"]
+    derived = derive_groups(g)
+    ranks = []
+    for entry in spec["ranks"]:
+        rank = entry["rank"]
+        exported = {h["name"]: h for h in entry["groups"]}
+        groups = []
+        for want in derived:
+            res: dict = {"name": want["name"], "kind": want["kind"], "swaps": {}}
+            got = exported.get(want["name"])
+            if got is None:
+                groups.append({**res, "error": "not in the engine's handles"})
+                continue
+            try:
+                buf, measured, keep = import_allocation(got["handle"])
+                _, _, nbytes = expected_views(want["kind"], want["layers"], g)
+                if measured is None or measured < nbytes or buf.numel() < nbytes:
+                    raise ValueError(f"{measured} bytes mapped, the geometry needs {nbytes}")
+                for sw in spec["swaps"]:
+                    if want["kind"] in sw["kinds"]:
+                        res["swaps"][sw["name"]] = _swap(
+                            buf, swap_ranges(want["kind"], want["layers"], g, sw, rank), keep
+                        )
+            except Exception as e:  # one bad allocation must not hide the others
+                res["error"] = f"{type(e).__name__}: {e}"
+            groups.append(res)
+        ranks.append({"rank": rank, "groups": groups})
+    return {"pid": os.getpid(), "mode": "swap", "ranks": ranks, "error": None}
+
+
 def run(spec: dict) -> dict:
     g = spec["geometry"]
     derived = derive_groups(g)
@@ -255,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         with open(args.spec) as f:
-            report = run(json.load(f))
+            spec = json.load(f)
+        report = run_swaps(spec) if spec.get("mode") == "swap" else run(spec)
     except Exception as e:
         report = {
             "pid": os.getpid(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -33,10 +34,14 @@ from qualify.protocol import (
     ProbeResponse,
     ReloadRequest,
     ReloadResponse,
+    SessionClosed,
+    SessionStartRequest,
+    SessionState,
+    SessionStepRequest,
     Usage,
 )
 
-from . import kv_export
+from . import kv_export, sessions
 from .arena import CapacityError
 from .engine import Engine
 from .faults import FaultPlan, trigger
@@ -123,6 +128,10 @@ VERBS = {
     "capture": lambda e: e.capture(),
     "probe": lambda e: e.probe(),
     "describe": _describe,
+    # Live sequences between steps (sessions.py): every rank holds the same sequences in its own memory.
+    "session_start": lambda e, sid, prompts, max_tokens: sessions.session_start(e, sid, prompts, max_tokens),
+    "session_step": lambda e, sid, feed: sessions.session_step(e, sid, feed),
+    "session_close": lambda e, sid: sessions.session_close(e, sid),
 }
 
 
@@ -240,6 +249,19 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
     @app.post("/qualify/kv-echo")
     async def kv_echo(req: KvEchoRequest) -> KvDigest:
         return KvDigest.model_validate(await verb("kv_echo", req.rank, req.group, req.offset, req.length))
+
+    @app.post("/qualify/sessions")
+    async def session_start(req: SessionStartRequest) -> SessionState:
+        sid = uuid.uuid4().hex  # chosen here, so that every DCP rank files the session under one name
+        return SessionState.model_validate(await verb("session_start", sid, req.prompts, req.max_tokens))
+
+    @app.post("/qualify/sessions/{session}/step")
+    async def session_step(session: str, req: SessionStepRequest) -> SessionState:
+        return SessionState.model_validate(await verb("session_step", session, req.feed))
+
+    @app.post("/qualify/sessions/{session}/close")
+    async def session_close(session: str) -> SessionClosed:
+        return SessionClosed.model_validate(await verb("session_close", session))
 
     @app.post("/qualify/capture")
     async def capture() -> CaptureResponse:

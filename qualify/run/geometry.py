@@ -29,6 +29,9 @@ class KvGeometry:
     attn_head_dim: int
     # processes the DCP shards run in: 1 folded, dcp_size distributed (each rank stores one shard)
     dcp_ranks: int = 1
+    # positions dealt to the DCP shards round-robin, this many at a time (where the peer's intervention
+    # looks for a token's K/V)
+    interleave: int = 1
 
     def engine_args(self) -> tuple[str, ...]:
         """The serve flags that ask for this geometry explicitly (group_size is the engine's default)."""
@@ -37,6 +40,7 @@ class KvGeometry:
             "--block-size", str(self.block_size),
             "--dcp-size", str(self.dcp_size),
             "--dcp-ranks", str(self.dcp_ranks),
+            "--interleave", str(self.interleave),
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-model-len", str(self.max_model_len),
         )  # fmt: skip

@@ -202,6 +202,7 @@ class Pipeline:
             xid_events=self._xid_events,
             xid_watch=self._xid_watch,
             gpu_pids=self.nvml.compute_pids,
+            gpu_memory=self.nvml.compute_memory,
         )
         if self.launcher.kind == "local":  # a container's processes are docker's to count
             ctx.procs = ProcessWatch(self._launched_pid, self.nvml.compute_pids)

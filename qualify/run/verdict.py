@@ -31,12 +31,26 @@ REQUIRED_CHECKS: tuple[str, ...] = (
 )
 
 
+# The layout check's intervention (qualify/checks/intervene.py): the evidence that the engine computes with
+# the memory it exports, laid out as asked. Required on every target, each by name, so that dropping one
+# cannot pass by absence.
+INTERVENTION: tuple[str, ...] = (
+    "layout.intervention_ran",
+    "layout.intervention_memory_holds_caches",
+    "layout.intervention_swap_exchanges_outputs",
+    "layout.intervention_attention_pages_owned",
+    "layout.intervention_kda_slots_owned",
+    "layout.intervention_others_unchanged",
+    "layout.intervention_restore_gives_original",
+)
+
 # target -> conditions ("check.condition", shell patterns) that must be present, hold, and be `observed`
 # by the harness (not derived, not the engine's word) for the run to qualify. A pattern that matches
 # nothing is a failure too: a condition that was dropped cannot pass by absence.
 REQUIRED_OBSERVED: dict[str, tuple[str, ...]] = {
-    "cpu": (),
+    "cpu": INTERVENTION,
     "gpu": (
+        *INTERVENTION,
         "layout.spans_equal_request",
         "layout.peer_*",
         "capture.replay_equals_eager",
@@ -76,7 +90,13 @@ REQUIRED_MONITORED: dict[str, tuple[str, ...]] = {
 # harness's timing of speculation). The engine's own speculation reports are named spec_* and stay outside.
 OBSERVED_WHERE_PRESENT: dict[str, tuple[str, ...]] = {
     "cpu": (),
-    "gpu": ("generation.speculative_*", "dcp.dcp_vs_dcp1*", "dcp.every_rank_is_a_live_process_of_the_engine"),
+    "gpu": (
+        "generation.speculative_*",
+        "dcp.dcp_vs_dcp1*",
+        "dcp.every_rank_is_a_live_process_of_the_engine",
+        "dcp.every_rank_worked_during_generation",
+        "dcp.every_rank_on_its_own_gpu",
+    ),
 }
 
 

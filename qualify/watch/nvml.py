@@ -106,6 +106,21 @@ class NvmlWatcher:
             return None
         return out
 
+    def compute_memory(self) -> dict[int, dict[int, int | None]] | None:
+        """pid -> {GPU index: bytes of device memory it holds there (None where the driver does not say,
+        as in some containers)}; None when NVML is not running here."""
+        if self._nvml is None or not self._device_handles:
+            return None
+        out: dict[int, dict[int, int | None]] = {}
+        try:
+            for index, handle in enumerate(self._device_handles):
+                for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    used = getattr(proc, "usedGpuMemory", None)
+                    out.setdefault(int(proc.pid), {})[index] = int(used) if isinstance(used, int) else None
+        except self._nvml.NVMLError:
+            return None
+        return out
+
     def _lose(self, reason: str) -> None:
         self.lost_at = datetime.now(UTC).isoformat().replace("+00:00", "Z")
         self.status, self.reason = "error", f"{reason} at {self.lost_at}"

@@ -14,7 +14,12 @@ IMAGE = "sha256:" + "ab" * 32
 OBSERVED = {
     "boot": ["launched_process_serves_the_port", "weights_file_hashed"],
     "backend": ["bogus_backend_refused"],
-    "layout": ["spans_equal_request", "peer_ok", "peer_verified_every_group"],
+    "layout": [
+        "spans_equal_request",
+        "peer_ok",
+        "peer_verified_every_group",
+        "intervention_others_unchanged",
+    ],
     "capture": ["replay_equals_eager"],
     "reload": ["other_weights_replay_equals_eager", "replay_after_reload_equals_fresh_eager"],
     "generation": ["replay_vs_eager", "before_vs_after_reload", "speculative_vs_plain"],

@@ -146,6 +146,9 @@ class Engine:
             "/qualify/probe": self.probe,
             "/metrics": lambda: None,
         }
+        if request.url.path not in routes:  # an endpoint this stand-in does not serve, as a server says it
+            err = {"error": {"type": "HTTPError", "message": "Not Found"}}
+            return httpx.Response(404, json=err)
         out = routes[request.url.path]()
         if out is None:
             return httpx.Response(200, text="qualify_engine_cuda_oom_total 0\n")

@@ -54,8 +54,8 @@ def _stand_in_pynvml(*, devices: int, refuse_register: set[int], wait_fails: thr
 
     m.nvmlDeviceRegisterEvents, m.nvmlEventSetWait_v2 = register, wait
     m.nvmlDeviceGetComputeRunningProcesses = lambda h: [
-        types.SimpleNamespace(pid=4000),
-        types.SimpleNamespace(pid=h),
+        types.SimpleNamespace(pid=4000, usedGpuMemory=1 << 20),
+        types.SimpleNamespace(pid=h, usedGpuMemory=None),
     ]
     return m
 
@@ -78,6 +78,8 @@ def test_registered_on_every_gpu_with_a_running_loop_is_live(stand_in) -> None:
     try:
         assert w.status == "watching" and w.registered_all and w.live()
         assert w.compute_pids() == {4000: [0, 1], 0: [0], 1: [1]}  # pid -> the GPUs it computes on
+        # pid -> {GPU: device memory it holds}, None where the driver does not report it
+        assert w.compute_memory() == {4000: {0: 1 << 20, 1: 1 << 20}, 0: {0: None}, 1: {1: None}}
     finally:
         w.stop()
     assert w.status == "stopped" and w.live()

@@ -36,11 +36,15 @@ def test_an_engine_laid_out_for_another_dcp_size_that_reports_the_asked_for_span
     cond = layout["conditions"]
     # The engine's word agrees with the request; what the peer measured does not.
     assert layout["evidence"]["registered"] == [2304, 2304, 2304, 9216]
-    assert cond["registered_spans_match_peer"]["holds"]
+    assert (
+        cond["registered_spans_match_peer"]["holds"]
+        and cond["registered_spans_match_peer"]["source"] == "engine"
+    )
     sizes = cond["peer_allocation_sizes"]
     assert not sizes["holds"] and sizes["source"] == "observed"
     assert sizes["detail"].startswith("attention0: measured ") and "the geometry needs" in sizes["detail"]
-    views = cond["peer_views_match_geometry"]
+    views = cond["exported_views_match_geometry"]  # the engine's own view table: its word
+    assert views["source"] == "engine"
     assert (
         not views["holds"]
         and "attention0: layer 3 k shape [9, 2, 2304, 1, 16] != [9, 4, 2304, 1, 16]" in (views["detail"])
@@ -55,7 +59,7 @@ def test_block_size_halved_with_dcp_doubled_keeps_the_bytes_but_not_the_views(ho
     env = _liar_env(home, "wrong_layout", LIAR_GEOMETRY=json.dumps({"block_size": 1152, "dcp_size": 8}))
     cond = _layout_of_rejected_run(home, env)["conditions"]
     assert cond["peer_allocation_sizes"]["holds"]  # same bytes: only the exported views tell
-    views = cond["peer_views_match_geometry"]
+    views = cond["exported_views_match_geometry"]
     assert not views["holds"] and "[9, 8, 1152, 1, 16] != [9, 4, 2304, 1, 16]" in views["detail"]
 
 
@@ -70,3 +74,20 @@ def test_an_engine_whose_handles_lead_elsewhere_is_rejected_whatever_its_peer_ve
     log = next(home.path.glob("runs/*/engine.log")).read_text()
     assert "LIAR_PEER_VERIFY_CALLED" not in log
     assert not glob.glob("/dev/shm/qualify-liar-copy-*")  # the liar cleaned up its copies
+
+
+def test_an_export_table_that_overstates_and_an_echo_that_clamps_fail_the_observed_peer_conditions(
+    home: Home,
+):
+    # Shared-memory files claimed to be CUDA allocations, one allocation exported twice under a name the
+    # layer pattern does not have, and an echo that clamps an out-of-range request instead of refusing it.
+    cond = _layout_of_rejected_run(home, _liar_env(home, "sloppy_export"))["conditions"]
+    for name, words in (
+        ("peer_device", "not in ['kda0', 'kda1', 'kda2', 'attention0']"),
+        ("peer_found_every_group", "unexpected ['kda9']"),
+        ("echo_refuses_out_of_bounds", "the engine hashed 64 bytes"),
+    ):
+        c = cond[name]
+        assert not c["holds"] and c["source"] == "observed" and words in c["detail"], (name, c)
+    # The memory itself is the engine's real memory: the intervention holds.
+    assert all(c["holds"] for k, c in cond.items() if k.startswith("intervention_"))

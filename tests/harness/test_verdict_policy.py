@@ -63,6 +63,28 @@ def test_a_required_condition_that_is_missing_does_not_pass_by_absence() -> None
     assert "not observed: faults.no_restarts: no such condition in the run" in j.reasons
 
 
+def test_every_target_requires_each_intervention_condition_by_name() -> None:
+    # Dropping one intervention condition (the engine answered no sessions, a check changed) cannot pass by
+    # absence, on a CPU target too; and one labelled as the engine's word is not evidence.
+    for target in ("cpu", "gpu"):
+        results = [
+            {
+                **r,
+                "conditions": {
+                    k: v for k, v in r["conditions"].items() if k != "intervention_others_unchanged"
+                },
+            }
+            for r in ALL_PASS
+        ]
+        j = judge(results, target)
+        assert j.verdict == "rejected"
+        assert "not observed: layout.intervention_others_unchanged: no such condition in the run" in j.reasons
+        j = judge(with_condition("layout", "intervention_swap_exchanges_outputs", source="engine"), target)
+        assert j.reasons == [
+            "not observed: layout.intervention_swap_exchanges_outputs: source is engine, observed required"
+        ]
+
+
 def test_faults_seen_after_the_faults_check_reject_the_run() -> None:
     j = judge(ALL_PASS, "gpu", faults=["engine restarted 1 time(s)"])
     assert j.verdict == "rejected"
