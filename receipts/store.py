@@ -113,6 +113,16 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def signer_named(signer: NoteSigner, name: str) -> NoteSigner:
+    """The same private key under key name `name` (a log signs under its origin, c2sp.org/tlog-checkpoint)."""
+    return signer if signer.name == name else NoteSigner(name, signer.private_key)
+
+
+def recorded_key_name(vkey: str) -> str:
+    """The key name of a recorded verifier key (`<name>+<hash>+<key>`)."""
+    return vkey.split("+", 1)[0]
+
+
 def new_log_origin(name: str) -> str:
     """An origin of its own for a new log: `name` (e.g. qualify.local/<hostname>) and a random id, so that
     two logs on one host (even with one log key) never sign checkpoints that could be mistaken for each
@@ -201,9 +211,16 @@ class Store(LogReader):
         return check_connection(self.engine)
 
     def set_log_signer(self, signer: NoteSigner, origin: str | None = None) -> None:
-        """Use `signer` for checkpoints; refused if the store was started with another log key."""
+        """Use `signer`'s private key for checkpoints; refused if the store was started with another key.
+
+        C2SP tlog-checkpoint: the log's key name is its origin. A new log (origin `origin`, default the
+        signer's name) signs under that name, whatever name the key file gives the key; an existing log
+        signs under the key name recorded with it (for logs created before key name = origin, the old
+        name, so that their checkpoints keep verifying with the verifier key auditors hold)."""
         meta = self.meta()
         if meta is not None:
+            name = recorded_key_name(meta[1])
+            signer = signer_named(signer, name)
             if signer.vkey() != meta[1]:
                 raise StoreError(
                     f"the log key ({signer.vkey()}) is not this store's log key ({meta[1]}); "
@@ -211,7 +228,16 @@ class Store(LogReader):
                 )
             if origin is not None and origin != meta[0]:
                 raise StoreError(f"this store's log origin is {meta[0]!r}, not {origin!r}")
-        self._signer, self._origin = signer, origin or (meta[0] if meta else signer.name)
+            origin = meta[0]
+        else:
+            origin = origin or signer.name
+            signer = signer_named(signer, origin)
+        self._signer, self._origin = signer, origin
+
+    @property
+    def log_signer(self) -> NoteSigner | None:
+        """The checkpoint signer in use (named for this log), once set_log_signer was called."""
+        return self._signer
 
     # ------------------------------------------------------------------ appending
 

@@ -158,12 +158,16 @@ def read_private_text(path: Path, what: str) -> str:
 
 
 def load_log_signer(*, create: bool) -> NoteSigner | None:
-    """The log's checkpoint key at settings.log_key_path(); created (0600) on first use when `create`."""
+    """The log's checkpoint key at settings.log_key_path(); created (0600) on first use when `create`.
+    A key made here is named for the new log it starts (`qualify.local/<host>/<random id>`, its origin);
+    which name a log signs under is the log's own (see Store.set_log_signer)."""
     path = settings.log_key_path()
     if not path.exists():
         if not create:
             return None
-        signer = NoteSigner(default_origin(), Ed25519PrivateKey.generate())
+        from receipts.store import new_log_origin
+
+        signer = NoteSigner(new_log_origin(default_origin()), Ed25519PrivateKey.generate())
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -179,6 +183,45 @@ def load_log_signer(*, create: bool) -> NoteSigner | None:
         return NoteSigner.from_skey(text)
     except ReceiptsError as error:
         raise KeyFileError(f"log key file {path} is not a note signer key: {error}") from error
+
+
+def _is_default_store(store: Store) -> bool:
+    from receipts.db import parse_url
+
+    try:
+        default = parse_url(settings.default_db_url())
+    except StoreError:
+        return False
+    return store.engine.url.render_as_string(hide_password=False) == default.render_as_string(
+        hide_password=False
+    )
+
+
+def local_log_signer(store: Store) -> NoteSigner | None:
+    """The local log key, named as this store's log signs, when it is this store's log key; else None.
+
+    It is taken to be this log's key when the store is this data dir's own (default) store, when the log
+    was started with it (the store's origin is the key's name, or, for logs made before key name =
+    origin, starts with it), or when the store records its public key. Otherwise the local key belongs to
+    another log: trusting it would report every checkpoint of this one as forged."""
+    from receipts.store import recorded_key_name, signer_named
+
+    signer = load_log_signer(create=False)
+    if signer is None:
+        return None
+    meta = store.meta()
+    if meta is None:
+        return signer
+    origin, vkey = meta
+    named = signer_named(signer, recorded_key_name(vkey))
+    if (
+        _is_default_store(store)
+        or origin == signer.name
+        or origin.startswith(signer.name + "/")
+        or named.vkey() == vkey
+    ):
+        return named
+    return None
 
 
 def parse_vkey(value: str) -> NoteVerifier:
@@ -201,7 +244,7 @@ def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerif
     local log key, else (weakest) the key recorded in the store itself."""
     if vkey:
         return [parse_vkey(vkey)], "--vkey"
-    signer = load_log_signer(create=False)
+    signer = local_log_signer(store)
     if signer is not None:
         return [signer.verifier()], f"the local log key {settings.log_key_path()}"
     return [store.log_verifier()], "the log key recorded in the store (pass --vkey to trust your own copy)"
@@ -257,14 +300,17 @@ def open_append(url: str | None, *, create: bool = True) -> Store:
         # A log key is made only for a log that has none yet: a machine without the key of an existing
         # log must not leave behind a stray key (which later reads would trust as "the local log key").
         meta = store.meta()
-        signer = load_log_signer(create=meta is None)
+        existed = settings.log_key_path().exists()
+        signer = load_log_signer(create=True) if meta is None else local_log_signer(store)
         if signer is None:
             raise KeyFileError(
                 f"this log's checkpoints are signed by {meta[1] if meta else 'another key'}, but there is no "
                 f"log key at {settings.log_key_path()}; append where that key is, or copy it there"
             )
-        # A new log gets an origin of its own (qualify.local/<host>/<random id>); an existing one keeps its.
-        store.set_log_signer(signer, None if meta else new_log_origin(signer.name))
+        # A new log gets an origin of its own (qualify.local/<host>/<random id>), and its checkpoints the
+        # key name equal to it; a key made just now is already named for it. An existing log keeps its own.
+        origin = None if meta else (signer.name if not existed else new_log_origin(default_origin()))
+        store.set_log_signer(signer, origin)
     except BaseException:
         store.close()
         raise

@@ -17,7 +17,7 @@ from qualify.commands._common import (
     db_option,
     emit,
     json_option,
-    load_log_signer,
+    local_log_signer,
     log_verifiers,
     open_read,
     opened,
@@ -124,12 +124,22 @@ def consistency(old: str, out: str | None, vkey: str | None, db_url: str | None,
 @db_option
 @store_errors
 def vkey(db_url: str | None) -> None:
-    """The log's checkpoint verifier key, for auditors (`log verify --vkey`)."""
-    signer = load_log_signer(create=False)
-    if signer is not None:
-        click.echo(signer.vkey())
-        return
+    """The store's log verifier key (its key name is the log's origin), for auditors and hosts
+    (`log verify --vkey`, `qualify run --vkey`). Where the local log key is this log's, the key printed is
+    the local one; otherwise the one the store records, and a note on stderr says so."""
     with opened(open_read(db_url)) as store:
+        meta = store.meta()
+        if meta is None:
+            raise UsageError("the log is empty: it has no log key yet; it gets one with its first entry")
+        signer = local_log_signer(store)
+        if signer is not None:
+            click.echo(signer.vkey())
+            return
+        click.echo(
+            "note: this is the key the store records (no local log key of this log here); "
+            "compare it with the one its sequencer prints before you trust it",
+            err=True,
+        )
         click.echo(store.log_verifier().vkey())
 
 
@@ -185,7 +195,7 @@ def verify(
             open_checkpoint(text, verifiers, store.origin)
         from receipts.verify import verify_log
 
-        signer = load_log_signer(create=False)
+        signer = local_log_signer(store)
         try:
             report = verify_log(
                 store, checkpoint_text=text, verifiers=verifiers, log_signer=signer, workers=workers
@@ -268,7 +278,7 @@ def _verify_problem(db_url: str | None, verifiers: list) -> str | None:
 
     with opened(open_read(db_url)) as store:
         try:
-            verify_log(store, verifiers=verifiers, log_signer=load_log_signer(create=False))
+            verify_log(store, verifiers=verifiers, log_signer=local_log_signer(store))
         except TamperError as error:
             return str(error)
     return None
