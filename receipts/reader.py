@@ -435,18 +435,27 @@ class LogReader:
         return found[0]
 
     def list_approvals(
-        self, subject: str | None = None, limit: int | None = None, offset: int = 0
+        self,
+        subject: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+        *,
+        newest_first: bool = False,
     ) -> list[ApprovalRecord]:
-        """Rollout decisions in log order, optionally about one subject; `limit` (None: all) from `offset`."""
-        return self._approvals(None if subject is None else APPROVALS.c.subject == subject, limit, offset)
+        """Rollout decisions in log order (or newest first), optionally about one subject; `limit` (None:
+        all) from `offset`."""
+        condition = None if subject is None else APPROVALS.c.subject == subject
+        return self._approvals(condition, limit, offset, newest_first=newest_first)
 
-    def _approvals(self, condition: Any, limit: int | None = None, offset: int = 0) -> list[ApprovalRecord]:
+    def _approvals(
+        self, condition: Any, limit: int | None = None, offset: int = 0, *, newest_first: bool = False
+    ) -> list[ApprovalRecord]:
         """Approval records as their signed statements give them (each row is checked against its log
         entry first: TamperError names a row that points at other bytes)."""
         query = (
             sa.select(APPROVALS, ENTRIES.c.kind, ENTRIES.c.envelope)
             .join(ENTRIES, ENTRIES.c.idx == APPROVALS.c.log_idx, isouter=True)
-            .order_by(APPROVALS.c.log_idx)
+            .order_by(APPROVALS.c.log_idx.desc() if newest_first else APPROVALS.c.log_idx)
         )
         if condition is not None:
             query = query.where(condition)

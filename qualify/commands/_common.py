@@ -13,7 +13,7 @@ import socket
 import stat
 import sys
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from rich.console import Console
 
-from qualify import settings
+from qualify import params, settings
 from qualify.errors import UsageError
 from qualify.limits import MAX_IMPORT_BYTES, read_text_limited
 from receipts.canonical import loads
@@ -352,20 +352,30 @@ def read_json_documents(path: str) -> list[Any]:
     return documents
 
 
-_RELATIVE = re.compile(r"^(\d+)([smhdw])$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
-
-
 def parse_since(value: str | None) -> datetime | None:
-    """`7d`, `24h`, `30m` (ago), or an ISO 8601 date/time (UTC unless it says otherwise)."""
+    """`7d`, `24h`, `30m` (ago), or an ISO 8601 date/time (UTC unless it says otherwise): the grammar the
+    HTTP API shares (qualify.params)."""
     if value is None:
         return None
-    match = _RELATIVE.match(value.strip())
-    if match:
-        return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
-    from receipts.statement import parse_time
+    try:
+        return params.parse_since(value)
+    except params.ParamError as error:
+        raise UsageError(f"--{error}") from None
 
-    parsed = parse_time(value.strip())
-    if parsed is None:
-        raise UsageError(f"--since {value!r} is neither a duration like 7d / 24h nor an ISO date")
-    return parsed
+
+def parse_subject_option(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return params.parse_subject(value)
+    except params.ParamError as error:
+        raise UsageError(f"--{error}") from None
+
+
+def parse_host_option(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return params.parse_host(value)
+    except params.ParamError as error:
+        raise UsageError(f"--{error}") from None

@@ -23,7 +23,9 @@ from qualify.commands._common import (
     open_read,
     open_read_or_none,
     opened,
+    parse_host_option,
     parse_since,
+    parse_subject_option,
     read_json_documents,
     short,
     store_errors,
@@ -83,6 +85,8 @@ def list_(
 
     With --json: {"total", "limit", "offset", "items": [...]}."""
     when = parse_since(since)
+    subject = parse_subject_option(subject)
+    host = parse_host_option(host)
     store = open_read_or_none(db_url)
     records: list[ReceiptRecord] = []
     total = 0
