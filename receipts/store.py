@@ -91,6 +91,12 @@ class _Pending:
     kind: str
     data: bytes
     rows: RowsFn
+    tag: Any = None  # what the caller needs to know which item this was (the sequencer: its queue row)
+
+
+# The sequencer's hook, run in the integrating transaction after the entries: (connection, the items
+# refused with why) -> None.
+AfterFn = Callable[[Connection, list[tuple["_Pending", str]]], None]
 
 
 # A Store built on an engine directly (not through Store.open) runs as whatever the engine connects as.
@@ -311,12 +317,25 @@ class Store(LogReader):
             raise StoreError(f"the log key is not this store's log key ({row.vkey}); use the store's log key")
         return row.origin
 
-    def _append(self, pending: Sequence[_Pending]) -> list[Appended]:
-        """Append entries in one transaction: all of them, or none."""
+    def _append(
+        self,
+        pending: Sequence[_Pending] | Callable[[Connection], Sequence[_Pending]],
+        *,
+        seal_each: bool = True,
+        after: AfterFn | None = None,
+    ) -> list[Appended]:
+        """Append entries in one transaction: all of them, or none.
+
+        `seal_each`: sign a checkpoint after every entry (an embedded append); off, one checkpoint seals
+        the whole batch (the sequencer). `pending` may be a function of the open transaction (the
+        sequencer takes its queue rows under the writer lock). With `after`, an item whose rows are
+        refused (a bad signature, a duplicate) is left out instead of failing the batch, and `after`
+        runs in the same transaction with the refused items."""
         signer = self._signer
         if signer is None:
             raise StoreError("appending needs the log's checkpoint key; open the store with log_signer=")
         out: list[Appended] = []
+        refused: list[tuple[_Pending, str]] = []
         try:
             with write_transaction(self._writer, self.lock_timeout_s) as conn:
                 origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
@@ -337,15 +356,24 @@ class Store(LogReader):
                     reader.fetch(frontier(idx))
                     root = self._verified_head(head, signer, origin, reader)
                 history = self._history(conn, idx, root, reader)
-                for item in pending:
-                    rows = item.rows(conn, idx, history)
+                items = pending(conn) if callable(pending) else pending
+                now = _now()
+                for item in items:
+                    try:
+                        rows = item.rows(conn, idx, history)
+                    except (StoreError, VerificationError, NotFound) as error:
+                        if after is None:
+                            raise
+                        refused.append((item, str(error)))
+                        continue
                     leaf = merkle.leaf_hash(item.data)
                     nodes = merkle.new_subtrees(idx, leaf, reader)
                     reader.add(nodes)
                     size = idx + 1
-                    root = merkle.root_from(reader, size)
-                    note = sign_checkpoint(Checkpoint(origin, size, root), signer)
-                    now = _now()
+                    if seal_each:
+                        now = _now()
+                    # Entry, subtrees and query rows one entry after another: the insert guards accept
+                    # rows only of the newest entry.
                     conn.execute(
                         _INSERT_ENTRY,
                         {
@@ -362,13 +390,30 @@ class Store(LogReader):
                     for table, values in rows:
                         if values:
                             conn.execute(_inserts(table), values)
-                    conn.execute(
-                        _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
-                    )
+                    if item.kind in ("key-trust", "key-revoke"):
+                        history.apply(idx, item.data)  # later items of the batch are judged by it
+                    note = ""
+                    if seal_each:
+                        root = merkle.root_from(reader, size)
+                        note = sign_checkpoint(Checkpoint(origin, size, root), signer)
+                        conn.execute(
+                            _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
+                        )
                     out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
                     idx = size
+                if not seal_each and out:
+                    # One signed checkpoint for the batch, at the time every entry of it carries.
+                    root = merkle.root_from(reader, idx)
+                    note = sign_checkpoint(Checkpoint(origin, idx, root), signer)
+                    conn.execute(
+                        _INSERT_CHECKPOINT, {"size": idx, "root": root, "note": note, "created_at": now}
+                    )
+                    out = [Appended(a.idx, a.kind, note) for a in out]
+                if after is not None:
+                    after(conn, refused)
                 tip = {key: reader.cache[key] for key in frontier(idx)}
         except sa.exc.IntegrityError as error:
+            self._keys_cache = None
             # A row already stands where this append writes (planted outside the store), or an insert guard
             # refused a row: either way the log is not as this store left it.
             cause = str(getattr(error, "orig", error)).strip().splitlines() or ["integrity error"]
@@ -376,8 +421,12 @@ class Store(LogReader):
                 f"the database refused the append ({cause[0]}): rows were written outside "
                 f"the store; nothing appended{_REPAIR}"
             ) from error
+        except BaseException:
+            self._keys_cache = None  # key entries of a rolled-back batch were applied to it
+            raise
         # Only after the commit: a rolled-back append must not leave a frontier that never existed.
         self._frontier = (idx, root, tip)
+        self._keys_cache = (history, idx)
         if self._meta is None:
             self.meta()
         return out
@@ -450,6 +499,28 @@ class Store(LogReader):
         derived from the signed approval statement; fields a caller also passes must equal the signed ones
         (a mismatch is refused and nothing is written)."""
         data = dsse.envelope_bytes(envelope)
+        pending, aid = self._approval_pending(
+            data,
+            subject=subject,
+            decision=decision,
+            policy_digest=policy_digest,
+            receipt_ids=receipt_ids,
+            reasons=reasons,
+        )
+        self._append([pending])
+        return self.get_approval(aid)
+
+    def _approval_pending(
+        self,
+        data: bytes,
+        *,
+        subject: str | None = None,
+        decision: str | None = None,
+        policy_digest: str | None = None,
+        receipt_ids: Sequence[str] | None = None,
+        reasons: Sequence[str] | None = None,
+    ) -> tuple[_Pending, str]:
+        """The pending append of a signed approval's bytes, and its id (see append_approval)."""
         parsed = dsse.parse(data)
         signed = approval_rows.signed_fields(parsed)
         given = {
@@ -484,8 +555,7 @@ class Store(LogReader):
             row = {"id": aid, "log_idx": idx, **signed, "keyid": keyids[0], "created_at": _now()}
             return [(ApprovalRow.__table__, [row])]
 
-        self._append([_Pending("approval", data, rows)])
-        return self.get_approval(aid)
+        return _Pending("approval", data, rows), aid
 
     def trust_key(self, key: VerifyingKey, note: str = "") -> KeyInfo:
         """Append a key-trust entry: `key` signs for every entry after it until revoked."""
