@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from receipts import approval_rows, dsse, merkle
-from receipts.checkpoint import Checkpoint, NoteSigner, open_checkpoint, sign_checkpoint
+from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint, sign_checkpoint
 from receipts.db import (
     SQLITE_ROLE,
     WRITER_ROLE,
@@ -155,7 +155,10 @@ class Store(LogReader):
         self._keys_cache: tuple[KeyHistory, int] | None = None
         # How long an append waits for the single-writer lock before LockTimeout (None: the default,
         # DEFAULT_LOCK_TIMEOUT_S). A caller with a deadline (qualify run --timeout) sets what is left.
+        # A host also waits at most this long for the sequencer to place its entry.
         self.lock_timeout_s: float | None = None
+        # A fleet host (no log key): the log's verifier key; appends go through the sequencer's queue.
+        self.host_verifier: NoteVerifier | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -239,6 +242,34 @@ class Store(LogReader):
             origin = origin or signer.name
             signer = signer_named(signer, origin)
         self._signer, self._origin = signer, origin
+
+    def set_host(self, verifier: NoteVerifier) -> None:
+        """Append as a fleet host: submit to the sequencer's queue and wait for it, then check the entry's
+        inclusion under the checkpoint with `verifier`, the log's verifier key the host holds (it must be
+        the key this log records)."""
+        meta = self.meta()
+        if meta is None:
+            raise StoreError(
+                "this fleet log has no entries yet: start its sequencer first (qualify log sequence, where "
+                "the log key is)"
+            )
+        if verifier.vkey() != meta[1]:
+            raise StoreError(
+                f"the log's verifier key you hold ({verifier.vkey()}) is not this store's ({meta[1]}); "
+                "check --db and the key you were given"
+            )
+        self.host_verifier = verifier
+
+    def ensure_log(self) -> None:
+        """Record the log's identity (origin and verifier key) now, before its first entry, so that hosts
+        can check the key they hold against it (the sequencer does this when it starts)."""
+        if self.meta() is None:
+            self._append([])
+
+    def _host_wait(self) -> float:
+        from receipts.sequencer import DEFAULT_WAIT_S
+
+        return DEFAULT_WAIT_S if self.lock_timeout_s is None else max(0.0, self.lock_timeout_s)
 
     @property
     def log_signer(self) -> NoteSigner | None:
@@ -388,6 +419,9 @@ class Store(LogReader):
                         _INSERT_NODES, [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
                     )
                     for table, values in rows:
+                        if table is APPROVALS:
+                            # An approval row carries its entry's append time (the batch's).
+                            values = [{**v, "created_at": now} for v in values]
                         if values:
                             conn.execute(_inserts(table), values)
                     if item.kind in ("key-trust", "key-revoke"):
@@ -472,6 +506,10 @@ class Store(LogReader):
         signature without a keyid is stored with the keyid of the trusted key that made it."""
         receipt = envelope if isinstance(envelope, ParsedReceipt) else parse_receipt(envelope)
         receipt = self._named([receipt])[0]
+        if self._signer is None and self.host_verifier is not None:
+            from receipts import sequencer
+
+            return sequencer.append_as_host(self, receipt.data, self.host_verifier, self._host_wait())
         pending, record = self._receipt_pending(receipt)
         self._append([pending])
         return record()
@@ -481,6 +519,16 @@ class Store(LogReader):
         receipts = self._named([e if isinstance(e, ParsedReceipt) else parse_receipt(e) for e in envelopes])
         if len({r.id for r in receipts}) != len(receipts):
             raise StoreError("the same receipt appears twice in the batch; nothing appended")
+        if self._signer is None and self.host_verifier is not None:
+            from receipts import sequencer
+
+            # Queued together; each placed (or refused) by the sequencer on its own.
+            submitted = sequencer.submit_many(self, [("receipt", r.data) for r in receipts])
+            for item in submitted:
+                sequencer.wait_sequenced(self, item, self._host_wait())
+            for item in submitted:
+                sequencer.proven(self, item.digest, self.host_verifier)
+            return [self.get_receipt(item.digest) for item in submitted]
         prepared = [self._receipt_pending(r) for r in receipts]
         self._append([pending for pending, _ in prepared])
         return [record() for _, record in prepared]
@@ -507,6 +555,11 @@ class Store(LogReader):
             receipt_ids=receipt_ids,
             reasons=reasons,
         )
+        if self._signer is None and self.host_verifier is not None:
+            from receipts import sequencer
+
+            sequencer.wait_sequenced(self, sequencer.submit(self, "approval", data), self._host_wait())
+            return self.get_approval(aid)
         self._append([pending])
         return self.get_approval(aid)
 
@@ -557,8 +610,16 @@ class Store(LogReader):
 
         return _Pending("approval", data, rows), aid
 
+    def _administrator_only(self, what: str) -> None:
+        if self._signer is None and self.host_verifier is not None:
+            raise StoreError(
+                f"{what} a key is an administrator's act: run it where the log key is "
+                "(the sequencer's machine), e.g. qualify keys trust FILE --db URL"
+            )
+
     def trust_key(self, key: VerifyingKey, note: str = "") -> KeyInfo:
         """Append a key-trust entry: `key` signs for every entry after it until revoked."""
+        self._administrator_only("trusting")
         data = trust_record(key, note, _now())
 
         def rows(
@@ -580,6 +641,7 @@ class Store(LogReader):
 
     def revoke_key(self, keyid: str, reason: str = "") -> KeyInfo:
         """Append a key-revoke entry: from here on the key signs nothing; earlier entries stay valid."""
+        self._administrator_only("revoking")
         full = self.key(keyid).keyid
         data = revoke_record(full, reason, _now())
 

@@ -241,12 +241,24 @@ def parse_vkey(value: str) -> NoteVerifier:
 
 def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerifier], str]:
     """Trusted checkpoint keys and where they came from: --vkey (text or a file holding it), else the
-    local log key, else (weakest) the key recorded in the store itself."""
+    local log key, else a fleet host's copy of the verifier key (keys/log.vkey, $QUALIFY_LOG_VKEY), else
+    (weakest) the key recorded in the store itself."""
     if vkey:
         return [parse_vkey(vkey)], "--vkey"
     signer = local_log_signer(store)
+    held = host_log_verifier()
+    candidates: list[tuple[NoteVerifier, str]] = []
     if signer is not None:
-        return [signer.verifier()], f"the local log key {settings.log_key_path()}"
+        candidates.append((signer.verifier(), f"the local log key {settings.log_key_path()}"))
+    if held is not None:
+        candidates.append((held[0], f"the log's verifier key from {held[1]}"))
+    if candidates:
+        # Both kept here (a fleet host that also has a log of its own): the one this log records; if
+        # neither is, the fleet's (the explicit one), against which the difference is reported.
+        meta = store.meta()
+        recorded = meta[1] if meta else None
+        verifier, source = next((c for c in candidates if c[0].vkey() == recorded), candidates[-1])
+        return [verifier], source
     return [store.log_verifier()], "the log key recorded in the store (pass --vkey to trust your own copy)"
 
 
@@ -290,27 +302,64 @@ def tamper_exits_1(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def host_log_verifier() -> tuple[NoteVerifier, str] | None:
+    """A fleet host's copy of the log's verifier key: $QUALIFY_LOG_VKEY, else keys/log.vkey; None when
+    neither is set (then this machine is its own log's sequencer, the embedded default)."""
+    text = os.environ.get(settings.LOG_VKEY_ENV, "").strip()
+    source = f"${settings.LOG_VKEY_ENV}"
+    path = settings.log_vkey_path()
+    if not text and path.is_file():
+        try:
+            text, source = path.read_text(encoding="ascii").strip(), str(path)
+        except (OSError, UnicodeDecodeError) as error:
+            raise KeyFileError(f"cannot read the log's verifier key {path}: {error}") from None
+    if not text:
+        return None
+    try:
+        return NoteVerifier.from_vkey(text), source
+    except ReceiptsError as error:
+        raise KeyFileError(f"the log's verifier key in {source} is not one: {error}") from None
+
+
 def open_append(url: str | None, *, create: bool = True) -> Store:
-    """The store for appending, created on first use (unless `create` is off), with the log's checkpoint
-    key (also created on first use, and only once the database has answered)."""
+    """The store for appending, created on first use (unless `create` is off).
+
+    Roles (docs/RELIABILITY.md, "A fleet"): where this machine holds the log key (keys/log.key; made on
+    first use for a new log, the embedded default), it appends and signs checkpoints itself. A fleet
+    host holds only the log's verifier key (keys/log.vkey or $QUALIFY_LOG_VKEY): it submits entries to
+    the sequencer's queue and checks each proof with that key."""
     from receipts.store import Store, new_log_origin
 
     store = Store.open(resolve_db(url), create=create)
     try:
-        # A log key is made only for a log that has none yet: a machine without the key of an existing
-        # log must not leave behind a stray key (which later reads would trust as "the local log key").
         meta = store.meta()
-        existed = settings.log_key_path().exists()
-        signer = load_log_signer(create=True) if meta is None else local_log_signer(store)
-        if signer is None:
+        held = host_log_verifier()
+        signer = None if meta is None else local_log_signer(store)
+        if held is not None:
+            verifier, _ = held
+            if signer is None or signer.vkey() != verifier.vkey():
+                store.set_host(verifier)  # refused when the log is empty or records another key
+                return store
+        if meta is not None and signer is None:
             raise KeyFileError(
-                f"this log's checkpoints are signed by {meta[1] if meta else 'another key'}, but there is no "
-                f"log key at {settings.log_key_path()}; append where that key is, or copy it there"
+                f"this log's checkpoints are signed by {meta[1]}, and there is no log key at "
+                f"{settings.log_key_path()} for it: on a host of a fleet log, save the log's verifier key "
+                f"(`qualify log vkey` where the log key is) to {settings.log_vkey_path()} or set "
+                f"${settings.LOG_VKEY_ENV}, and run its sequencer there (qualify log sequence); "
+                "never copy the log key itself"
             )
-        # A new log gets an origin of its own (qualify.local/<host>/<random id>), and its checkpoints the
-        # key name equal to it; a key made just now is already named for it. An existing log keeps its own.
-        origin = None if meta else (signer.name if not existed else new_log_origin(default_origin()))
-        store.set_log_signer(signer, origin)
+        if meta is None:
+            # A log key is made only for a log that has none yet: a machine without the key of an
+            # existing log must not leave behind a stray key (which later reads would trust).
+            existed = settings.log_key_path().exists()
+            signer = load_log_signer(create=True)
+            assert signer is not None
+            # A new log gets an origin of its own (qualify.local/<host>/<random id>), and its
+            # checkpoints the key name equal to it; a key made just now is already named for it.
+            store.set_log_signer(signer, signer.name if not existed else new_log_origin(default_origin()))
+        else:
+            assert signer is not None
+            store.set_log_signer(signer)
     except BaseException:
         store.close()
         raise

@@ -76,6 +76,11 @@ def read_token(token_file: str | None) -> str | None:
 )
 @click.option("--key", "key_path", default=None, metavar="PATH", help="Key that signs recorded decisions.")
 @vkey_option
+@click.option(
+    "--sequencer",
+    is_flag=True,
+    help="Also run the log's sequencer here (this machine must hold the log key): see qualify log sequence.",
+)
 @store_errors
 def serve(
     host: str,
@@ -84,6 +89,7 @@ def serve(
     token_file: str | None,
     key_path: str | None,
     vkey: str | None,
+    sequencer: bool,
 ) -> None:
     """Serve receipts, proofs, checkpoints and approvals over HTTP (OpenAPI at /docs, /redoc and
     /openapi.json; the docs pages need no network). The --token-file must be private (chmod 600).
@@ -96,6 +102,13 @@ def serve(
     from qualify.commands.approve import load_signing_key
 
     token = read_token(token_file)
+    if sequencer:
+        import threading
+
+        from qualify.commands.log import run_sequencer
+
+        # Its own store and connections; a batch cut short when the server exits is rolled back whole.
+        threading.Thread(target=run_sequencer, args=(db_url,), name="sequencer", daemon=True).start()
     # Read-only unless decisions are enabled; then the log key is needed to append them.
     store = open_append(db_url, create=False) if token is not None else open_read(db_url)
     with opened(store):
