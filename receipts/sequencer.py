@@ -130,14 +130,23 @@ def integrate(store, batch: int = BATCH_SIZE) -> Batch:  # type: ignore[no-untyp
 
     def take(conn: Connection):  # type: ignore[no-untyped-def]
         items = []
-        for pending_id, kind, data, digest in conn.execute(_TAKE.limit(batch)):
+        queue = conn.execute(_TAKE.limit(batch)).all()
+        receipt_ids = [digest for _, kind, _, digest in queue if kind == "receipt"]
+        placed: dict[str, int] = dict(
+            conn.execute(
+                sa.select(ReceiptRow.id, ReceiptRow.log_idx).where(ReceiptRow.id.in_(receipt_ids))
+            ).all()
+            if receipt_ids
+            else []
+        )
+        for pending_id, kind, data, digest in queue:
             data = bytes(data)
             taken.append(pending_id)
             try:
                 if hashlib.sha256(data).hexdigest() != digest:
                     raise StoreError("its digest column is not the sha256 of its bytes")
                 if kind == "receipt":
-                    item, _ = store._receipt_pending(parse_receipt(data))
+                    item, _ = store._receipt_pending(parse_receipt(data), placed)
                 else:
                     item, _ = store._approval_pending(data)
             except ReceiptsError as error:

@@ -465,18 +465,27 @@ class Store(LogReader):
             self.meta()
         return out
 
-    def _receipt_pending(self, receipt: ParsedReceipt) -> tuple[_Pending, Callable[[], ReceiptRecord]]:
+    def _receipt_pending(
+        self, receipt: ParsedReceipt, placed: dict[str, int] | None = None
+    ) -> tuple[_Pending, Callable[[], ReceiptRecord]]:
+        """The pending append of a receipt. `placed` (the sequencer's batch): the log index of every
+        receipt of the batch already in the log, read in one query, and of those the batch places."""
         appended: dict[str, Any] = {}  # index and signer, once the append has placed the receipt
 
         def rows(
             conn: Connection, idx: int, history: KeyHistory
         ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
             keyid = history.signers(receipt.envelope, idx, "receipt")[0]
-            dup = conn.execute(_RECEIPT_AT, {"id": receipt.id}).scalar()
+            if placed is None:
+                dup = conn.execute(_RECEIPT_AT, {"id": receipt.id}).scalar()
+            else:
+                dup = placed.get(receipt.id)
             if dup is not None:
                 raise StoreError(
                     f"receipt {receipt.id[:16]} is already in the log at index {dup}; nothing appended"
                 )
+            if placed is not None:
+                placed[receipt.id] = idx
             appended.update(idx=idx, keyid=keyid)
             subject_rows = [
                 {"receipt_id": receipt.id, "digest": s.digest, "name": s.name} for s in receipt.subjects
