@@ -81,3 +81,43 @@ def test_a_duplicate_submission_is_refused_and_the_first_stands(store, operator,
         a, b = sequencer.submit(host, "receipt", data), sequencer.submit(host, "receipt", data)
     assert sequencer.integrate(store).integrated == 1
     assert sequencer.wait_sequenced(store, a, 1) == sequencer.wait_sequenced(store, b, 1) == 1
+
+
+def test_a_host_never_trusts_its_own_key_and_cannot_trust_any(
+    store, log_signer, db_url, tmp_path, monkeypatch
+):
+    """On a fleet host (no log key) the first run's operator key is not trusted by the run itself, and
+    trusting or revoking keys is refused there: it is the administrator's act, where the log key is."""
+    from qualify.errors import UsageError
+    from qualify.run.operator import load_key
+
+    monkeypatch.setenv("QUALIFY_HOME", str(tmp_path / "host"))
+    with Store.open(db_url) as host:
+        host.set_host(log_signer.verifier())
+        before = host.size()
+        with pytest.raises(UsageError, match="not trusted by this fleet log; an administrator trusts it"):
+            load_key(host, None)
+        with pytest.raises(Exception, match="an administrator's act"):
+            host.trust_key(keys.generate().public_key())
+        assert host.size() == before
+        # Once the administrator trusted it, the same key appends through the sequencer.
+        key = keys.SigningKey.load(tmp_path / "host" / "keys" / "operator.key")
+        store.trust_key(key.public_key(), "host")
+        assert load_key(host, None).newly_trusted is False
+        host.lock_timeout_s = 0.1  # no sequencer runs: the host gives up after its bound
+        with pytest.raises(sequencer.NotSequenced, match="stays queued"):
+            host.append_receipt(synthetic_envelope(key, 1))
+        sequencer.integrate(store)  # the sequencer comes back: the queued receipt is placed
+        assert sequencer.queued(store) == 0 and store.size() == before + 2
+        assert host.find_receipts()[0][0].keyid == key.keyid
+
+
+def test_a_host_refuses_a_store_whose_log_key_is_not_the_one_it_holds(store, db_url) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from receipts.checkpoint import NoteSigner
+    from receipts.errors import StoreError
+
+    other = NoteSigner(store.origin, Ed25519PrivateKey.generate())
+    with Store.open(db_url) as host, pytest.raises(StoreError, match="is not this store's"):
+        host.set_host(other.verifier())
