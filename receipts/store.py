@@ -94,6 +94,20 @@ class _Pending:
     tag: Any = None  # what the caller needs to know which item this was (the sequencer: its queue row)
 
 
+# Tables in the order a batch's rows are written (each row's references written before it).
+_BULK_ORDER = tuple(
+    (table.name, sa.insert(table))
+    for table in (
+        ENTRIES,
+        MerkleNode.__table__,
+        SignerKey.__table__,
+        KeyRevocation.__table__,
+        RECEIPTS,
+        SUBJECTS,
+        APPROVALS,
+    )
+)
+
 # The sequencer's hook, run in the integrating transaction after the entries: (connection, the items
 # refused with why) -> None.
 AfterFn = Callable[[Connection, list[tuple["_Pending", str]]], None]
@@ -389,7 +403,21 @@ class Store(LogReader):
                 history = self._history(conn, idx, root, reader)
                 items = pending(conn) if callable(pending) else pending
                 now = _now()
+                # The batch's rows, written table by table (one statement each) when a checkpoint seals
+                # the whole batch: the insert guards accept rows of any entry not sealed yet.
+                bulk: dict[str, list[dict[str, Any]]] = {}
+
+                def flush() -> None:
+                    for name, statement in _BULK_ORDER:
+                        values = bulk.pop(name, None)
+                        if values:
+                            if name == "merkle_nodes":
+                                values.sort(key=lambda v: (v["level"], v["node_index"]))
+                            conn.execute(statement, values)
+
                 for item in items:
+                    if not seal_each and item.kind == "approval":
+                        flush()  # its relied-on receipts may be earlier entries of this batch
                     try:
                         rows = item.rows(conn, idx, history)
                     except (StoreError, VerificationError, NotFound) as error:
@@ -403,27 +431,28 @@ class Store(LogReader):
                     size = idx + 1
                     if seal_each:
                         now = _now()
-                    # Entry, subtrees and query rows one entry after another: the insert guards accept
-                    # rows only of the newest entry.
-                    conn.execute(
-                        _INSERT_ENTRY,
-                        {
-                            "idx": idx,
-                            "kind": item.kind,
-                            "envelope": item.data,
-                            "leaf_hash": leaf,
-                            "created_at": now,
-                        },
-                    )
-                    conn.execute(
-                        _INSERT_NODES, [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
-                    )
+                    entry = {
+                        "idx": idx,
+                        "kind": item.kind,
+                        "envelope": item.data,
+                        "leaf_hash": leaf,
+                        "created_at": now,
+                    }
+                    node_rows = [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
+                    if seal_each:
+                        conn.execute(_INSERT_ENTRY, entry)
+                        conn.execute(_INSERT_NODES, node_rows)
+                    else:
+                        bulk.setdefault("log_entries", []).append(entry)
+                        bulk.setdefault("merkle_nodes", []).extend(node_rows)
                     for table, values in rows:
                         if table is APPROVALS:
                             # An approval row carries its entry's append time (the batch's).
                             values = [{**v, "created_at": now} for v in values]
-                        if values:
+                        if values and seal_each:
                             conn.execute(_inserts(table), values)
+                        elif values:
+                            bulk.setdefault(table.name, []).extend(values)
                     if item.kind in ("key-trust", "key-revoke"):
                         history.apply(idx, item.data)  # later items of the batch are judged by it
                     note = ""
@@ -435,6 +464,7 @@ class Store(LogReader):
                         )
                     out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
                     idx = size
+                flush()
                 if not seal_each and out:
                     # One signed checkpoint for the batch, at the time every entry of it carries.
                     root = merkle.root_from(reader, idx)
