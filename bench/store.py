@@ -31,6 +31,7 @@ import os
 import platform
 import pwd
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -344,6 +345,8 @@ def main() -> None:
     parser.add_argument("--approve-hosts", type=int, default=1_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "store.json"))
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the throwaway cluster and files are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     tmp = tempfile.mkdtemp(prefix="qualify-bench-")
     result: dict[str, object] = {
@@ -365,6 +368,7 @@ def main() -> None:
         "targets": TARGETS,
     }
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
         pg_base: str | None = None
         if args.pg is None:
             try:
@@ -403,7 +407,6 @@ def main() -> None:
         "approve_s": result["approve"]["approve_s"],  # type: ignore[index]
     }
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
-    shutil.rmtree(tmp, ignore_errors=True)
     write_result(result, args.out)
 
 
