@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import platform
 import pwd
+import resource
 import shutil
 import signal
 import socket
@@ -70,6 +71,12 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (verification workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _seed(signer: NoteSigner) -> bytes:
@@ -186,6 +193,7 @@ def measure_appends(url: str, hosts: int, per_host: int) -> dict[str, object]:
     stop, go, out = _FORK.Event(), _FORK.Event(), _FORK.Queue()
     seq = _FORK.Process(target=_sequencer_main, args=(url, _seed(signer), start + total, stop, 0.05))
     workers = [_FORK.Process(target=_host_main, args=(url, b, go, out)) for b in batches]
+    c0, load = _cpu_seconds(), os.getloadavg()[0]
     seq.start()
     for w in workers:
         w.start()
@@ -198,6 +206,8 @@ def measure_appends(url: str, hosts: int, per_host: int) -> dict[str, object]:
     seq.join(timeout=900)
     elapsed = time.perf_counter() - t0
     stop.set()
+    seq.join(timeout=60)
+    cpu = _cpu_seconds() - c0  # hosts and sequencer (the database server's own time is not counted)
     with Store.open(url) as store:
         report = verify_log(store, verifiers=[signer.verifier()])
         checkpoints = store.counts()["checkpoints"]
@@ -208,6 +218,8 @@ def measure_appends(url: str, hosts: int, per_host: int) -> dict[str, object]:
         "appends_per_s": round(total / elapsed, 1),
         "host_submits_per_s": round(total / max(submit_s), 1),
         "seconds": round(elapsed, 2),
+        "client_cpu_s": round(cpu, 2),
+        "load_average_1m": round(load, 2),
         "checkpoints_signed": checkpoints,
         "log_verified": True,
     }
@@ -273,9 +285,11 @@ def measure_verify(url: str, size: int) -> dict[str, object]:
     out: dict[str, object] = {"fill_s": round(fill_s, 1)}
     with Store.open(url) as store:
         for mode, log_signer in (("auditor", None), ("operator", signer)):
-            t0 = time.perf_counter()
+            t0, c0, load = time.perf_counter(), _cpu_seconds(), os.getloadavg()[0]
             report = verify_log(store, verifiers=[signer.verifier()], log_signer=log_signer)
             out[f"{mode}_verify_s"] = round(time.perf_counter() - t0, 2)
+            out[f"{mode}_cpu_s"] = round(_cpu_seconds() - c0, 2)  # all workers together
+            out[f"{mode}_load_average_1m"] = round(load, 2)
         out.update(entries=report.size, checkpoints=report.checkpoints, subtrees=report.subtrees)
     return out
 
@@ -306,15 +320,19 @@ def measure_approve(url: str, receipts: int, hosts: int) -> dict[str, object]:
 
     out: dict[str, object] = {"receipts": receipts, "hosts": hosts, "fill_s": round(fill_s, 1)}
     with Store.open(url) as store:
-        t0 = time.perf_counter()
+        t0, c0, load = time.perf_counter(), _cpu_seconds(), os.getloadavg()[0]
         decision = decide(store, load_policy_data(policy), SUBJECT, verifiers=[signer.verifier()])
         out["approve_s"] = round(time.perf_counter() - t0, 2)
+        out["approve_cpu_s"] = round(_cpu_seconds() - c0, 2)
+        out["approve_load_average_1m"] = round(load, 2)
         out["decision"] = decision.decision
         out["hosts_counted"] = len(decision.hosts)
         t0 = time.perf_counter()
         records = store.list_receipts(limit=None)
+        c0 = _cpu_seconds()
         reports = store.verify_receipts(records, [signer.verifier()])
         out["receipts_verify_all_s"] = round(time.perf_counter() - t0, 2)
+        out["receipts_verify_all_cpu_s"] = round(_cpu_seconds() - c0, 2)
         assert all(r.ok for r, _ in reports) and len(reports) == receipts
         t0 = time.perf_counter()
         try:

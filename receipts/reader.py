@@ -24,6 +24,7 @@ from receipts.models import (
     KeyRevocation,
     LogEntry,
     LogMeta,
+    MerkleNode,
     ReceiptRow,
     ReceiptSubject,
     SignerKey,
@@ -77,6 +78,8 @@ class LogReader:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._meta: tuple[str, str] | None = None
+        # ((size, root), tree) of the last stored leaves found to hash to a signed checkpoint's root.
+        self._leaves: tuple[tuple[int, bytes], merkle.MemoryTree] | None = None
 
     # ------------------------------------------------------------------ the log's identity
 
@@ -517,7 +520,19 @@ class LogReader:
                 cp = open_checkpoint(note, trusted or [self.log_verifier()])
             except (VerificationError, NotFound) as error:
                 cp_problem = str(error)
-            reader = SqlSubtrees(conn)
+            reader: Any = SqlSubtrees(conn)
+            whole = None
+            if cp is not None and len(records) * max(1, cp.size.bit_length()) >= cp.size:
+                # Receipts are a large part of the log: read its leaves once and rebuild the tree in
+                # memory (proofs then need no queries); used only if it has the signed root.
+                cached = self._leaves
+                if cached is not None and cached[0] == (cp.size, cp.root):
+                    reader = cached[1]  # the same signed tree as a call before (a decision's steps)
+                else:
+                    whole = self._leaf_tree(conn, cp.size)
+                    if whole is not None and whole.root(cp.size) == cp.root:
+                        reader = whole
+                        self._leaves = ((cp.size, cp.root), whole)
             for chunk in _chunks(records, 500):
                 entries = {
                     row.idx: row
@@ -527,7 +542,7 @@ class LogReader:
                         )
                     )
                 }
-                if cp is not None:
+                if cp is not None and isinstance(reader, SqlSubtrees):
                     # One dry run over the chunk's proofs, then their subtrees in batched queries.
                     wanted = [r.log_idx for r in chunk if r.log_idx in entries and r.log_idx < cp.size]
                     size = cp.size
@@ -538,9 +553,25 @@ class LogReader:
                     out.append(
                         self._verify_one(record, entries.get(record.log_idx), history, cp, cp_problem, reader)
                     )
-                if len(reader.cache) > 200_000:
+                if isinstance(reader, SqlSubtrees) and len(reader.cache) > 200_000:
                     reader.cache.clear()
         return out
+
+    @staticmethod
+    def _leaf_tree(conn: Connection, size: int) -> merkle.MemoryTree | None:
+        """The tree of the first `size` stored leaves (level-0 subtrees), or None when one is missing."""
+        tree = merkle.MemoryTree()
+        nodes = MerkleNode.__table__
+        query = (
+            sa.select(nodes.c.node_index, nodes.c.hash)
+            .where(nodes.c.level == 0, nodes.c.node_index < size)
+            .order_by(nodes.c.node_index)
+        )
+        for index, digest in conn.execute(query):
+            if index != tree.size or len(digest) != merkle.HASH_SIZE:
+                return None
+            tree.append(bytes(digest))
+        return tree if tree.size == size else None
 
     @staticmethod
     def _verify_one(
@@ -549,7 +580,7 @@ class LogReader:
         history: KeyHistory,
         cp: Any,
         cp_problem: str | None,
-        reader: SqlSubtrees,
+        reader: merkle.SubtreeReader,
     ) -> tuple[ReceiptReport, bytes | None]:
         report = ReceiptReport(id=record.id, log_idx=record.log_idx)
         try:
