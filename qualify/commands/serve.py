@@ -102,25 +102,19 @@ def serve(
     from qualify.commands.approve import load_signing_key
 
     token = read_token(token_file)
-    if sequencer:
-        import threading
-
-        from qualify.commands.log import run_sequencer
-
-        # Its own store and connections; a batch cut short when the server exits is rolled back whole.
-        threading.Thread(target=run_sequencer, args=(db_url,), name="sequencer", daemon=True).start()
     # Read-only unless decisions are enabled; then the log key is needed to append them.
     store = open_append(db_url, create=False) if token is not None else open_read(db_url)
     with opened(store):
         key = load_signing_key(store, key_path) if token is not None else None
         # POST /v1/decisions verifies with the trust `qualify approve` uses: --vkey, else the local log key.
         verifiers, source = log_verifiers(store, vkey)
-        click.echo(f"decisions verify checkpoints with {source}", err=True)
         # Bind here, before uvicorn starts: a busy port is one line and exit 2 (bad input), not uvicorn's
         # log lines and its exit 3. The bound socket is the one uvicorn serves on (no window between).
         listening = listen(host, port)
         if token is None:
             click.echo(f"decisions disabled: no --token-file or ${TOKEN_ENV}; serving read-only", err=True)
+        else:
+            click.echo(f"decisions verify checkpoints with {source}", err=True)
         config = uvicorn.Config(
             create_app(store, token=token, signing_key=key, verifiers=verifiers),
             host=host,
@@ -129,6 +123,13 @@ def serve(
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
         with listening:
+            if sequencer:
+                import threading
+
+                from qualify.commands.log import run_sequencer
+
+                # Its own store and connections; a batch cut short when the server exits is rolled back.
+                threading.Thread(target=run_sequencer, args=(db_url,), name="sequencer", daemon=True).start()
             uvicorn.Server(config).run(sockets=[listening])
 
 
