@@ -4,7 +4,7 @@ approvals; every response a pydantic model) and `POST /v1/decisions` (writes), b
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
@@ -14,12 +14,12 @@ from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import SQLAlchemyError
 
-from qualify import __version__
+from qualify import __version__, params
 from qualify.api_guard import BoundedJSONRoute, RequestGuard, token_problem, validation_problem
 from qualify.approve import SUBJECT_DIGEST, Decision, decide, record
 from qualify.limits import MAX_BODY_BYTES
 from qualify.policy import Policy, PolicyError, load_policy_data
-from receipts.checkpoint import Checkpoint, format_tlog_proof
+from receipts.checkpoint import Checkpoint, NoteVerifier, format_tlog_proof
 from receipts.errors import NotFound, ReceiptsError, TamperError
 from receipts.keys import SigningKey
 from receipts.records import ApprovalRecord, ReceiptRecord
@@ -28,9 +28,8 @@ from receipts.store import Store
 MAX_PAGE = 500
 # Bounds that keep every integer a database can hold; a bigger offset or size is refused as bad input.
 MAX_INDEX = 2**62
+MAX_HOST = params.MAX_HOST
 RECEIPT_ID = r"^[0-9a-f]{4,64}$"
-# RFC 3339 date-time (what OpenAPI's "date-time" means): an offset is required, so no time is ambiguous.
-RFC3339 = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})$"
 SUBJECT = SUBJECT_DIGEST.pattern
 
 
@@ -71,6 +70,7 @@ class ReceiptPage(BaseModel):
     limit: int
     offset: int
     next_offset: int | None = Field(description="offset of the next page; null on the last page")
+    total: int | None = Field(None, description="how many receipts match the filters in all")
 
 
 class SignatureOut(BaseModel):
@@ -175,16 +175,6 @@ def _approval(a: ApprovalRecord) -> ApprovalOut:
     )
 
 
-def _utc(text: str | None) -> datetime | None:
-    """An RFC 3339 time (the route's pattern matched it) in UTC; 400 for a date that does not exist."""
-    if text is None:
-        return None
-    try:
-        return datetime.fromisoformat(text.upper().replace("Z", "+00:00")).astimezone(UTC)
-    except (ValueError, OverflowError):
-        raise HTTPException(400, f"since {text!r} is not a time that exists in UTC") from None
-
-
 def _checkpoint_out(note: str) -> CheckpointOut:
     # The note's body is parsed without trusting it; clients verify it with the log's key themselves.
     body = note[: note.rfind("\n\n") + 1]
@@ -207,9 +197,17 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 # --------------------------------------------------------------------------- the app
 
 
-def create_app(store: Store, *, token: str | None = None, signing_key: SigningKey | None = None) -> FastAPI:
-    """The API over an open store. Decisions need `token` (and `signing_key` to record them). /docs and
-    /redoc are served with their assets from the installed package, so they work offline."""
+def create_app(
+    store: Store,
+    *,
+    token: str | None = None,
+    signing_key: SigningKey | None = None,
+    verifiers: list[NoteVerifier] | None = None,
+) -> FastAPI:
+    """The API over an open store. Decisions need `token` (and `signing_key` to record them); their
+    receipts are verified against `verifiers`, the trusted log keys (`qualify serve` passes those
+    `qualify approve` would use; None: the key the store records, for tests only). /docs and /redoc are
+    served with their assets from the installed package, so they work offline."""
     app: FastAPI = FastAPIOffline(
         title="qualify",
         version=__version__,
@@ -257,26 +255,37 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
     @app.get("/v1/receipts", response_model=ReceiptPage, responses=ERRORS, tags=["receipts"])
     def list_receipts(
         verdict: Literal["qualified", "rejected", "aborted"] | None = None,
-        subject: Annotated[str | None, Query(pattern=SUBJECT)] = None,
+        subject: Annotated[
+            str | None, Query(max_length=80, description="sha256:<hex> (or the 64 hex digits alone)")
+        ] = None,
+        host: Annotated[str | None, Query(max_length=MAX_HOST, description="the receipt's hostname")] = None,
         since: Annotated[
             str | None,
             Query(
-                pattern=RFC3339,
-                description="finished at or after this RFC 3339 time, e.g. 2025-06-01T00:00:00Z",
-                json_schema_extra={"format": "date-time"},
+                max_length=64,
+                description="finished at or after: a duration ago (30m, 24h, 7d, 2w) or an ISO 8601 time "
+                "(UTC unless it names an offset), e.g. 2025-06-01T00:00:00Z; the CLI's --since grammar",
             ),
         ] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
         offset: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
     ) -> ReceiptPage:
-        records = store.list_receipts(
-            verdict=verdict, since=_utc(since), subject=subject, limit=limit + 1, offset=offset, checked=True
+        """Receipts newest first (by log index), as `qualify receipts list` lists them."""
+        try:
+            when = None if since is None else params.parse_since(since)
+            digest = None if subject is None else params.parse_subject(subject)
+            hostname = None if host is None else params.parse_host(host)
+        except params.ParamError as error:
+            raise HTTPException(422, str(error)) from None
+        records, total = store.find_receipts(
+            verdict=verdict, since=when, subject=digest, host=hostname, limit=limit + 1, offset=offset
         )
         return ReceiptPage(
             items=[ReceiptSummary(**_summary(r)) for r in records[:limit]],
             limit=limit,
             offset=offset,
             next_offset=_page(offset, limit, len(records)),
+            total=total,
         )
 
     @app.get("/v1/receipts/{receipt_id}", response_model=ReceiptDetail, responses=ERRORS, tags=["receipts"])
@@ -352,11 +361,18 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
 
     @app.get("/v1/approvals", response_model=ApprovalPage, responses=ERRORS, tags=["approvals"])
     def list_approvals(
-        subject: Annotated[str | None, Query(pattern=SUBJECT)] = None,
+        subject: Annotated[
+            str | None, Query(max_length=80, description="sha256:<hex> (or the 64 hex digits alone)")
+        ] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
         offset: Annotated[int, Query(ge=0, le=MAX_INDEX)] = 0,
     ) -> ApprovalPage:
-        window = store.list_approvals(subject=subject, limit=limit + 1, offset=offset)
+        """Rollout decisions newest first (by log index)."""
+        try:
+            digest = None if subject is None else params.parse_subject(subject)
+        except params.ParamError as error:
+            raise HTTPException(422, str(error)) from None
+        window = store.list_approvals(subject=digest, limit=limit + 1, offset=offset, newest_first=True)
         return ApprovalPage(
             items=[_approval(a) for a in window[:limit]],
             limit=limit,
@@ -385,7 +401,9 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
             loaded = load_policy_data(
                 body.policy.model_dump(mode="json", exclude_unset=True), source="in the request"
             )
-            decision = decide(store, loaded, body.subject)  # PolicyError when over the evaluation budget
+            # Checkpoints checked with the trust `qualify approve` uses (serve passes the local log key or
+            # its --vkey), never with the key the database names.
+            decision = decide(store, loaded, body.subject, verifiers=verifiers)
         except PolicyError as exc:
             raise HTTPException(400, str(exc)) from None
         if body.record:

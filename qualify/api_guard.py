@@ -95,14 +95,32 @@ class _BoundedJSONRequest(Request):
         return self._json
 
 
+def _query_names(dependant: Any) -> set[str]:
+    """The query parameter names a route's dependant declares, its sub-dependencies' included."""
+    names = {p.alias for p in getattr(dependant, "query_params", ())}
+    for sub in getattr(dependant, "dependencies", ()):
+        names |= _query_names(sub)
+    return names
+
+
 class BoundedJSONRoute(APIRoute):
     """A route whose JSON body is parsed by `receipts.canonical.loads`: NaN/Infinity, integers over 40
     digits and nesting deeper than canonical.MAX_DEPTH are a one-line 422, never a 500."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Any]]:
         handler = super().get_route_handler()
+        # Query parameters the route declares (its dependencies' too): any other is refused, as the CLI
+        # refuses an unknown option, instead of being ignored (a misspelt filter would widen the answer).
+        known = sorted(_query_names(self.dependant))
 
         async def bounded(request: Request) -> Any:
+            unknown = sorted(set(request.query_params) - set(known))
+            if unknown:
+                takes = f"it takes: {', '.join(known)}" if known else "it takes none"
+                return JSONResponse(
+                    {"detail": f"unknown query parameter {unknown[0][:40]!r} for {self.path}; {takes}"},
+                    status_code=422,
+                )
             return await handler(_BoundedJSONRequest(request.scope, request.receive))
 
         return bounded

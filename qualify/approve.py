@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -201,10 +202,12 @@ def evaluate(
     now: datetime | None = None,
     tree_size: int | None = None,
     budget: Budget | None = None,
+    failures: dict[int, list[str]] | None = None,
 ) -> Decision:
     """Judge `candidates` (the subject's receipts) against the policy. Pure: nothing is read or written.
     All condition evaluations share `budget` (default: DECISION_STEPS / DECISION_SECONDS); PolicyError
-    (bad input, nothing to record) when they spend it."""
+    (bad input, nothing to record) when they spend it. `failures` (by log index): what _failures already
+    found for candidates judged as they were gathered (decide)."""
     now = now or datetime.now(UTC)
     budget = budget or Budget()
     policy = loaded.policy
@@ -213,7 +216,8 @@ def evaluate(
     notes: list[str] = []
     counted: list[Candidate] = []
     for candidate in sorted(candidates, key=lambda c: c.log_idx):
-        failures = _failures(loaded, candidate, now, budget)
+        known = None if failures is None else failures.get(candidate.log_idx)
+        failed = known if known is not None else _failures(loaded, candidate, now, budget)
         evaluations.append(
             ReceiptEvaluation(
                 receipt_id=candidate.receipt_id,
@@ -221,13 +225,13 @@ def evaluate(
                 host=candidate.host,
                 verdict=(candidate.predicate or {}).get("verdict"),
                 finished_at=candidate.finished_at,
-                counted=not failures,
-                failures=failures,
+                counted=not failed,
+                failures=failed,
             )
         )
-        if failures:
+        if failed:
             target = unverified if candidate.problem is not None else notes
-            target.extend(f"{_label(candidate)}: {failure}" for failure in failures)
+            target.extend(f"{_label(candidate)}: {failure}" for failure in failed)
         else:
             counted.append(candidate)
     hosts = sorted({c.host or "" for c in counted})
@@ -292,6 +296,42 @@ def _signed_predicate(envelope: bytes, subject: str) -> tuple[dict[str, Any] | N
     return statement["predicate"], None
 
 
+# Receipts verified per step of a decision; the policy is applied after each step, so a policy that spends
+# its evaluation budget is refused after the first steps, not after verifying every receipt.
+GATHER_CHUNK = 1000
+
+
+def iter_gather(
+    store: Store, subject: str, verifiers: list[NoteVerifier] | None = None
+) -> Iterator[tuple[list[Candidate], int | None]]:
+    """gather() in steps of GATHER_CHUNK receipts (in log order): each step's candidates, verified, with
+    the checkpoint size they were verified against. The latest checkpoint is read once per decision
+    and every step is verified against it."""
+    records = store.list_receipts(subject=subject, limit=None)
+    if not records:
+        return
+    history = store.key_history()
+    verifiers = verifiers or [store.log_verifier()]
+    note = store.latest_checkpoint()
+    for start in range(0, len(records), GATHER_CHUNK):
+        chunk = records[start : start + GATHER_CHUNK]
+        candidates: list[Candidate] = []
+        tree_size: int | None = None
+        for record, (report, envelope) in zip(
+            chunk, store.verify_receipts(chunk, verifiers, history, note=note), strict=True
+        ):
+            tree_size = report.checkpoint_size if report.checkpoint_size is not None else tree_size
+            if not report.ok or envelope is None:
+                problem = report.problem or "a check failed: " + ", ".join(
+                    k for k, v in report.checks.items() if not v
+                )
+                candidates.append(Candidate(record.id, record.log_idx, record.keyid, None, problem))
+                continue
+            predicate, problem = _signed_predicate(envelope, subject)
+            candidates.append(Candidate(record.id, record.log_idx, report.keyid, predicate, problem))
+        yield candidates, tree_size
+
+
 def gather(
     store: Store, subject: str, verifiers: list[NoteVerifier] | None = None
 ) -> tuple[list[Candidate], int | None]:
@@ -300,24 +340,11 @@ def gather(
 
     `verifiers`: the trusted checkpoint keys; default the log key recorded in the store, which whoever
     rewrote the database could have replaced, so callers holding the real log key pass it."""
-    records = store.list_receipts(subject=subject, limit=None)
-    if not records:
-        return [], None
-    history = store.key_history()
-    verifiers = verifiers or [store.log_verifier()]
     candidates: list[Candidate] = []
     tree_size: int | None = None
-    for record in records:
-        report = store.verify_receipt(record.id, verifiers=verifiers, history=history)
-        tree_size = report.checkpoint_size if report.checkpoint_size is not None else tree_size
-        if not report.ok:
-            problem = report.problem or "a check failed: " + ", ".join(
-                k for k, v in report.checks.items() if not v
-            )
-            candidates.append(Candidate(record.id, record.log_idx, record.keyid, None, problem))
-            continue
-        predicate, problem = _signed_predicate(store.entry(record.log_idx).envelope, subject)
-        candidates.append(Candidate(record.id, record.log_idx, report.keyid, predicate, problem))
+    for chunk, size in iter_gather(store, subject, verifiers):
+        candidates.extend(chunk)
+        tree_size = size if size is not None else tree_size
     return candidates, tree_size
 
 
@@ -364,17 +391,31 @@ def decide(
     now: datetime | None = None,
     verifiers: list[NoteVerifier] | None = None,
     attestations: list[Any] | None = None,
+    budget: Budget | None = None,
 ) -> Decision:
     """Verify the subject's receipts in `store` (or, given `attestations`, those receipts found with the
-    image in its registry) and judge them against the policy (nothing is written)."""
+    image in its registry) and judge them against the policy (nothing is written). The policy is applied
+    to each step of verified receipts as it comes, under one budget: a policy that spends it
+    (PolicyError) stops the verification there."""
     subject = check_subject(subject)
+    now = now or datetime.now(UTC)
+    budget = budget or Budget()
     if attestations is not None:
         candidates, tree_size = gather_attested(
             store, attestations, subject, verifiers or [store.log_verifier()]
         )
-    else:
-        candidates, tree_size = gather(store, subject, verifiers)
-    return evaluate(loaded, subject, candidates, now=now, tree_size=tree_size)
+        return evaluate(loaded, subject, candidates, now=now, tree_size=tree_size, budget=budget)
+    candidates = []
+    failures: dict[int, list[str]] = {}
+    tree_size = None
+    for chunk, size in iter_gather(store, subject, verifiers):
+        for candidate in chunk:
+            failures[candidate.log_idx] = _failures(loaded, candidate, now, budget)
+        candidates.extend(chunk)
+        tree_size = size if size is not None else tree_size
+    return evaluate(
+        loaded, subject, candidates, now=now, tree_size=tree_size, budget=budget, failures=failures
+    )
 
 
 def approval_statement(decision: Decision, loaded: LoadedPolicy) -> dict[str, Any]:

@@ -3,6 +3,8 @@ evaluated under a step and time budget, and explained in terms of the receipt's 
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -48,6 +50,8 @@ class Budget:
     deadline: float = field(default=0.0, init=False)
     spent: int = field(default=0, init=False)
     exhausted: bool = field(default=False, init=False)
+    # Outcomes of conditions already evaluated in this decision, by expression and the fields it read.
+    memo: dict[tuple[str, str], str | None] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.seconds
@@ -94,14 +98,37 @@ class Condition:
     ast: Any
     runner: Any  # celpy Runner: provides the activation (functions, types)
 
+    @property
+    def reads(self) -> frozenset[str] | None:
+        """The top-level receipt fields the expression can read, or None when it may read the whole
+        receipt (e.g. `receipt["x"]`, `receipt.size()`, or `receipt` on its own)."""
+        return _top_fields(self.expr)
+
     def evaluate(self, predicate: dict[str, Any], budget: Budget | None = None) -> str | None:
         """None when the condition holds for this predicate, else why not (false, or which field it lacked).
 
-        Raises CostLimitError when `budget` (default: a fresh decision budget) is spent."""
+        Raises CostLimitError when `budget` (default: a fresh decision budget) is spent. CEL has no side
+        effects and no clock, so within one budget (one decision) the result for the same fields read is
+        reused: a fleet's receipts mostly agree on what a policy reads, and converting and walking each
+        whole predicate again cost milliseconds per receipt."""
         budget = budget or Budget()
+        reads = self.reads
+        value = predicate if reads is None else {k: predicate[k] for k in reads if k in predicate}
+        try:
+            memo_key: tuple[str, str] | None = (self.expr, json.dumps(value, sort_keys=True, default=repr))
+        except (TypeError, ValueError, RecursionError):
+            memo_key = None
+        if memo_key is not None and memo_key in budget.memo:
+            return budget.memo[memo_key]
+        outcome = self._evaluate(predicate, value, budget)
+        if memo_key is not None:
+            budget.memo[memo_key] = outcome
+        return outcome
+
+    def _evaluate(self, predicate: dict[str, Any], value: dict[str, Any], budget: Budget) -> str | None:
         evaluator = _BudgetedEvaluator(self.ast, self.runner.new_activation(), budget)
         try:
-            result = evaluator.evaluate({CEL_VARIABLE: celpy.json_to_cel(predicate)})
+            result = evaluator.evaluate({CEL_VARIABLE: celpy.json_to_cel(value)})
         except CostLimitError:
             raise
         except RecursionError:
@@ -132,6 +159,23 @@ def _cel_message(exc: BaseException) -> str:
     # celpy names its own classes ("applied to '(<class 'celpy.evaluation.CELEvalError'>, ...)"): drop them.
     text = re.sub(r"\s*applied to .*$", "", text)
     return text[:200]
+
+
+_RECEIPT = re.compile(r"\breceipt\b")
+_MEMBER = re.compile(r"\s*\.\s*([A-Za-z_]\w*)\b(?!\s*\()")
+
+
+@functools.lru_cache(maxsize=256)
+def _top_fields(expr: str) -> frozenset[str] | None:
+    """Top-level fields read as `receipt.<name>`; None if `receipt` is used any other way."""
+    text = _STRING.sub('""', expr)
+    names: set[str] = set()
+    for match in _RECEIPT.finditer(text):
+        member = _MEMBER.match(text, match.end())
+        if member is None:
+            return None
+        names.add(member.group(1))
+    return frozenset(names)
 
 
 def missing_field(expr: str, predicate: dict[str, Any]) -> str | None:

@@ -33,3 +33,11 @@ def default_key_path() -> Path:
 def log_key_path() -> Path:
     """The log's Ed25519 key that signs checkpoints."""
     return keys_dir() / "log.key"
+
+
+LOG_VKEY_ENV = "QUALIFY_LOG_VKEY"
+
+
+def log_vkey_path() -> Path:
+    """A fleet host's copy of the log's verifier key (what `qualify log vkey` prints on the sequencer)."""
+    return keys_dir() / "log.vkey"

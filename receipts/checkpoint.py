@@ -318,6 +318,14 @@ class Checkpoint:
             raise VerificationError(f"{bad}: {exc}") from None
 
 
+def _claimed_origin(note_text: str | bytes) -> str | None:
+    """The origin line a note claims, unverified (only to name the log in an error)."""
+    if isinstance(note_text, (bytes, bytearray)):
+        note_text = note_text.decode("utf-8", "replace")
+    first = note_text.split("\n", 1)[0]
+    return first if first and not _text_problem(first) else None
+
+
 def sign_checkpoint(cp: Checkpoint, signer: NoteSigner) -> str:
     """The checkpoint as a signed note."""
     return signer.sign(cp.body())
@@ -326,8 +334,19 @@ def sign_checkpoint(cp: Checkpoint, signer: NoteSigner) -> str:
 def open_checkpoint(
     note_text: str | bytes, verifiers: Sequence[NoteVerifier], origin: str | None = None
 ) -> Checkpoint:
-    """Verify a signed checkpoint against trusted keys and parse it; with `origin`, also require it."""
-    cp = Checkpoint.parse(open_note(note_text, verifiers))
+    """Verify a signed checkpoint against trusted keys and parse it; with `origin`, also require it.
+    A checkpoint of another log (whose key, named for its own origin, this log does not trust) is named
+    as such rather than reported as a bad signature."""
+    try:
+        text = open_note(note_text, verifiers)
+    except VerificationError:
+        claimed = _claimed_origin(note_text)
+        if origin is not None and claimed is not None and claimed != origin:
+            raise VerificationError(
+                f"this checkpoint belongs to log {claimed!r}, not {origin!r}; use a checkpoint of this log"
+            ) from None
+        raise
+    cp = Checkpoint.parse(text)
     if origin is not None and cp.origin != origin:
         raise VerificationError(
             f"this checkpoint belongs to log {cp.origin!r}, not {origin!r}; use a checkpoint of this log"

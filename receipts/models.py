@@ -22,7 +22,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 # The Alembic revision this code expects; a test checks it is the head of migrations/versions.
-SCHEMA_REVISION = "0002_insert_guards"
+SCHEMA_REVISION = "0003_sequencer"
 
 ENTRY_KINDS = ("receipt", "approval", "key-trust", "key-revoke")
 
@@ -198,3 +198,32 @@ class LogRepair(Base):
     evidence_sha256: Mapped[str] = mapped_column(String(71))
     by_role: Mapped[str] = mapped_column(Text)
     reason: Mapped[str] = mapped_column(Text)
+
+
+class PendingEntry(Base):
+    """An entry a host submitted (a signed receipt or approval), waiting for the sequencer to give it a
+    log index. A queue: the sequencer deletes the row in the transaction that integrates or refuses it."""
+
+    __tablename__ = "pending_entries"
+    __table_args__ = (
+        CheckConstraint("kind IN ('receipt', 'approval')", name="pending_entries_kind"),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(BigInt, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    envelope: Mapped[bytes] = mapped_column(LargeBinary)
+    digest: Mapped[str] = mapped_column(String(64), index=True)  # sha256 hex of the bytes: the entry's id
+    submitted_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    submitter: Mapped[str] = mapped_column(Text)
+
+
+class PendingRefusal(Base):
+    """Why the sequencer refused a submitted entry (append-only): the host waiting for it is told."""
+
+    __tablename__ = "pending_refusals"
+
+    pending_id: Mapped[int] = mapped_column(BigInt, primary_key=True, autoincrement=False)
+    digest: Mapped[str] = mapped_column(String(64), index=True)
+    problem: Mapped[str] = mapped_column(Text)
+    refused_at: Mapped[datetime] = mapped_column(UtcDateTime)

@@ -24,6 +24,7 @@ from receipts.models import (
     KeyRevocation,
     LogEntry,
     LogMeta,
+    MerkleNode,
     ReceiptRow,
     ReceiptSubject,
     SignerKey,
@@ -53,6 +54,15 @@ _HEAD = sa.select(
 )
 
 
+# Values per IN list: well under every dialect's bound-parameter limit (SQLite: 32,766).
+_IN_CHUNK = 1000
+
+
+def _chunks(values: Sequence[Any], size: int = _IN_CHUNK) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
+
+
 class Head(NamedTuple):
     """The log's head as stored: the next index, and the latest checkpoint row (not yet verified)."""
 
@@ -68,6 +78,8 @@ class LogReader:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._meta: tuple[str, str] | None = None
+        # ((size, root), tree) of the last stored leaves found to hash to a signed checkpoint's root.
+        self._leaves: tuple[tuple[int, bytes], merkle.MemoryTree] | None = None
 
     # ------------------------------------------------------------------ the log's identity
 
@@ -265,21 +277,22 @@ class LogReader:
             return []
         ids = [r.id for r in rows]
         subjects: dict[str, list[Subject]] = {i: [] for i in ids}
-        for rid, digest, name in conn.execute(
-            sa.select(SUBJECTS.c.receipt_id, SUBJECTS.c.digest, SUBJECTS.c.name).where(
-                SUBJECTS.c.receipt_id.in_(ids)
-            )
-        ):
-            subjects[rid].append(Subject(name=name, digest=digest))
+        for chunk in _chunks(ids):
+            for rid, digest, name in conn.execute(
+                sa.select(SUBJECTS.c.receipt_id, SUBJECTS.c.digest, SUBJECTS.c.name).where(
+                    SUBJECTS.c.receipt_id.in_(chunk)
+                )
+            ):
+                subjects[rid].append(Subject(name=name, digest=digest))
         data: dict[int, bytes] = {}
         if envelopes:
-            idxs = [r.log_idx for r in rows]
-            data = {
-                i: bytes(e)
-                for i, e in conn.execute(
-                    sa.select(ENTRIES.c.idx, ENTRIES.c.envelope).where(ENTRIES.c.idx.in_(idxs))
+            for chunk in _chunks([r.log_idx for r in rows]):
+                data.update(
+                    (i, bytes(e))
+                    for i, e in conn.execute(
+                        sa.select(ENTRIES.c.idx, ENTRIES.c.envelope).where(ENTRIES.c.idx.in_(chunk))
+                    )
                 )
-            }
         return [
             ReceiptRecord(
                 id=r.id,
@@ -401,7 +414,9 @@ class LogReader:
         if len(prefix) < 4 or len(prefix) > 64 or not _HEX.fullmatch(prefix):
             raise NotFound(f"{id_or_prefix!r} is not a receipt id; give at least 4 hex digits of one")
         with self.engine.connect() as conn:
-            rows = conn.execute(sa.select(RECEIPTS).where(RECEIPTS.c.id.like(prefix + "%")).limit(2)).all()
+            # A full id is looked up by the primary key; only a prefix typed by a person needs LIKE.
+            match = RECEIPTS.c.id == prefix if len(prefix) == 64 else RECEIPTS.c.id.like(prefix + "%")
+            rows = conn.execute(sa.select(RECEIPTS).where(match).limit(2)).all()
             if not rows:
                 raise NotFound(
                     f"no receipt {id_or_prefix!r} in the store; list them with: qualify receipts list"
@@ -423,18 +438,27 @@ class LogReader:
         return found[0]
 
     def list_approvals(
-        self, subject: str | None = None, limit: int | None = None, offset: int = 0
+        self,
+        subject: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+        *,
+        newest_first: bool = False,
     ) -> list[ApprovalRecord]:
-        """Rollout decisions in log order, optionally about one subject; `limit` (None: all) from `offset`."""
-        return self._approvals(None if subject is None else APPROVALS.c.subject == subject, limit, offset)
+        """Rollout decisions in log order (or newest first), optionally about one subject; `limit` (None:
+        all) from `offset`."""
+        condition = None if subject is None else APPROVALS.c.subject == subject
+        return self._approvals(condition, limit, offset, newest_first=newest_first)
 
-    def _approvals(self, condition: Any, limit: int | None = None, offset: int = 0) -> list[ApprovalRecord]:
+    def _approvals(
+        self, condition: Any, limit: int | None = None, offset: int = 0, *, newest_first: bool = False
+    ) -> list[ApprovalRecord]:
         """Approval records as their signed statements give them (each row is checked against its log
         entry first: TamperError names a row that points at other bytes)."""
         query = (
             sa.select(APPROVALS, ENTRIES.c.kind, ENTRIES.c.envelope)
             .join(ENTRIES, ENTRIES.c.idx == APPROVALS.c.log_idx, isouter=True)
-            .order_by(APPROVALS.c.log_idx)
+            .order_by(APPROVALS.c.log_idx.desc() if newest_first else APPROVALS.c.log_idx)
         )
         if condition is not None:
             query = query.where(condition)
@@ -465,23 +489,121 @@ class LogReader:
         index, and its inclusion under the latest checkpoint (signature checked with `verifiers`,
         default: the log key recorded in the store)."""
         record = self.get_receipt(id_or_prefix, checked=False)
+        return self.verify_receipts([record], verifiers, history)[0][0]
+
+    def verify_receipts(
+        self,
+        records: Sequence[ReceiptRecord],
+        verifiers: Sequence[NoteVerifier] | None = None,
+        history: KeyHistory | None = None,
+        *,
+        note: str | None = None,
+    ) -> list[tuple[ReceiptReport, bytes | None]]:
+        """verify_receipt for many receipts at once, each with its verified envelope bytes (None when it
+        does not verify). The latest checkpoint is read and its signature checked once for all of them;
+        entries and the subtrees their proofs need are read in a few batched queries, not per receipt.
+        `note`: the signed checkpoint to verify against (default: the latest), e.g. one read once for a
+        whole decision."""
+        history = history if history is not None else self.key_history()
+        trusted = list(verifiers) if verifiers else None
+        out: list[tuple[ReceiptReport, bytes | None]] = []
+        with self.engine.connect() as conn:
+            if note is None:
+                note = conn.execute(
+                    sa.select(CheckpointRow.note).order_by(CheckpointRow.size.desc()).limit(1)
+                ).scalar()
+            cp = None
+            cp_problem = None
+            try:
+                if note is None:
+                    raise NotFound("the log is empty: there is no checkpoint yet")
+                cp = open_checkpoint(note, trusted or [self.log_verifier()])
+            except (VerificationError, NotFound) as error:
+                cp_problem = str(error)
+            reader: Any = SqlSubtrees(conn)
+            whole = None
+            if cp is not None and len(records) * max(1, cp.size.bit_length()) >= cp.size:
+                # Receipts are a large part of the log: read its leaves once and rebuild the tree in
+                # memory (proofs then need no queries); used only if it has the signed root.
+                cached = self._leaves
+                if cached is not None and cached[0] == (cp.size, cp.root):
+                    reader = cached[1]  # the same signed tree as a call before (a decision's steps)
+                else:
+                    whole = self._leaf_tree(conn, cp.size)
+                    if whole is not None and whole.root(cp.size) == cp.root:
+                        reader = whole
+                        self._leaves = ((cp.size, cp.root), whole)
+            for chunk in _chunks(records, 500):
+                entries = {
+                    row.idx: row
+                    for row in conn.execute(
+                        sa.select(ENTRIES.c.idx, ENTRIES.c.envelope, ENTRIES.c.leaf_hash).where(
+                            ENTRIES.c.idx.in_([r.log_idx for r in chunk])
+                        )
+                    )
+                }
+                if cp is not None and isinstance(reader, SqlSubtrees):
+                    # One dry run over the chunk's proofs, then their subtrees in batched queries.
+                    wanted = [r.log_idx for r in chunk if r.log_idx in entries and r.log_idx < cp.size]
+                    size = cp.size
+                    reader.prefetch(
+                        lambda rd, w=wanted, n=size: [merkle.inclusion_proof_from(rd, i, n) for i in w]
+                    )
+                for record in chunk:
+                    out.append(
+                        self._verify_one(record, entries.get(record.log_idx), history, cp, cp_problem, reader)
+                    )
+                if isinstance(reader, SqlSubtrees) and len(reader.cache) > 200_000:
+                    reader.cache.clear()
+        return out
+
+    @staticmethod
+    def _leaf_tree(conn: Connection, size: int) -> merkle.MemoryTree | None:
+        """The tree of the first `size` stored leaves (level-0 subtrees), or None when one is missing."""
+        tree = merkle.MemoryTree()
+        nodes = MerkleNode.__table__
+        query = (
+            sa.select(nodes.c.node_index, nodes.c.hash)
+            .where(nodes.c.level == 0, nodes.c.node_index < size)
+            .order_by(nodes.c.node_index)
+        )
+        for index, digest in conn.execute(query):
+            if index != tree.size or len(digest) != merkle.HASH_SIZE:
+                return None
+            tree.append(bytes(digest))
+        return tree if tree.size == size else None
+
+    @staticmethod
+    def _verify_one(
+        record: ReceiptRecord,
+        entry: Any,
+        history: KeyHistory,
+        cp: Any,
+        cp_problem: str | None,
+        reader: merkle.SubtreeReader,
+    ) -> tuple[ReceiptReport, bytes | None]:
         report = ReceiptReport(id=record.id, log_idx=record.log_idx)
         try:
-            entry = self.entry(record.log_idx)
-            report.checks["id_matches_bytes"] = hashlib.sha256(entry.envelope).hexdigest() == record.id
-            report.checks["leaf_hash"] = merkle.leaf_hash(entry.envelope) == entry.leaf_hash
+            if entry is None:
+                raise NotFound(f"no log entry at index {record.log_idx}")
+            envelope, leaf = bytes(entry.envelope), bytes(entry.leaf_hash)
+            report.checks["id_matches_bytes"] = hashlib.sha256(envelope).hexdigest() == record.id
+            report.checks["leaf_hash"] = merkle.leaf_hash(envelope) == leaf
             if not all(report.checks.values()):
                 raise TamperError(f"receipt {record.id[:16]}: stored bytes do not match its id or leaf hash")
-            history = history if history is not None else self.key_history()
-            parsed = dsse.parse(entry.envelope)
+            parsed = dsse.parse(envelope)
             report.keyid = history.signers(parsed, entry.idx, "receipt")[0]
             report.checks["signature"] = True
-            cp = open_checkpoint(self.checkpoint(), list(verifiers) if verifiers else [self.log_verifier()])
+            if cp_problem is not None:
+                raise VerificationError(cp_problem)
             report.checkpoint_size = cp.size
             report.checks["checkpoint_signature"] = True
-            proof = self.inclusion_proof(entry.idx, cp.size)
-            merkle.verify_inclusion(entry.idx, cp.size, entry.leaf_hash, proof, cp.root)
+            if entry.idx >= cp.size:
+                raise NotFound(f"no log entry at index {entry.idx} in a tree of size {cp.size}")
+            proof = merkle.inclusion_proof_from(reader, entry.idx, cp.size)
+            merkle.verify_inclusion(entry.idx, cp.size, leaf, proof, cp.root)
             report.checks["inclusion"] = True
         except (VerificationError, TamperError, merkle.ProofError, NotFound) as error:
             report.problem = str(error)
-        return report
+            return report, None
+        return report, envelope

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from receipts import approval_rows, dsse, merkle
-from receipts.checkpoint import Checkpoint, NoteSigner, open_checkpoint, sign_checkpoint
+from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint, sign_checkpoint
 from receipts.db import (
     SQLITE_ROLE,
     WRITER_ROLE,
@@ -91,6 +91,26 @@ class _Pending:
     kind: str
     data: bytes
     rows: RowsFn
+    tag: Any = None  # what the caller needs to know which item this was (the sequencer: its queue row)
+
+
+# Tables in the order a batch's rows are written (each row's references written before it).
+_BULK_ORDER = tuple(
+    (table.name, sa.insert(table))
+    for table in (
+        ENTRIES,
+        MerkleNode.__table__,
+        SignerKey.__table__,
+        KeyRevocation.__table__,
+        RECEIPTS,
+        SUBJECTS,
+        APPROVALS,
+    )
+)
+
+# The sequencer's hook, run in the integrating transaction after the entries: (connection, the items
+# refused with why) -> None.
+AfterFn = Callable[[Connection, list[tuple["_Pending", str]]], None]
 
 
 # A Store built on an engine directly (not through Store.open) runs as whatever the engine connects as.
@@ -111,6 +131,16 @@ def _short(value: object, limit: int = 80) -> str:
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def signer_named(signer: NoteSigner, name: str) -> NoteSigner:
+    """The same private key under key name `name` (a log signs under its origin, c2sp.org/tlog-checkpoint)."""
+    return signer if signer.name == name else NoteSigner(name, signer.private_key)
+
+
+def recorded_key_name(vkey: str) -> str:
+    """The key name of a recorded verifier key (`<name>+<hash>+<key>`)."""
+    return vkey.split("+", 1)[0]
 
 
 def new_log_origin(name: str) -> str:
@@ -139,7 +169,10 @@ class Store(LogReader):
         self._keys_cache: tuple[KeyHistory, int] | None = None
         # How long an append waits for the single-writer lock before LockTimeout (None: the default,
         # DEFAULT_LOCK_TIMEOUT_S). A caller with a deadline (qualify run --timeout) sets what is left.
+        # A host also waits at most this long for the sequencer to place its entry.
         self.lock_timeout_s: float | None = None
+        # A fleet host (no log key): the log's verifier key; appends go through the sequencer's queue.
+        self.host_verifier: NoteVerifier | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -201,9 +234,16 @@ class Store(LogReader):
         return check_connection(self.engine)
 
     def set_log_signer(self, signer: NoteSigner, origin: str | None = None) -> None:
-        """Use `signer` for checkpoints; refused if the store was started with another log key."""
+        """Use `signer`'s private key for checkpoints; refused if the store was started with another key.
+
+        C2SP tlog-checkpoint: the log's key name is its origin. A new log (origin `origin`, default the
+        signer's name) signs under that name, whatever name the key file gives the key; an existing log
+        signs under the key name recorded with it (for logs created before key name = origin, the old
+        name, so that their checkpoints keep verifying with the verifier key auditors hold)."""
         meta = self.meta()
         if meta is not None:
+            name = recorded_key_name(meta[1])
+            signer = signer_named(signer, name)
             if signer.vkey() != meta[1]:
                 raise StoreError(
                     f"the log key ({signer.vkey()}) is not this store's log key ({meta[1]}); "
@@ -211,7 +251,44 @@ class Store(LogReader):
                 )
             if origin is not None and origin != meta[0]:
                 raise StoreError(f"this store's log origin is {meta[0]!r}, not {origin!r}")
-        self._signer, self._origin = signer, origin or (meta[0] if meta else signer.name)
+            origin = meta[0]
+        else:
+            origin = origin or signer.name
+            signer = signer_named(signer, origin)
+        self._signer, self._origin = signer, origin
+
+    def set_host(self, verifier: NoteVerifier) -> None:
+        """Append as a fleet host: submit to the sequencer's queue and wait for it, then check the entry's
+        inclusion under the checkpoint with `verifier`, the log's verifier key the host holds (it must be
+        the key this log records)."""
+        meta = self.meta()
+        if meta is None:
+            raise StoreError(
+                "this fleet log has no entries yet: start its sequencer first (qualify log sequence, where "
+                "the log key is)"
+            )
+        if verifier.vkey() != meta[1]:
+            raise StoreError(
+                f"the log's verifier key you hold ({verifier.vkey()}) is not this store's ({meta[1]}); "
+                "check --db and the key you were given"
+            )
+        self.host_verifier = verifier
+
+    def ensure_log(self) -> None:
+        """Record the log's identity (origin and verifier key) now, before its first entry, so that hosts
+        can check the key they hold against it (the sequencer does this when it starts)."""
+        if self.meta() is None:
+            self._append([])
+
+    def _host_wait(self) -> float:
+        from receipts.sequencer import DEFAULT_WAIT_S
+
+        return DEFAULT_WAIT_S if self.lock_timeout_s is None else max(0.0, self.lock_timeout_s)
+
+    @property
+    def log_signer(self) -> NoteSigner | None:
+        """The checkpoint signer in use (named for this log), once set_log_signer was called."""
+        return self._signer
 
     # ------------------------------------------------------------------ appending
 
@@ -285,12 +362,25 @@ class Store(LogReader):
             raise StoreError(f"the log key is not this store's log key ({row.vkey}); use the store's log key")
         return row.origin
 
-    def _append(self, pending: Sequence[_Pending]) -> list[Appended]:
-        """Append entries in one transaction: all of them, or none."""
+    def _append(
+        self,
+        pending: Sequence[_Pending] | Callable[[Connection], Sequence[_Pending]],
+        *,
+        seal_each: bool = True,
+        after: AfterFn | None = None,
+    ) -> list[Appended]:
+        """Append entries in one transaction: all of them, or none.
+
+        `seal_each`: sign a checkpoint after every entry (an embedded append); off, one checkpoint seals
+        the whole batch (the sequencer). `pending` may be a function of the open transaction (the
+        sequencer takes its queue rows under the writer lock). With `after`, an item whose rows are
+        refused (a bad signature, a duplicate) is left out instead of failing the batch, and `after`
+        runs in the same transaction with the refused items."""
         signer = self._signer
         if signer is None:
             raise StoreError("appending needs the log's checkpoint key; open the store with log_signer=")
         out: list[Appended] = []
+        refused: list[tuple[_Pending, str]] = []
         try:
             with write_transaction(self._writer, self.lock_timeout_s) as conn:
                 origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
@@ -311,38 +401,83 @@ class Store(LogReader):
                     reader.fetch(frontier(idx))
                     root = self._verified_head(head, signer, origin, reader)
                 history = self._history(conn, idx, root, reader)
-                for item in pending:
-                    rows = item.rows(conn, idx, history)
+                items = pending(conn) if callable(pending) else pending
+                now = _now()
+                # The batch's rows, written table by table (one statement each) when a checkpoint seals
+                # the whole batch: the insert guards accept rows of any entry not sealed yet.
+                bulk: dict[str, list[dict[str, Any]]] = {}
+
+                def flush() -> None:
+                    for name, statement in _BULK_ORDER:
+                        values = bulk.pop(name, None)
+                        if values:
+                            if name == "merkle_nodes":
+                                values.sort(key=lambda v: (v["level"], v["node_index"]))
+                            conn.execute(statement, values)
+
+                for item in items:
+                    if not seal_each and item.kind == "approval":
+                        flush()  # its relied-on receipts may be earlier entries of this batch
+                    try:
+                        rows = item.rows(conn, idx, history)
+                    except (StoreError, VerificationError, NotFound) as error:
+                        if after is None:
+                            raise
+                        refused.append((item, str(error)))
+                        continue
                     leaf = merkle.leaf_hash(item.data)
                     nodes = merkle.new_subtrees(idx, leaf, reader)
                     reader.add(nodes)
                     size = idx + 1
-                    root = merkle.root_from(reader, size)
-                    note = sign_checkpoint(Checkpoint(origin, size, root), signer)
-                    now = _now()
-                    conn.execute(
-                        _INSERT_ENTRY,
-                        {
-                            "idx": idx,
-                            "kind": item.kind,
-                            "envelope": item.data,
-                            "leaf_hash": leaf,
-                            "created_at": now,
-                        },
-                    )
-                    conn.execute(
-                        _INSERT_NODES, [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
-                    )
+                    if seal_each:
+                        now = _now()
+                    entry = {
+                        "idx": idx,
+                        "kind": item.kind,
+                        "envelope": item.data,
+                        "leaf_hash": leaf,
+                        "created_at": now,
+                    }
+                    node_rows = [{"level": lv, "node_index": ix, "hash": h} for lv, ix, h in nodes]
+                    if seal_each:
+                        conn.execute(_INSERT_ENTRY, entry)
+                        conn.execute(_INSERT_NODES, node_rows)
+                    else:
+                        bulk.setdefault("log_entries", []).append(entry)
+                        bulk.setdefault("merkle_nodes", []).extend(node_rows)
                     for table, values in rows:
-                        if values:
+                        if table is APPROVALS:
+                            # An approval row carries its entry's append time (the batch's).
+                            values = [{**v, "created_at": now} for v in values]
+                        if values and seal_each:
                             conn.execute(_inserts(table), values)
-                    conn.execute(
-                        _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
-                    )
+                        elif values:
+                            bulk.setdefault(table.name, []).extend(values)
+                    if item.kind in ("key-trust", "key-revoke"):
+                        history.apply(idx, item.data)  # later items of the batch are judged by it
+                    note = ""
+                    if seal_each:
+                        root = merkle.root_from(reader, size)
+                        note = sign_checkpoint(Checkpoint(origin, size, root), signer)
+                        conn.execute(
+                            _INSERT_CHECKPOINT, {"size": size, "root": root, "note": note, "created_at": now}
+                        )
                     out.append(Appended(idx=idx, kind=item.kind, checkpoint=note))
                     idx = size
+                flush()
+                if not seal_each and out:
+                    # One signed checkpoint for the batch, at the time every entry of it carries.
+                    root = merkle.root_from(reader, idx)
+                    note = sign_checkpoint(Checkpoint(origin, idx, root), signer)
+                    conn.execute(
+                        _INSERT_CHECKPOINT, {"size": idx, "root": root, "note": note, "created_at": now}
+                    )
+                    out = [Appended(a.idx, a.kind, note) for a in out]
+                if after is not None:
+                    after(conn, refused)
                 tip = {key: reader.cache[key] for key in frontier(idx)}
         except sa.exc.IntegrityError as error:
+            self._keys_cache = None
             # A row already stands where this append writes (planted outside the store), or an insert guard
             # refused a row: either way the log is not as this store left it.
             cause = str(getattr(error, "orig", error)).strip().splitlines() or ["integrity error"]
@@ -350,24 +485,37 @@ class Store(LogReader):
                 f"the database refused the append ({cause[0]}): rows were written outside "
                 f"the store; nothing appended{_REPAIR}"
             ) from error
+        except BaseException:
+            self._keys_cache = None  # key entries of a rolled-back batch were applied to it
+            raise
         # Only after the commit: a rolled-back append must not leave a frontier that never existed.
         self._frontier = (idx, root, tip)
+        self._keys_cache = (history, idx)
         if self._meta is None:
             self.meta()
         return out
 
-    def _receipt_pending(self, receipt: ParsedReceipt) -> tuple[_Pending, Callable[[], ReceiptRecord]]:
+    def _receipt_pending(
+        self, receipt: ParsedReceipt, placed: dict[str, int] | None = None
+    ) -> tuple[_Pending, Callable[[], ReceiptRecord]]:
+        """The pending append of a receipt. `placed` (the sequencer's batch): the log index of every
+        receipt of the batch already in the log, read in one query, and of those the batch places."""
         appended: dict[str, Any] = {}  # index and signer, once the append has placed the receipt
 
         def rows(
             conn: Connection, idx: int, history: KeyHistory
         ) -> list[tuple[sa.Table, list[dict[str, Any]]]]:
             keyid = history.signers(receipt.envelope, idx, "receipt")[0]
-            dup = conn.execute(_RECEIPT_AT, {"id": receipt.id}).scalar()
+            if placed is None:
+                dup = conn.execute(_RECEIPT_AT, {"id": receipt.id}).scalar()
+            else:
+                dup = placed.get(receipt.id)
             if dup is not None:
                 raise StoreError(
                     f"receipt {receipt.id[:16]} is already in the log at index {dup}; nothing appended"
                 )
+            if placed is not None:
+                placed[receipt.id] = idx
             appended.update(idx=idx, keyid=keyid)
             subject_rows = [
                 {"receipt_id": receipt.id, "digest": s.digest, "name": s.name} for s in receipt.subjects
@@ -397,6 +545,10 @@ class Store(LogReader):
         signature without a keyid is stored with the keyid of the trusted key that made it."""
         receipt = envelope if isinstance(envelope, ParsedReceipt) else parse_receipt(envelope)
         receipt = self._named([receipt])[0]
+        if self._signer is None and self.host_verifier is not None:
+            from receipts import sequencer
+
+            return sequencer.append_as_host(self, receipt.data, self.host_verifier, self._host_wait())
         pending, record = self._receipt_pending(receipt)
         self._append([pending])
         return record()
@@ -406,6 +558,16 @@ class Store(LogReader):
         receipts = self._named([e if isinstance(e, ParsedReceipt) else parse_receipt(e) for e in envelopes])
         if len({r.id for r in receipts}) != len(receipts):
             raise StoreError("the same receipt appears twice in the batch; nothing appended")
+        if self._signer is None and self.host_verifier is not None:
+            from receipts import sequencer
+
+            # Queued together; each placed (or refused) by the sequencer on its own.
+            submitted = sequencer.submit_many(self, [("receipt", r.data) for r in receipts])
+            for item in submitted:
+                sequencer.wait_sequenced(self, item, self._host_wait())
+            for item in submitted:
+                sequencer.proven(self, item.digest, self.host_verifier)
+            return [self.get_receipt(item.digest) for item in submitted]
         prepared = [self._receipt_pending(r) for r in receipts]
         self._append([pending for pending, _ in prepared])
         return [record() for _, record in prepared]
@@ -424,6 +586,33 @@ class Store(LogReader):
         derived from the signed approval statement; fields a caller also passes must equal the signed ones
         (a mismatch is refused and nothing is written)."""
         data = dsse.envelope_bytes(envelope)
+        pending, aid = self._approval_pending(
+            data,
+            subject=subject,
+            decision=decision,
+            policy_digest=policy_digest,
+            receipt_ids=receipt_ids,
+            reasons=reasons,
+        )
+        if self._signer is None and self.host_verifier is not None:
+            from receipts import sequencer
+
+            sequencer.wait_sequenced(self, sequencer.submit(self, "approval", data), self._host_wait())
+            return self.get_approval(aid)
+        self._append([pending])
+        return self.get_approval(aid)
+
+    def _approval_pending(
+        self,
+        data: bytes,
+        *,
+        subject: str | None = None,
+        decision: str | None = None,
+        policy_digest: str | None = None,
+        receipt_ids: Sequence[str] | None = None,
+        reasons: Sequence[str] | None = None,
+    ) -> tuple[_Pending, str]:
+        """The pending append of a signed approval's bytes, and its id (see append_approval)."""
         parsed = dsse.parse(data)
         signed = approval_rows.signed_fields(parsed)
         given = {
@@ -458,11 +647,18 @@ class Store(LogReader):
             row = {"id": aid, "log_idx": idx, **signed, "keyid": keyids[0], "created_at": _now()}
             return [(ApprovalRow.__table__, [row])]
 
-        self._append([_Pending("approval", data, rows)])
-        return self.get_approval(aid)
+        return _Pending("approval", data, rows), aid
+
+    def _administrator_only(self, what: str) -> None:
+        if self._signer is None and self.host_verifier is not None:
+            raise StoreError(
+                f"{what} a key is an administrator's act: run it where the log key is "
+                "(the sequencer's machine), e.g. qualify keys trust FILE --db URL"
+            )
 
     def trust_key(self, key: VerifyingKey, note: str = "") -> KeyInfo:
         """Append a key-trust entry: `key` signs for every entry after it until revoked."""
+        self._administrator_only("trusting")
         data = trust_record(key, note, _now())
 
         def rows(
@@ -484,6 +680,7 @@ class Store(LogReader):
 
     def revoke_key(self, keyid: str, reason: str = "") -> KeyInfo:
         """Append a key-revoke entry: from here on the key signs nothing; earlier entries stay valid."""
+        self._administrator_only("revoking")
         full = self.key(keyid).keyid
         data = revoke_record(full, reason, _now())
 

@@ -87,6 +87,12 @@ class SqlSubtrees:
             )
         return self.cache[(level, index)]
 
+    def prefetch(self, compute: Callable[[object], object]) -> None:
+        """Fetch, in batched queries, every subtree a dry run of `compute(reader)` asks for."""
+        recorder = _Recorder()
+        compute(recorder)
+        self.fetch(recorder.keys)
+
     def run(self, compute: Callable[[object], T]) -> T:
         """`compute(reader)` after fetching, in one query, every subtree a dry run of it asks for."""
         recorder = _Recorder()

@@ -19,11 +19,9 @@ CLOCK_STEP = timedelta(seconds=5)
 _E = LogEntry.__table__
 _C = CheckpointRow.__table__
 _TIMES = (
-    sa.select(_E.c.idx, _E.c.kind, _E.c.created_at, _C.c.created_at)
-    .join(_C, _C.c.size == _E.c.idx + 1, isouter=True)
-    .where(_E.c.idx < sa.bindparam("size"))
-    .order_by(_E.c.idx)
+    sa.select(_E.c.idx, _E.c.kind, _E.c.created_at).where(_E.c.idx < sa.bindparam("size")).order_by(_E.c.idx)
 )
+_SEALS = sa.select(_C.c.size, _C.c.created_at).where(_C.c.size <= sa.bindparam("size")).order_by(_C.c.size)
 
 Report = Callable[[int | None, str], None]
 
@@ -47,14 +45,23 @@ def check(conn: Connection, size: int, problem: Report) -> None:
     previous: datetime | None = None
     signed_kinds: dict[int, tuple[str, datetime]] = {}
     first: datetime | None = None
-    for idx, kind, at, sealed_at in conn.execute(_TIMES, {"size": size}):
+    # An append writes its entries and the checkpoint that seals them (the next one in size) with one
+    # time: an entry whose time is not that checkpoint's had its time rewritten, or its own checkpoint
+    # (a batch's) was deleted and a later one now comes first.
+    seals = iter(conn.execute(_SEALS, {"size": size}).all())
+    seal = next(seals, None)
+    for idx, kind, at in conn.execute(_TIMES, {"size": size}):
+        while seal is not None and seal[0] <= idx:
+            seal = next(seals, None)
         if first is None:
             first = at
-        if sealed_at is not None and sealed_at != at:
+        if seal is not None and seal[1] != at:
+            sealed_at = seal[1]
             problem(
                 idx,
-                f"the created_at of log entry {idx} ({at:%Y-%m-%dT%H:%M:%S.%fZ}) is not its checkpoint's "
-                f"({sealed_at:%Y-%m-%dT%H:%M:%S.%fZ}): one of them was rewritten",
+                f"the created_at of log entry {idx} ({at:%Y-%m-%dT%H:%M:%S.%fZ}) is not that of the "
+                f"checkpoint of size {seal[0]}, the first after it ({sealed_at:%Y-%m-%dT%H:%M:%S.%fZ}): "
+                f"the checkpoint of its append was deleted, or a time was rewritten",
             )
         if previous is not None and at < previous - CLOCK_STEP:
             problem(

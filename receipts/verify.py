@@ -293,8 +293,15 @@ class _Verifier:
         for cp_size in range(result.lo + 1, result.hi + 1):
             root = result.note_roots.get(cp_size)
             if root is None:
-                if cp_size not in result.bad_notes:  # a bad one is reported by the slice already
-                    self.problem(cp_size - 1, f"the checkpoint of size {cp_size} is missing (deleted row)")
+                # A batch has one checkpoint, at its end; the one the log ends with must be there. (Within
+                # the log, time_rows finds a batch's checkpoint deleted: its entries' time is not the next
+                # checkpoint's.)
+                if cp_size == self.report.size and cp_size not in result.bad_notes:
+                    self.problem(
+                        cp_size - 1,
+                        f"the checkpoint of size {cp_size}, where the log ends, is missing (deleted row): "
+                        "its last entries are not covered by a signed checkpoint",
+                    )
                 continue
             self.report.checkpoints += 1
             if cp_size > self.tree.size:

@@ -13,7 +13,7 @@ import socket
 import stat
 import sys
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from rich.console import Console
 
-from qualify import settings
+from qualify import params, settings
 from qualify.errors import UsageError
 from qualify.limits import MAX_IMPORT_BYTES, read_text_limited
 from receipts.canonical import loads
@@ -158,12 +158,16 @@ def read_private_text(path: Path, what: str) -> str:
 
 
 def load_log_signer(*, create: bool) -> NoteSigner | None:
-    """The log's checkpoint key at settings.log_key_path(); created (0600) on first use when `create`."""
+    """The log's checkpoint key at settings.log_key_path(); created (0600) on first use when `create`.
+    A key made here is named for the new log it starts (`qualify.local/<host>/<random id>`, its origin);
+    which name a log signs under is the log's own (see Store.set_log_signer)."""
     path = settings.log_key_path()
     if not path.exists():
         if not create:
             return None
-        signer = NoteSigner(default_origin(), Ed25519PrivateKey.generate())
+        from receipts.store import new_log_origin
+
+        signer = NoteSigner(new_log_origin(default_origin()), Ed25519PrivateKey.generate())
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -179,6 +183,45 @@ def load_log_signer(*, create: bool) -> NoteSigner | None:
         return NoteSigner.from_skey(text)
     except ReceiptsError as error:
         raise KeyFileError(f"log key file {path} is not a note signer key: {error}") from error
+
+
+def _is_default_store(store: Store) -> bool:
+    from receipts.db import parse_url
+
+    try:
+        default = parse_url(settings.default_db_url())
+    except StoreError:
+        return False
+    return store.engine.url.render_as_string(hide_password=False) == default.render_as_string(
+        hide_password=False
+    )
+
+
+def local_log_signer(store: Store) -> NoteSigner | None:
+    """The local log key, named as this store's log signs, when it is this store's log key; else None.
+
+    It is taken to be this log's key when the store is this data dir's own (default) store, when the log
+    was started with it (the store's origin is the key's name, or, for logs made before key name =
+    origin, starts with it), or when the store records its public key. Otherwise the local key belongs to
+    another log: trusting it would report every checkpoint of this one as forged."""
+    from receipts.store import recorded_key_name, signer_named
+
+    signer = load_log_signer(create=False)
+    if signer is None:
+        return None
+    meta = store.meta()
+    if meta is None:
+        return signer
+    origin, vkey = meta
+    named = signer_named(signer, recorded_key_name(vkey))
+    if (
+        _is_default_store(store)
+        or origin == signer.name
+        or origin.startswith(signer.name + "/")
+        or named.vkey() == vkey
+    ):
+        return named
+    return None
 
 
 def parse_vkey(value: str) -> NoteVerifier:
@@ -198,12 +241,24 @@ def parse_vkey(value: str) -> NoteVerifier:
 
 def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerifier], str]:
     """Trusted checkpoint keys and where they came from: --vkey (text or a file holding it), else the
-    local log key, else (weakest) the key recorded in the store itself."""
+    local log key, else a fleet host's copy of the verifier key (keys/log.vkey, $QUALIFY_LOG_VKEY), else
+    (weakest) the key recorded in the store itself."""
     if vkey:
         return [parse_vkey(vkey)], "--vkey"
-    signer = load_log_signer(create=False)
+    signer = local_log_signer(store)
+    held = host_log_verifier()
+    candidates: list[tuple[NoteVerifier, str]] = []
     if signer is not None:
-        return [signer.verifier()], f"the local log key {settings.log_key_path()}"
+        candidates.append((signer.verifier(), f"the local log key {settings.log_key_path()}"))
+    if held is not None:
+        candidates.append((held[0], f"the log's verifier key from {held[1]}"))
+    if candidates:
+        # Both kept here (a fleet host that also has a log of its own): the one this log records; if
+        # neither is, the fleet's (the explicit one), against which the difference is reported.
+        meta = store.meta()
+        recorded = meta[1] if meta else None
+        verifier, source = next((c for c in candidates if c[0].vkey() == recorded), candidates[-1])
+        return [verifier], source
     return [store.log_verifier()], "the log key recorded in the store (pass --vkey to trust your own copy)"
 
 
@@ -247,24 +302,64 @@ def tamper_exits_1(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def host_log_verifier() -> tuple[NoteVerifier, str] | None:
+    """A fleet host's copy of the log's verifier key: $QUALIFY_LOG_VKEY, else keys/log.vkey; None when
+    neither is set (then this machine is its own log's sequencer, the embedded default)."""
+    text = os.environ.get(settings.LOG_VKEY_ENV, "").strip()
+    source = f"${settings.LOG_VKEY_ENV}"
+    path = settings.log_vkey_path()
+    if not text and path.is_file():
+        try:
+            text, source = path.read_text(encoding="ascii").strip(), str(path)
+        except (OSError, UnicodeDecodeError) as error:
+            raise KeyFileError(f"cannot read the log's verifier key {path}: {error}") from None
+    if not text:
+        return None
+    try:
+        return NoteVerifier.from_vkey(text), source
+    except ReceiptsError as error:
+        raise KeyFileError(f"the log's verifier key in {source} is not one: {error}") from None
+
+
 def open_append(url: str | None, *, create: bool = True) -> Store:
-    """The store for appending, created on first use (unless `create` is off), with the log's checkpoint
-    key (also created on first use, and only once the database has answered)."""
+    """The store for appending, created on first use (unless `create` is off).
+
+    Roles (docs/RELIABILITY.md, "A fleet"): where this machine holds the log key (keys/log.key; made on
+    first use for a new log, the embedded default), it appends and signs checkpoints itself. A fleet
+    host holds only the log's verifier key (keys/log.vkey or $QUALIFY_LOG_VKEY): it submits entries to
+    the sequencer's queue and checks each proof with that key."""
     from receipts.store import Store, new_log_origin
 
     store = Store.open(resolve_db(url), create=create)
     try:
-        # A log key is made only for a log that has none yet: a machine without the key of an existing
-        # log must not leave behind a stray key (which later reads would trust as "the local log key").
         meta = store.meta()
-        signer = load_log_signer(create=meta is None)
-        if signer is None:
+        held = host_log_verifier()
+        signer = None if meta is None else local_log_signer(store)
+        if held is not None:
+            verifier, _ = held
+            if signer is None or signer.vkey() != verifier.vkey():
+                store.set_host(verifier)  # refused when the log is empty or records another key
+                return store
+        if meta is not None and signer is None:
             raise KeyFileError(
-                f"this log's checkpoints are signed by {meta[1] if meta else 'another key'}, but there is no "
-                f"log key at {settings.log_key_path()}; append where that key is, or copy it there"
+                f"this log's checkpoints are signed by {meta[1]}, and there is no log key at "
+                f"{settings.log_key_path()} for it: on a host of a fleet log, save the log's verifier key "
+                f"(`qualify log vkey` where the log key is) to {settings.log_vkey_path()} or set "
+                f"${settings.LOG_VKEY_ENV}, and run its sequencer there (qualify log sequence); "
+                "never copy the log key itself"
             )
-        # A new log gets an origin of its own (qualify.local/<host>/<random id>); an existing one keeps its.
-        store.set_log_signer(signer, None if meta else new_log_origin(signer.name))
+        if meta is None:
+            # A log key is made only for a log that has none yet: a machine without the key of an
+            # existing log must not leave behind a stray key (which later reads would trust).
+            existed = settings.log_key_path().exists()
+            signer = load_log_signer(create=True)
+            assert signer is not None
+            # A new log gets an origin of its own (qualify.local/<host>/<random id>), and its
+            # checkpoints the key name equal to it; a key made just now is already named for it.
+            store.set_log_signer(signer, signer.name if not existed else new_log_origin(default_origin()))
+        else:
+            assert signer is not None
+            store.set_log_signer(signer)
     except BaseException:
         store.close()
         raise
@@ -306,20 +401,30 @@ def read_json_documents(path: str) -> list[Any]:
     return documents
 
 
-_RELATIVE = re.compile(r"^(\d+)([smhdw])$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
-
-
 def parse_since(value: str | None) -> datetime | None:
-    """`7d`, `24h`, `30m` (ago), or an ISO 8601 date/time (UTC unless it says otherwise)."""
+    """`7d`, `24h`, `30m` (ago), or an ISO 8601 date/time (UTC unless it says otherwise): the grammar the
+    HTTP API shares (qualify.params)."""
     if value is None:
         return None
-    match = _RELATIVE.match(value.strip())
-    if match:
-        return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
-    from receipts.statement import parse_time
+    try:
+        return params.parse_since(value)
+    except params.ParamError as error:
+        raise UsageError(f"--{error}") from None
 
-    parsed = parse_time(value.strip())
-    if parsed is None:
-        raise UsageError(f"--since {value!r} is neither a duration like 7d / 24h nor an ISO date")
-    return parsed
+
+def parse_subject_option(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return params.parse_subject(value)
+    except params.ParamError as error:
+        raise UsageError(f"--{error}") from None
+
+
+def parse_host_option(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return params.parse_host(value)
+    except params.ParamError as error:
+        raise UsageError(f"--{error}") from None

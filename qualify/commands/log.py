@@ -7,6 +7,9 @@ Exit codes: 0 verified, 1 verification found tampering, 2 bad input."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,8 +20,9 @@ from qualify.commands._common import (
     db_option,
     emit,
     json_option,
-    load_log_signer,
+    local_log_signer,
     log_verifiers,
+    open_append,
     open_read,
     opened,
     store_errors,
@@ -124,13 +128,97 @@ def consistency(old: str, out: str | None, vkey: str | None, db_url: str | None,
 @db_option
 @store_errors
 def vkey(db_url: str | None) -> None:
-    """The log's checkpoint verifier key, for auditors (`log verify --vkey`)."""
-    signer = load_log_signer(create=False)
-    if signer is not None:
-        click.echo(signer.vkey())
-        return
+    """The store's log verifier key (its key name is the log's origin), for auditors and hosts
+    (`log verify --vkey`, `qualify run --vkey`). Where the local log key is this log's, the key printed is
+    the local one; otherwise the one the store records, and a note on stderr says so."""
     with opened(open_read(db_url)) as store:
+        meta = store.meta()
+        if meta is None:
+            raise UsageError("the log is empty: it has no log key yet; it gets one with its first entry")
+        signer = local_log_signer(store)
+        if signer is not None:
+            click.echo(signer.vkey())
+            return
+        click.echo(
+            "note: this is the key the store records (no local log key of this log here); "
+            "compare it with the one its sequencer prints before you trust it",
+            err=True,
+        )
         click.echo(store.log_verifier().vkey())
+
+
+def run_sequencer(
+    db_url: str | None,
+    *,
+    batch: int = 256,
+    interval: float = 0.25,
+    once: bool = False,
+    duration: float | None = None,
+    stop: threading.Event | None = None,
+    quiet: bool = False,
+) -> int:
+    """The sequencer loop (`qualify log sequence`, `qualify serve --sequencer`); how many it integrated."""
+    from receipts import sequencer
+
+    stop = stop or threading.Event()
+    deadline = None if duration is None else time.monotonic() + duration
+    total = 0
+    with opened(open_append(db_url)) as store:
+        if store.log_signer is None:
+            raise UsageError(
+                "the sequencer signs the log's checkpoints: run it where the log key is (keys/log.key), "
+                "not on a host that holds only the verifier key"
+            )
+        store.ensure_log()
+        if not quiet:
+            click.echo(f"sequencing log {store.origin} ({store.log_signer.vkey()})", err=True)
+
+        def done() -> bool:
+            return stop.is_set() or (deadline is not None and time.monotonic() >= deadline)
+
+        while not done():
+            result = sequencer.integrate(store, batch)
+            total += result.integrated
+            if (result.integrated or result.refused) and not quiet:
+                click.echo(
+                    f"sequenced {result.integrated} (refused {result.refused}), log size {result.size}",
+                    err=True,
+                )
+            if result.integrated + result.refused < batch:
+                if once:
+                    break
+                stop.wait(interval)
+    return total
+
+
+@log.command("sequence")
+@click.option(
+    "--batch", default=256, show_default=True, type=click.IntRange(1, 10_000), help="Entries per batch."
+)
+@click.option(
+    "--interval",
+    default=0.25,
+    show_default=True,
+    type=click.FloatRange(0.01, 60),
+    help="Seconds to wait for more entries when a batch is not full.",
+)
+@click.option("--once", is_flag=True, help="Integrate what is queued now, then exit.")
+@click.option("--duration", type=click.FloatRange(min=0), help="Stop after this many seconds.")
+@db_option
+@store_errors
+def sequence(batch: int, interval: float, once: bool, duration: float | None, db_url: str | None) -> None:
+    """The log's sequencer, the one process that holds the log key: integrates the entries hosts queue
+    (up to --batch per transaction), gives each the next log index, signs one checkpoint per batch and
+    records why it refused any. Stop it with SIGTERM or Ctrl-C; killed outright it loses nothing (a batch
+    is committed whole or not at all) and a restart goes on where the log stands."""
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        run_sequencer(db_url, batch=batch, interval=interval, once=once, duration=duration, stop=stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _summary(report: LogReport) -> str:
@@ -185,7 +273,7 @@ def verify(
             open_checkpoint(text, verifiers, store.origin)
         from receipts.verify import verify_log
 
-        signer = load_log_signer(create=False)
+        signer = local_log_signer(store)
         try:
             report = verify_log(
                 store, checkpoint_text=text, verifiers=verifiers, log_signer=signer, workers=workers
@@ -268,7 +356,7 @@ def _verify_problem(db_url: str | None, verifiers: list) -> str | None:
 
     with opened(open_read(db_url)) as store:
         try:
-            verify_log(store, verifiers=verifiers, log_signer=load_log_signer(create=False))
+            verify_log(store, verifiers=verifiers, log_signer=local_log_signer(store))
         except TamperError as error:
             return str(error)
     return None

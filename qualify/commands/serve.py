@@ -9,7 +9,15 @@ from pathlib import Path
 
 import click
 
-from qualify.commands._common import db_option, open_append, open_read, opened, store_errors
+from qualify.commands._common import (
+    db_option,
+    log_verifiers,
+    open_append,
+    open_read,
+    opened,
+    store_errors,
+    vkey_option,
+)
 from qualify.errors import UsageError
 
 TOKEN_ENV = "QUALIFY_API_TOKEN"
@@ -67,8 +75,22 @@ def read_token(token_file: str | None) -> str | None:
     help=f"Bearer token for POST /v1/decisions (or ${TOKEN_ENV}).",
 )
 @click.option("--key", "key_path", default=None, metavar="PATH", help="Key that signs recorded decisions.")
+@vkey_option
+@click.option(
+    "--sequencer",
+    is_flag=True,
+    help="Also run the log's sequencer here (this machine must hold the log key): see qualify log sequence.",
+)
 @store_errors
-def serve(host: str, port: int, db_url: str | None, token_file: str | None, key_path: str | None) -> None:
+def serve(
+    host: str,
+    port: int,
+    db_url: str | None,
+    token_file: str | None,
+    key_path: str | None,
+    vkey: str | None,
+    sequencer: bool,
+) -> None:
     """Serve receipts, proofs, checkpoints and approvals over HTTP (OpenAPI at /docs, /redoc and
     /openapi.json; the docs pages need no network). The --token-file must be private (chmod 600).
 
@@ -84,19 +106,30 @@ def serve(host: str, port: int, db_url: str | None, token_file: str | None, key_
     store = open_append(db_url, create=False) if token is not None else open_read(db_url)
     with opened(store):
         key = load_signing_key(store, key_path) if token is not None else None
+        # POST /v1/decisions verifies with the trust `qualify approve` uses: --vkey, else the local log key.
+        verifiers, source = log_verifiers(store, vkey)
         # Bind here, before uvicorn starts: a busy port is one line and exit 2 (bad input), not uvicorn's
         # log lines and its exit 3. The bound socket is the one uvicorn serves on (no window between).
         listening = listen(host, port)
         if token is None:
             click.echo(f"decisions disabled: no --token-file or ${TOKEN_ENV}; serving read-only", err=True)
+        else:
+            click.echo(f"decisions verify checkpoints with {source}", err=True)
         config = uvicorn.Config(
-            create_app(store, token=token, signing_key=key),
+            create_app(store, token=token, signing_key=key, verifiers=verifiers),
             host=host,
             port=port,
             log_level="info",
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
         with listening:
+            if sequencer:
+                import threading
+
+                from qualify.commands.log import run_sequencer
+
+                # Its own store and connections; a batch cut short when the server exits is rolled back.
+                threading.Thread(target=run_sequencer, args=(db_url,), name="sequencer", daemon=True).start()
             uvicorn.Server(config).run(sockets=[listening])
 
 

@@ -52,7 +52,18 @@ def load_key(store: Store, path: str | None) -> OperatorKey:
         key = keys.SigningKey.load(p)
     trusted = store.trusted_keys()
     newly = False
+    if key.keyid not in trusted and store.log_signer is None:
+        # A fleet host: trusting a new operator key is the administrator's act, never a side effect of
+        # a host's first run.
+        public = p.with_suffix(".pub")
+        raise UsageError(
+            f"operator key {key.keyid[:16]} ({p}) is not trusted by this fleet log; an administrator "
+            f"trusts it where the log key is: qualify keys export-public --key {p} --out {public} here, "
+            f"then there: qualify keys trust {public.name} --db URL"
+        )
     if key.keyid not in trusted:
+        # Trust on first use only where this machine holds the log key (the embedded default): the same
+        # machine that signs the log's checkpoints vouches for its own operator key.
         try:
             store.trust_key(key.public_key(), note=f"operator key {p}")
         except StoreError as exc:  # revoked: do not sign with it

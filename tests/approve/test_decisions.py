@@ -284,7 +284,7 @@ def test_decide_and_record_on_postgresql(pg_url: str, tmp_path) -> None:
         approved = record(store, decide(store, loaded, SUBJECT), loaded, key)
         assert approved.decision == "approved" and approved.hosts == ["pg-a", "pg-c"]
         listed = TestClient(create_app(store)).get("/v1/approvals", params={"subject": SUBJECT}).json()
-        assert [a["decision"] for a in listed["items"]] == ["denied", "approved"]
+        assert [a["decision"] for a in listed["items"]] == ["approved", "denied"]  # newest first
     finally:
         store.close()
 

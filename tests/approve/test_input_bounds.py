@@ -268,3 +268,47 @@ def test_statement_payloads_still_parse(log: Log) -> None:
     # The bounded parser accepts every real receipt (integers, floats, nesting of a real predicate).
     payload = canonical_json(statement(SUBJECT, predicate()))
     assert log.store.append_receipt(_envelope(payload, log)).id
+
+
+def test_a_policy_over_its_budget_stops_the_verification_early(log: Log, monkeypatch) -> None:
+    """The policy is applied to each step of verified receipts as it comes: one that spends its budget is
+    refused after the first step, without verifying the rest of the fleet's receipts first."""
+    import qualify.approve as approve_module
+
+    for n in range(6):
+        log.add(host=f"node-{n}", restarts=n)  # distinct predicates: nothing is reused
+    monkeypatch.setattr(approve_module, "GATHER_CHUNK", 2)
+    steps: list[int] = []
+    real = log.store.verify_receipts
+    monkeypatch.setattr(
+        log.store,
+        "verify_receipts",
+        lambda records, *a, **k: steps.append(len(records)) or real(records, *a, **k),
+    )
+    loaded = parse_policy_text(
+        "[conditions]\npairs = 'receipt.checks.all(a, receipt.checks.all(b, b.seconds >= 0.0))'\n", "toml"
+    )
+    with pytest.raises(PolicyError, match="spent the evaluation budget"):
+        decide(log.store, loaded, SUBJECT, budget=Budget(steps=200))
+    assert steps == [2]
+    assert decide(log.store, loaded, SUBJECT).decision == "approved"
+    assert steps[1:] == [2, 2, 2]
+
+
+def test_reused_condition_outcomes_follow_the_fields_each_receipt_has(log: Log) -> None:
+    """Outcomes are reused only for the same values of the fields a condition reads."""
+    from qualify.cel import _top_fields
+
+    assert _top_fields('receipt.target == "gpu"') == {"target"}
+    assert _top_fields('receipt.checks.exists(c, c.name == "receipt")') == {"checks"}
+    assert _top_fields('receipt["target"] == "gpu"') is None
+    assert _top_fields("receipt.size() > 3") is None
+    for n, target in enumerate(["gpu", "cpu", "gpu", "cpu"]):
+        log.add(host=f"node-{n}", target=target)
+    loaded = parse_policy_text(
+        "min_hosts = 2\n[conditions]\ngpu = 'receipt.target == \"gpu\"'\nwhole = 'size(receipt) > 3'\n",
+        "toml",
+    )
+    decision = decide(log.store, loaded, SUBJECT)
+    assert [e.counted for e in decision.evaluations] == [True, False, True, False]
+    assert decision.decision == "approved" and decision.hosts == ["node-0", "node-2"]

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from receipts import merkle
 from receipts.errors import TamperError
+from receipts.models import SCHEMA_REVISION
 from receipts.repair import repair
 from receipts.store import Store
 from receipts.subtrees import SqlSubtrees
@@ -230,6 +231,6 @@ def test_a_store_with_entries_at_revision_0001_upgrades_and_goes_on(db_url, log_
     append_synthetic(old, operator, 3)
     old.close()
     with Store.open(db_url, log_signer=log_signer) as store:
-        assert store.revision() == "0002_insert_guards"
+        assert store.revision() == SCHEMA_REVISION
         store.append_receipt(synthetic_envelope(operator, 9))
         assert store.size() == 5 and verify_log(store).ok
