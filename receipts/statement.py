@@ -104,6 +104,12 @@ class RequestInfo(_Model):
     gpus: str | None = Field(None, description='"all", a comma list of indices, or null for none')
     timeout_s: NonNegativeFloat | None = None
     dcp: PositiveInt | None = Field(None, description="DCP ranks, one process each; null: folded")
+    sandbox: bool | None = Field(
+        None, description="false: --no-sandbox, the engine ran as the operator's own process; null: older"
+    )
+    engine_env: dict[str, str] | None = Field(
+        None, description="variables the operator added to the engine's environment (--engine-env)"
+    )
 
 
 class EngineInfo(_Model):
@@ -122,6 +128,11 @@ class EngineInfo(_Model):
     )
     described_config: dict[str, Any] | None = Field(
         None, description="the engine's own account of its full configuration (its word; boot compares it)"
+    )
+    sandbox: dict[str, Any] | None = Field(
+        None,
+        description="where the engine ran: tool, identity, namespaces, mounts, writable paths, network, "
+        "its whole environment (docs/SANDBOX.md); enabled false with why when it ran unsandboxed",
     )
 
     @model_validator(mode="after")

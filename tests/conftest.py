@@ -29,6 +29,10 @@ if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
 USER_QUALIFY_HOME = os.environ.get("QUALIFY_HOME")
 os.environ["QUALIFY_HOME"] = tempfile.mkdtemp(prefix="qualify-test-home-")
 os.environ.pop("QUALIFY_DB_URL", None)
+# The harness's cache (file digests of the sandbox's code mounts, seeded weights) is the tests' own, never
+# the user's, and kept across sessions: the first run hashes the interpreter and its site-packages (seconds),
+# later ones only stat them. tests/harness/conftest.py fills it before the first timed run.
+os.environ["QUALIFY_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"qualify-test-cache-{os.getuid()}")
 
 
 def _need(what: str, why: str) -> None:

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 from qualify import settings
 from qualify.checks.base import Check, Cond, Context, Outcome, engine_says, fail_unless, observed
+from qualify.checks.weights import handed_reload_keeps_output
+from qualify.launch.local import DEFAULT_ENGINE_MODULE
 from qualify.protocol import Describe
 from qualify.run.geometry import geometry_for
 from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_digest
@@ -36,8 +38,15 @@ def sent_config(ctx: Context) -> dict[str, Any]:
 
 
 def _weights(ctx: Context, d: Describe) -> tuple[dict[str, Any], Cond | None]:
-    """Local launcher: hash the weights file the engine names, which must lie in the data dir the harness and
-    the engine share; docker: say that the harness could not (the file is inside the container)."""
+    """The weights file the harness hashed and handed the engine (read-only, at a path it chose); the
+    engine must name that path. Otherwise (a launcher that hands over none) the file the engine names,
+    which must lie in the data dir; docker: say that the harness could not (it is inside the container)."""
+    handed = getattr(ctx.launcher, "weights", None)
+    if handed is not None:
+        facts = {**handed.evidence(), "engine_names": d.engine.weights_path}
+        named = d.engine.weights_path == handed.engine_path
+        facts["engine_names_handed_file"] = named
+        return facts, observed(True, f"{handed.path.name}: {handed.digest}")
     if ctx.launcher.kind != "local":
         return {"hashed": False, "why": "docker launcher: the weights are inside the container"}, None
     named = d.engine.weights_path
@@ -146,7 +155,9 @@ def run(ctx: Context) -> Outcome:
     described["num_spec"] = d.capacity.num_spec
     # A local engine runs the code installed beside the harness: its self-reported code digest must equal
     # the digest the harness computes from the same files (the receipt's code subject is the harness's).
-    disk_digest = engine_code_digest_on_disk() if ctx.launcher.kind == "local" else None
+    # A foreign engine (QUALIFY_ENGINE_MODULE) is named by its own tree's digest, never held to this one.
+    reference = getattr(ctx.launcher, "module", DEFAULT_ENGINE_MODULE) == DEFAULT_ENGINE_MODULE
+    disk_digest = engine_code_digest_on_disk() if ctx.launcher.kind == "local" and reference else None
     launcher_pid = ctx.launcher.status().detail.get("pid")
     weights, weights_cond = _weights(ctx, d)
     ctx.facts["weights_file"] = weights
@@ -190,6 +201,16 @@ def run(ctx: Context) -> Outcome:
             )
     if weights_cond is not None:
         conditions["weights_file_hashed"] = weights_cond
+    handed = getattr(ctx.launcher, "weights", None)
+    if handed is not None:
+        conditions["engine_names_handed_weights"] = engine_says(
+            bool(weights.get("engine_names_handed_file")),
+            None
+            if weights.get("engine_names_handed_file")
+            else f"the engine names {weights.get('engine_names')}, not {handed.engine_path}",
+        )
+        cond, evidence["handed_weights_reload"] = handed_reload_keeps_output(ctx, handed.engine_path)
+        conditions["handed_weights_reload_keeps_output"] = cond
     if disk_digest is not None:
         # The harness hashed the code it launched; the engine's claim about itself must agree with it.
         conditions["code_digest_matches_disk"] = engine_says(  # one side is the engine's number: `engine`

@@ -157,6 +157,8 @@ def build_request(
     timeout: float | None,
     as_json: bool,
     dcp: int | None = None,
+    no_sandbox: bool = False,
+    engine_env: tuple[str, ...] = (),
 ) -> RunRequest:
     """Validate every option; UsageError (exit 2) before anything is booted or written."""
     num_spec = parse_spec(spec)
@@ -187,6 +189,17 @@ def build_request(
     why = backend_refusal(kda_backend, target, launcher, dict(os.environ))
     if why:
         raise UsageError(why)
+    from qualify.launch.sandbox import SandboxUnavailable, find_bwrap, parse_engine_env
+
+    try:
+        added = parse_engine_env(list(engine_env))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if launcher == "local" and not no_sandbox:
+        try:
+            find_bwrap()  # a host that cannot sandbox the engine is refused, unless the operator says so
+        except SandboxUnavailable as exc:
+            raise UsageError(str(exc)) from exc
     return RunRequest(
         layout=layout_v,
         kda_backend=kda_backend,
@@ -202,6 +215,8 @@ def build_request(
         key_path=key or "",
         json_output=as_json,
         dcp=dcp_v,
+        sandbox=not no_sandbox,
+        engine_env=tuple(sorted(added.items())),
     )
 
 
@@ -259,6 +274,17 @@ def _check_key_file(path: str) -> None:
 )
 @click.option(
     "--timeout", type=float, default=None, metavar="S", help=f"Whole-run limit [{DEFAULT_TIMEOUT_S:g} s]."
+)
+@click.option(
+    "--engine-env",
+    multiple=True,
+    metavar="K=V",
+    help="Add a variable to the engine's environment (repeatable; recorded in the receipt).",
+)
+@click.option(
+    "--no-sandbox",
+    is_flag=True,
+    help="Run a local engine as your own process, unsandboxed (recorded; fleet policies deny it).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the receipt summary as JSON.")
 @click.pass_context

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 EXIT_BAD_CONFIG = 2  # refused at construction: launchers do not restart an engine that exits so
 # The read end of a pipe whose write end only the harness holds (qualify.launch.base.HARNESS_FD_ENV).
@@ -63,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     for action in s._actions:
         if action.option_strings and action.dest != "help":
             f._add_action(action)
+    # Seeded weights written to a file the harness then hashes and hands back read-only (--weights).
+    w = sub.add_parser("weights", help="write the seeded weights of a configuration to --out and exit")
+    for action in s._actions:
+        if action.option_strings and action.dest != "help":
+            w._add_action(action)
+    w.add_argument("--out", required=True, help="the safetensors file to write")
     o = sub.add_parser("openapi", help="print the engine protocol's OpenAPI document (JSON)")
     o.add_argument("--out", default=None, help="write it to this file instead")
     f.add_argument("--dcp-rank", dest="dcp_rank", type=int, required=True)
@@ -298,10 +305,32 @@ def follow_rank(args: argparse.Namespace) -> None:
     engine.close()
 
 
+def write_weights(args: argparse.Namespace) -> None:
+    """The seeded weights a `serve` with these options would generate, written to --out (atomically)."""
+    from pydantic import ValidationError
+
+    from .config import EngineConfig
+
+    try:
+        cfg = EngineConfig(**_config_fields(args))
+    except ValidationError as e:
+        _fail(f"invalid engine config: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
+    import torch
+
+    from .model import HybridModel
+    from .weights import generate, save
+
+    model = HybridModel(cfg, torch.device(cfg.device))
+    save(generate(model, cfg.seed), Path(args.out), {"seed": str(cfg.seed), "preset": cfg.preset})
+    print(json.dumps({"weights": args.out, "seed": cfg.seed, "preset": cfg.preset}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         serve(args)
+    elif args.command == "weights":
+        write_weights(args)
     elif args.command == "follow":
         follow_rank(args)
     elif args.command == "openapi":

@@ -113,8 +113,9 @@ class Engine:
         arena_before = self.arena.addresses()
         if seed is not None:
             target = default_weights_path(self.cfg, seed)
-            if Path(self.weights_path).parent != target.parent:
-                target = Path(self.weights_path).parent / target.name
+            beside = Path(self.weights_path).parent
+            if beside != target.parent and os.access(beside, os.W_OK):
+                target = beside / target.name  # else (a read-only weights mount): under the data dir
             if not target.is_file():
                 save(generate(self.model, seed), target, {"seed": str(seed), "preset": self.cfg.preset})
         else:

@@ -6,6 +6,7 @@ checksums before and after (captured graphs keep reading the same parameter stor
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -66,10 +67,26 @@ def generate(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def canonical_header(tmp: Path) -> None:
+    """Rewrite a safetensors file's JSON header with sorted keys and no spaces (padded to 8 bytes as the
+    format asks), so the same tensors and metadata always give the same bytes: the library writes its
+    metadata map in hash order, which changes from process to process. Offsets are relative to the data
+    section, so the tensor bytes after the header are kept as they are."""
+    with tmp.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    with tmp.open("wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + data)
+
+
 def save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+    canonical_header(tmp)  # byte-deterministic for the same weights and metadata
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 

@@ -126,15 +126,18 @@ class DockerLauncher(Launcher):
         mem_limit: str | None = None,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         env: dict[str, str] | None = None,
+        engine_env: dict[str, str] | None = None,
     ) -> None:
         self.options = options
         self.image_ref = image
+        self.engine_env = dict(engine_env or {})
         self.run_dir = run_dir
         self.gpus = gpus
         self.mem_limit = mem_limit
         self.max_restarts = max_restarts
         src = os.environ if env is None else env
         self.env = {k: v for k, v in src.items() if k.startswith(FORWARD_ENV_PREFIX)}
+        self.env.update(self.engine_env)  # --engine-env: added on purpose, recorded in the receipt
         self.env["QUALIFY_HOME"] = "/var/lib/qualify"
         self.log_path = run_dir / "engine.log"
         self._env_source = dict(src)

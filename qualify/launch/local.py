@@ -9,12 +9,16 @@ After each exit the supervisor sweeps the shared-memory files a crashed engine c
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
@@ -25,7 +29,6 @@ from qualify.launch.base import (
     FAULT_ENV,
     HARNESS_FD_ENV,
     MAX_PEER_REPORT_BYTES,
-    PEER_FILE,
     PEER_MODULE,
     READY_RE,
     EngineOptions,
@@ -36,6 +39,16 @@ from qualify.launch.base import (
     describe_exit,
 )
 from qualify.launch.monitor import EngineMonitor, monitor_command, monitor_enabled
+from qualify.launch.sandbox import (
+    SCRATCH,
+    DigestCache,
+    Sandbox,
+    cache_dir,
+    engine_pid,
+    ns_pids,
+    read_info,
+    tree_digest,
+)
 from qualify.shm import sweep_stale_shm
 
 STOP_GRACE_S = 5.0
@@ -44,6 +57,30 @@ STOP_GRACE_S = 5.0
 # launcher identity names it.
 ENGINE_MODULE_ENV = "QUALIFY_ENGINE_MODULE"
 DEFAULT_ENGINE_MODULE = "qualify.engine"
+WEIGHTS_STEP_TIMEOUT_S = 600.0  # seeding the proxy's 2.9 GB on a GPU takes tens of seconds
+REFERENCE_ENGINE = Path(__file__).resolve().parents[1] / "engine"
+REFERENCE_KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+
+
+@dataclass(frozen=True)
+class HandedWeights:
+    """The weights file the harness hashed and hands the engine read-only: the weights subject."""
+
+    path: Path  # the harness's copy (its cache)
+    digest: str
+    bytes: int
+    engine_path: str  # where the engine sees it (and is told to load it from: --weights)
+    origin: str  # how the harness got it
+
+    def evidence(self) -> dict[str, object]:
+        return {
+            "hashed": True,
+            "path": str(self.path),
+            "engine_path": self.engine_path,
+            "digest": self.digest,
+            "bytes": self.bytes,
+            "origin": self.origin,
+        }
 
 
 class LocalLauncher(Launcher):
@@ -57,13 +94,21 @@ class LocalLauncher(Launcher):
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         python: str = sys.executable,
         env: dict[str, str] | None = None,
+        sandbox: Sandbox | None = None,
+        weights: HandedWeights | None = None,
     ) -> None:
+        """`sandbox`: where every engine process of this launcher runs (None: unsandboxed, as the
+        operator's own process: `qualify run --no-sandbox`). `weights`: a file already handed over (a
+        reference engine shares its parent's); else the harness seeds one at start."""
         self.options = options
         self.run_dir = run_dir
         self.max_restarts = max_restarts
         self.python = python
         self.env = dict(os.environ if env is None else env)
+        self.sandbox = sandbox
+        self.weights = weights
         self.log_path = run_dir / "engine.log"
+        self.scratch = run_dir / "scratch"
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._done = threading.Event()
@@ -72,7 +117,9 @@ class LocalLauncher(Launcher):
         self._thread: threading.Thread | None = None
         self._url: str | None = None
         self._port: int | None = None
-        self._pid: int | None = None
+        self._pid: int | None = None  # the engine's host pid (inside the sandbox: bwrap's child's child)
+        self._sandbox_pid: int | None = None  # bwrap's own pid, the process the harness started
+        self._ns_pid: list[int] | None = None
         self._exit_code: int | None = None
         self._exit_codes: list[int] = []
         self._pids: list[int] = []
@@ -90,15 +137,121 @@ class LocalLauncher(Launcher):
     def module(self) -> str:
         return self.env.get(ENGINE_MODULE_ENV) or DEFAULT_ENGINE_MODULE
 
-    def command(self, port: int) -> list[str]:
-        args = [*self.options.serve_args(), "--port", str(port)]
-        if self.monitor.enabled:
+    def command(self, port: int, kda_backend: str | None = None) -> list[str]:
+        """The engine's own argv (inside the sandbox when there is one)."""
+        weights = [] if self.weights is None else ["--weights", self.weights.engine_path]
+        args = [*self.options.serve_args(kda_backend), *weights, "--port", str(port)]
+        if self.monitor.enabled and kda_backend is None:  # the refusal probe's engine is not monitored
             return monitor_command(self.python, self.module, args)
         return [self.python, "-m", self.module, *args]
+
+    def _popen(
+        self, argv: list[str], scratch: Path, env: dict[str, str], **kw: object
+    ) -> tuple[subprocess.Popen[str], int | None]:
+        """Start `argv` in this launcher's sandbox (or bare, unsandboxed): the process and, in a sandbox,
+        the engine's host pid (bwrap's --info-fd names the sandbox's pid 1; the engine is its child)."""
+        fds = tuple(kw.pop("pass_fds", ()))  # type: ignore[arg-type]
+        if self.sandbox is None:
+            proc = subprocess.Popen(argv, env=env, pass_fds=fds, **kw)  # type: ignore[call-overload]
+            return proc, proc.pid
+        self.sandbox.prepare_scratch(scratch)
+        info_r, info_w = os.pipe()
+        try:
+            weights = self.weights.path if self.weights is not None else None
+            cmd = self.sandbox.command(argv, scratch, env, weights=weights, info_fd=info_w)
+            proc = subprocess.Popen(  # type: ignore[call-overload]
+                cmd, env=self.sandbox.bwrap.exec_env(), pass_fds=(*fds, info_w), **kw
+            )
+        finally:
+            os.close(info_w)
+        try:
+            info = read_info(info_r)
+        finally:
+            os.close(info_r)
+        init = info.get("child-pid") if isinstance(info, dict) else None
+        return proc, engine_pid(int(init)) if isinstance(init, int) else None
+
+    def _env_for(self, env: dict[str, str]) -> dict[str, str]:
+        """What the engine's environment holds: in a sandbox only what Sandbox.engine_env lets through."""
+        full = self._engine_env(env)
+        if self.sandbox is None:
+            return full
+        return self.sandbox.engine_env(env, {HARNESS_FD_ENV: full[HARNESS_FD_ENV]})
+
+    def engine_environment(self) -> dict[str, str]:
+        """The engine's environment as the receipt records it (the pipe's fd number aside)."""
+        env = self._env_for(self.env)
+        env.pop(HARNESS_FD_ENV, None)
+        return env
+
+    # ------------------------------------------------------------ weights
+    def prepare_weights(self, timeout_s: float = WEIGHTS_STEP_TIMEOUT_S) -> HandedWeights | None:
+        """The seeded weights of this configuration in the harness's cache (written once, by the reference
+        engine in a sandboxed first step), hashed by the harness: the file every engine of this run loads.
+        None when the reference engine refuses the configuration itself (the engine under test will be
+        asked, and its refusal is the answer; without a handed file the boot check fails closed)."""
+        if self.weights is not None:
+            return self.weights
+        code, _ = tree_digest([str(REFERENCE_ENGINE), str(REFERENCE_KERNELS)])
+        serve = self.options.serve_args(kda_backend="auto")  # the backend changes no weight
+        key_src = json.dumps([serve, code, self.sandbox.gpu if self.sandbox else None])
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+        cached = cache_dir() / "weights" / f"seeded-{self.options.preset}-{key}.safetensors"
+        origin = f"seeded by the reference engine (python -m {DEFAULT_ENGINE_MODULE} weights), cached"
+        if not cached.is_file() and not self._seed(cached, serve, timeout_s):
+            return None
+        digests = DigestCache(cache_dir() / "weights-digests.json")
+        digest = "sha256:" + digests.digest(cached, cached.stat())
+        digests.save()
+        engine_path = Sandbox.weights_path(cached) if self.sandbox is not None else str(cached)
+        self.weights = HandedWeights(cached, digest, cached.stat().st_size, engine_path, origin)
+        return self.weights
+
+    def _seed(self, cached: Path, serve: list[str], timeout_s: float) -> bool:
+        scratch = self.run_dir / "weights-step"
+        made = scratch / "seeded.safetensors"
+        out_inside = f"{SCRATCH}/{made.name}" if self.sandbox is not None else str(made)
+        scratch.mkdir(parents=True, exist_ok=True)
+        argv = [self.python, "-m", DEFAULT_ENGINE_MODULE, "weights", *serve[1:], "--out", out_inside]
+        env = {k: v for k, v in self.env.items() if k not in (FAULT_ENV, ENGINE_MODULE_ENV)}
+        if self.sandbox is None:
+            env["QUALIFY_HOME"] = str(scratch / "home")
+            sub_env = env
+        else:
+            sub_env = self.sandbox.engine_env(env)
+            sub_env.pop("PYTHONPATH", None)  # the reference engine: the harness's installation only
+        with (self.run_dir / "weights-step.log").open("w") as log:
+            proc, _ = self._popen(
+                argv, scratch, sub_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _terminate(proc, 1.0)
+                rc = None
+        if rc == EXIT_REFUSED:
+            shutil.rmtree(scratch, ignore_errors=True)
+            return False
+        if rc != 0 or not made.is_file():
+            tail = _last_line((self.run_dir / "weights-step.log").read_text(errors="replace"))
+            shutil.rmtree(scratch, ignore_errors=True)
+            why = describe_exit(rc) or "timed out"
+            raise RuntimeError(f"the harness could not seed the engine's weights ({why}): {tail}")
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        shutil.copyfile(made, tmp)  # a file of the harness's own, not the one the step wrote
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, cached)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return True
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float) -> str:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        self.prepare_weights(timeout_s)
+        timeout_s = max(0.0, timeout_s - (time.monotonic() - t0))
         self._thread = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -129,12 +282,13 @@ class LocalLauncher(Launcher):
                         break
                     mon_env, mon_fds = self.monitor.local_boot()
                     # Own session: a terminal's Ctrl-C reaches the harness, which stops the engine itself.
-                    self._proc = subprocess.Popen(
+                    self._proc, pid = self._popen(
                         cmd,
+                        self.scratch,
+                        {**self._env_for(self.env), **mon_env},
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
-                        env={**self._engine_env(self.env), **mon_env},
                         text=True,
                         bufsize=1,
                         start_new_session=True,
@@ -142,10 +296,14 @@ class LocalLauncher(Launcher):
                     )
                     self.monitor.after_spawn()
                     self._boots += 1
-                    self._pid = self._proc.pid
+                    self._sandbox_pid = self._proc.pid if self.sandbox is not None else None
+                    self._pid = pid if pid is not None else self._proc.pid
+                    self._ns_pid = ns_pids(self._pid) if self.sandbox is not None else None
                     self._pids.append(self._pid)
+                    where = f" in bwrap pid {self._sandbox_pid}, NSpid {self._ns_pid}" if self.sandbox else ""
+                    log.write(f"# qualify: engine host pid {self._pid}{where}\n")
                 self._pump(self._proc.stdout, log)
-                rc = self._proc.wait()
+                rc = _exit_status(self._proc.wait(), self.sandbox is not None)
                 log.write(f"# qualify: engine {describe_exit(rc)}\n")
                 swept = sweep_stale_shm()  # what a crashed or killed engine could not release
                 if swept:
@@ -197,7 +355,9 @@ class LocalLauncher(Launcher):
                 exit_code=None if alive else self._exit_code,
                 restart_count=self._restarts,
                 detail={
-                    "pid": self._pid,
+                    "pid": self._pid,  # the engine's host pid
+                    "sandbox_pid": self._sandbox_pid,  # bwrap's (None: unsandboxed)
+                    "engine_ns_pid": self._ns_pid,  # /proc/PID/status NSpid, the host's first
                     "pids": list(self._pids),
                     "boots": self._boots,
                     "exit_codes": list(self._exit_codes),
@@ -213,13 +373,15 @@ class LocalLauncher(Launcher):
             self._stopping = True
             proc = self._proc
         if proc is not None and proc.poll() is None:
-            _terminate(proc, grace_s)
+            _terminate(proc, grace_s, self._pid if self.sandbox is not None else None)
         if self._thread is not None:
             self._thread.join(timeout=grace_s + 5)
         self._close_watch()
         self.monitor.close()
         with self._lock:
             self._swept.extend(sweep_stale_shm())
+        if self.sandbox is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)  # the engine's writes go with it
         return self.status()
 
     def _engine_env(self, env: dict[str, str]) -> dict[str, str]:
@@ -240,53 +402,89 @@ class LocalLauncher(Launcher):
         return "\n".join(text.splitlines()[-lines:])
 
     def sibling(self, options: EngineOptions, name: str) -> LocalLauncher:
-        return LocalLauncher(options, self.run_dir / name, max_restarts=0, python=self.python, env=self.env)
+        return LocalLauncher(
+            options,
+            self.run_dir / name,
+            max_restarts=0,
+            python=self.python,
+            env=self.env,
+            sandbox=self.sandbox,
+            weights=self.weights,
+        )
 
     def identity(self) -> dict[str, Any]:
         return {"launcher": "local", "python": self.python, "engine_module": self.module}
 
+    def code_subject(self) -> tuple[str, str]:
+        """(digest, scope): the harness's tree digest of what the engine can import (its sandbox's code
+        mounts; unsandboxed, the same folders, though the engine could then import anything)."""
+        from qualify.launch.sandbox import code_digest, engine_code
+
+        code = self.sandbox.code if self.sandbox is not None else engine_code(self.module, self.python)
+        digest, files = code_digest(code)
+        scope = code.scope()
+        if self.sandbox is None:
+            scope = (
+                "UNSANDBOXED (--no-sandbox): the engine could import anything the operator can read; " + scope
+            )
+        return digest, f"{scope} [{files} files]"[:1000]
+
+    def sandbox_info(self) -> dict[str, Any]:
+        from qualify.launch.sandbox import unsandboxed
+
+        if self.sandbox is None:
+            return {**unsandboxed("--no-sandbox: the engine ran as the operator's own process"),
+                    "env_names": sorted(self.engine_environment())}  # fmt: skip
+        return self.sandbox.describe(self.engine_environment())
+
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
         # The fault flag is for the engine under test; the refusal must come from construction alone.
         env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
-        cmd = [self.python, "-m", self.module, *self.options.serve_args(kda_backend), "--port", "0"]
+        cmd = self.command(0, kda_backend)
+        scratch = self.run_dir / "refusal-scratch"
         t0 = time.monotonic()
-        proc = subprocess.Popen(
+        proc, pid = self._popen(
             cmd,
+            scratch,
+            self._env_for(env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self._engine_env(env),
             text=True,
             start_new_session=True,
             pass_fds=(self._watch_r,),
         )
+        inner = pid if self.sandbox is not None else None
         try:
             out, _ = proc.communicate(timeout=timeout_s)
-            code: int | None = proc.returncode
+            code: int | None = _exit_status(proc.returncode, self.sandbox is not None)
         except subprocess.TimeoutExpired:
-            _terminate(proc)
+            _terminate(proc, STOP_GRACE_S, inner)
             out, _ = proc.communicate()
             code = None
         except BaseException:  # interrupted (SIGTERM, SIGINT...): the probe goes with the run
-            _terminate(proc, 1.0)
+            _terminate(proc, 1.0, inner)
             raise
+        finally:
+            if self.sandbox is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out or "")
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
-        """The peer as a sibling subprocess: `python -m qualify.engine.peer` from the harness's own code
-        (never the engine module under test), its report read from a file with a size limit."""
-        root = str(PEER_FILE.parents[2])
-        env = {k: v for k, v in self.env.items() if k not in (FAULT_ENV, ENGINE_MODULE_ENV)}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        """The peer as a sibling subprocess: `python -I -m qualify.engine.peer` from the harness's own
+        installation (never the engine module under test): -I drops PYTHONPATH, the user site and the
+        working directory from its path, so nothing the engine could write is imported. Its report is
+        read from a file with a size limit."""
+        env = peer_env(self.env)
         out = spec_path.with_name(spec_path.stem + ".report.json")
         log = spec_path.with_name(spec_path.stem + ".log")
         out.unlink(missing_ok=True)  # a report left by an earlier peer must not count for this one
-        cmd = [self.python, "-m", PEER_MODULE, "--spec", str(spec_path), "--out", str(out)]
+        cmd = [self.python, "-I", "-m", PEER_MODULE, "--spec", str(spec_path), "--out", str(out)]
         t0 = time.monotonic()
         with log.open("w") as sink:
             proc = subprocess.Popen(
                 cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                cwd=root, start_new_session=True,
+                cwd="/", start_new_session=True,
             )  # fmt: skip
             try:
                 code: int | None = proc.wait(timeout=timeout_s)
@@ -301,10 +499,30 @@ class LocalLauncher(Launcher):
         return PeerOutcome.from_output(cmd, code, time.monotonic() - t0, raw, text)
 
 
-def _terminate(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM to the engine's process group, SIGKILL after the grace period."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+# What a harness helper (the peer) keeps of the harness's environment; -I ignores the PYTHON* ones anyway.
+PEER_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")
+
+
+def peer_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k in PEER_ENV}
+
+
+def _exit_status(rc: int, sandboxed: bool) -> int:
+    """bwrap reports a child killed by signal N as exit 128+N: read it back as a subprocess's -N."""
+    if sandboxed and 128 < rc < 160:
+        return -(rc - 128)
+    return rc
+
+
+def _terminate(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S, inner: int | None = None) -> None:
+    """SIGTERM to the engine (inside a sandbox: to the engine process itself, so it releases its
+    allocations; bwrap would answer a signal by dying and taking it down by SIGKILL), or to its process
+    group; SIGKILL to the group after the grace period (the sandbox's pid namespace goes with bwrap)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if inner is not None:
+            os.kill(inner, signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:

@@ -118,13 +118,23 @@ def make_launcher(req: RunRequest, run_dir: Path) -> Launcher:
         from qualify.launch.docker import DockerLauncher
 
         assert req.image is not None
-        return DockerLauncher(opts, req.image, run_dir, gpus=req.gpus, mem_limit=req.mem_limit)
-    from qualify.launch.local import LocalLauncher
+        return DockerLauncher(
+            opts, req.image, run_dir, gpus=req.gpus, mem_limit=req.mem_limit, engine_env=dict(req.engine_env)
+        )
+    from qualify.launch.local import ENGINE_MODULE_ENV, LocalLauncher
+    from qualify.launch.sandbox import Sandbox
 
     env = dict(os.environ)
     if req.gpus and req.gpus != "all":
         env["CUDA_VISIBLE_DEVICES"] = req.gpus  # the local engine sees only the GPUs asked for
-    return LocalLauncher(opts, run_dir, env=env)
+    module = env.get(ENGINE_MODULE_ENV) or DEFAULT_ENGINE_MODULE
+    hidden = env.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    gpu = os.path.exists("/dev/nvidiactl") and not hidden
+    if not req.sandbox:
+        env.update(dict(req.engine_env))
+        return LocalLauncher(opts, run_dir, env=env, sandbox=None)
+    sandbox = Sandbox.for_engine(module, gpu=gpu, operator_env=dict(req.engine_env), env=env)
+    return LocalLauncher(opts, run_dir, env=env, sandbox=sandbox)
 
 
 @contextlib.contextmanager
@@ -188,6 +198,8 @@ class Pipeline:
         self.unresponsive = False  # a request timed out: the engine may not honour SIGTERM either
         self.cgroup_oom_before = cgroup_oom_kills()
         self._ctx: Context | None = None  # set once the run starts: what progress.json records
+        self._code_subject: tuple[str | None, str] | None = None
+        self._sandbox_info: dict[str, Any] | None = None
         self.run_deadline = float("inf")
 
     # ------------------------------------------------------------ the run
@@ -495,6 +507,7 @@ class Pipeline:
             code = rc.engine_code_digest_on_disk()
             scope = "the harness's digest of the engine code on disk; the engine never identified itself"
         weights = ctx.facts.get("weights_file") or {}
+        handed = getattr(self.launcher, "weights", None)
         return {
             "name": d.engine.name if d else "qualify-engine",
             "version": d.engine.version if d else None,
@@ -504,12 +517,26 @@ class Pipeline:
             "config_digest": config_digest(sent),
             "config": sent,
             "described_config": _json_safe(d.config) if d else None,
-        }, weights.get("digest")
+            "sandbox": self._sandbox(),
+        }, weights.get("digest") or (handed.digest if handed is not None else None)
+
+    def _sandbox(self) -> dict[str, Any] | None:
+        """The launcher's account of where the engine ran (EngineInfo.sandbox)."""
+        if self._sandbox_info is None:
+            with contextlib.suppress(Exception):
+                self._sandbox_info = _json_safe(self.launcher.sandbox_info())
+        return self._sandbox_info
 
     def _code(self, d: Any) -> tuple[str | None, str]:
-        """Local: the harness's digest of the engine code on disk, extended by the source of a non-default
-        QUALIFY_ENGINE_MODULE (so a wrapped engine never shares the reference's code subject); docker: the
-        engine's own report (the image digest is the identity there)."""
+        """Local: the harness's tree digest of every file the engine can import in its sandbox (the
+        interpreter, the installed distributions, the engine's packages and, for QUALIFY_ENGINE_MODULE, the
+        module's whole package), computed once per run; docker: the engine's own report (the image digest
+        is the identity there)."""
+        code = getattr(self.launcher, "code_subject", None)
+        if self.launcher.kind == "local" and code is not None:
+            if self._code_subject is None:
+                self._code_subject = code()
+            return self._code_subject
         if self.launcher.kind != "local":
             own = rc.bare_hex(d.engine.code_digest) if d else None
             return (

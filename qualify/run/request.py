@@ -157,6 +157,8 @@ class RunRequest:
     key_path: str
     json_output: bool
     dcp: int | None = None  # DCP ranks (one process each); None: folded into one process
+    sandbox: bool = True  # False: --no-sandbox (the engine runs as the operator's own process)
+    engine_env: tuple[tuple[str, str], ...] = ()  # --engine-env K=V, given to the engine and recorded
 
     def request_info(self) -> dict:
         """The predicate's `request` object (receipts.statement.RequestInfo fields)."""
@@ -170,4 +172,6 @@ class RunRequest:
             "gpus": self.gpus,
             "timeout_s": self.timeout_s,
             "dcp": self.dcp,
+            "sandbox": self.sandbox,
+            "engine_env": dict(self.engine_env) or None,
         }

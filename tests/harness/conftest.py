@@ -46,7 +46,9 @@ class Home:
         return self.path / "qualify.db"
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_")}
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_") or k == "QUALIFY_CACHE_DIR"
+        }
         env.update(QUALIFY_HOME=str(self.path), **extra)
         return env
 
@@ -155,3 +157,12 @@ def no_leftover_containers(docker_available: None) -> Iterator[None]:
     yield
     left = _labelled_containers() - before
     assert not left, f"containers left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _code_digest_cache() -> None:
+    """Fill the harness's file-digest cache once per session (the first tree digest of the interpreter and
+    its site-packages reads gigabytes), so runs with a short --timeout measure the run, not that."""
+    from qualify.launch.sandbox import code_digest, engine_code
+
+    code_digest(engine_code("qualify.engine"))

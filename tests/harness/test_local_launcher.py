@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_") or k == "QUALIFY_CACHE_DIR"}
     return {**env, "QUALIFY_HOME": str(tmp_path / "home"), **extra}
 
 

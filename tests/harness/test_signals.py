@@ -55,14 +55,21 @@ def _start_run(home: Home, *args: str, env: dict[str, str] | None = None) -> sub
     )
 
 
-def _engine_ready(home: Home, within_s: float = 60) -> int:
-    """The pid of the first engine that printed its ready line in this home's (only) run."""
+def _engine_ready(home: Home, within_s: float = 60) -> tuple[int, int]:
+    """The first engine that printed its ready line in this home's (only) run: (its host pid, as the
+    launcher logged it; its own pid, as it printed it: 2 inside its sandbox's pid namespace, which also
+    names its shared-memory files)."""
     end = time.monotonic() + within_s
     while time.monotonic() < end:
         for log in home.path.glob("runs/*/engine.log"):
+            host = own = None
             for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("# qualify: engine host pid "):
+                    host = int(line.split()[5])
                 if "QUALIFY_ENGINE_READY" in line:
-                    return int(line.rsplit("pid=", 1)[1])
+                    own = int(line.rsplit("pid=", 1)[1])
+            if host is not None and own is not None:
+                return host, own
         time.sleep(0.1)
     raise AssertionError("the engine never became ready")
 
@@ -70,7 +77,7 @@ def _engine_ready(home: Home, within_s: float = 60) -> int:
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
 def test_sighup_and_sigquit_store_an_aborted_receipt_and_stop_the_engine(home: Home, sig: int) -> None:
     proc = _start_run(home)
-    engine = _engine_ready(home)
+    engine, own = _engine_ready(home)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err[-2000:]
@@ -78,19 +85,20 @@ def test_sighup_and_sigquit_store_an_aborted_receipt_and_stop_the_engine(home: H
     assert s["verdict"] == "aborted" and signal.Signals(sig).name in s["reasons"][0]
     (p,) = home.predicates()
     assert p["verdict"] == "aborted"
-    assert _wait_gone(engine, 5) and not _shm_files(engine)
+    assert _wait_gone(engine, 5) and not _shm_files(own)
     assert home.verify_all().code == 0
 
 
 def test_a_sigkilled_harness_takes_its_engine_along_and_the_next_run_closes_its_run(home: Home) -> None:
     proc = _start_run(home)
-    engine = _engine_ready(home)
-    assert _shm_files(engine), "the tiny engine holds shared-memory allocations while it runs"
+    engine, own = _engine_ready(home)
+    assert _shm_files(own), "the tiny engine holds shared-memory allocations while it runs"
     proc.kill()
     proc.communicate(timeout=10)
-    # Nobody stops it: it sees its harness pipe close and stops itself, releasing its allocations.
+    # Nobody stops it: its sandbox dies with its parent (bwrap --die-with-parent, SIGKILL to the whole pid
+    # namespace), whatever the engine does; the shared-memory files it could not release are swept by the
+    # next engine, the next run's supervisor or `qualify gc`.
     assert _wait_gone(engine, 15), "the engine outlived its SIGKILLed harness"
-    assert not _shm_files(engine)
     assert home.predicates() == []
     # The next run (here one whose own boot is cut short) closes the killed run first.
     nxt = home.qualify("run", "--json", "--timeout", "0.2")
@@ -104,6 +112,7 @@ def test_a_sigkilled_harness_takes_its_engine_along_and_the_next_run_closes_its_
     # Closed once: a later gc finds nothing more to close.
     gc = home.qualify("gc", "--json", "--no-docker")
     assert gc.code == 0 and json.loads(gc.stdout)["closed_runs"] == []
+    assert not _shm_files(own)
 
 
 def test_gc_closes_a_killed_run_and_never_a_live_one(home: Home) -> None:
@@ -136,7 +145,7 @@ def test_a_sigkilled_engine_is_recorded_as_such_with_oom_only_from_the_kernels_r
     kmsg = tmp_path / "kmsg.txt"
     kmsg.write_text("")
     proc = _start_run(home, env=home.env(QUALIFY_KMSG_SOURCE=str(kmsg)))
-    engine = _engine_ready(home)
+    engine, own = _engine_ready(home)  # the kernel's log names the host pid
     os.kill(engine, signal.SIGKILL)
     if kernel_says:
         with kmsg.open("a") as f:
@@ -147,12 +156,12 @@ def test_a_sigkilled_engine_is_recorded_as_such_with_oom_only_from_the_kernels_r
     assert "killed by signal 9 (SIGKILL)" in faults["engine_exits"], faults
     assert faults["oom"]["kernel"] == ("observed" if kernel_says else "unknown")
     assert faults["oom"]["container"] is False
-    assert not _shm_files(engine)  # the supervisor swept what the killed engine could not release
+    assert not _shm_files(own)  # the supervisor swept what the killed engine could not release
     assert home.verify_all().code == 0
 
 
 def test_an_engine_refusing_its_configuration_is_not_restarted(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_") or k == "QUALIFY_CACHE_DIR"}
     launcher = LocalLauncher(
         EngineOptions(preset="tiny", kda_backend="bogus"),
         tmp_path / "run",
@@ -182,7 +191,7 @@ def test_a_harness_identity_lives_exactly_as_long_as_its_process() -> None:
 
 
 def test_a_crashed_engines_shared_memory_is_swept_by_its_supervisor(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_") or k == "QUALIFY_CACHE_DIR"}
     launcher = LocalLauncher(
         EngineOptions(preset="tiny", kda_backend="auto"),
         tmp_path / "run",
