@@ -9,11 +9,9 @@ removes those whose harness is gone (the next `qualify run --launcher docker`, o
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
-import tarfile
 import threading
 import time
 import uuid
@@ -43,6 +41,29 @@ CONTAINER_PORT = "8000/tcp"
 LABEL = "org.qualify.run"
 HARNESS_LABEL = "org.qualify.harness"  # JSON of qualify.launch.base.harness_identity()
 STOP_GRACE_S = 5
+# The container's hardening (docs/SANDBOX.md), asserted through `docker inspect` in the Docker tests: an
+# immutable image (read-only root), writable only tmpfs scratch, no capabilities, no privilege gain, a
+# bounded process table, and no mount of anything of the host's (no data dir, no checkout).
+SCRATCH_TMPFS = {"/tmp": "rw,nosuid,nodev,size=1g", "/var/lib/qualify": "rw,nosuid,nodev,size=8g"}
+PIDS_LIMIT = 2048  # torch's thread pools count as processes here
+SECURITY_OPT = ["no-new-privileges"]
+HARDENING: dict[str, Any] = {
+    "read_only": True,
+    "tmpfs": SCRATCH_TMPFS,
+    "cap_drop": ["ALL"],
+    "security_opt": SECURITY_OPT,
+    "pids_limit": PIDS_LIMIT,
+}
+# The peer, run by `docker exec` in the engine's container: its source and spec travel in argv (the
+# image's read-only interpreter, `python -I`), never through a file the engine could rewrite first.
+PEER_BOOT = (
+    "import sys,json,tempfile,os\n"
+    "src, spec = sys.argv[1], sys.argv[2]\n"
+    "fd, path = tempfile.mkstemp(suffix='.json')\n"
+    "os.write(fd, spec.encode()); os.close(fd)\n"
+    "sys.argv = ['peer.py', '--spec', path]\n"
+    "exec(compile(src, 'peer.py', 'exec'), {'__name__': '__main__'})\n"
+)
 # Harness variables that configure the engine under test travel into the container.
 FORWARD_ENV_PREFIX = "QUALIFY_ENGINE_"
 
@@ -154,6 +175,7 @@ class DockerLauncher(Launcher):
         self._refused = False
         self._boot_restarts = 0  # crashes before ready, restarted by the harness
         self._final: LaunchStatus | None = None
+        self._running_image_id: str | None = None
         # The harness's CUDA activity monitor: its file mounted read-only, its socket in the run dir.
         self.monitor = EngineMonitor(run_dir, enabled=monitor_enabled(self._env_source))
 
@@ -194,6 +216,7 @@ class DockerLauncher(Launcher):
             "restart_policy": {"Name": "no"},
             "ports": {CONTAINER_PORT: ("127.0.0.1", None)},
             "shm_size": "1g",
+            **HARDENING,
         }
         if mon_volumes:
             kwargs["volumes"] = mon_volumes
@@ -404,13 +427,51 @@ class DockerLauncher(Launcher):
         )
 
     def identity(self) -> dict[str, Any]:
+        """The image as the daemon names it: the id of the image the RUNNING container was created from
+        (`docker inspect` of the container, .Image), beside the reference's id and repo digests."""
         image = self._image or self._resolve_image()
+        running = None
+        if self._container is not None and self._final is None:
+            with contextlib.suppress(Exception):
+                self._container.reload()
+                running = self._container.attrs.get("Image")
+        if running is None:
+            running = self._running_image_id
+        self._running_image_id = running
         return {
             "launcher": "docker",
             "image": self.image_ref,
-            "image_id": image.id,
+            "image_id": running or image.id,
+            "reference_image_id": image.id,
+            "running_container_image_id": running,
             "repo_digests": list(image.attrs.get("RepoDigests") or []),
         }
+
+    def sandbox_info(self) -> dict[str, Any]:
+        """The container's hardening as `docker inspect` reports it for the engine's container."""
+        info: dict[str, Any] = {"enabled": True, "tool": "docker", "operator_env": dict(self.engine_env)}
+        if self._container is None:
+            return {**info, "asked": _json_hardening()}
+        with contextlib.suppress(Exception):
+            if self._final is None:
+                self._container.reload()
+            hc = self._container.attrs.get("HostConfig") or {}
+            info.update(
+                read_only_rootfs=hc.get("ReadonlyRootfs"),
+                tmpfs=hc.get("Tmpfs"),
+                cap_drop=hc.get("CapDrop"),
+                cap_add=hc.get("CapAdd"),
+                security_opt=hc.get("SecurityOpt"),
+                pids_limit=hc.get("PidsLimit"),
+                binds=hc.get("Binds"),
+                mounts=[m.get("Source") for m in self._container.attrs.get("Mounts") or []],
+                network_mode=hc.get("NetworkMode"),
+                ipc_mode=hc.get("IpcMode"),
+                env=sorted(
+                    e.split("=", 1)[0] for e in (self._container.attrs.get("Config") or {}).get("Env") or []
+                ),
+            )
+        return info
 
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
         """A SIGTERM or SIGINT while it waits raises through (RunInterrupted / KeyboardInterrupt are not
@@ -429,6 +490,7 @@ class DockerLauncher(Launcher):
             detach=True,
             labels=self.labels,
             name=f"qualify-refusal-{self.run_id}",
+            **HARDENING,
         )
         try:
             c.start()
@@ -450,17 +512,15 @@ class DockerLauncher(Launcher):
         `timeout` bounds it inside the container; a thread bounds the exec call outside."""
         if self._container is None:
             return PeerOutcome([], None, 0.0, None, "the engine container is not running")
-        where = f"/tmp/qualify-peer-{self.run_id}"
         cmd = [
             "timeout", "-k", "2", str(max(1, math.ceil(timeout_s))),
-            "python", f"{where}/peer.py", "--spec", f"{where}/spec.json",
+            "python", "-I", "-c", PEER_BOOT, PEER_FILE.read_text(), spec_path.read_text(),
         ]  # fmt: skip
         t0 = time.monotonic()
         done: list[Any] = []
 
         def run() -> None:
             try:
-                self._container.put_archive("/tmp", _peer_archive(where, spec_path))
                 done.append(self._container.exec_run(cmd, demux=True))
             except Exception as exc:  # docker API errors end as an outcome without a report
                 done.append(exc)
@@ -482,16 +542,8 @@ class DockerLauncher(Launcher):
         return PeerOutcome.from_output(cmd, exit_code, seconds, lines[-1] if lines else None, text)
 
 
-def _peer_archive(where: str, spec_path: Path) -> bytes:
-    """A tar of the harness's peer file and the spec, to unpack under /tmp in the container."""
-    buf = io.BytesIO()
-    base = where.removeprefix("/tmp/")
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in (("peer.py", PEER_FILE.read_bytes()), ("spec.json", spec_path.read_bytes())):
-            info = tarfile.TarInfo(f"{base}/{name}")
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+def _json_hardening() -> dict[str, Any]:
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in HARDENING.items()}
 
 
 def _healthy(url: str) -> bool:

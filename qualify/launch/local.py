@@ -418,9 +418,13 @@ class LocalLauncher(Launcher):
     def code_subject(self) -> tuple[str, str]:
         """(digest, scope): the harness's tree digest of what the engine can import (its sandbox's code
         mounts; unsandboxed, the same folders, though the engine could then import anything)."""
-        from qualify.launch.sandbox import code_digest, engine_code
+        from qualify.launch.sandbox import ENGINE_PATH_ENV, code_digest, engine_code
 
-        code = self.sandbox.code if self.sandbox is not None else engine_code(self.module, self.python)
+        code = (
+            self.sandbox.code
+            if self.sandbox is not None
+            else engine_code(self.module, self.python, self.env.get(ENGINE_PATH_ENV, ""))
+        )
         digest, files = code_digest(code)
         scope = code.scope()
         if self.sandbox is None:

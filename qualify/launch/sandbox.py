@@ -39,6 +39,10 @@ from typing import Any
 from qualify.launch.base import FAULT_ENV, HARNESS_FD_ENV, LaunchError
 
 BWRAP_ENV = "QUALIFY_BWRAP"  # a bwrap binary to use (a carried copy: its libraries in the same folder)
+# Extra code folders the operator gives the engine on purpose (colon-separated; e.g. wheels unpacked with
+# pip --target on a GPU host): mounted read-only, on the engine's PYTHONPATH, hashed into the code subject.
+# The harness's own PYTHONPATH never reaches the engine.
+ENGINE_PATH_ENV = "QUALIFY_ENGINE_PATH"
 CACHE_ENV = "QUALIFY_CACHE_DIR"  # the harness's cache (file digests, seeded weights); not the engine's
 SANDBOX_UID = SANDBOX_GID = 65534  # nobody/nogroup on Debian
 SCRATCH = "/qualify/scratch"  # the engine's only writable folder, inside the sandbox
@@ -229,7 +233,7 @@ def _site_dirs() -> list[Path]:
     return out
 
 
-def engine_code(module: str, python: str = sys.executable) -> CodeSet:
+def engine_code(module: str, python: str = sys.executable, extra_path: str = "") -> CodeSet:
     """The code of an engine run as `python -m module` from this harness's installation: what to mount
     read-only (outside /usr, which is mounted whole), and what the code digest covers (every mount, plus
     the interpreter and its Python folders where they lie under /usr)."""
@@ -282,6 +286,11 @@ def engine_code(module: str, python: str = sys.executable) -> CodeSet:
         module_files = [str(f) for f in files]
         if not any(root.resolve().is_relative_to(s) for s in sites):
             pythonpath.append(str(root))
+    for entry in filter(None, extra_path.split(os.pathsep)):
+        if not Path(entry).is_dir():
+            raise LaunchError(f"{ENGINE_PATH_ENV} names {entry}, which is not a folder")
+        add(Path(entry).resolve())
+        pythonpath.append(str(Path(entry).resolve()))
     return CodeSet(
         mounts=tuple(str(m) for m in mounts),
         hashed=tuple(str(h) for h in hashed),
@@ -406,7 +415,9 @@ class Sandbox:
         operator_env: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
     ) -> Sandbox:
-        return cls(find_bwrap(env), engine_code(module), gpu, dict(operator_env or {}))
+        env = os.environ if env is None else env
+        code = engine_code(module, extra_path=env.get(ENGINE_PATH_ENV, ""))
+        return cls(find_bwrap(env), code, gpu, dict(operator_env or {}))
 
     @property
     def root(self) -> bool:
@@ -519,6 +530,18 @@ class Sandbox:
             cmd += ["--bounding-set", "-all", "--inh-caps", "-all", "--no-new-privs", "--"]
         return cmd + list(argv)
 
+    def absent(self) -> list[str]:
+        """What the engine cannot reach, in words (not mounted in its sandbox)."""
+        from qualify import settings
+
+        checkout = Path(__file__).resolve().parents[2]
+        return [
+            f"the operator's data dir {settings.data_dir()} (keys, store, run dirs)",
+            f"the harness's cache {cache_dir()}",
+            f"the project checkout {checkout}, but for the code mounts",
+            "every other host path outside /usr, /sys, /dev and the code mounts",
+        ]
+
     @staticmethod
     def weights_path(weights: Path) -> str:
         return f"{WEIGHTS_DIR}/{weights.name}"
@@ -539,6 +562,7 @@ class Sandbox:
             "writable": [SCRATCH, "/tmp (the scratch dir)", "/dev/shm (the host's: KV allocations)"],
             "devices": "the host's /dev (GPU)" if self.gpu else "a minimal /dev",
             "code_mounts": list(self.code.mounts),
+            "absent": self.absent(),
             "engine_module": self.code.module,
             "env": dict(sorted(env.items())),
             "operator_env": dict(sorted(self.operator_env.items())),

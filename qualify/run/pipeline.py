@@ -522,9 +522,10 @@ class Pipeline:
 
     def _sandbox(self) -> dict[str, Any] | None:
         """The launcher's account of where the engine ran (EngineInfo.sandbox)."""
-        if self._sandbox_info is None:
+        info = getattr(self.launcher, "sandbox_info", None)
+        if info is not None:
             with contextlib.suppress(Exception):
-                self._sandbox_info = _json_safe(self.launcher.sandbox_info())
+                self._sandbox_info = _json_safe(info())
         return self._sandbox_info
 
     def _code(self, d: Any) -> tuple[str | None, str]:

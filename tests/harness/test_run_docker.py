@@ -84,3 +84,37 @@ def test_stop_removes_a_container_whose_create_was_interrupted(tmp_path, engine_
         [DOCKER, "ps", "-aq", "--no-trunc", "--filter", f"id={made}"], capture_output=True, text=True
     ).stdout.split()
     assert left == []
+
+
+def test_the_engine_container_is_hardened_as_docker_inspect_reports_it(tmp_path, engine_image: str) -> None:
+    from qualify.launch.base import EngineOptions
+    from qualify.launch.docker import PIDS_LIMIT, DockerLauncher
+
+    launcher = DockerLauncher(
+        EngineOptions("tiny", "auto"), engine_image, tmp_path / "run", engine_env={"LIAR_X": "1"}
+    )
+    try:
+        launcher.start(120)
+        cid = launcher._container.id
+        r = subprocess.run([DOCKER, "inspect", cid], capture_output=True, text=True, timeout=30)
+        (c,) = json.loads(r.stdout)
+        hc = c["HostConfig"]
+        assert hc["ReadonlyRootfs"] is True
+        assert hc["CapDrop"] == ["ALL"] and not hc.get("CapAdd")
+        assert "no-new-privileges" in hc["SecurityOpt"]
+        assert hc["PidsLimit"] == PIDS_LIMIT
+        assert set(hc["Tmpfs"]) == {"/tmp", "/var/lib/qualify"}
+        assert not hc.get("Binds") and c["Mounts"] == []  # nothing of the host's: no data dir, no checkout
+        assert hc["Privileged"] is False
+        env = dict(e.split("=", 1) for e in c["Config"]["Env"])
+        assert env["LIAR_X"] == "1"  # --engine-env reaches the engine...
+        info = launcher.sandbox_info()
+        assert info["operator_env"] == {"LIAR_X": "1"}  # ...and is recorded
+        assert info["read_only_rootfs"] is True and info["cap_drop"] == ["ALL"]
+        # The engine cannot write its image: only the tmpfs scratch.
+        ro = launcher._container.exec_run(["sh", "-c", "touch /usr/x 2>&1; touch /tmp/x && echo tmp-ok"])
+        assert b"Read-only file system" in ro.output and b"tmp-ok" in ro.output
+        ident = launcher.identity()
+        assert ident["image_id"] == c["Image"] == ident["running_container_image_id"]
+    finally:
+        launcher.stop()
