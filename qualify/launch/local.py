@@ -415,6 +415,15 @@ class LocalLauncher(Launcher):
     def identity(self) -> dict[str, Any]:
         return {"launcher": "local", "python": self.python, "engine_module": self.module}
 
+    def host_pids(self) -> dict[int, int]:
+        """{pid as the engine sees it (its pid namespace): host pid} for the engine and its children (DCP
+        ranks); unsandboxed the two are the same."""
+        from qualify.launch.sandbox import namespace_pids
+
+        if self.sandbox is None or self._pid is None:
+            return {}
+        return namespace_pids(self._pid)
+
     def code_subject(self) -> tuple[str, str]:
         """(digest, scope): the harness's tree digest of what the engine can import (its sandbox's code
         mounts; unsandboxed, the same folders, though the engine could then import anything)."""

@@ -625,3 +625,23 @@ def ns_pids(pid: int) -> list[int] | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def namespace_pids(root: int) -> dict[int, int]:
+    """{pid inside the sandbox's pid namespace: host pid} for `root` (the engine's host pid) and every
+    process below it, from /proc/PID/status NSpid (the innermost namespace's pid last)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    out: dict[int, int] = {}
+    for pid in parent:
+        up, hops = pid, 0
+        while up != root and up in parent and hops < 64:
+            up, hops = parent[up], hops + 1
+        if up == root:
+            ns = ns_pids(pid)
+            if ns:
+                out[ns[-1]] = pid
+    return out

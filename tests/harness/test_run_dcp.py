@@ -3,6 +3,7 @@ the harness boots itself; a rank killed mid-run rejects the run naming the rank 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,19 +39,27 @@ def test_dcp_out_of_range_is_bad_input(home: Home) -> None:
     assert not home.db.exists()
 
 
-def _followers_of(home: Path) -> list[int]:
-    """DCP follower ranks started for this test's QUALIFY_HOME (other runs on the machine are not ours)."""
-    out = []
+def _followers_of(harness: int) -> list[int]:
+    """DCP follower ranks descended from this test's harness process (other runs on the machine are not
+    ours; inside its sandbox the engine's environment no longer names the test's QUALIFY_HOME)."""
+    parent: dict[int, int] = {}
     for d in os.listdir("/proc"):
-        if not d.isdigit():
+        if d.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    out = []
+    for pid in parent:
+        up, seen = pid, 0
+        while up in parent and up != harness and seen < 64:
+            up, seen = parent[up], seen + 1
+        if up != harness or pid == harness:
             continue
         try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"follow" in cmd and b"qualify.engine" in cmd and f"QUALIFY_HOME={home}".encode() in env:
-            out.append(int(d))
+        if b"follow" in cmd and b"qualify.engine" in cmd:
+            out.append(pid)
     return out
 
 
@@ -64,10 +73,12 @@ def test_a_rank_killed_mid_run_rejects_the_run_naming_the_rank_and_leaves_no_pro
         cwd=ROOT,
     )
     killed = None
+    seen: set[int] = set()
     try:
         end = time.monotonic() + 180
         while killed is None and time.monotonic() < end and proc.poll() is None:
-            ranks = _followers_of(home.path)
+            ranks = _followers_of(proc.pid)
+            seen.update(ranks)
             if ranks:
                 time.sleep(1.0)  # let the ranks join and the checks start
                 os.kill(ranks[0], signal.SIGKILL)
@@ -86,4 +97,8 @@ def test_a_rank_killed_mid_run_rejects_the_run_naming_the_rank_and_leaves_no_pro
     faults = next((c for c in p["checks"] if c["name"] == "faults"), None)
     if faults is not None and faults["status"] != "error":
         assert any("rank=1 killed by signal 9" in line for line in faults["evidence"]["dcp_ranks_lost"])
-    assert _followers_of(home.path) == []
+    # Every rank seen is gone (its sandbox's pid namespace went with the engine; a zombie no longer runs).
+    for pid in seen:
+        with contextlib.suppress(OSError):
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            assert state == "Z", f"DCP rank {pid} outlived its run"

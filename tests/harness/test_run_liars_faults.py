@@ -24,7 +24,7 @@ def _liar_env(home: Home, **extra: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("when", ["metrics", "sigterm"])
 def test_an_engine_that_dies_after_the_faults_check_is_rejected(home: Home, when: str) -> None:
-    ran = home.qualify("run", "--json", env=_liar_env(home, LIAR_LATE_EXIT=when))
+    ran = home.qualify("run", "--json", "--engine-env", f"LIAR_LATE_EXIT={when}", env=_liar_env(home))
     assert ran.code == 1, ran.stderr[-2000:]
     s = ran.summary()
     # Every check passed, the faults check included: the lie comes after it.
