@@ -58,6 +58,7 @@ def predicate(
     cuda_oom: int = 0,
     target: str = "gpu",
     sources: dict[str, str] | None = None,
+    sandbox: bool | None = True,
 ) -> dict[str, Any]:
     """A predicate as `qualify run` would write it; the keyword arguments change what policies look at.
     `sources` overrides the source of named "check.condition"s (every listed one is observed otherwise).
@@ -107,7 +108,7 @@ def predicate(
             if check["name"] == failed_check:
                 check.update(status="fail", reason=f"{failed_check} failed")
     data = {
-        "request": {"layout": [2304, 2304, 2304, 9216], "kda_backend": "auto"},
+        "request": {"layout": [2304, 2304, 2304, 9216], "kda_backend": "auto", "sandbox": sandbox},
         "engine": {
             "name": "glm-tiny",
             "image_digest": IMAGE,

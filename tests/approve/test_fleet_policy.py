@@ -43,6 +43,14 @@ def test_fleet_approves_qualified_gpu_receipts_with_observed_conditions(log: Log
     assert sorted(decision.receipt_ids) == sorted([one, two]) and decision.hosts == ["gpu-1", "gpu-2"]
 
 
+@pytest.mark.parametrize("sandbox", [False, None])
+def test_fleet_denies_a_receipt_of_an_unsandboxed_engine(log: Log, sandbox: bool | None) -> None:
+    log.add(sandbox=sandbox)  # `qualify run --no-sandbox`, or a receipt from before the sandbox
+    decision = decide(log.store, fleet(min_hosts=1), SUBJECT)
+    assert decision.decision == "denied"
+    assert any(f.startswith("condition 'sandboxed' is false") for f in decision.evaluations[0].failures)
+
+
 def test_a_required_condition_on_the_engines_word_does_not_count(log: Log) -> None:
     log.add(sources={"layout.spans_equal_request": "engine", "layout.peer_ok": "derived"})
     decision = decide(log.store, fleet(min_hosts=1), SUBJECT)
