@@ -233,7 +233,9 @@ def _site_dirs() -> list[Path]:
     return out
 
 
-def engine_code(module: str, python: str = sys.executable, extra_path: str = "") -> CodeSet:
+def engine_code(
+    module: str, python: str = sys.executable, extra_path: str = "", harness_pythonpath: str | None = None
+) -> CodeSet:
     """The code of an engine run as `python -m module` from this harness's installation: what to mount
     read-only (outside /usr, which is mounted whole), and what the code digest covers (every mount, plus
     the interpreter and its Python folders where they lie under /usr)."""
@@ -273,18 +275,24 @@ def engine_code(module: str, python: str = sys.executable, extra_path: str = "")
             gp = Path(g).resolve() if g else None
             if gp is not None and gp.is_dir() and gp not in sites and str(gp) not in hidden:
                 hidden.append(str(gp))
+    pythonpath: list[str] = []
+    # Where this harness found its own packages through PYTHONPATH (a checkout run in place, as on a GPU
+    # host without an install), the engine gets that folder on its path too (only the mounts exist there).
+    hp = os.environ.get("PYTHONPATH", "") if harness_pythonpath is None else harness_pythonpath
+    harness_path = {str(Path(p).resolve()) for p in hp.split(os.pathsep) if p}
     for name in ("qualify", "kernels"):  # the reference engine and what it imports of this project
         d = _dir_of(importlib.util.find_spec(name))
         if d is not None:
             add(d)
-    pythonpath: list[str] = []
+            if str(d.parent) in harness_path and str(d.parent) not in pythonpath:
+                pythonpath.append(str(d.parent))
     module_files: list[str] = []
     if module.split(".")[0] not in ("qualify", "kernels"):
         root, files = locate_module(module)
         for f in files:
             add(f)
         module_files = [str(f) for f in files]
-        if not any(root.resolve().is_relative_to(s) for s in sites):
+        if not any(root.resolve().is_relative_to(s) for s in sites) and str(root) not in pythonpath:
             pythonpath.append(str(root))
     for entry in filter(None, extra_path.split(os.pathsep)):
         if not Path(entry).is_dir():
@@ -416,7 +424,9 @@ class Sandbox:
         env: dict[str, str] | None = None,
     ) -> Sandbox:
         env = os.environ if env is None else env
-        code = engine_code(module, extra_path=env.get(ENGINE_PATH_ENV, ""))
+        code = engine_code(
+            module, extra_path=env.get(ENGINE_PATH_ENV, ""), harness_pythonpath=env.get("PYTHONPATH", "")
+        )
         return cls(find_bwrap(env), code, gpu, dict(operator_env or {}))
 
     @property
