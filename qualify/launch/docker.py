@@ -424,6 +424,7 @@ class DockerLauncher(Launcher):
             mem_limit=self.mem_limit,
             max_restarts=0,
             env=self._env_source,
+            engine_env=self.engine_env,
         )
 
     def identity(self) -> dict[str, Any]:
