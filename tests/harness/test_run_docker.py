@@ -104,7 +104,19 @@ def test_the_engine_container_is_hardened_as_docker_inspect_reports_it(tmp_path,
         assert "no-new-privileges" in hc["SecurityOpt"]
         assert hc["PidsLimit"] == PIDS_LIMIT
         assert set(hc["Tmpfs"]) == {"/tmp", "/var/lib/qualify"}
-        assert not hc.get("Binds") and c["Mounts"] == []  # nothing of the host's: no data dir, no checkout
+        # Nothing of the host's but the harness's monitor (its file read-only, its socket's own folder):
+        # no data dir, no checkout.
+        from qualify.launch.monitor import CONTAINER_DIR, CONTAINER_SOCKET_DIR, MONITOR_FILE
+
+        mounts = {m["Destination"]: m for m in c["Mounts"]}
+        assert set(mounts) <= {CONTAINER_DIR, CONTAINER_SOCKET_DIR}, mounts
+        if CONTAINER_DIR in mounts:
+            assert (
+                mounts[CONTAINER_DIR]["Source"] == str(MONITOR_FILE.parent)
+                and not mounts[CONTAINER_DIR]["RW"]
+            )
+        if CONTAINER_SOCKET_DIR in mounts:
+            assert mounts[CONTAINER_SOCKET_DIR]["Source"].startswith("/tmp/qualify-monitor-")
         assert hc["Privileged"] is False
         env = dict(e.split("=", 1) for e in c["Config"]["Env"])
         assert env["LIAR_X"] == "1"  # --engine-env reaches the engine...
