@@ -4,6 +4,11 @@ The engine's address comes from its ready line; after the first boot its port is
 engine answers at the same URL. Logs of every incarnation go to one file in the run directory. Every engine
 holds the read end of a pipe only this harness writes to: it exits when the harness dies, even by SIGKILL.
 After each exit the supervisor sweeps the shared-memory files a crashed engine could not release.
+
+Every engine process runs in the launcher's Sandbox (qualify/launch/sandbox.py: bubblewrap) unless the
+operator asked for none (--no-sandbox); the launcher tracks the engine's host pid, not bwrap's. Before the
+first boot the harness seeds the configuration's weights once (the reference engine, sandboxed), keeps and
+hashes the file in its cache, and every engine gets exactly that file, read-only (`--weights`).
 """
 
 from __future__ import annotations
