@@ -173,11 +173,7 @@ def run(ctx: Context) -> Outcome:
     }
     local = ctx.launcher.kind == "local"
     engine_pid = ctx.launcher.status().detail.get("pid") if local else None
-    # A sandboxed engine reports the pids of its own pid namespace: the harness maps them to host pids.
-    to_host = getattr(ctx.launcher, "host_pids", None)
-    host = to_host() if local and to_host is not None else {}
-    seen = {k: {**v, "pid": host.get(v["pid"], v["pid"])} for k, v in per_rank.items()}
-    procs = rank_processes(seen, engine_pid) if local else {}
+    procs = rank_processes(per_rank, engine_pid) if local else {}
     ref, ref_weights, ref_info = _reference_tokens(ctx)
     hosts = rank_hosts(per_rank, engine_pid) if local and engine_pid is not None else {}
     ticks0 = {r: cpu_ticks(h) if h is not None else None for r, h in hosts.items()}
