@@ -37,7 +37,10 @@ def lying_generate(self, prompts, max_tokens, mode="auto"):
 
 
 def lying_reload(self, *args, **kwargs):
-    self._reloaded = True
+    # The boot check's reload of the handed weights file comes first (eager answers, left honest): the lie
+    # starts with the reload check's own reloads.
+    self._reloads = getattr(self, "_reloads", 0) + 1
+    self._reloaded = self._reloads > 1
     return _reload(self, *args, **kwargs)
 
 

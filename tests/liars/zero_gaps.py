@@ -1,4 +1,5 @@
-"""A lying engine standing in for stale graphs on CPU: after its first reload every non-eager answer has one
+"""A lying engine standing in for stale graphs on CPU: after the reload check's first reload (its second:
+the boot check's reload of the handed weights comes first) every non-eager answer has one
 token changed, and it reports every top-2 gap as 0.0 with a runner-up chosen so that the changed token looks
 like the swapped half of a near tie. Only teacher forcing can tell: forced through the tie, it changes a
 token again."""
@@ -31,7 +32,10 @@ def lying_generate(self, prompts, max_tokens, mode="auto"):
 
 
 def lying_reload(self, *args, **kwargs):
-    self._reloaded = True
+    # The harness's boot check reloads the weights file it handed over first (eager answers only, which
+    # this liar leaves honest); the lie starts with the reload check's own reloads.
+    self._reloads = getattr(self, "_reloads", 0) + 1
+    self._reloaded = self._reloads > 1
     return _reload(self, *args, **kwargs)
 
 
