@@ -510,6 +510,8 @@ class Sandbox:
             cmd += ["--ro-bind", str(meta / name), f"/etc/{name}"]
         if self.gpu:
             for p in GPU_EXTRA:
+                if p.startswith("/usr/"):
+                    continue  # visible through the /usr bind (and maybe a symlink: binding onto it fails)
                 cmd += ["--ro-bind-try", p, p]
         # bwrap makes a mount point's missing parents 0700, which the sandbox's uid could not traverse.
         made: set[str] = set()
