@@ -223,8 +223,9 @@ class LocalLauncher(Launcher):
             env["QUALIFY_HOME"] = str(scratch / "home")
             sub_env = env
         else:
+            # The reference engine's own `weights` verb, with the sandbox's code path: on a host that runs
+            # the checkout in place (a GPU host), that path is what holds qualify and its wheels.
             sub_env = self.sandbox.engine_env(env)
-            sub_env.pop("PYTHONPATH", None)  # the reference engine: the harness's installation only
         with (self.run_dir / "weights-step.log").open("w") as log:
             proc, _ = self._popen(
                 argv, scratch, sub_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

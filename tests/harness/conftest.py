@@ -24,6 +24,10 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker") or "docker")
 
 
+# How a host's sandbox is set up (scripts/gpu-check sets the first two on the GPU machine): kept in runs' env.
+SANDBOX_SETUP_ENV = ("QUALIFY_BWRAP", "QUALIFY_ENGINE_PATH", "QUALIFY_CACHE_DIR")
+
+
 @dataclass
 class Ran:
     code: int
@@ -46,9 +50,7 @@ class Home:
         return self.path / "qualify.db"
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {
-            k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_") or k == "QUALIFY_CACHE_DIR"
-        }
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_") or k in SANDBOX_SETUP_ENV}
         env.update(QUALIFY_HOME=str(self.path), **extra)
         return env
 

@@ -43,7 +43,8 @@ RUNS: dict[str, tuple[str | None, tuple[str, ...], dict[str, str]]] = {
 
 
 def _env(home: Path, liar: str | None, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_")}
+    keep = ("QUALIFY_BWRAP", "QUALIFY_ENGINE_PATH", "QUALIFY_CACHE_DIR")  # how gpu-check sets up the sandbox
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_") or k in keep}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env["QUALIFY_HOME"] = str(home)
     if liar:
