@@ -523,11 +523,13 @@ class Sandbox:
                     continue
                 made.add(p)
                 cmd += ["--perms", "0755", "--dir", p]
+        # Scratch and /tmp first: a code mount below /tmp (the GPU host's unpacked wheels in /tmp/site) must
+        # land on top of the private /tmp, not be hidden by it.
+        cmd += ["--bind", str(scratch), SCRATCH, "--bind", str(scratch / "tmp"), "/tmp"]
         for m in self.code.mounts:
             cmd += ["--ro-bind", m, m]
         for h in self.code.hidden:
             cmd += ["--tmpfs", h, "--remount-ro", h]
-        cmd += ["--bind", str(scratch), SCRATCH, "--bind", str(scratch / "tmp"), "/tmp"]
         if weights is not None:
             cmd += ["--ro-bind", str(weights), self.weights_path(weights)]
         cmd += ["--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
