@@ -53,7 +53,13 @@ INFO_TIMEOUT_S = 30.0
 # Variables of the harness's environment the engine gets when they are set (the engine protocol's own,
 # and what selects or configures the device). Everything else the engine sees is set here or added by the
 # operator with --engine-env.
-FORWARDED_ENV = (FAULT_ENV, "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+FORWARDED_ENV = (
+    FAULT_ENV,
+    "TRITON_INTERPRET",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "TRITON_LIBCUDA_PATH",
+)
 # Top-level folders that are symlinks into /usr on a merged-/usr system, or folders of their own.
 ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # /etc files a Python process with torch reads (the dynamic loader's cache, time zone, name service).
@@ -103,6 +109,22 @@ class Bwrap:
 
 
 _PROBED: dict[str, Bwrap | str] = {}
+
+
+def libcuda_dir() -> str | None:
+    """The folder of the driver's libcuda.so.1 as this host's loader cache names it (read outside the
+    sandbox, where `ldconfig -p` works), or None."""
+    try:
+        out = subprocess.run(
+            ["/sbin/ldconfig", "-p"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        if name.startswith("libcuda.so.1 ") and path:
+            return str(Path(path).parent)
+    return None
 
 
 def find_bwrap(env: dict[str, str] | None = None) -> Bwrap:
@@ -450,6 +472,10 @@ class Sandbox:
         for k in FORWARDED_ENV:
             if k in harness_env:
                 env[k] = harness_env[k]
+        if self.gpu and "TRITON_LIBCUDA_PATH" not in env:
+            found = libcuda_dir()
+            if found is not None:  # Triton finds libcuda through `ldconfig -p`, which fails in the sandbox
+                env["TRITON_LIBCUDA_PATH"] = found
         env.update(self.operator_env)
         env.update(extra or {})
         return env
