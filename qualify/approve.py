@@ -303,8 +303,8 @@ def gather(
     records = store.list_receipts(subject=subject, limit=None)
     if not records:
         return [], None
-    history = store.key_history()
-    verifiers = verifiers or [store.log_verifier()]
+    history = None  # the key history under the last good checkpoint (verify_receipt's default)
+    verifiers = verifiers or [store.trusted_log_key()[0]]
     candidates: list[Candidate] = []
     tree_size: int | None = None
     for record in records:

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from receipts import approval_rows, dsse, merkle, receipt_rows
-from receipts.checkpoint import NoteVerifier, open_checkpoint
+from receipts import approval_rows, dsse, merkle, receipt_rows, trusted
+from receipts.checkpoint import Checkpoint, NoteVerifier, open_checkpoint
 from receipts.errors import NotFound, StoreError, TamperError, VerificationError
 from receipts.keylog import KeyHistory
 from receipts.keys import VerifyingKey
@@ -30,6 +30,7 @@ from receipts.models import (
 )
 from receipts.records import ApprovalRecord, Entry, KeyInfo, ReceiptRecord, ReceiptReport, Subject
 from receipts.subtrees import SqlSubtrees
+from receipts.trusted import GoodHead
 
 ENTRIES = LogEntry.__table__
 RECEIPTS = ReceiptRow.__table__
@@ -68,6 +69,14 @@ class LogReader:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._meta: tuple[str, str] | None = None
+        # The log key the read paths trust (kept outside the database), and where it came from; None:
+        # the key recorded in the store (see trusted_log_key).
+        self._trust: tuple[NoteVerifier, str] | None = None
+        # The last good checkpoint per log key, for the head row it was found under (reads re-check only
+        # the head).
+        self._good: dict[str, tuple[tuple[Any, ...], GoodHead]] = {}
+        # Key history under the good checkpoint of (size, root).
+        self._served_keys: tuple[int, bytes, KeyHistory] | None = None
 
     # ------------------------------------------------------------------ the log's identity
 
@@ -92,6 +101,103 @@ class LogReader:
         if meta is None:
             raise NotFound("the log is empty: it has no checkpoint signer yet")
         return NoteVerifier.from_vkey(meta[1])
+
+    def set_trusted_log_key(self, verifier: NoteVerifier, source: str) -> None:
+        """The log key every read path checks checkpoints with (a copy kept outside the database)."""
+        self._trust = (verifier, source)
+
+    def trusted_log_key(self) -> tuple[NoteVerifier, str]:
+        """The key set with set_trusted_log_key, else (weakest) the one recorded in the store."""
+        if self._trust is not None:
+            return self._trust
+        return self.log_verifier(), "the log key recorded in the store"
+
+    # ------------------------------------------------------------------ what may be served
+
+    def good_head(
+        self, conn: Connection | None = None, verifier: tuple[NoteVerifier, str] | None = None
+    ) -> GoodHead:
+        """The last stored checkpoint that verifies with the trusted log key and names the stored tree
+        (see receipts.trusted): every read path serves only what it covers. Verified once per head: a
+        later call that finds the same head row reuses it."""
+        if conn is None:
+            with self.engine.connect() as own:
+                return self.good_head(own, verifier)
+        head = self._head(conn)
+        if head.next == 0:
+            return GoodHead(0, merkle.EMPTY_ROOT, None, 0, head.checkpoint_size, "an empty log")
+        key, source = verifier or self.trusted_log_key()
+        cache_key = (*head, key.vkey())
+        cached = self._good.get(key.vkey())
+        if cached is not None and cached[0] == cache_key:
+            return cached[1]
+        good = trusted.last_good(conn, key, self.origin, head.next, source)
+        self._good[key.vkey()] = (cache_key, good)
+        return good
+
+    def good_checkpoint(self) -> str:
+        """The signed note of the last good checkpoint (NotFound for an empty log)."""
+        note = self.good_head().note
+        if note is None:
+            raise NotFound("the log is empty: there is no checkpoint yet")
+        return note
+
+    def verified_checkpoint(self, size: int) -> tuple[str, Checkpoint]:
+        """The stored checkpoint of `size` once it verifies with the trusted log key and names the stored
+        tree, and its size is at most the last good one's (NotFound / TamperError otherwise)."""
+        with self.engine.connect() as conn:
+            good = self.good_head(conn)
+            if not 0 < size <= good.size:
+                raise NotFound(
+                    f"no checkpoint of size {size} is served: the last good checkpoint is of size {good.size}"
+                )
+            if size == good.size and good.note is not None:
+                return good.note, open_checkpoint(good.note, [self.trusted_log_key()[0]])
+            note = conn.execute(sa.select(CheckpointRow.note).where(CheckpointRow.size == size)).scalar()
+            if note is None:
+                raise NotFound(f"no checkpoint of size {size} in the store")
+            try:
+                cp = open_checkpoint(note, [self.trusted_log_key()[0]], self.origin)
+            except VerificationError as error:
+                raise TamperError(
+                    f"the stored checkpoint of size {size} does not verify with the log key ({error}); "
+                    "nothing served; run: qualify log verify"
+                ) from error
+            if cp.size != size or cp.root != SqlSubtrees(conn).run(lambda r: merkle.root_from(r, size)):
+                raise TamperError(
+                    f"the stored checkpoint of size {size} does not name the stored tree; nothing served; "
+                    "run: qualify log verify"
+                )
+        return note, cp
+
+    def served_history(self, conn: Connection | None = None, good: GoodHead | None = None) -> KeyHistory:
+        """Key history from the key entries under the last good checkpoint, each proven included."""
+        if conn is None:
+            with self.engine.connect() as own:
+                return self.served_history(own, good)
+        good = good or self.good_head(conn)
+        cached = self._served_keys
+        if cached is not None and cached[:2] == (good.size, good.root):
+            return cached[2]
+        history = trusted.key_history(conn, good)
+        self._served_keys = (good.size, good.root, history)
+        return history
+
+    def _vouch(self, conn: Connection, items: Sequence[tuple[int, bytes, str, str]]) -> GoodHead:
+        """Refuse (TamperError) unless every (index, bytes, kind, keyid) is covered by the last good
+        checkpoint and signed by a key the log trusted at its index, among them `keyid`."""
+        good = self.good_head(conn)
+        trusted.check_included(conn, good, [(idx, data) for idx, data, _, _ in items])
+        if items:
+            history = self.served_history(conn, good)
+            for idx, data, kind, keyid in items:
+                if keyid not in trusted.signers(history, idx, data, kind):
+                    raise TamperError(
+                        f"the {kind} at log index {idx} is not signed by key {keyid[:16]}, which its query "
+                        "row names: the row was edited outside the store; nothing served; run: qualify log "
+                        "verify"
+                    )
+        return good
 
     # ------------------------------------------------------------------ the head
 
@@ -197,7 +303,8 @@ class LogReader:
 
     def signer_keys(self) -> list[KeyInfo]:
         """Every signer key ever trusted, in log order, with its revocation if any: derived from the log's
-        own key entries (whose bytes the signed checkpoints cover), never from the query tables."""
+        own key entries under the last good checkpoint (each proven included in it), never from the query
+        tables nor from key entries beyond that checkpoint."""
         return [
             KeyInfo(
                 keyid,
@@ -208,7 +315,7 @@ class LogReader:
                 state.revoked_at,
                 reason=state.reason,
             )
-            for keyid, state in sorted(self.key_history().keys.items(), key=lambda kv: kv[1].trusted_at)
+            for keyid, state in sorted(self.served_history().keys.items(), key=lambda kv: kv[1].trusted_at)
         ]
 
     def key_rows(self) -> list[KeyInfo]:
@@ -242,11 +349,15 @@ class LogReader:
         return matches[0]
 
     def trusted_keys(self, at_idx: int | None = None) -> dict[str, VerifyingKey]:
-        """Keys that may sign the entry at `at_idx` (default: the next entry), from the log's key entries."""
-        return self.key_history().valid_at(self.size() if at_idx is None else at_idx)
+        """Keys that may sign the entry at `at_idx` (default: the next entry), from the log's key entries
+        under the last good checkpoint (a key-trust entry no good checkpoint covers trusts nothing)."""
+        with self.engine.connect() as conn:
+            good = self.good_head(conn)
+            return self.served_history(conn, good).valid_at(good.size if at_idx is None else at_idx)
 
     def key_history(self) -> KeyHistory:
-        """Key history replayed from the log's own key entries (not from the query tables)."""
+        """Key history replayed from every stored key entry (not from the query tables), verified by
+        nothing: for whole-log checks; what is served uses served_history."""
         history = KeyHistory()
         query = (
             sa.select(ENTRIES.c.idx, ENTRIES.c.envelope)
@@ -308,9 +419,9 @@ class LogReader:
         checked: bool = False,
     ) -> list[ReceiptRecord]:
         """Receipts in log order, filtered by verdict, finish time (>= since) and subject digest. With
-        `checked`, each row is checked against its log entry as get_receipt does (TamperError names the
-        first that disagrees): for listings shown to people; callers that verify every receipt themselves
-        (approve) leave it off."""
+        `checked`, only rows the last good checkpoint covers are listed, each checked against its log
+        entry, signature and inclusion as get_receipt does (TamperError names the first that fails): for
+        listings shown to people; callers that verify every receipt themselves (approve) leave it off."""
         query = sa.select(RECEIPTS).order_by(RECEIPTS.c.log_idx)
         if verdict is not None:
             query = query.where(RECEIPTS.c.verdict == verdict)
@@ -325,12 +436,14 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
+            if checked:  # only what the last good checkpoint covers is shown
+                query = query.where(RECEIPTS.c.log_idx < self.good_head(conn).size)
             records = self._records(conn, conn.execute(query).all(), envelopes=checked)
             return self._checked(conn, records) if checked else records
 
     def _checked(self, conn: sa.Connection, records: list[ReceiptRecord]) -> list[ReceiptRecord]:
-        """Each record's query row checked against its log entry (TamperError names the first that
-        disagrees); records must carry their envelope bytes."""
+        """Each record's query row checked against its log entry, and the entry against its signature and
+        the last good checkpoint (TamperError names the first that fails); records carry their bytes."""
         if not records:
             return records
         entries = {
@@ -343,6 +456,7 @@ class LogReader:
         }
         for record in records:
             receipt_rows.check_served(record, entries.get(record.log_idx))
+        self._vouch(conn, [(r.log_idx, r.envelope or b"", "receipt", r.keyid) for r in records])
         return records
 
     def find_receipts(
@@ -374,6 +488,9 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
+            # Only what the last good checkpoint covers (rows beyond it were written outside the store).
+            where.append(RECEIPTS.c.log_idx < self.good_head(conn).size)
+            query = query.where(where[-1])
             total = conn.execute(sa.select(sa.func.count()).select_from(RECEIPTS).where(*where)).scalar_one()
             return self._checked(conn, self._records(conn, conn.execute(query).all(), envelopes=True)), total
 
@@ -394,7 +511,8 @@ class LogReader:
         """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits). Its
         query row is checked against its log entry first (TamperError when they disagree); `checked=False`
         is for verify_receipt, which judges the signed bytes themselves (a row pointing at other bytes is
-        a failed check there)."""
+        a failed check there). A checked receipt is also signed by a key the log trusted at its index and
+        covered by the last good checkpoint (receipts.trusted), or it is not served."""
         prefix = id_or_prefix.strip().lower()
         if prefix.startswith("sha256:"):
             prefix = prefix[len("sha256:") :]
@@ -412,8 +530,9 @@ class LogReader:
             kind = conn.execute(
                 sa.select(ENTRIES.c.kind, ENTRIES.c.leaf_hash).where(ENTRIES.c.idx == record.log_idx)
             ).first()
-        if checked:
-            receipt_rows.check_served(record, kind)
+            if checked:
+                receipt_rows.check_served(record, kind)
+                self._vouch(conn, [(record.log_idx, record.envelope or b"", "receipt", record.keyid)])
         return record
 
     def get_approval(self, approval_id: str) -> ApprovalRecord:
@@ -443,8 +562,11 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
-            rows = conn.execute(query).all()
-        return [approval_rows.served(r) for r in rows]
+            good = self.good_head(conn)
+            rows = conn.execute(query.where(APPROVALS.c.log_idx < good.size)).all()
+            served = [approval_rows.served(r) for r in rows]
+            self._vouch(conn, [(r.log_idx, bytes(r.envelope), "approval", r.keyid) for r in rows])
+        return served
 
     def counts(self) -> dict[str, int]:
         """Rows per table (for status output and for tests that check nothing was written)."""
@@ -461,9 +583,10 @@ class LogReader:
         verifiers: Sequence[NoteVerifier] | None = None,
         history: KeyHistory | None = None,
     ) -> ReceiptReport:
-        """Check one receipt end to end: its bytes and id, its signature against the key history at its
-        index, and its inclusion under the latest checkpoint (signature checked with `verifiers`,
-        default: the log key recorded in the store)."""
+        """Check one receipt end to end: its bytes and id, its query row against them, its signature against
+        the key history at its index, and its inclusion under the last good checkpoint: the latest stored
+        one that verifies with the log key (`verifiers`, default: the trusted log key, see
+        trusted_log_key) and names the stored tree. `report.notice` says when rows beyond it exist."""
         record = self.get_receipt(id_or_prefix, checked=False)
         report = ReceiptReport(id=record.id, log_idx=record.log_idx)
         try:
@@ -472,15 +595,24 @@ class LogReader:
             report.checks["leaf_hash"] = merkle.leaf_hash(entry.envelope) == entry.leaf_hash
             if not all(report.checks.values()):
                 raise TamperError(f"receipt {record.id[:16]}: stored bytes do not match its id or leaf hash")
-            history = history if history is not None else self.key_history()
-            parsed = dsse.parse(entry.envelope)
-            report.keyid = history.signers(parsed, entry.idx, "receipt")[0]
-            report.checks["signature"] = True
-            cp = open_checkpoint(self.checkpoint(), list(verifiers) if verifiers else [self.log_verifier()])
-            report.checkpoint_size = cp.size
-            report.checks["checkpoint_signature"] = True
-            proof = self.inclusion_proof(entry.idx, cp.size)
-            merkle.verify_inclusion(entry.idx, cp.size, entry.leaf_hash, proof, cp.root)
+            try:
+                receipt_rows.check_served(record, entry)
+                report.checks["query_row"] = True
+            except TamperError:
+                report.checks["query_row"] = False
+                raise
+            given = (verifiers[0], "the log key given to verify with") if verifiers else None
+            with self.engine.connect() as conn:
+                good = self.good_head(conn, given)
+                report.notice = good.notice()
+                if history is None:
+                    history = self.served_history(conn, good)
+                parsed = dsse.parse(entry.envelope)
+                report.keyid = history.signers(parsed, entry.idx, "receipt")[0]
+                report.checks["signature"] = True
+                report.checkpoint_size = good.size
+                report.checks["checkpoint_signature"] = True
+                trusted.check_included(conn, good, [(entry.idx, entry.envelope)])
             report.checks["inclusion"] = True
         except (VerificationError, TamperError, merkle.ProofError, NotFound) as error:
             report.problem = str(error)

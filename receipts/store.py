@@ -200,8 +200,13 @@ class Store(LogReader):
     def revision(self) -> str | None:
         return check_connection(self.engine)
 
-    def set_log_signer(self, signer: NoteSigner, origin: str | None = None) -> None:
-        """Use `signer` for checkpoints; refused if the store was started with another log key."""
+    def set_log_signer(
+        self, signer: NoteSigner, origin: str | None = None, *, new_origin: str | None = None
+    ) -> None:
+        """Use `signer` for checkpoints; refused if the store was started with another log key (or, with
+        `origin`, under another origin). `new_origin` is the origin a log that does not exist yet gets:
+        it is chosen under the writer lock by the first append, so that concurrent first uses agree on the
+        one that committed first. The signer's key is also the key the read paths trust."""
         meta = self.meta()
         if meta is not None:
             if signer.vkey() != meta[1]:
@@ -211,7 +216,10 @@ class Store(LogReader):
                 )
             if origin is not None and origin != meta[0]:
                 raise StoreError(f"this store's log origin is {meta[0]!r}, not {origin!r}")
-        self._signer, self._origin = signer, origin or (meta[0] if meta else signer.name)
+        self._signer = signer
+        self._origin = origin or (meta[0] if meta else new_origin or signer.name)
+        if self._trust is None:
+            self.set_trusted_log_key(signer.verifier(), "the log key this store appends with")
 
     # ------------------------------------------------------------------ appending
 
@@ -274,6 +282,8 @@ class Store(LogReader):
         return history
 
     def _ensure_meta(self, conn: Connection, signer: NoteSigner) -> str:
+        """The log's origin, read under the writer lock; the first append of a new log records it. A log
+        that another process created meanwhile keeps the origin that process chose."""
         row = conn.execute(_META).first()
         if row is None:
             origin = self._origin or signer.name
@@ -283,6 +293,7 @@ class Store(LogReader):
             return origin
         if row.vkey != signer.vkey():
             raise StoreError(f"the log key is not this store's log key ({row.vkey}); use the store's log key")
+        self._origin = row.origin
         return row.origin
 
     def _append(self, pending: Sequence[_Pending]) -> list[Appended]:

@@ -211,10 +211,24 @@ def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerif
 
 
 def open_read(url: str | None) -> Store:
-    """An existing store for reading; StoreError when there is none (nothing is created)."""
+    """An existing store for reading; StoreError when there is none (nothing is created). Its read paths
+    trust the local log key where there is one (not the key the database records)."""
     from receipts.store import Store
 
-    return Store.open(resolve_db(url), create=False)
+    store = Store.open(resolve_db(url), create=False)
+    try:
+        trust_local_log_key(store)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def trust_local_log_key(store: Store) -> None:
+    """Make the local log key (if this machine has one) the key the store's read paths verify with."""
+    signer = load_log_signer(create=False)
+    if signer is not None:
+        store.set_trusted_log_key(signer.verifier(), f"the local log key {settings.log_key_path()}")
 
 
 def open_read_or_none(url: str | None) -> Store | None:
@@ -264,11 +278,21 @@ def open_append(url: str | None, *, create: bool = True) -> Store:
                 f"log key at {settings.log_key_path()}; append where that key is, or copy it there"
             )
         # A new log gets an origin of its own (qualify.local/<host>/<random id>); an existing one keeps its.
-        store.set_log_signer(signer, None if meta else new_log_origin(signer.name))
+        # It is recorded by the first append, under the writer lock: a concurrent first use that commits
+        # first wins, and this one goes on with that origin.
+        store.set_log_signer(signer, new_origin=None if meta else new_log_origin(signer.name))
     except BaseException:
         store.close()
         raise
     return store
+
+
+def warn_served(store: Store) -> None:
+    """On stderr, when the store holds rows beyond the last checkpoint that verifies with the trusted log
+    key: what is shown comes from that checkpoint, and nothing beyond it."""
+    notice = store.good_head().notice()
+    if notice is not None:
+        click.echo(f"warning: {notice}", err=True)
 
 
 @contextlib.contextmanager

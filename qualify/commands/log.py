@@ -23,6 +23,7 @@ from qualify.commands._common import (
     opened,
     store_errors,
     vkey_option,
+    warn_served,
     write_file,
 )
 from qualify.commands.offline import MAX_PROOF_BYTES, consistency_document
@@ -54,8 +55,9 @@ def log() -> None:
 def checkpoint(out: str | None, db_url: str | None, as_json: bool) -> None:
     """The latest signed checkpoint (C2SP signed note): keep a copy outside the database."""
     with opened(open_read(db_url)) as store:
-        note = store.latest_checkpoint()
-        vkey = store.log_verifier().vkey()
+        note = store.good_checkpoint()  # the latest one that verifies with the trusted log key
+        vkey = store.trusted_log_key()[0].vkey()
+        warn_served(store)
     cp = Checkpoint.parse(note[: note.rfind("\n\n") + 1])
     if out:
         write_file(out, note)

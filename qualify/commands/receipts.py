@@ -29,6 +29,7 @@ from qualify.commands._common import (
     store_errors,
     tamper_exits_1,
     vkey_option,
+    warn_served,
     write_file,
     write_or_echo,
 )
@@ -91,6 +92,7 @@ def list_(
             records, total = store.find_receipts(
                 verdict=verdict, since=when, subject=subject, host=host, limit=limit, offset=offset
             )
+            warn_served(store)
 
     def human() -> None:
         if not records:
@@ -147,6 +149,7 @@ def show(
         raise click.UsageError("give a receipt ID or --log-index N")
     with opened(open_read(db_url)) as store:
         record = store.get_receipt(receipt_id) if receipt_id is not None else store.receipt_at(log_index or 0)
+        warn_served(store)
     if envelope:
         assert record.envelope is not None
         click.echo(record.envelope, nl=False)  # the exact stored bytes, nothing added
@@ -212,9 +215,10 @@ def verify(
         raise click.UsageError("give a receipt ID or --all")
     with opened(open_read(db_url)) as store:
         verifiers, _ = log_verifiers(store, vkey)
-        history = store.key_history()
         ids = [receipt_id] if receipt_id else [r.id for r in store.list_receipts(limit=None)]
-        reports = [store.verify_receipt(i, verifiers=verifiers, history=history) for i in ids]
+        reports = [store.verify_receipt(i, verifiers=verifiers) for i in ids]
+    for notice in sorted({r.notice for r in reports if r.notice}):
+        click.echo(f"warning: {notice}", err=True)
 
     def human() -> None:
         for report in reports:
@@ -258,10 +262,11 @@ def _proof_path(out: str) -> str:
 
 
 def inclusion_of(store: Store, record: ReceiptRecord) -> tuple[str, int]:
-    """The receipt's C2SP tlog-proof under the latest signed checkpoint (checked before it is handed
-    out), and that checkpoint's size."""
-    note = store.latest_checkpoint()
-    cp = open_checkpoint(note, [store.log_verifier()])
+    """The receipt's C2SP tlog-proof under the last good checkpoint (the latest that verifies with the
+    trusted log key and names the stored tree; checked before it is handed out), and that checkpoint's
+    size."""
+    note = store.good_checkpoint()
+    cp = open_checkpoint(note, [store.trusted_log_key()[0]])
     proof = store.inclusion_proof(record.log_idx, cp.size)
     entry = store.entry(record.log_idx)
     merkle.verify_inclusion(record.log_idx, cp.size, entry.leaf_hash, proof, cp.root)
