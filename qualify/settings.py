@@ -33,3 +33,8 @@ def default_key_path() -> Path:
 def log_key_path() -> Path:
     """The log's Ed25519 key that signs checkpoints."""
     return keys_dir() / "log.key"
+
+
+def repair_notes_dir() -> Path:
+    """Where `qualify log repair` keeps the notes it signs with the log key (`log verify` requires them)."""
+    return data_dir() / "log-repairs"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from qualify import settings
 from qualify.commands._common import (
     console,
     db_option,
@@ -21,6 +22,7 @@ from qualify.commands._common import (
     log_verifiers,
     open_read,
     opened,
+    parse_vkey,
     store_errors,
     vkey_option,
     warn_served,
@@ -190,7 +192,12 @@ def verify(
         signer = load_log_signer(create=False)
         try:
             report = verify_log(
-                store, checkpoint_text=text, verifiers=verifiers, log_signer=signer, workers=workers
+                store,
+                checkpoint_text=text,
+                verifiers=verifiers,
+                log_signer=signer,
+                workers=workers,
+                notes_dir=settings.repair_notes_dir(),
             )
         except TamperError as error:
             report = error.report  # type: ignore[attr-defined]
@@ -212,28 +219,48 @@ def verify(
     help="Where to save the removed rows (JSON Lines, 0600; must not exist).",
 )
 @click.option("--reason", required=True, help="Why the log is repaired (recorded with the repair).")
+@click.option(
+    "--keep-size",
+    type=click.IntRange(min=0),
+    help="Confirm the size the repair keeps, where it would cut below a checkpoint the log key signed.",
+)
 @vkey_option
 @db_option
 @json_option
 @store_errors
 @click.pass_context
 def repair_(
-    ctx: click.Context, evidence: str, reason: str, vkey: str | None, db_url: str | None, as_json: bool
+    ctx: click.Context,
+    evidence: str,
+    reason: str,
+    keep_size: int | None,
+    vkey: str | None,
+    db_url: str | None,
+    as_json: bool,
 ) -> None:
-    """Owner only: remove rows written outside the store beyond the last checkpoint that verifies with the
-    log key (they stop every append), saving them to --evidence first; the repair is recorded in the
-    append-only log_repairs table. Entries covered by a good signed checkpoint are never touched."""
-    with opened(open_read(db_url)) as store:  # brings the schema to head first, as the owner
-        verifiers, source = log_verifiers(store, vkey)
-        url = store.engine.url.render_as_string(hide_password=False)
-    if source.startswith("the log key recorded in the store"):
+    """Owner only, where the log key is: remove rows written outside the store beyond the last checkpoint
+    that verifies with the log key (they stop every append), saving them to --evidence first; the repair
+    is recorded in the append-only log_repairs table and in a note signed by the log key in the data dir
+    (log verify requires both). Entries covered by a good signed checkpoint are never touched; a cut below
+    a checkpoint the log key signed, or to nothing, needs --keep-size."""
+    signer = load_log_signer(create=False)
+    if signer is None:
         raise UsageError(
-            "a repair trusts only a log key kept outside the database: pass --vkey, or run it where the "
-            "log key is"
+            f"a repair is signed by the log key, and there is none at {settings.log_key_path()}; run it "
+            "where the log key is"
         )
+    if vkey and parse_vkey(vkey).vkey() != signer.vkey():
+        raise UsageError(
+            f"--vkey {parse_vkey(vkey).vkey()} is not the local log key {signer.vkey()}; nothing removed"
+        )
+    verifiers = [signer.verifier()]
+    with opened(open_read(db_url)) as store:  # brings the schema to head first, as the owner
+        url = store.engine.url.render_as_string(hide_password=False)
     from receipts.repair import repair
 
-    report = repair(url, verifiers[0], Path(evidence), reason)
+    report = repair(
+        url, signer, Path(evidence), reason, notes_dir=settings.repair_notes_dir(), keep_size=keep_size
+    )
     if report is None:
         # Nothing lies beyond the last good checkpoint; but "nothing to repair" is said only of a log that
         # also verifies: tampering inside the signed part is not the repair's to fix, and must not read
@@ -259,7 +286,7 @@ def repair_(
         lambda: console.print(
             f"removed {report.removed_entries} entries ({report.removed_rows} rows) beyond the signed "
             f"checkpoint of size {report.kept_size}; evidence {report.evidence} ({report.evidence_sha256}); "
-            "the repair is recorded in log_repairs"
+            f"the repair is recorded in log_repairs and in {report.note} (signed by the log key)"
         ),
     )
 
@@ -270,7 +297,12 @@ def _verify_problem(db_url: str | None, verifiers: list) -> str | None:
 
     with opened(open_read(db_url)) as store:
         try:
-            verify_log(store, verifiers=verifiers, log_signer=load_log_signer(create=False))
+            verify_log(
+                store,
+                verifiers=verifiers,
+                log_signer=load_log_signer(create=False),
+                notes_dir=settings.repair_notes_dir(),
+            )
         except TamperError as error:
             return str(error)
     return None
