@@ -164,15 +164,24 @@ def load_log_signer(*, create: bool) -> NoteSigner | None:
         if not create:
             return None
         signer = NoteSigner(default_origin(), Ed25519PrivateKey.generate())
+        # Written whole under a private name, then linked into place: a concurrent first use either makes
+        # the key or reads the whole key another process made, never a half-written file.
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(_skey(signer) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.link(temp, path)
         except FileExistsError:
             return load_log_signer(create=False)  # another process made it meanwhile
         except OSError as error:
             raise KeyFileError(f"cannot create the log key {path}: {error.strerror}") from error
+        finally:
+            with contextlib.suppress(OSError):
+                temp.unlink()
         return signer
     text = read_private_text(path, "log key file")
     try:
