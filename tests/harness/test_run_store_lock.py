@@ -1,11 +1,15 @@
 """`qualify run --timeout` bounds the whole run, the store's append included: a writer that holds the store's
 lock for longer makes the run give up at its deadline with one line naming the lock, and the signed receipt
 is kept in the run directory rather than lost. The bound is the process's own wall time (the interpreter's
-start and the engine's stop count too), on SQLite and on PostgreSQL."""
+start and the engine's stop count too), on SQLite and on PostgreSQL. The kept receipt is reconciled by the
+next `qualify gc` or `qualify run`: appended once the lock is free, listed with the command that appends it
+while it is not."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import sqlite3
 import subprocess
 import sys
@@ -69,5 +73,25 @@ def test_a_held_writer_lock_cannot_stretch_the_run_past_its_timeout(
     assert "lock" in last.lower(), proc.stderr[-2000:]
     kept = list((home.path / "runs").glob("*/receipt.dsse.json"))
     assert len(kept) == 1, proc.stderr[-2000:]
+    rid = hashlib.sha256(kept[0].read_bytes()).hexdigest()
     if dialect == "sqlite":
         assert home.predicates() == []  # nothing reached the store while the lock was held
+        with _held(url):  # still held: gc names the receipt and the exact command, within a short wait
+            listed = home.qualify("gc", "--no-docker", "--json", env=env)
+        assert listed.code == 0, listed.stderr[-2000:]
+        (item,) = json.loads(listed.stdout)["reconciled_receipts"]
+        assert item["receipt_id"] == rid and item["log_index"] is None
+        assert item["command"] == f"qualify receipts import {kept[0]}" and "lock" in item["problem"]
+        stored = home.qualify("gc", "--no-docker", "--json", env=env)
+        (item,) = json.loads(stored.stdout)["reconciled_receipts"]
+        assert item["receipt_id"] == rid and item["log_index"] == 1
+        assert (
+            json.loads(home.qualify("gc", "--no-docker", "--json", env=env).stdout)["reconciled_receipts"]
+            == []
+        )
+    else:
+        # The next run appends it before its own.
+        again = home.qualify("run", "--timeout", str(TIMEOUT_S), "--json", env=env, timeout=TIMEOUT_S + 60)
+        assert f"stored receipt {rid}" in again.stderr, again.stderr[-2000:]
+    shown = home.qualify("receipts", "show", rid, "--json", env=env)
+    assert shown.code == 0 and json.loads(shown.stdout)["id"] == rid
