@@ -69,6 +69,7 @@ def test_a_held_writer_lock_cannot_stretch_the_run_past_its_timeout(
     assert proc.returncode != 0
     # --timeout is the whole run: not the deadline plus the engine's stop plus a lock wait on top.
     assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, proc.stderr[-2000:])
+    print(f"{dialect}: qualify run --timeout {TIMEOUT_S} with the writer lock held took {elapsed:.1f} s")
     last = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1]
     assert "lock" in last.lower(), proc.stderr[-2000:]
     kept = list((home.path / "runs").glob("*/receipt.dsse.json"))
