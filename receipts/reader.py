@@ -37,6 +37,7 @@ RECEIPTS = ReceiptRow.__table__
 SUBJECTS = ReceiptSubject.__table__
 APPROVALS = ApprovalRow.__table__
 _HEX = re.compile(r"[0-9a-f]+")
+_MAX_VOUCHED = 200_000  # entries remembered as vouched for (about 20 MB)
 
 # (highest index, latest checkpoint size, its root column, its signed note) in one round trip; built once,
 # as the append path runs it thousands of times a second.
@@ -77,6 +78,8 @@ class LogReader:
         self._good: dict[str, tuple[tuple[Any, ...], GoodHead]] = {}
         # Key history under the good checkpoint of (size, root).
         self._served_keys: tuple[int, bytes, KeyHistory] | None = None
+        # Entries vouched for under the good checkpoint of (size, root): index -> (bytes digest, signers).
+        self._vouched: tuple[int, bytes, dict[int, tuple[bytes, frozenset[str]]]] | None = None
 
     # ------------------------------------------------------------------ the log's identity
 
@@ -183,21 +186,54 @@ class LogReader:
         self._served_keys = (good.size, good.root, history)
         return history
 
-    def _vouch(self, conn: Connection, items: Sequence[tuple[int, bytes, str, str]]) -> GoodHead:
+    def _vouch(
+        self, conn: Connection, items: Sequence[tuple[int, bytes, str, str]], good: GoodHead | None = None
+    ) -> GoodHead:
         """Refuse (TamperError) unless every (index, bytes, kind, keyid) is covered by the last good
-        checkpoint and signed by a key the log trusted at its index, among them `keyid`."""
-        good = self.good_head(conn)
-        trusted.check_included(conn, good, [(idx, data) for idx, data, _, _ in items])
-        if items:
+        checkpoint and signed by a key the log trusted at its index, among them `keyid`. What was vouched
+        for is remembered (by index and bytes digest) while the good checkpoint stays, or grows by a
+        consistency proof: a repeated read (the API) checks the bytes only."""
+        good = good or self.good_head(conn)
+        vouched = self._vouched_under(conn, good)
+        digests = [hashlib.sha256(data).digest() for _, data, _, _ in items]
+        todo = [
+            (item, digest)
+            for item, digest in zip(items, digests, strict=True)
+            if vouched.get(item[0], (None,))[0] != digest
+        ]
+        if todo:
+            trusted.check_included(conn, good, [(item[0], item[1]) for item, _ in todo])
             history = self.served_history(conn, good)
-            for idx, data, kind, keyid in items:
-                if keyid not in trusted.signers(history, idx, data, kind):
-                    raise TamperError(
-                        f"the {kind} at log index {idx} is not signed by key {keyid[:16]}, which its query "
-                        "row names: the row was edited outside the store; nothing served; run: qualify log "
-                        "verify"
-                    )
+            if len(vouched) > _MAX_VOUCHED:
+                vouched.clear()
+            for (idx, data, kind, _), digest in todo:
+                vouched[idx] = (digest, frozenset(trusted.signers(history, idx, data, kind)))
+        for idx, _, kind, keyid in items:
+            if keyid not in vouched[idx][1]:
+                raise TamperError(
+                    f"the {kind} at log index {idx} is not signed by key {keyid[:16]}, which its query "
+                    "row names: the row was edited outside the store; nothing served; run: qualify log "
+                    "verify"
+                )
         return good
+
+    def _vouched_under(self, conn: Connection, good: GoodHead) -> dict[int, tuple[bytes, frozenset[str]]]:
+        """The entries vouched for under `good`: those vouched for under an earlier good checkpoint stay
+        when the stored tree proves the new one extends it (RFC 9162 consistency); else none."""
+        cached = self._vouched
+        if cached is not None and cached[:2] == (good.size, good.root):
+            return cached[2]
+        kept: dict[int, tuple[bytes, frozenset[str]]] = {}
+        if cached is not None and 0 < cached[0] <= good.size:
+            size, root, entries = cached
+            try:
+                proof = SqlSubtrees(conn).run(lambda r: merkle.consistency_proof_from(r, size, good.size))
+                merkle.verify_consistency(size, good.size, proof, root, good.root)
+                kept = entries
+            except (merkle.ProofError, TamperError):
+                kept = {}
+        self._vouched = (good.size, good.root, kept)
+        return kept
 
     # ------------------------------------------------------------------ the head
 
@@ -436,12 +472,15 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
-            if checked:  # only what the last good checkpoint covers is shown
-                query = query.where(RECEIPTS.c.log_idx < self.good_head(conn).size)
+            good = self.good_head(conn) if checked else None
+            if good is not None:  # only what the last good checkpoint covers is shown
+                query = query.where(RECEIPTS.c.log_idx < good.size)
             records = self._records(conn, conn.execute(query).all(), envelopes=checked)
-            return self._checked(conn, records) if checked else records
+            return self._checked(conn, records, good) if checked else records
 
-    def _checked(self, conn: sa.Connection, records: list[ReceiptRecord]) -> list[ReceiptRecord]:
+    def _checked(
+        self, conn: sa.Connection, records: list[ReceiptRecord], good: GoodHead | None = None
+    ) -> list[ReceiptRecord]:
         """Each record's query row checked against its log entry, and the entry against its signature and
         the last good checkpoint (TamperError names the first that fails); records carry their bytes."""
         if not records:
@@ -456,7 +495,7 @@ class LogReader:
         }
         for record in records:
             receipt_rows.check_served(record, entries.get(record.log_idx))
-        self._vouch(conn, [(r.log_idx, r.envelope or b"", "receipt", r.keyid) for r in records])
+        self._vouch(conn, [(r.log_idx, r.envelope or b"", "receipt", r.keyid) for r in records], good)
         return records
 
     def find_receipts(
@@ -489,10 +528,12 @@ class LogReader:
             query = query.limit(limit)
         with self.engine.connect() as conn:
             # Only what the last good checkpoint covers (rows beyond it were written outside the store).
-            where.append(RECEIPTS.c.log_idx < self.good_head(conn).size)
+            good = self.good_head(conn)
+            where.append(RECEIPTS.c.log_idx < good.size)
             query = query.where(where[-1])
             total = conn.execute(sa.select(sa.func.count()).select_from(RECEIPTS).where(*where)).scalar_one()
-            return self._checked(conn, self._records(conn, conn.execute(query).all(), envelopes=True)), total
+            rows = conn.execute(query).all()
+            return self._checked(conn, self._records(conn, rows, envelopes=True), good), total
 
     def receipt_at(self, log_idx: int) -> ReceiptRecord:
         """The receipt at a log index, with its envelope bytes (NotFound when that entry is no receipt)."""
@@ -565,7 +606,7 @@ class LogReader:
             good = self.good_head(conn)
             rows = conn.execute(query.where(APPROVALS.c.log_idx < good.size)).all()
             served = [approval_rows.served(r) for r in rows]
-            self._vouch(conn, [(r.log_idx, bytes(r.envelope), "approval", r.keyid) for r in rows])
+            self._vouch(conn, [(r.log_idx, bytes(r.envelope), "approval", r.keyid) for r in rows], good)
         return served
 
     def counts(self) -> dict[str, int]:

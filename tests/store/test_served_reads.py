@@ -165,3 +165,20 @@ def test_cli_reads_use_the_local_log_key_and_say_when_rows_lie_beyond(
     assert out.code == 0 and out.out == checkpoint
     verified = cli("receipts", "verify", forged, "--db", sqlite_url)
     assert verified.code == 1
+
+
+def test_what_was_vouched_for_stays_vouched_only_while_the_log_extends_it(
+    store: Store, raw, operator
+) -> None:
+    """Reads remember what they vouched for while each new good checkpoint provably extends the last; a
+    listing after appends reuses it, and a forged append on top changes nothing of it."""
+    first = append_synthetic(store, operator, 3)
+    assert len(store.find_receipts()[0]) == 3
+    vouched = store._vouched
+    assert vouched is not None and set(vouched[2]) == {1, 2, 3}
+    later = append_synthetic(store, operator, 2, start=10)
+    assert {r.id for r in store.find_receipts()[0]} == set(first + later)
+    assert store._vouched is not None and set(store._vouched[2]) == {1, 2, 3, 4, 5}
+    forged_receipt(raw, store.origin, keys.generate(), operator.keyid)
+    assert {r.id for r in store.find_receipts()[0]} == set(first + later)
+    assert store.good_head().size == 6
