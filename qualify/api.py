@@ -421,7 +421,7 @@ def create_app(store: Store, *, token: str | None = None, signing_key: SigningKe
             401: {"model": Problem, "description": "no or wrong bearer token (checked before the body)"},
             413: {"model": Problem, "description": f"the body is larger than {MAX_BODY_BYTES} bytes"},
         },
-        dependencies=[Depends(require_token)],
+        dependencies=[Depends(require_token), *served],
         tags=["approvals"],
     )
     def post_decision(body: DecisionRequest) -> Decision:
