@@ -23,8 +23,10 @@ from receipts.db import PG_WRITER_LOCK
 from tests.harness.conftest import ROOT, Home
 
 TIMEOUT_S = 20  # below the store's own 30 s lock wait, so an unbounded append would show
-# What may pass after --timeout: the interpreter's exit and this test's own process start and wait.
-SLACK_S = 3.0
+# What may pass after --timeout: the interpreter's exit, this test's own process start and wait, and a
+# check that overruns its deadline on a loaded machine (before issue 27 the run's clock started after the
+# interpreter's start, and a 2 s lock grace and a 5 s stop came after the deadline: 25 to 34 s for 20).
+SLACK_S = 4.0
 
 
 @contextlib.contextmanager
