@@ -406,8 +406,8 @@ class _Verifier:
 
     def _repair_notes(self, notes_dir: Path, origin: str) -> None:
         """Every repair is recorded twice: a log_repairs row and a note signed by the log key in the data
-        dir. A note without its row is a deleted record; a row without its note (where the log key is, so
-        where the repair was signed) a forged or unsigned one; a note's kept root must be the log's."""
+        dir. A note without its row is a deleted record; a row without its note, later than a signed one
+        and where the log key is, a forged or unsigned one; a note's kept root must be the log's."""
         notes = repair.repair_notes(notes_dir, origin)
         rows = {r["number"]: r for r in self.report.repairs}
         for number, path in sorted(notes.items()):
@@ -448,8 +448,10 @@ class _Verifier:
                     "history was rewritten after the repair",
                 )
         signer = self.log_signer
-        if signer is not None and signer.vkey() in {v.vkey() for v in self.verifiers}:
-            for number in sorted(set(rows) - set(notes)):
+        if notes and signer is not None and signer.vkey() in {v.vkey() for v in self.verifiers}:
+            # Where the log key is and repairs are signed: every repair after the first signed one has its
+            # note (repairs recorded before signed notes existed have none).
+            for number in sorted(n for n in set(rows) - set(notes) if n > min(notes)):
                 self.problem(
                     None,
                     f"repair {number} has no note signed by the log key in {notes_dir}: it was not made by "

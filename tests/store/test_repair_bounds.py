@@ -85,14 +85,23 @@ def test_deleting_the_record_of_a_repair_is_found_by_log_verify(
     raw.execute("DELETE FROM log_repairs")
     with pytest.raises(TamperError, match="has no log_repairs row: the record of a repair was deleted"):
         verify_log(store, log_signer=log_signer, notes_dir=notes)
-    # ... and a log_repairs row without its signed note, where the log key is, is no repair of its owner.
-    report.note.unlink()
+    # ... and a log_repairs row without its signed note, after a signed repair and where the log key is,
+    # is no repair of its owner (a row older than the first signed note is one made before notes existed).
     raw.execute(
         "INSERT INTO log_repairs (id, repaired_at, kept_size, removed_entries, removed_rows, "
-        "evidence_sha256, by_role, reason) VALUES (1, :t, 3, 1, 3, 'sha256:x', 'r', 'x')",
+        "evidence_sha256, by_role, reason) VALUES (1, :t, 3, :e, :r, :d, 'r', 'junk')",
+        t=store.entry(0).created_at,
+        e=report.removed_entries,
+        r=report.removed_rows,
+        d=report.evidence_sha256,
+    )
+    assert verify_log(store, log_signer=log_signer, notes_dir=notes).ok
+    raw.execute(
+        "INSERT INTO log_repairs (id, repaired_at, kept_size, removed_entries, removed_rows, "
+        "evidence_sha256, by_role, reason) VALUES (2, :t, 3, 0, 0, 'sha256:x', 'r', 'x')",
         t=store.entry(0).created_at,
     )
-    with pytest.raises(TamperError, match="has no note signed by the log key"):
+    with pytest.raises(TamperError, match="repair 2 has no note signed by the log key"):
         verify_log(store, log_signer=log_signer, notes_dir=notes)
 
 
