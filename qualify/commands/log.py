@@ -90,7 +90,9 @@ def consistency(old: str, out: str | None, vkey: str | None, db_url: str | None,
     old_note = read_text_limited(old, MAX_PROOF_BYTES, "checkpoint")
     with opened(open_read(db_url)) as store:
         verifiers, source = log_verifiers(store, vkey)
-        new_note = store.latest_checkpoint()
+        # The latest checkpoint that verifies with that key and names the stored tree (not a junk row).
+        new_note = store.good_head(verifier=(verifiers[0], source)).note or store.latest_checkpoint()
+        warn_served(store)
         first = open_checkpoint(old_note, verifiers)
         latest = open_checkpoint(new_note, verifiers, origin=first.origin)
         if first.size > latest.size:
