@@ -158,7 +158,7 @@ def test_cli_reads_use_the_local_log_key_and_say_when_rows_lie_beyond(
     assert listed.code == 0 and [r["id"] for r in json.loads(listed.out)["items"]] == [good]
     assert "beyond the last checkpoint" in listed.err
     shown = cli("receipts", "show", forged, "--db", sqlite_url)
-    assert shown.code == 2 and "beyond the last checkpoint" in shown.err
+    assert shown.code == 1 and "beyond the last checkpoint" in shown.err  # tampering found: exit 1
     key_list = cli("keys", "list", "--db", sqlite_url, "--json")
     assert [k["keyid"] for k in json.loads(key_list.out)] == [operator.keyid]
     out = cli("log", "checkpoint", "--db", sqlite_url)
