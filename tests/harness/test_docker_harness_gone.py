@@ -118,7 +118,8 @@ def test_sigkill_of_the_harness_stops_the_engine_container_within_a_bound(
     # closes the run with an aborted receipt.
     gc = home.qualify("gc", "--json")
     assert gc.code == 0, gc.stderr[-2000:]
-    assert gc.summary()["removed_containers"] and len(gc.summary()["closed_runs"]) == 1
+    assert len(gc.summary()["closed_runs"]) == 1, gc.summary()
+    assert not _containers(label, running=False), "a container of the run outlived gc"
 
 
 def test_sigkill_during_the_refusal_probe_leaves_no_probe_behind(tmp_path: Path, engine_image: str) -> None:
