@@ -541,17 +541,22 @@ class Sandbox:
                 cmd += ["--ro-bind-try", p, p]
         # bwrap makes a mount point's missing parents 0700, which the sandbox's uid could not traverse.
         made: set[str] = set()
-        wdest = [self.weights_path(weights)] if weights is not None else []
-        for dest in (*self.code.mounts, SCRATCH, *wdest):
-            for parent in reversed(Path(dest).parents):
-                p = str(parent)
-                if p in ("/", "/usr") or p in made or p.startswith("/usr/"):
-                    continue
-                made.add(p)
-                cmd += ["--perms", "0755", "--dir", p]
-        # Scratch and /tmp first: a code mount below /tmp (the GPU host's unpacked wheels in /tmp/site) must
-        # land on top of the private /tmp, not be hidden by it.
+
+        def parents(*dests: str) -> None:
+            for dest in dests:
+                for parent in reversed(Path(dest).parents):
+                    p = str(parent)
+                    if p in ("/", "/usr", "/tmp") or p in made or p.startswith("/usr/"):
+                        continue
+                    made.add(p)
+                    cmd.extend(["--perms", "0755", "--dir", p])
+
+        parents(SCRATCH)
+        # Scratch and the private /tmp first, then the code mounts' parents and the mounts: a code folder
+        # below /tmp (a checkout cloned there, the GPU host's unpacked wheels in /tmp/site) lands on top of
+        # the private /tmp, with traversable parents, instead of being hidden by it.
         cmd += ["--bind", str(scratch), SCRATCH, "--bind", str(scratch / "tmp"), "/tmp"]
+        parents(*self.code.mounts, *([self.weights_path(weights)] if weights is not None else []))
         for m in self.code.mounts:
             cmd += ["--ro-bind", m, m]
         for h in self.code.hidden:
