@@ -238,9 +238,8 @@ def _serve(args: argparse.Namespace) -> None:
     except ValueError as e:
         _fail(str(e))
     from .config import EngineConfig
-    from .engine import Engine, EngineConfigError
 
-    try:
+    try:  # before the engine module (and torch) loads: a bad configuration is refused in about a second
         cfg = EngineConfig(**_config_fields(args))
     except ValidationError as e:
         err = e.errors()[0]
@@ -249,6 +248,7 @@ def _serve(args: argparse.Namespace) -> None:
         _fail(f"invalid engine config{where}: {err['msg'].removeprefix('Value error, ')}")
     except (OSError, json.JSONDecodeError) as e:
         _fail(f"cannot read --config: {e}")
+    from .engine import Engine, EngineConfigError
     from .weights import WeightsError
 
     group = followers = lockstep = None
