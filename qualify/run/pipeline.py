@@ -282,6 +282,8 @@ class Pipeline:
                 return
             if check.name == "boot" and outcome.status != "pass" and ctx.describe is None:
                 return  # nothing to check without an engine; the verdict names the checks not run
+            if self.req.fail_fast and outcome.status in ("fail", "error"):
+                return  # --fail-fast: the verdict names the checks not run
             if trouble is not None:
                 self.unresponsive = self.unresponsive or trouble.timed_out
                 if trouble.timed_out and time.monotonic() >= run_deadline:

@@ -58,7 +58,7 @@ def test_an_engine_cannot_read_the_operator_key_or_reach_the_store(home: Home) -
 def test_an_engine_that_plants_a_sitecustomize_for_the_peer_is_refused_and_rejected(home: Home) -> None:
     added = ["--engine-env", f"LIAR_HOME={home.path}"]
     ran = home.qualify(
-        "run", "--layout", LAYOUT, "--json", *added, env=_liar_env(home, "plant_sitecustomize")
+        "run", "--layout", LAYOUT, "--fail-fast", "--json", *added, env=_liar_env(home, "plant_sitecustomize")
     )
     log = _engine_log(home)
     for where in ("project_root", "data_dir", "site_packages", "peer_folder"):
@@ -123,7 +123,8 @@ def test_unsandboxed_the_outside_hook_loads_and_the_receipt_says_no_sandbox(
 
 
 def test_an_engine_that_boots_other_weights_than_the_handed_file_is_rejected(home: Home) -> None:
-    ran = home.qualify("run", "--layout", LAYOUT, "--json", env=_liar_env(home, "other_weights"))
+    env = _liar_env(home, "other_weights")
+    ran = home.qualify("run", "--layout", LAYOUT, "--fail-fast", "--json", env=env)
     assert "LIAR_OTHER_WEIGHTS booted" in _engine_log(home)
     assert ran.code == 1, ran.stderr[-2000:]
     s = ran.summary()
