@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -198,11 +199,37 @@ def verify(envelope: EnvelopeInput | Envelope, trusted_keys: TrustedKeys) -> byt
     return parsed.payload
 
 
+# A string whose RFC 8785 form is itself in quotes: printable ASCII without a quote or a backslash.
+_PLAIN = re.compile(r"[\x20-\x21\x23-\x5b\x5d-\x7e]*")
+
+
+def _canonical_envelope(envelope: Envelope) -> bytes:
+    """`canonical_json(envelope.to_dict())`, written directly when every string in it is plain (its
+    JCS form is the string in quotes): the members in JCS order (payload, payloadType, signatures;
+    keyid, sig). Base64 is always plain; a payload type or key id that is not goes through rfc8785."""
+    payload_type = envelope.payload_type
+    if _PLAIN.fullmatch(payload_type) and all(_PLAIN.fullmatch(s.keyid) for s in envelope.signatures):
+        signatures = ",".join(
+            f'{{"keyid":"{s.keyid}","sig":"{_b64encode(s.sig)}"}}' for s in envelope.signatures
+        )
+        return (
+            f'{{"payload":"{_b64encode(envelope.payload)}","payloadType":"{payload_type}",'
+            f'"signatures":[{signatures}]}}'
+        ).encode("ascii")
+    return canonical_json(envelope.to_dict())
+
+
+def normal_form(envelope: EnvelopeInput | Envelope) -> tuple[bytes, Envelope]:
+    """(envelope_bytes(envelope), the parsed envelope): parse(those bytes) gives the same envelope, so a
+    caller that needs both parses once."""
+    parsed = envelope if isinstance(envelope, Envelope) else parse(envelope)
+    return _canonical_envelope(parsed), parsed
+
+
 def envelope_bytes(envelope: EnvelopeInput | Envelope) -> bytes:
     """RFC 8785 bytes of the envelope in normal form (standard base64, keyid on every signature).
 
     These are the exact bytes the log stores and hashes. Fields outside DSSE are dropped; they
     are not covered by any signature.
     """
-    parsed = envelope if isinstance(envelope, Envelope) else parse(envelope)
-    return canonical_json(parsed.to_dict())
+    return normal_form(envelope)[0]

@@ -4,7 +4,6 @@ shape only. Whether its signer is trusted is decided at append time, against the
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +11,7 @@ from receipts import dsse
 from receipts.dsse import PAYLOAD_TYPE_INTOTO
 from receipts.errors import VerificationError
 from receipts.records import ReceiptRecord, Subject
-from receipts.statement import QualificationPredicate, parse_statement
+from receipts.statement import QualificationPredicate, parse_statement_data
 
 
 @dataclass(frozen=True)
@@ -46,13 +45,12 @@ class ParsedReceipt:
 def parse_receipt(envelope: dsse.EnvelopeInput) -> ParsedReceipt:
     """Parse a DSSE envelope holding a qualification statement; VerificationError (one line) when it is
     not one. Signatures are NOT checked here."""
-    data = dsse.envelope_bytes(envelope)
-    parsed = dsse.parse(data)
+    data, parsed = dsse.normal_form(envelope)  # parse(data) is `parsed`: one parse, not two
     if parsed.payload_type != PAYLOAD_TYPE_INTOTO:
         raise VerificationError(
             f"not a receipt: payloadType is {parsed.payload_type!r}, expected {PAYLOAD_TYPE_INTOTO}"
         )
-    statement = parse_statement(parsed.payload)
+    statement, signed = parse_statement_data(parsed.payload)
     qualification = statement.qualification
     subjects: dict[str, str] = {}
     for subject in statement.subject:
@@ -63,7 +61,7 @@ def parse_receipt(envelope: dsse.EnvelopeInput) -> ParsedReceipt:
         envelope=parsed,
         id=hashlib.sha256(data).hexdigest(),
         qualification=qualification,
-        predicate=json.loads(parsed.payload)["predicate"],
+        predicate=signed["predicate"],  # the parsed payload's own value, as signed
         subjects=tuple(
             sorted((Subject(name=n, digest=d) for d, n in subjects.items()), key=lambda s: s.digest)
         ),

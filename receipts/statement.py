@@ -433,6 +433,11 @@ def _summarise(exc: ValidationError, limit: int = 3) -> str:
 
 def parse_statement(payload: bytes | str) -> Statement:
     """Parse and validate a statement payload; VerificationError (one line) on anything malformed."""
+    return parse_statement_data(payload)[0]
+
+
+def parse_statement_data(payload: bytes | str) -> tuple[Statement, dict[str, Any]]:
+    """parse_statement, and the JSON object it validated (left as parsed: the signed values)."""
     try:
         data = loads(payload, object_pairs_hook=_no_duplicate_keys)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -440,7 +445,7 @@ def parse_statement(payload: bytes | str) -> Statement:
     if not isinstance(data, dict):
         raise VerificationError("statement must be a JSON object (an in-toto Statement v1)")
     try:
-        return Statement.model_validate(data)
+        return Statement.model_validate(data), data
     except ValidationError as exc:
         raise VerificationError(f"statement is not a valid in-toto Statement v1: {_summarise(exc)}") from exc
 

@@ -212,3 +212,25 @@ def test_securesystemslib_generated_key_envelope_verifies_with_ours(algorithm: s
     tampered["payloadType"] = "text/html"
     with pytest.raises(VerificationError):
         dsse.verify(tampered, [public])
+
+
+_ODD = ["", "a", '"', "\\", "\n", "\x00", "\x1f", "\x7f", "é", "\u2028", "😀", "a b", "x/y+z=", "\ud800"]
+
+
+@pytest.mark.parametrize("keyid", _ODD)
+@pytest.mark.parametrize("payload_type", ["application/vnd.in-toto+json", *[t for t in _ODD if t]])
+def test_envelope_bytes_written_directly_are_the_rfc8785_bytes(payload_type: str, keyid: str) -> None:
+    # The direct form (plain strings) and the rfc8785 fallback (any other) must be the same bytes.
+    for payload in (b"", b"{}", bytes(range(256))):
+        envelope = dsse.Envelope(
+            payload_type, payload, (dsse.Signature(keyid, b"\x01" * 64), dsse.Signature("k2", b""))
+        )
+        try:
+            expected = canonical_json(envelope.to_dict())
+        except Exception as error:  # noqa: BLE001 - a lone surrogate: both must refuse it
+            with pytest.raises(type(error)):
+                dsse.envelope_bytes(envelope)
+            continue
+        data, parsed = dsse.normal_form(envelope)
+        assert data == expected == dsse.envelope_bytes(envelope)
+        assert parsed == envelope == dsse.parse(data)
