@@ -162,6 +162,7 @@ class _Verifier:
         # Read by _read_tables during the slice checks.
         self.tables: dict[str, dict[int, str]] = {}
         self.orphans: tuple[int, int, int | None, int] = (0, 0, None, 0)
+        self.time_problems: list[tuple[int | None, str]] = []
         self.stored_keys: list[KeyInfo] = []
 
     def problem(self, idx: int | None, message: str) -> None:
@@ -191,8 +192,9 @@ class _Verifier:
         self._slices(size, history)
         self._upper_subtrees(size)
         self._query_tables(size, history)
+        for idx, message in self.time_problems:
+            self.problem(idx, message)
         with self.store.engine.connect() as conn:
-            time_rows.check(conn, size, self.problem)
             self.report.repairs = [
                 {
                     "number": r.id,
@@ -351,8 +353,9 @@ class _Verifier:
         self.report.subtrees += seen
 
     def _read_tables(self, size: int) -> None:
-        """Read what the query-table and orphan checks compare, while the workers check the slices (the
-        size is fixed already; rows added meanwhile lie beyond it). Reported later, in the usual order."""
+        """Read what the query-table, orphan and created_at checks compare, while the workers check the
+        slices (the size is fixed already; rows added meanwhile lie beyond it). Reported later, in the
+        usual order."""
         with self.store.engine.connect() as conn:
             self.tables = {
                 "receipt": {
@@ -368,6 +371,9 @@ class _Verifier:
             }
             end, checkpoints, largest, subtrees = conn.execute(_ORPHANS).one()
             self.orphans = (end, checkpoints, largest, subtrees)
+            # The created_at columns too: a pass over every entry, done here while the workers run
+            # rather than after them (its problems are reported in their usual place).
+            time_rows.check(conn, size, lambda idx, message: self.time_problems.append((idx, message)))
         self.stored_keys = self.store.key_rows()
 
     def _query_tables(self, size: int, history: KeyHistory) -> None:
