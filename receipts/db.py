@@ -130,10 +130,36 @@ def create_engine(url: URL, *, create: bool) -> Engine:
             connect_args: dict[str, Any] = {"connect_timeout": 10}
             if "application_name" not in url.query:
                 connect_args["application_name"] = application_name()
-            engine = sa.create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+            engine = sa.create_engine(url, connect_args=connect_args)
+            _ping_when_idle(engine)
     except (exc.ArgumentError, exc.NoSuchModuleError, ImportError) as error:
         raise StoreError(f"cannot use DB URL {shown(url)}: {_first_line(error)}; {_HINT}") from error
     return engine
+
+
+# A pooled connection idle longer than this is pinged before it is used again (a server restarted or a
+# connection dropped meanwhile is replaced, not handed out); one in steady use is not (a host submitting
+# or a sequencer integrating saves a round trip per transaction).
+PING_AFTER_IDLE_S = 5.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """SQLAlchemy's pre-ping, only for connections idle more than PING_AFTER_IDLE_S in the pool."""
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_connection, record) -> None:  # type: ignore[no-untyped-def]
+        record.info["qualify_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection, record, _proxy) -> None:  # type: ignore[no-untyped-def]
+        since = record.info.get("qualify_idle_since")
+        if since is None or time.monotonic() - since <= PING_AFTER_IDLE_S:
+            return  # just connected, or back in the pool a moment ago
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as error:
+            # The pool then discards this connection and checks out (or makes) another.
+            raise exc.DisconnectionError(f"a pooled connection no longer answers: {error}") from error
 
 
 def writer(engine: Engine) -> Engine:
