@@ -58,7 +58,13 @@ def loads(
         )
     except RecursionError:
         raise ValueError(f"it is nested more than {max_depth} deep") from None
-    if nesting_depth(value, max_depth) > max_depth:
+    # Each level of nesting opens with a bracket of the text, so the text's brackets (those inside strings
+    # too) bound the depth: walking the value is needed only when there are more than max_depth of them.
+    if isinstance(text, str):
+        opened = text.count("{") + text.count("[")
+    else:
+        opened = text.count(b"{") + text.count(b"[")
+    if opened > max_depth and nesting_depth(value, max_depth) > max_depth:
         raise ValueError(f"it is nested more than {max_depth} deep")
     return value
 
