@@ -125,7 +125,7 @@ def submit_many(store, items: list[tuple[str, bytes]]) -> list[Submitted]:  # ty
         }
         for kind, data in items
     ]
-    with _queueing(store) as conn:
+    with store.engine.begin() as conn:  # one transaction: the INSERT may be sent in pages
         ids = conn.execute(sa.insert(_PENDING).returning(_PENDING.c.id, _PENDING.c.digest), rows).all()
     kinds = {r["digest"]: r["kind"] for r in rows}
     return [Submitted(i, kinds[d], d) for i, d in ids]
