@@ -113,6 +113,9 @@ def device_requests(gpus: str | None) -> list[Any]:
     return [types.DeviceRequest(device_ids=gpus.split(","), capabilities=[["gpu"]])]
 
 
+LAUNCH_PATH = "/tmp/qualify-launch.json"  # where the launch document lies inside the container
+
+
 class DockerLauncher(Launcher):
     kind = "docker"
 
@@ -156,7 +159,8 @@ class DockerLauncher(Launcher):
 
     def command(self, kda_backend: str | None = None, *, monitored: bool = False) -> list[str]:
         """The engine's command; `monitored`: run through the monitor file mounted at CONTAINER_DIR."""
-        args = [*self.options.serve_args(kda_backend), "--host", "0.0.0.0", "--port", "8000"]
+        launch = LAUNCH_PATH if self.options.launch else None
+        args = [*self.options.serve_args(kda_backend, launch), "--host", "0.0.0.0", "--port", "8000"]
         if monitored:
             return ["python", f"{CONTAINER_DIR}/cupti_monitor.py", "qualify.engine", *args]
         return ["python", "-m", "qualify.engine", *args]
@@ -205,6 +209,7 @@ class DockerLauncher(Launcher):
             raise LaunchError(f"docker could not create the engine container: {_explain(exc)}") from exc
         self._follow_events(since)
         try:
+            self._put_launch(self._container, None)
             self._container.start()
         except docker.errors.APIError as exc:
             # A GPU request without the NVIDIA runtime fails here and leaves a `created` container.
@@ -428,6 +433,7 @@ class DockerLauncher(Launcher):
             name=f"qualify-refusal-{self.run_id}",
         )
         try:
+            self._put_launch(c, kda_backend)
             c.start()
             try:
                 code: int | None = int(c.wait(timeout=timeout_s)["StatusCode"])
@@ -440,6 +446,39 @@ class DockerLauncher(Launcher):
             with contextlib.suppress(Exception):
                 c.remove(force=True)
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out)
+
+    def _put_launch(self, container: Any, kda_backend: str | None) -> None:
+        """Copy the launch document into a created container (before it starts), and beside the logs."""
+        if self.options.launch is None:
+            return
+        data = self.options.launch_text(kda_backend).encode()
+        if kda_backend is None:
+            (self.run_dir / "launch.json").write_bytes(data)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(LAUNCH_PATH.removeprefix("/tmp/"))
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+        container.put_archive("/tmp", buf.getvalue())
+
+    def launch_paths(self, weights_name: str) -> tuple[str, str]:
+        return f"/var/lib/qualify/weights/{weights_name}", "/tmp/qualify-scratch"
+
+    def manifest(self, timeout_s: float) -> tuple[bytes | None, str, str | None]:
+        """`python -m qualify.engine manifest` in a throwaway container of the image."""
+        docker = _docker()
+        text = f"docker run {self.image_ref} python -m qualify.engine manifest"
+        try:
+            image = self._image or self._resolve_image()
+            out = self._client.containers.run(
+                image.id, ["python", "-m", "qualify.engine", "manifest"], remove=True, stdout=True,
+                stderr=False, labels=self.labels, network_disabled=True,
+            )  # fmt: skip
+        except docker.errors.ContainerError as exc:
+            return None, text, f"`{text}` exited with code {exc.exit_status}"
+        except docker.errors.APIError as exc:
+            return None, text, f"`{text}` failed: {_explain(exc)}"
+        return bytes(out), text, None
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
         """The peer by `docker exec` inside the engine container (its IPC namespace, /dev/shm and GPUs), as

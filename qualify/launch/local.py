@@ -91,10 +91,41 @@ class LocalLauncher(Launcher):
         return self.env.get(ENGINE_MODULE_ENV) or DEFAULT_ENGINE_MODULE
 
     def command(self, port: int) -> list[str]:
-        args = [*self.options.serve_args(), "--port", str(port)]
+        args = [*self.options.serve_args(None, self._launch_file()), "--port", str(port)]
         if self.monitor.enabled:
             return monitor_command(self.python, self.module, args)
         return [self.python, "-m", self.module, *args]
+
+    def _launch_file(self, kda_backend: str | None = None) -> str | None:
+        """Write the launch document (the refusal probe's beside it) into the run dir; its path."""
+        if self.options.launch is None:
+            return None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / ("launch.json" if kda_backend is None else "launch-refusal.json")
+        path.write_text(self.options.launch_text(kda_backend))
+        return str(path)
+
+    def launch_paths(self, weights_name: str) -> tuple[str, str]:
+        from qualify import settings
+
+        return str(settings.data_dir() / "weights" / weights_name), str(self.run_dir / "scratch")
+
+    def manifest(self, timeout_s: float) -> tuple[bytes | None, str, str | None]:
+        cmd = [self.python, "-m", self.module, "manifest"]
+        env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
+        text = " ".join(cmd[1:])
+        try:
+            out = subprocess.run(
+                cmd, capture_output=True, env=env, timeout=timeout_s, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired:
+            return None, text, f"`{text}` did not finish within {timeout_s:g} s"
+        except OSError as exc:
+            return None, text, f"`{text}` could not run: {exc}"
+        if out.returncode != 0:
+            err = _last_line(out.stderr.decode(errors="replace") or out.stdout.decode(errors="replace"))
+            return None, text, f"`{text}` exited with code {out.returncode}: {err}"
+        return out.stdout, text, None
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float) -> str:
@@ -248,7 +279,8 @@ class LocalLauncher(Launcher):
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
         # The fault flag is for the engine under test; the refusal must come from construction alone.
         env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
-        cmd = [self.python, "-m", self.module, *self.options.serve_args(kda_backend), "--port", "0"]
+        launch = self._launch_file(kda_backend)
+        cmd = [self.python, "-m", self.module, *self.options.serve_args(kda_backend, launch), "--port", "0"]
         t0 = time.monotonic()
         proc = subprocess.Popen(
             cmd,

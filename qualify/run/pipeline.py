@@ -159,6 +159,20 @@ def _signals_deferred() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _launch_record(ctx: Context) -> dict[str, Any]:
+    """The receipt's record of what boot sent and read: the launch document and its digest, the engine's
+    manifest, and the protocol version the engine reported (docs/PROTOCOL.md)."""
+    doc, manifest = ctx.facts.get("launch_document"), ctx.facts.get("manifest")
+    out: dict[str, Any] = {"protocol_version": ctx.describe.protocol_version if ctx.describe else None}
+    if doc is not None:
+        from qualify.run.launch import document_digest
+
+        out.update(launch=doc.model_dump(mode="json"), launch_digest=document_digest(doc))
+    if manifest is not None:
+        out["manifest"] = manifest.model_dump(mode="json")
+    return out
+
+
 def _json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
@@ -490,7 +504,7 @@ class Pipeline:
         d = ctx.describe
         image = self._identity().get("image_id")
         sent = sent_config(ctx)
-        code, scope = self._code(d)
+        code, scope = ctx.facts.get("code_identity") or self._code(d)  # boot named a foreign engine as itself
         if code is None and image is None:  # nothing else identifies it: the code on disk, and say so
             code = rc.engine_code_digest_on_disk()
             scope = "the harness's digest of the engine code on disk; the engine never identified itself"
@@ -504,6 +518,7 @@ class Pipeline:
             "config_digest": config_digest(sent),
             "config": sent,
             "described_config": _json_safe(d.config) if d else None,
+            **_launch_record(ctx),
         }, weights.get("digest")
 
     def _code(self, d: Any) -> tuple[str | None, str]:
