@@ -153,7 +153,7 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
         return {"manifest": {"read": False, "command": command, "why": why}}, why
     ctx.facts["manifest"] = manifest
     evidence: dict[str, Any] = {"manifest": {"read": True, "command": command, **manifest.model_dump()}}
-    refusal = launch_doc.manifest_refusal(manifest, ctx.request.preset)
+    refusal = launch_doc.manifest_refusal(manifest, ctx.request.preset, ctx.request.dcp)
     if refusal is not None:
         return evidence, refusal
     g = launch_doc.harness_geometry(ctx.request)

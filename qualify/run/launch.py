@@ -212,7 +212,7 @@ def parse_manifest(raw: bytes | None, command: str) -> tuple[EngineManifest | No
         return None, f"`{command}` did not print a valid manifest: {' '.join(first[:3])[:300]}"
 
 
-def manifest_refusal(manifest: EngineManifest, preset: str) -> str | None:
+def manifest_refusal(manifest: EngineManifest, preset: str, dcp: int | None = None) -> str | None:
     """Why the harness cannot launch this engine (one line), or None."""
     spoken = [v for v in manifest.protocol_versions if v in SUPPORTED_PROTOCOL_VERSIONS]
     if not spoken:
@@ -223,4 +223,6 @@ def manifest_refusal(manifest: EngineManifest, preset: str) -> str | None:
     if preset not in manifest.presets:
         have = sorted(manifest.presets)
         return f"engine {manifest.name} declares no model for preset {preset!r} (it has {have})"
+    if dcp is not None and not manifest.dcp_distributed:
+        return f"--dcp {dcp}: engine {manifest.name} declares no distributed DCP (dcp_distributed false)"
     return None

@@ -51,6 +51,7 @@ class Engine:
     def describe(self) -> dict[str, Any]:
         code = "sha256:" + "c" * 64 if self.lie == "code" else engine_code_digest_on_disk()
         return {
+            "protocol_version": "1" if self.lie == "protocol" else "2",
             "engine": {
                 "name": "e",
                 "version": "1",
@@ -324,6 +325,13 @@ def test_a_docker_engine_is_not_hashed_by_the_harness_and_says_so() -> None:
     assert out.evidence["weights_file"] == {
         "hashed": False, "why": "docker launcher: the weights are inside the container"
     }  # fmt: skip
+
+
+def test_an_engine_that_answers_in_another_protocol_version_fails_boot_saying_so() -> None:
+    out = boot.run(_context(Engine(lie="protocol")))
+    assert _failed(out) == {"protocol_version_spoken"}
+    detail = out.conditions["protocol_version_spoken"].detail or ""
+    assert "'1'" in detail and "['2']" in detail
 
 
 def test_a_code_digest_that_is_not_the_code_on_disk_fails_boot() -> None:

@@ -1,0 +1,357 @@
+"""The second engine: built from a launch document (docs/PROTOCOL.md), it owns its allocations, its
+model and its counters, and answers the protocol's verbs as plain dicts (server.py puts them on HTTP)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import kv
+from .model import BOS, DIMS, Model, Seq, save_weights, seeded
+
+NAME = "second-engine"
+VERSION = "0.1"
+PROTOCOL_VERSION = "2"
+BACKENDS = (
+    "auto",
+    "torch",
+)  # KDA here is torch code on the CPU; the protocol names auto, b12x, triton, torch
+PROTOCOL_BACKENDS = ("auto", "b12x", "triton", "torch")
+PACKAGE = Path(__file__).resolve().parent
+COUNTERS = (
+    "requests", "tokens_generated", "cuda_oom", "capacity_refusals", "graph_captures", "graph_replays",
+    "graph_recaptures", "graph_oversize_eager", "eager_steps", "spec_drafted", "spec_accepted",
+)  # fmt: skip
+
+
+class Refused(Exception):
+    """The launch document asks for something this engine cannot be: exit 2 with this one line."""
+
+
+class OverCapacity(Exception):
+    """A batch past the capacity envelope: 409 CapacityError, nothing allocated or moved."""
+
+
+def code_digest() -> str:
+    """The protocol's code digest of this engine's own tree: sha256 over every .py under its package,
+    sorted by path, each as relative path, NUL, bytes, NUL."""
+    h = hashlib.sha256()
+    for f in sorted(PACKAGE.rglob("*.py")):
+        h.update(f.relative_to(PACKAGE).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def manifest() -> dict:
+    return {
+        "name": NAME, "version": VERSION, "protocol_versions": [PROTOCOL_VERSION],
+        "presets": {"tiny": dict(DIMS)}, "kda_backends": list(BACKENDS), "dcp_distributed": False,
+    }  # fmt: skip
+
+
+class Engine:
+    def __init__(self, doc: dict) -> None:
+        t0 = time.perf_counter()
+        if doc.get("protocol_version") != PROTOCOL_VERSION:
+            raise Refused(
+                f"launch document protocol {doc.get('protocol_version')!r}; "
+                f"this engine speaks {PROTOCOL_VERSION}"
+            )
+        backend = doc["kda_decode_backend"]
+        if backend not in PROTOCOL_BACKENDS:
+            raise Refused(
+                f"unknown kda_decode_backend {backend!r}; "
+                f"the protocol's backends are {', '.join(PROTOCOL_BACKENDS)}"
+            )
+        if backend not in BACKENDS:
+            raise Refused(
+                f"kda_decode_backend {backend!r} is not built into this engine; it runs auto or torch"
+            )
+        if doc["model"] != DIMS or doc["preset"] != "tiny":
+            raise Refused(f"the launch document's model {doc['model']} is not this engine's {DIMS}")
+        geo, cap = doc["geometry"], doc["capacity"]
+        if geo["dcp_ranks"] != 1:
+            raise Refused("this engine folds every DCP shard into one process (dcp_ranks 1)")
+        if geo["kv_dtype"] != "float32":
+            raise Refused(f"kv_dtype {geo['kv_dtype']}: this CPU engine keeps float32 caches")
+        pattern = geo["layer_pattern"]
+        mine = kv.layout(pattern, geo["group_size"], geo, cap, DIMS)
+        sent = [
+            {k: g[k] for k in ("name", "kind", "layers", "span", "nbytes", "probe", "views")}
+            for g in doc["kv_groups"]
+        ]
+        if mine != sent:
+            raise Refused("the launch document's kv_groups are not this engine's layout for its geometry")
+        self.doc, self.geo, self.cap = doc, geo, cap
+        self.num_spec = cap["num_spec"]
+        self.groups = [kv.Group(g) for g in mine]
+        caches: dict[int, dict] = {}
+        for g in self.groups:
+            for v in g.spec["views"]:
+                caches.setdefault(v["layer"], {})[v["name"]] = g.view(v)
+        shards = geo["dcp_size"]
+        self.model = Model(pattern, caches, {**geo, "shards": shards})
+        self.max_blocks = -(-cap["max_model_len"] // (geo["block_size"] * geo["dcp_size"]))
+        # The metadata arenas every step reads: slot rows and block tables, allocated once.
+        self.slot_table = torch.zeros(cap["max_num_seqs"], dtype=torch.int32)
+        self.block_table = torch.zeros(cap["max_num_seqs"], self.max_blocks, dtype=torch.int32)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        w = doc["weights"]
+        self.weights_path = Path(w["path"])
+        if not self.weights_path.is_file():
+            if not w.get("create", False):
+                raise Refused(f"weights file {self.weights_path} does not exist and create is false")
+            self.weights_path.parent.mkdir(parents=True, exist_ok=True)
+            save_weights(seeded(pattern, w.get("seed", 0)), str(self.weights_path))
+        self.scratch = Path(doc["scratch_dir"])
+        self.model.load(str(self.weights_path))
+        self.weights_digest = self._digest(self.model.census()[1])
+        self.boot_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------ requests
+    def _admit(self, prompts: list[list[int]], max_tokens: int) -> list[Seq]:
+        n = self.cap["max_num_seqs"]
+        if len(prompts) > n:
+            self.counters["capacity_refusals"] += 1
+            raise OverCapacity(
+                f"{len(prompts)} requests in one batch; this engine holds {n} live (max_num_seqs)"
+            )
+        for p in prompts:
+            need = len(p) + max_tokens + self.num_spec
+            if need > self.cap["max_model_len"]:
+                self.counters["capacity_refusals"] += 1
+                raise OverCapacity(
+                    f"a request needs {need} tokens; max_model_len is {self.cap['max_model_len']}"
+                )
+        seqs = []
+        per = 1 + self.num_spec
+        for r in range(len(prompts)):
+            self.slot_table[r] = 1 + r * per
+            self.block_table[r] = torch.arange(1 + r * self.max_blocks, 1 + (r + 1) * self.max_blocks)
+            for c in self.model.caches.values():
+                if "state" in c:
+                    c["state"][1 + r * per : 1 + (r + 1) * per] = 0
+                    c["conv"][1 + r * per : 1 + (r + 1) * per] = 0
+            seqs.append(Seq(row=r, blocks=self.block_table[r].tolist()))
+        return seqs
+
+    def _step(self, seq: Seq, token: int, col_in: int, col_out: int) -> torch.Tensor:
+        base = int(self.slot_table[seq.row])
+        logits = self.model.step(seq, token, base + col_in, base + col_out)
+        seq.length += 1
+        return logits
+
+    @staticmethod
+    def _pick(logits: torch.Tensor) -> tuple[int, int, float]:
+        top = int(torch.argmax(logits))
+        rest = logits.clone()
+        rest[top] = -math.inf
+        second = int(torch.argmax(rest))
+        return top, second, float(logits[top] - logits[second])
+
+    def _prefill(self, seq: Seq, prompt: list[int]) -> torch.Tensor:
+        logits = None
+        for t in prompt:
+            logits = self._step(seq, t, 0, 0)
+        assert logits is not None
+        return logits
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+        seqs = self._admit(prompts, max_tokens)
+        self.counters["requests"] += 1
+        out = []
+        with torch.inference_mode():
+            for seq, prompt in zip(seqs, prompts, strict=True):
+                logits, toks, gaps, pairs = self._prefill(seq, prompt), [], [], []
+                while True:
+                    top, second, gap = self._pick(logits)
+                    toks.append(top)
+                    gaps.append(gap)
+                    pairs.append([top, second])
+                    if len(toks) == max_tokens:
+                        break
+                    logits = self._step(seq, top, 0, 0)
+                    self.counters["eager_steps"] += 1
+                out.append(
+                    {"token_ids": toks, "top2_gaps": gaps, "top2_ids": pairs, "accepted_per_step": None}
+                )
+        self.counters["tokens_generated"] += sum(len(o["token_ids"]) for o in out)
+        return out
+
+    def speculative(
+        self, prompts: list[list[int]], max_tokens: int, drafts: list[list[int]] | None
+    ) -> list[dict]:
+        """Verify steps of num_spec drafts: the last kept token and the drafts run in order, the state after
+        position i kept in column i; the longest prefix the greedy verifier agrees with is accepted, plus
+        its own next token; the next step starts from the column after the last accepted token. A step cut
+        short by max_tokens still reports what the verifier accepted."""
+        N = self.num_spec
+        seqs = self._admit(prompts, max_tokens)
+        self.counters["requests"] += 1
+        out = []
+        with torch.inference_mode():
+            for seq, prompt in zip(seqs, prompts, strict=True):
+                top, second, gap = self._pick(self._prefill(seq, prompt))
+                toks, gaps, pairs, accepted = [top], [gap], [[top, second]], []
+                s = 0
+                while len(toks) < max_tokens:
+                    row = drafts[s] if drafts is not None and s < len(drafts) else self._draft(prompt + toks)
+                    row = (list(row) + [0] * N)[:N]
+                    start = seq.length
+                    picks, feed = [], [toks[-1], *row]
+                    for i, t in enumerate(feed):
+                        # position i reads the state column i - 1 left (the kept state for i = 0), writes i
+                        picks.append(self._pick(self._step(seq, t, max(i - 1, 0), i)))
+                        if i < N and picks[-1][0] != row[i]:
+                            break
+                    m = len(picks) - 1  # drafts the verifier agreed with
+                    self.counters["spec_drafted"] += N
+                    self.counters["spec_accepted"] += m
+                    accepted.append(m)
+                    for top, second, gap in picks:
+                        if len(toks) < max_tokens:
+                            toks.append(top)
+                            gaps.append(gap)
+                            pairs.append([top, second])
+                    seq.length = start + m + 1
+                    self._keep_column(seq, m)
+                    s += 1
+                out.append(
+                    {"token_ids": toks, "top2_gaps": gaps, "top2_ids": pairs, "accepted_per_step": accepted}
+                )
+        self.counters["tokens_generated"] += sum(len(o["token_ids"]) for o in out)
+        return out
+
+    def _draft(self, context: list[int]) -> list[int]:
+        """This engine's own drafter: what followed the last earlier occurrence of the current token."""
+        last = context[-1]
+        for i in range(len(context) - 2, -1, -1):
+            if context[i] == last:
+                return (context[i + 1 : i + 1 + self.num_spec] + [last] * self.num_spec)[: self.num_spec]
+        return [last] * self.num_spec
+
+    def _keep_column(self, seq: Seq, m: int) -> None:
+        base = int(self.slot_table[seq.row])
+        if m:
+            for c in self.model.caches.values():
+                if "state" in c:
+                    c["state"][base] = c["state"][base + m]
+                    c["conv"][base] = c["conv"][base + m]
+
+    # ------------------------------------------------------------ reload
+    @staticmethod
+    def _digest(sums: dict[str, str]) -> str:
+        return (
+            "sha256:"
+            + hashlib.sha256("\n".join(f"{n}:{c}" for n, c in sorted(sums.items())).encode()).hexdigest()
+        )
+
+    def reload(self, path: str | None, seed: int | None) -> dict:
+        t0 = time.perf_counter()
+        if path is not None and seed is not None:
+            raise ValueError("give either path or seed, not both")
+        if seed is not None:
+            self.scratch.mkdir(parents=True, exist_ok=True)
+            target = self.scratch / f"{NAME}-seed{seed}.safetensors"
+            if not target.is_file():
+                save_weights(seeded(self.geo["layer_pattern"], seed), str(target))
+        else:
+            target = Path(path) if path is not None else self.weights_path
+        if not target.is_file():
+            raise ValueError(f"weights file {target} does not exist")
+        arenas = self._arena_addresses()
+        p0, s0 = self.model.census()
+        self.model.load(str(target))
+        p1, s1 = self.model.census()
+        self.weights_path, self.weights_digest = target, self._digest(s1)
+        return {
+            "census": {
+                "params": len(p1), "addresses_unchanged": p0 == p1,
+                "changed": sorted(n for n in s1 if s1[n] != s0[n]),
+                "before_digest": self._digest(s0), "after_digest": self._digest(s1),
+                "arena_addresses_unchanged": arenas == self._arena_addresses(), "graph_addresses_moved": [],
+            },
+            "seconds": time.perf_counter() - t0, "weights_path": str(target),
+        }  # fmt: skip
+
+    # ------------------------------------------------------------ the rest
+    def probe(self) -> dict:
+        from torch.profiler import ProfilerActivity, profile
+
+        seqs = self._admit([[BOS, 65]], 2)
+        with torch.inference_mode():
+            self._prefill(seqs[0], [BOS])
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                self._step(seqs[0], 65, 0, 0)
+        return {
+            "kernel_names": sorted({e.key for e in prof.key_averages()}),
+            "backend": "torch",
+            "device_type": "cpu",
+        }
+
+    def capture(self) -> dict:
+        why = "this engine has no CUDA graphs: it runs on the CPU only"
+        return {"captured": False, "reason": why, "sizes": [],
+                "pool_bytes": 0, "seconds": 0.0, "address_digest": None}  # fmt: skip
+
+    def _arena_addresses(self) -> dict[str, int]:
+        return {"slot_table": self.slot_table.data_ptr(), "block_table": self.block_table.data_ptr()}
+
+    def config(self) -> dict:
+        g, c = self.geo, self.cap
+        return {
+            "preset": self.doc["preset"], "kda_decode_backend": self.doc["kda_decode_backend"],
+            "seed": self.doc.get("seed", 0), "num_spec": c["num_spec"], "layer_pattern": g["layer_pattern"],
+            "group_size": g["group_size"], "block_size": g["block_size"], "dcp_size": g["dcp_size"],
+            "dcp_ranks": g["dcp_ranks"], "interleave": g["interleave"], "max_num_seqs": c["max_num_seqs"],
+            "max_model_len": c["max_model_len"], "max_num_batched_tokens": c["max_num_batched_tokens"],
+            "capture_sizes": [], "model": dict(DIMS), "kv_dtype": g["kv_dtype"],
+        }  # fmt: skip
+
+    def describe(self) -> dict:
+        cfg = self.config()
+        spans = [g.spec["span"] for g in self.groups]
+        chunk = math.lcm(*spans)
+        drafted = self.counters["spec_drafted"]
+        rate = self.counters["spec_accepted"] / drafted if drafted else 0.0
+        return {
+            "protocol_version": PROTOCOL_VERSION,
+            "engine": {"name": NAME, "version": VERSION, "code_digest": code_digest(),
+                       "weights_digest": self.weights_digest, "weights_path": str(self.weights_path)},
+            "config": cfg,
+            "config_digest": "sha256:" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
+            "backend": {"requested": self.doc["kda_decode_backend"], "resolved": "torch",
+                        "reason": "the only KDA implementation this engine has (torch on the CPU)",
+                        "prefill_path": "token by token through the decode step", "glue": "torch"},
+            "layout": {"spans": spans, "chunk": chunk, "ratios": [chunk // s for s in spans], "groups": [
+                {**{k: g.spec[k] for k in ("name", "kind", "layers", "span", "nbytes")},
+                 "alignment": kv.ALIGNMENT, "handle_kind": "shm"} for g in self.groups]},
+            "dcp_mode": "folded",
+            "arenas": {
+                "slot_table": {"address": self.slot_table.data_ptr(), "capacity": self.slot_table.numel(),
+                               "shape": list(self.slot_table.shape), "dtype": "int32"},
+                "block_table": {"address": self.block_table.data_ptr(), "capacity": self.block_table.shape[0],
+                                "shape": list(self.block_table.shape), "dtype": "int32"},
+            },
+            "capacity": {"live_slots": self.cap["max_num_seqs"], "max_num_seqs": self.cap["max_num_seqs"],
+                         "max_num_batched_tokens": self.cap["max_num_batched_tokens"], "graph_max_batch": 0,
+                         "num_spec": self.num_spec},
+            "device": {"type": "cpu", "name": platform.machine()},
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "qualify": "none",
+                         "second_engine": VERSION},
+            "counters": {**self.counters, "spec_acceptance_rate": rate},
+            "cudagraph_mode": "none",
+            "pid": os.getpid(),
+        }  # fmt: skip
+
+    def close(self) -> None:
+        for g in self.groups:
+            g.close()
+        self.groups = []
