@@ -103,3 +103,15 @@ def test_distributed_dcp_is_refused_for_an_engine_whose_manifest_has_none(home: 
     (p,) = home.predicates()
     reason = check(p, "boot")["reason"]
     assert reason == "--dcp 2: engine second-engine declares no distributed DCP (dcp_distributed false)"
+
+
+def test_the_second_engine_imports_nothing_of_qualify_or_kernels():
+    """Written against the documents only: no module of it imports qualify or kernels."""
+    import ast
+
+    for f in sorted(SECOND.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            assert not [n for n in names if n.split(".")[0] in ("qualify", "kernels", "receipts")], (f, names)
