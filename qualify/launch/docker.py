@@ -157,13 +157,24 @@ class DockerLauncher(Launcher):
         # The harness's CUDA activity monitor: its file mounted read-only, its socket in the run dir.
         self.monitor = EngineMonitor(run_dir, enabled=monitor_enabled(self._env_source))
 
+    def _entry(self) -> list[str]:
+        """What runs the engine's commands: nothing of ours when the image declares an ENTRYPOINT (a foreign
+        engine's image: its entry point gets `serve ...` and `manifest`), else the reference engine."""
+        image = self._image or self._resolve_image()
+        declared = (image.attrs.get("Config") or {}).get("Entrypoint")
+        return [] if declared else ["python", "-m", "qualify.engine"]
+
     def command(self, kda_backend: str | None = None, *, monitored: bool = False) -> list[str]:
-        """The engine's command; `monitored`: run through the monitor file mounted at CONTAINER_DIR."""
+        """The engine's command; `monitored`: run through the monitor file mounted at CONTAINER_DIR (only for
+        an image run as `python -m qualify.engine`: the monitor cannot wrap an entry point it does not know)."""
         launch = LAUNCH_PATH if self.options.launch else None
         args = [*self.options.serve_args(kda_backend, launch), "--host", "0.0.0.0", "--port", "8000"]
+        entry = self._entry()
+        if not entry:
+            return args
         if monitored:
             return ["python", f"{CONTAINER_DIR}/cupti_monitor.py", "qualify.engine", *args]
-        return ["python", "-m", "qualify.engine", *args]
+        return [*entry, *args]
 
     # ------------------------------------------------------------ lifecycle
     def _resolve_image(self) -> Any:
@@ -465,19 +476,34 @@ class DockerLauncher(Launcher):
         return f"/var/lib/qualify/weights/{weights_name}", "/tmp/qualify-scratch"
 
     def manifest(self, timeout_s: float) -> tuple[bytes | None, str, str | None]:
-        """`python -m qualify.engine manifest` in a throwaway container of the image."""
+        """`manifest` in a throwaway container of the image (its entry point, else the reference engine's
+        `python -m qualify.engine manifest`), bounded by timeout_s."""
+        import requests  # the docker SDK's transport
+
         docker = _docker()
-        text = f"docker run {self.image_ref} python -m qualify.engine manifest"
+        text = f"docker run {self.image_ref} manifest"
+        c = None
         try:
-            image = self._image or self._resolve_image()
-            out = self._client.containers.run(
-                image.id, ["python", "-m", "qualify.engine", "manifest"], remove=True, stdout=True,
-                stderr=False, labels=self.labels, network_disabled=True,
+            image = self._image = self._image or self._resolve_image()
+            cmd = [*self._entry(), "manifest"]
+            text = f"docker run {self.image_ref} {' '.join(cmd)}"
+            c = self._client.containers.create(
+                image.id, cmd, detach=True, labels=self.labels,
+                network_disabled=True, name=f"qualify-manifest-{self.run_id}",
             )  # fmt: skip
-        except docker.errors.ContainerError as exc:
-            return None, text, f"`{text}` exited with code {exc.exit_status}"
+            c.start()
+            code = int(c.wait(timeout=timeout_s)["StatusCode"])
+            out = c.logs(stdout=True, stderr=False)
+        except requests.exceptions.RequestException:
+            return None, text, f"`{text}` did not finish within {timeout_s:g} s"
         except docker.errors.APIError as exc:
             return None, text, f"`{text}` failed: {_explain(exc)}"
+        finally:
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    c.remove(force=True)
+        if code != 0:
+            return None, text, f"`{text}` exited with code {code}"
         return bytes(out), text, None
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:

@@ -90,6 +90,16 @@ def kv_groups(g: LaunchGeometry, cap: LaunchCapacity, m: ModelDims) -> list[Laun
     return out
 
 
+def capture_sizes(max_num_seqs: int, num_spec: int) -> list[int]:
+    """The graph sizes the harness asks for, in tokens: batches of 1, 2, 4, ... up to max_num_seqs
+    requests of 1 + num_spec tokens each (what the capture check then demands a graph for)."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return [n * (1 + num_spec) for n in [*sizes, max_num_seqs]]
+
+
 def harness_geometry(req: RunRequest) -> KvGeometry:
     """The harness's own choices for a request (layer pattern, groups, blocks, DCP, capacities); the model
     dimensions in it are the reference preset's and are replaced by the engine's manifest."""
@@ -125,6 +135,7 @@ def build(
         max_model_len=h.max_model_len,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         num_spec=req.num_spec,
+        capture_sizes=capture_sizes(h.max_num_seqs, req.num_spec),
     )
     return LaunchDocument(
         protocol_version=SUPPORTED_PROTOCOL_VERSIONS[-1],

@@ -137,3 +137,30 @@ def test_the_launch_documents_groups_are_the_peers(dims, dcp, ranks, num_spec):
         views, probe, nbytes = peer.expected_views(w["kind"], w["layers"], flat)
         assert [v.model_dump() for v in s.views] == views
         assert (s.probe.offset, s.nbytes, s.span) == (probe, nbytes, peer.span_of(w["kind"], flat))
+
+
+def test_the_reference_engine_refuses_a_launch_document_it_cannot_honour(tmp_path):
+    """Model dims that are not its preset's, or another protocol version: exit 2, one line, before boot."""
+    import subprocess
+    import sys
+
+    from qualify.engine.__main__ import manifest
+    from qualify.protocol import EngineManifest
+    from qualify.run import launch
+    from qualify.run.request import RunRequest
+
+    req = RunRequest(layout=None, kda_backend="auto", spec="none", num_spec=0, preset="tiny",
+                     launcher="local", image=None, gpus=None, timeout_s=60, mem_limit=None,
+                     db_url="sqlite://", key_path="", json_output=True)  # fmt: skip
+    m = EngineManifest.model_validate(manifest())
+    other = m.model_copy(update={"presets": {"tiny": m.presets["tiny"].model_copy(update={"conv_width": 3})}})
+    for man, version, says in ((other, "2", "is not preset tiny's"), (m, "9", "speaks protocol 9")):
+        doc = launch.build(
+            req, man, "cpu", weights_path=str(tmp_path / "w.safetensors"), scratch_dir=str(tmp_path)
+        )
+        path = tmp_path / "launch.json"
+        path.write_text(doc.model_copy(update={"protocol_version": version}).model_dump_json())
+        r = subprocess.run([sys.executable, "-m", "qualify.engine", "serve", "--launch", str(path)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr

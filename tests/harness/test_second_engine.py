@@ -7,7 +7,11 @@ speaking another protocol version."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,7 @@ import pytest
 from qualify.protocol import package_digest
 from qualify.run.receipt import engine_code_digest_on_disk
 
-from .conftest import LAYOUT, ROOT, Home, check
+from .conftest import DOCKER, LAYOUT, ROOT, Home, check
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +119,48 @@ def test_the_second_engine_imports_nothing_of_qualify_or_kernels():
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [node.module or ""]
             assert not [n for n in names if n.split(".")[0] in ("qualify", "kernels", "receipts")], (f, names)
+
+
+@pytest.fixture(scope="module")
+def second_image(engine_image: str) -> str:
+    """The second engine's image (tests/second_engine/Dockerfile) on top of the CPU engine image, built once
+    (its tag is the hash of its files and base)."""
+    files = [ROOT / "tests" / "__init__.py", *sorted(SECOND.glob("*.py")), SECOND / "Dockerfile"]
+    h = hashlib.sha256(engine_image.encode())
+    for f in files:
+        h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    tag = f"qualify-second-engine:{h.hexdigest()[:12]}"
+    if subprocess.run([DOCKER, "image", "inspect", tag], capture_output=True).returncode == 0:
+        return tag
+    with tempfile.TemporaryDirectory() as ctx:
+        for f in files:
+            dest = Path(ctx) / f.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest)
+        r = subprocess.run(
+            [DOCKER, "build", "--quiet", "--build-arg", f"BASE={engine_image}", "-t", tag, "-f",
+             str(Path(ctx) / "tests" / "second_engine" / "Dockerfile"), ctx],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "DOCKER_BUILDKIT": "1"},
+        )  # fmt: skip
+    if r.returncode != 0:
+        pytest.fail(f"building the second engine's image failed: {r.stderr[-1500:]}")
+    return tag
+
+
+@pytest.mark.docker
+@pytest.mark.usefixtures("no_leftover_containers")
+def test_the_second_engine_qualifies_in_a_container_through_its_own_entry_point(
+    home: Home, second_image: str
+):
+    """The Docker launcher runs the image's ENTRYPOINT (`serve --launch FILE`, `manifest`): no qualify.engine
+    needed in the image; the receipt names the image."""
+    ran = home.qualify("run", "--launcher", "docker", "--image", second_image, "--spec", "mtp:2", "--json",
+                       timeout=400)  # fmt: skip
+    assert ran.code == 0, (ran.stdout[-3000:], ran.stderr[-3000:])
+    s = ran.summary()
+    assert s["verdict"] == "qualified"
+    (p,) = home.predicates()
+    assert p["engine"]["name"] == "second-engine" and p["engine"]["manifest"]["name"] == "second-engine"
+    assert p["engine"]["launch"]["weights"]["path"].startswith("/var/lib/qualify/weights/")
+    assert check(p, "layout")["status"] == "pass" and check(p, "generation")["status"] == "pass"
+    assert home.verify_all().code == 0
