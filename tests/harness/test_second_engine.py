@@ -8,6 +8,7 @@ speaking another protocol version."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -101,8 +102,24 @@ def test_an_engine_of_another_protocol_version_is_refused_with_one_line_before_b
     assert "launch" not in boot["evidence"]  # nothing was launched
 
 
+def test_the_second_engine_qualifies_with_distributed_dcp_against_its_own_dcp_1_reference(home: Home):
+    """--dcp 2: two processes, each storing one shard of the attention KV in its own allocations (the peer
+    checks each rank's), rank 1 a child of rank 0; the harness boots a DCP 1 engine of the same build with
+    the same launch document but one shard, and the outputs agree before and after a reload."""
+    p, _ = _qualified(home, "--dcp", "2")
+    dcp = check(p, "dcp")
+    assert dcp["status"] == "pass"
+    assert p["engine"]["launch"]["geometry"]["dcp_ranks"] == 2
+    run_dir = Path(home.path).glob("runs/*/dcp1-reference/launch.json")
+    (ref,) = [json.loads(f.read_text()) for f in run_dir]
+    assert ref["geometry"]["dcp_size"] == 1 and ref["geometry"]["dcp_ranks"] == 1
+    assert ref["weights"]["path"] == p["engine"]["launch"]["weights"]["path"]
+    layout = check(p, "layout")
+    assert layout["status"] == "pass"
+
+
 def test_distributed_dcp_is_refused_for_an_engine_whose_manifest_has_none(home: Home):
-    ran = home.qualify("run", "--dcp", "2", "--json", env=_env(home, "tests.second_engine"), timeout=120)
+    ran = home.qualify("run", "--dcp", "2", "--json", env=_env(home, "tests.liars.folded_only"), timeout=120)
     assert ran.code == 1, ran.stderr[-2000:]
     (p,) = home.predicates()
     reason = check(p, "boot")["reason"]

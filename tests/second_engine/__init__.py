@@ -6,6 +6,8 @@ KDA, attention and MLP math in torch on the CPU, and its own HTTP server on the 
 harness qualifies it through `QUALIFY_ENGINE_MODULE=tests.second_engine`
 (tests/harness/test_second_engine.py).
 
-What it does not do: CUDA graphs (it reports why, and a CPU target skips capture), distributed DCP (its
-manifest says `dcp_distributed: false`, so the harness refuses `--dcp N` for it before boot).
+Distributed DCP (`--dcp N`): rank 0 starts ranks 1..N-1 as its children, each stores its shard of the
+attention KV in its own allocations and every rank steps the whole model in lockstep, the attention rows
+gathered from the shards in position order (so the output equals its DCP 1 engine's exactly). What it does
+not do: CUDA graphs (it reports why, and a CPU target skips capture), any GPU.
 """

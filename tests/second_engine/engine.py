@@ -52,12 +52,17 @@ def code_digest() -> str:
 def manifest() -> dict:
     return {
         "name": NAME, "version": VERSION, "protocol_versions": [PROTOCOL_VERSION],
-        "presets": {"tiny": dict(DIMS)}, "kda_backends": list(BACKENDS), "dcp_distributed": False,
+        "presets": {"tiny": dict(DIMS)}, "kda_backends": list(BACKENDS), "dcp_distributed": True,
     }  # fmt: skip
 
 
+LOCKSTEP = ("generate", "speculative", "probe")  # verbs that step the model: every DCP rank runs them
+
+
 class Engine:
-    def __init__(self, doc: dict) -> None:
+    def __init__(self, doc: dict, rank: int = 0, conns: list | None = None) -> None:
+        """rank, conns: distributed DCP; rank 0 holds a connection to every follower (rank r at r - 1), a
+        follower one to rank 0."""
         t0 = time.perf_counter()
         if doc.get("protocol_version") != PROTOCOL_VERSION:
             raise Refused(
@@ -77,8 +82,9 @@ class Engine:
         if doc["model"] != DIMS or doc["preset"] != "tiny":
             raise Refused(f"the launch document's model {doc['model']} is not this engine's {DIMS}")
         geo, cap = doc["geometry"], doc["capacity"]
-        if geo["dcp_ranks"] != 1:
-            raise Refused("this engine folds every DCP shard into one process (dcp_ranks 1)")
+        if geo["dcp_ranks"] not in (1, geo["dcp_size"]):
+            raise Refused(f"dcp_ranks {geo['dcp_ranks']} must be 1 (folded) or dcp_size {geo['dcp_size']}")
+        self.rank, self.world, self.conns = rank, geo["dcp_ranks"], conns or []
         if geo["kv_dtype"] != "float32":
             raise Refused(f"kv_dtype {geo['kv_dtype']}: this CPU engine keeps float32 caches")
         pattern = geo["layer_pattern"]
@@ -97,7 +103,8 @@ class Engine:
             for v in g.spec["views"]:
                 caches.setdefault(v["layer"], {})[v["name"]] = g.view(v)
         shards = geo["dcp_size"]
-        self.model = Model(pattern, caches, {**geo, "shards": shards})
+        exchange = self._exchange if self.world > 1 else None
+        self.model = Model(pattern, caches, {**geo, "shards": shards, "rank": rank, "exchange": exchange})
         self.max_blocks = -(-cap["max_model_len"] // (geo["block_size"] * geo["dcp_size"]))
         # The metadata arenas every step reads: slot rows and block tables, allocated once.
         self.slot_table = torch.zeros(cap["max_num_seqs"], dtype=torch.int32)
@@ -115,8 +122,123 @@ class Engine:
         self.weights_digest = self._digest(self.model.census()[1])
         self.boot_seconds = time.perf_counter() - t0
 
+    # ------------------------------------------------------------ distributed DCP
+    def _exchange(self, mine: list[int], k: torch.Tensor, v: torch.Tensor, n: int) -> tuple:
+        """Every rank's K and V rows of positions 0..n-1, in position order: followers send theirs to rank 0,
+        which puts them together and sends the whole back, so every rank attends over the same rows."""
+        if self.rank != 0:
+            self.conns[0].send(("rows", mine, k.numpy(), v.numpy()))
+            keys, vals = self.conns[0].recv()
+            return torch.from_numpy(keys), torch.from_numpy(vals)
+        keys = torch.empty((n, *k.shape[1:]), dtype=k.dtype)
+        vals = torch.empty_like(keys)
+        keys[mine], vals[mine] = k, v
+        for conn in self.conns:
+            _, pos, k_r, v_r = conn.recv()
+            keys[pos], vals[pos] = torch.from_numpy(k_r), torch.from_numpy(v_r)
+        for conn in self.conns:
+            conn.send((keys.numpy(), vals.numpy()))
+        return keys, vals
+
+    def verb(self, name: str, *args):
+        """Run a verb here, and with distributed DCP on every rank: the model-stepping ones in lockstep, a
+        reload on every rank after rank 0's (the same file), the KV ones on the rank they name."""
+        if self.world == 1 or name in ("describe", "capture"):
+            return getattr(self, name)(*args)
+        if name in ("kv_fill", "kv_echo"):
+            rank, rest = args[0], args[1:]
+            if rank == 0:
+                return getattr(self, name)(0, *rest)
+            self.conns[rank - 1].send(("kv", name, (0, *rest)))
+            return _answer(self.conns[rank - 1].recv())
+        if name == "reload":
+            out = self.reload(*args)
+            for conn in self.conns:
+                conn.send(("verb", "reload", (out["weights_path"], None)))
+            for conn in self.conns:
+                _answer(conn.recv())
+            return out
+        if name in LOCKSTEP:
+            prompts, max_tokens = (args[0], args[1]) if name != "probe" else ([[BOS, 65]], 2)
+            self._check(prompts, max_tokens)  # refused here before any rank steps
+            for conn in self.conns:
+                conn.send(("verb", name, args))
+            try:
+                return getattr(self, name)(*args)
+            finally:
+                for conn in self.conns:
+                    _answer(conn.recv())
+        raise ValueError(f"unknown verb {name}")
+
+    def follow(self) -> None:
+        """A follower: run what rank 0 sends until it closes the connection."""
+        conn = self.conns[0]
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            kind, name, args = msg
+            try:
+                value = getattr(self, name)(*args) if kind in ("verb", "kv") else self.record()
+                conn.send(("ok", value if kind in ("kv", "record") else None))
+            except Exception as e:  # noqa: BLE001 - the error goes back to rank 0 as the answer
+                conn.send(("error", f"rank {self.rank}: {type(e).__name__}: {e}"))
+
+    def record(self) -> dict:
+        shards = 1 if self.world > 1 else self.geo["dcp_size"]
+        return {"rank": self.rank, "world": self.world, "local_shards": shards, "pid": os.getpid(),
+                "device": "cpu", "groups": self.layout_groups()}  # fmt: skip
+
+    def ranks(self) -> list[dict]:
+        out = [self.record()]
+        for conn in self.conns:
+            conn.send(("record", "record", ()))
+            out.append(_answer(conn.recv()))
+        return out
+
+    def layout_groups(self) -> list[dict]:
+        return [
+            {**{k: g.spec[k] for k in ("name", "kind", "layers", "span", "nbytes")},
+             "alignment": kv.ALIGNMENT, "handle_kind": "shm"} for g in self.groups
+        ]  # fmt: skip
+
+    def kv_handles(self) -> dict:
+        mine = [g.handle() for g in self.groups]
+        if self.world == 1:
+            return {"groups": mine, "ranks": []}
+        ranks = [{"rank": 0, "groups": mine}]
+        for r, conn in enumerate(self.conns, start=1):
+            conn.send(("kv", "kv_handles_local", ()))
+            ranks.append({"rank": r, "groups": _answer(conn.recv())})
+        return {"groups": mine, "ranks": ranks}
+
+    def kv_handles_local(self) -> list[dict]:
+        return [g.handle() for g in self.groups]
+
+    def _group(self, name: str):
+        for g in self.groups:
+            if g.spec["name"] == name:
+                return g
+        raise ValueError(f"no KV group named {name!r}")
+
+    def kv_fill(self, rank: int, group: str, offset: int, length: int, nonce: str) -> str:
+        self._rank_exists(rank)
+        return self._group(group).fill(offset, length, nonce)
+
+    def kv_echo(self, rank: int, group: str, offset: int, length: int) -> str:
+        self._rank_exists(rank)
+        return self._group(group).echo(offset, length)
+
+    def _rank_exists(self, rank: int) -> None:
+        if self.world == 1 and rank != 0:
+            raise ValueError(f"rank {rank} does not exist: this engine folds DCP into one process")
+        if rank >= self.world:
+            raise ValueError(f"rank {rank} does not exist: this engine runs {self.world} DCP ranks")
+
     # ------------------------------------------------------------ requests
-    def _admit(self, prompts: list[list[int]], max_tokens: int) -> list[Seq]:
+    def _check(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """Refuse a batch past the capacity envelope (counted), before anything is allocated or stepped."""
         n = self.cap["max_num_seqs"]
         if len(prompts) > n:
             self.counters["capacity_refusals"] += 1
@@ -130,6 +252,9 @@ class Engine:
                 raise OverCapacity(
                     f"a request needs {need} tokens; max_model_len is {self.cap['max_model_len']}"
                 )
+
+    def _admit(self, prompts: list[list[int]], max_tokens: int) -> list[Seq]:
+        self._check(prompts, max_tokens)
         seqs = []
         per = 1 + self.num_spec
         for r in range(len(prompts)):
@@ -288,6 +413,9 @@ class Engine:
         seqs = self._admit([[BOS, 65]], 2)
         with torch.inference_mode():
             self._prefill(seqs[0], [BOS])
+            if self.rank != 0:  # a follower steps in lockstep; only rank 0 profiles
+                self._step(seqs[0], 65, 0, 0)
+                return {}
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 self._step(seqs[0], 65, 0, 0)
         return {
@@ -330,10 +458,10 @@ class Engine:
             "backend": {"requested": self.doc["kda_decode_backend"], "resolved": "torch",
                         "reason": "the only KDA implementation this engine has (torch on the CPU)",
                         "prefill_path": "token by token through the decode step", "glue": "torch"},
-            "layout": {"spans": spans, "chunk": chunk, "ratios": [chunk // s for s in spans], "groups": [
-                {**{k: g.spec[k] for k in ("name", "kind", "layers", "span", "nbytes")},
-                 "alignment": kv.ALIGNMENT, "handle_kind": "shm"} for g in self.groups]},
-            "dcp_mode": "folded",
+            "layout": {"spans": spans, "chunk": chunk, "ratios": [chunk // s for s in spans],
+                       "groups": self.layout_groups()},
+            "dcp_mode": "folded" if self.world == 1 else "distributed",
+            **({} if self.world == 1 else {"dcp": self.record(), "dcp_ranks": self.ranks()}),
             "arenas": {
                 "slot_table": {"address": self.slot_table.data_ptr(), "capacity": self.slot_table.numel(),
                                "shape": list(self.slot_table.shape), "dtype": "int32"},
@@ -355,3 +483,11 @@ class Engine:
         for g in self.groups:
             g.close()
         self.groups = []
+
+
+def _answer(msg: tuple):
+    """A follower's ("ok", value) or ("error", why): the value, or the error raised here."""
+    kind, value = msg
+    if kind != "ok":
+        raise ValueError(value)
+    return value

@@ -97,6 +97,10 @@ class Model:
         self.shards = geometry["shards"]
         self.dcp = geometry["dcp_size"]
         self.interleave = geometry["interleave"]
+        # Distributed DCP (dcp_ranks = dcp_size): this process stores shard `rank` only (local shard 0) and
+        # `exchange(positions, keys, values)` returns every shard's rows of the same positions, in order.
+        self.rank = geometry.get("rank", 0)
+        self.exchange = geometry.get("exchange")
 
     # ------------------------------------------------------------ weights
     def load(self, path: str) -> None:
@@ -169,14 +173,24 @@ class Model:
         KV, D = DIMS["attn_kv_heads"], DIMS["attn_head_dim"]
         q = (p[pre + "q_proj"] @ h).view(Q_HEADS, D)
         k, v = (p[pre + "kv_proj"] @ h).view(2, KV, D)
-        blk, shard, row = self._where(seq, pos)
-        c["k"][blk, shard, row] = k
-        c["v"][blk, shard, row] = v
         where = [self._where(seq, t) for t in range(pos + 1)]
-        bi = torch.tensor([w[0] for w in where])
-        si = torch.tensor([w[1] for w in where])
-        ri = torch.tensor([w[2] for w in where])
-        keys, vals = c["k"][bi, si, ri], c["v"][bi, si, ri]  # [T, KV, D]
+        if self.exchange is None:  # folded: every shard is here
+            blk, shard, row = where[pos]
+            c["k"][blk, shard, row] = k
+            c["v"][blk, shard, row] = v
+            bi = torch.tensor([w[0] for w in where])
+            si = torch.tensor([w[1] for w in where])
+            ri = torch.tensor([w[2] for w in where])
+            keys, vals = c["k"][bi, si, ri], c["v"][bi, si, ri]  # [T, KV, D]
+        else:  # distributed: the position's shard stores it; every rank's rows are gathered in order
+            blk, shard, row = where[pos]
+            if shard == self.rank:
+                c["k"][blk, 0, row] = k
+                c["v"][blk, 0, row] = v
+            mine = [t for t, w in enumerate(where) if w[1] == self.rank]
+            bi = torch.tensor([where[t][0] for t in mine], dtype=torch.long)
+            ri = torch.tensor([where[t][2] for t in mine], dtype=torch.long)
+            keys, vals = self.exchange(mine, c["k"][bi, 0, ri], c["v"][bi, 0, ri], pos + 1)
         group = Q_HEADS // KV
         keys = keys.repeat_interleave(group, dim=1)
         vals = vals.repeat_interleave(group, dim=1)

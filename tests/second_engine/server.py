@@ -82,7 +82,10 @@ def completions(engine: Engine, body: object) -> dict:
             raise Invalid("each verify step drafts 1 to 64 token ids")
     if spec and engine.num_spec == 0:
         raise Unavailable("speculative decoding needs a launch document with num_spec > 0")
-    gens = engine.speculative(prompts, max_tokens, drafts) if spec else engine.generate(prompts, max_tokens)
+    if spec:
+        gens = engine.verb("speculative", prompts, max_tokens, drafts)
+    else:
+        gens = engine.verb("generate", prompts, max_tokens)
     choices = [
         {"index": i, "text": bytes(t for t in g["token_ids"] if t < 256).decode(errors="replace"),
          "finish_reason": "length", "prompt_token_ids": p, **g}
@@ -93,28 +96,20 @@ def completions(engine: Engine, body: object) -> dict:
     return {"choices": choices, "mode_used": "eager", "usage": usage}
 
 
-def _group(engine: Engine, b: dict):
-    if _int(b.get("rank", 0), "rank") != 0:
-        raise ValueError(f"rank {b['rank']} does not exist: this engine folds DCP into one process")
-    for g in engine.groups:
-        if g.spec["name"] == b["group"]:
-            return g
-    raise ValueError(f"no KV group named {b['group']!r}")
-
-
 def kv_fill(engine: Engine, body: object) -> dict:
     b = _fields(body, {"group", "offset", "length", "nonce", "rank"}, {"group", "offset", "length", "nonce"})
     off, n = _int(b["offset"], "offset"), _int(b["length"], "length", 1, 4096)
     if not isinstance(b["nonce"], str) or not 8 <= len(b["nonce"]) <= 128:
         raise Invalid("nonce must be 8 to 128 characters")
-    digest = _group(engine, b).fill(off, n, b["nonce"])
+    digest = engine.verb("kv_fill", _int(b.get("rank", 0), "rank"), b["group"], off, n, b["nonce"])
     return {"group": b["group"], "offset": off, "length": n, "sha256": digest}
 
 
 def kv_echo(engine: Engine, body: object) -> dict:
     b = _fields(body, {"group", "offset", "length", "rank"}, {"group", "offset", "length"})
     off, n = _int(b["offset"], "offset"), _int(b["length"], "length", 1, 1 << 20)
-    return {"group": b["group"], "offset": off, "length": n, "sha256": _group(engine, b).echo(off, n)}
+    digest = engine.verb("kv_echo", _int(b.get("rank", 0), "rank"), b["group"], off, n)
+    return {"group": b["group"], "offset": off, "length": n, "sha256": digest}
 
 
 def reload(engine: Engine, body: object) -> dict:
@@ -125,7 +120,7 @@ def reload(engine: Engine, body: object) -> dict:
     path = b.get("path")
     if path is not None and not isinstance(path, str):
         raise Invalid("path must be a string")
-    return engine.reload(path, seed)
+    return engine.verb("reload", path, seed)
 
 
 def metrics(engine: Engine) -> str:
@@ -143,10 +138,9 @@ def metrics(engine: Engine) -> str:
 def serve(engine: Engine, host: str, port: int) -> ThreadingHTTPServer:
     lock = threading.Lock()
     posts = {"/v1/completions": completions, "/qualify/reload": reload, "/qualify/kv-fill": kv_fill,
-             "/qualify/kv-echo": kv_echo, "/qualify/capture": lambda e, _b: e.capture(),
-             "/qualify/probe": lambda e, _b: e.probe()}  # fmt: skip
-    gets = {"/v1/describe": lambda e: e.describe(), "/qualify/kv-handles": lambda e: {
-        "groups": [g.handle() for g in e.groups], "ranks": []}}  # fmt: skip
+             "/qualify/kv-echo": kv_echo, "/qualify/capture": lambda e, _b: e.verb("capture"),
+             "/qualify/probe": lambda e, _b: e.verb("probe")}  # fmt: skip
+    gets = {"/v1/describe": lambda e: e.verb("describe"), "/qualify/kv-handles": lambda e: e.kv_handles()}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
