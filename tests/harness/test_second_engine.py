@@ -33,7 +33,7 @@ def _env(home: Home, module: str) -> dict[str, str]:
 
 
 def _qualified(home: Home, *args: str) -> tuple[dict, dict]:
-    ran = home.qualify("run", *args, "--json", env=_env(home, "tests.second_engine"), timeout=300)
+    ran = home.qualify("run", *args, "--json", env=_env(home, "tests.second_engine"), timeout=900)
     assert ran.code == 0, (ran.stdout[-3000:], ran.stderr[-3000:])
     assert ran.summary()["verdict"] == "qualified"
     (p,) = home.predicates()[-1:]
