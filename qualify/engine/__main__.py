@@ -101,6 +101,18 @@ def manifest() -> dict:
     }
 
 
+def read_launch(where: str) -> dict:
+    """The launch document: the JSON file `where`, or with `env:NAME` the environment variable NAME (how the
+    Docker launcher passes it)."""
+    if where.startswith("env:"):
+        name = where.removeprefix("env:")
+        if name not in os.environ:
+            raise OSError(f"the environment has no {name}")
+        return json.loads(os.environ[name])
+    with open(where) as f:
+        return json.load(f)
+
+
 def _launch_fields(path: str) -> dict:
     """EngineConfig fields from a launch document; a document this engine cannot honour exits 2 naming the
     first thing it cannot (the protocol version, the model dims, a field)."""
@@ -109,8 +121,7 @@ def _launch_fields(path: str) -> dict:
     from qualify.protocol import SUPPORTED_PROTOCOL_VERSIONS, LaunchDocument
 
     try:
-        with open(path) as f:
-            doc = LaunchDocument.model_validate(json.load(f))
+        doc = LaunchDocument.model_validate(read_launch(path))
     except (OSError, ValueError) as e:
         first = str(e).splitlines()
         if isinstance(e, ValidationError):
@@ -143,8 +154,7 @@ def _launch_layout_differs(engine, path: str) -> str | None:
 
     from . import kv_export
 
-    with open(path) as f:
-        doc = LaunchDocument.model_validate(json.load(f))
+    doc = LaunchDocument.model_validate(read_launch(path))
     have = {g["name"]: g for g in kv_export.kv_handles(engine)["groups"]}
     for want in doc.kv_groups:
         got = have.pop(want.name, None)

@@ -113,7 +113,10 @@ def device_requests(gpus: str | None) -> list[Any]:
     return [types.DeviceRequest(device_ids=gpus.split(","), capabilities=[["gpu"]])]
 
 
-LAUNCH_PATH = "/tmp/qualify-launch.json"  # where the launch document lies inside the container
+# The launch document inside a container: in this environment variable, named to the engine as
+# `serve --launch env:QUALIFY_LAUNCH` (docs/PROTOCOL.md, "Launch").
+LAUNCH_ENV = "QUALIFY_LAUNCH"
+LAUNCH_PATH = f"env:{LAUNCH_ENV}"
 
 
 class DockerLauncher(Launcher):
@@ -198,7 +201,7 @@ class DockerLauncher(Launcher):
             "detach": True,
             "name": f"qualify-engine-{self.run_id}",
             "labels": self.labels,
-            "environment": {**self.env, **mon_env},
+            "environment": {**self.env, **mon_env, **self._launch_env(None)},
             "ipc_mode": "host",  # CUDA IPC between the engine and its KV-transfer peer
             # No daemon restarts until the engine is ready: a refusal at construction (exit 2) must not be
             # booted again, and the daemon's policy cannot tell it from a crash. The harness restarts a
@@ -220,7 +223,6 @@ class DockerLauncher(Launcher):
             raise LaunchError(f"docker could not create the engine container: {_explain(exc)}") from exc
         self._follow_events(since)
         try:
-            self._put_launch(self._container, None)
             self._container.start()
         except docker.errors.APIError as exc:
             # A GPU request without the NVIDIA runtime fails here and leaves a `created` container.
@@ -434,6 +436,7 @@ class DockerLauncher(Launcher):
         image = self._image or self._resolve_image()
         cmd = self.command(kda_backend)
         env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
+        env.update(self._launch_env(kda_backend))
         t0 = time.monotonic()
         c = self._client.containers.create(
             image.id,
@@ -444,7 +447,6 @@ class DockerLauncher(Launcher):
             name=f"qualify-refusal-{self.run_id}",
         )
         try:
-            self._put_launch(c, kda_backend)
             c.start()
             try:
                 code: int | None = int(c.wait(timeout=timeout_s)["StatusCode"])
@@ -458,19 +460,17 @@ class DockerLauncher(Launcher):
                 c.remove(force=True)
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out)
 
-    def _put_launch(self, container: Any, kda_backend: str | None) -> None:
-        """Copy the launch document into a created container (before it starts), and beside the logs."""
+    def _launch_env(self, kda_backend: str | None) -> dict[str, str]:
+        """The launch document travels in the container's environment (`--launch env:QUALIFY_LAUNCH`): no file
+        of the host's is mounted and nothing is copied into the container's filesystem; it is also kept
+        beside the logs."""
         if self.options.launch is None:
-            return
-        data = self.options.launch_text(kda_backend).encode()
+            return {}
+        text = self.options.launch_text(kda_backend)
         if kda_backend is None:
-            (self.run_dir / "launch.json").write_bytes(data)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            info = tarfile.TarInfo(LAUNCH_PATH.removeprefix("/tmp/"))
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-        container.put_archive("/tmp", buf.getvalue())
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "launch.json").write_text(text)
+        return {LAUNCH_ENV: text}
 
     def launch_paths(self, weights_name: str) -> tuple[str, str]:
         return f"/var/lib/qualify/weights/{weights_name}", "/tmp/qualify-scratch"

@@ -18,6 +18,14 @@ import threading
 EXIT_REFUSED = 2
 
 
+def read_launch(where: str) -> dict:
+    """The launch document: a JSON file, or `env:NAME` for the environment variable NAME (Docker)."""
+    if where.startswith("env:"):
+        return json.loads(os.environ[where.removeprefix("env:")])
+    with open(where) as fh:
+        return json.load(fh)
+
+
 def _fail(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr, flush=True)
     sys.exit(EXIT_REFUSED)
@@ -48,9 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         follow(args)
         return
     try:
-        with open(args.launch) as fh:
-            doc = json.load(fh)
-        engine = Engine(doc)
+        engine = Engine(read_launch(args.launch))
     except Refused as e:
         _fail(str(e))
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -193,8 +199,7 @@ def follow(args) -> None:
     conn = Client(args.address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("SECOND_ENGINE_KEY")))
     conn.send(("hello", args.rank))
     try:
-        with open(args.launch) as fh:
-            engine = Engine(json.load(fh), rank=args.rank, conns=[conn])
+        engine = Engine(read_launch(args.launch), rank=args.rank, conns=[conn])
     except Exception as e:  # noqa: BLE001 - rank 0 reports it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(EXIT_REFUSED)
