@@ -193,7 +193,11 @@ def follow(args) -> None:
 
     from .engine import Engine
 
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: rank 0's death ends this rank
+    # A stop signal to the process group is rank 0's to act on: it closes the connections, and this rank
+    # stops at their end-of-file. Rank 0's death, however it dies, kills this rank (PR_SET_PDEATHSIG).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     if os.getppid() != args.parent:
         sys.exit(EXIT_REFUSED)
     conn = Client(args.address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("SECOND_ENGINE_KEY")))
@@ -204,12 +208,6 @@ def follow(args) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(EXIT_REFUSED)
     conn.send(("ok", None))
-
-    def stop(_sig: int, _frame=None) -> None:
-        engine.close()
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
     try:
         engine.follow()
     finally:
