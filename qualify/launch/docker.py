@@ -168,8 +168,9 @@ class DockerLauncher(Launcher):
         return [] if declared else ["python", "-m", "qualify.engine"]
 
     def command(self, kda_backend: str | None = None, *, monitored: bool = False) -> list[str]:
-        """The engine's command; `monitored`: run through the monitor file mounted at CONTAINER_DIR (only for
-        an image run as `python -m qualify.engine`: the monitor cannot wrap an entry point it does not know)."""
+        """The engine's command; `monitored`: run through the monitor file mounted at CONTAINER_DIR (only
+        for an image run as `python -m qualify.engine`: the monitor cannot wrap an entry point it does not
+        know)."""
         launch = LAUNCH_PATH if self.options.launch else None
         args = [*self.options.serve_args(kda_backend, launch), "--host", "0.0.0.0", "--port", "8000"]
         entry = self._entry()
