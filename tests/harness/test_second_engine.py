@@ -61,10 +61,12 @@ def test_the_second_engine_qualifies_with_its_own_code_its_own_dims_and_the_laun
     # The weights file it loaded is the one the launch document named, hashed by the harness.
     boot = check(p, "boot")
     assert boot["evidence"]["weights_file"]["path"] == str(Path(doc["weights"]["path"]).resolve())
-    assert {c["name"]: c["status"] for c in p["checks"]} == {
+    statuses = {c["name"]: c["status"] for c in p["checks"]}
+    assert {k: v for k, v in statuses.items() if k != "monitor"} == {
         "boot": "pass", "backend": "pass", "layout": "pass", "arenas": "pass", "capture": "skip",
         "reload": "pass", "generation": "pass", "faults": "pass",
     }  # fmt: skip
+    assert statuses.get("monitor", "skip") == "skip"  # the CUDA monitor has nothing to watch on a CPU
     subjects = {s["name"]: s["digest"]["sha256"] for s in summary["subjects"]}
     assert subjects["second-engine-code"] == own.removeprefix("sha256:")
     assert home.verify_all().code == 0
