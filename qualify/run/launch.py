@@ -128,6 +128,7 @@ def build(
         block_size=h.block_size,
         dcp_size=size,
         dcp_ranks=ranks,
+        interleave=h.interleave,
         kv_dtype="bfloat16" if target == "gpu" else "float32",
     )
     capacity = LaunchCapacity(
@@ -171,6 +172,7 @@ def peer_geometry(doc: LaunchDocument) -> dict[str, Any]:
         "block_size": g.block_size,
         "dcp_size": g.dcp_size,
         "dcp_ranks": g.dcp_ranks,
+        "interleave": g.interleave,
         "max_num_seqs": c.max_num_seqs,
         "max_model_len": c.max_model_len,
         "num_spec": c.num_spec,
