@@ -56,7 +56,8 @@ def manifest() -> dict:
     }  # fmt: skip
 
 
-LOCKSTEP = ("generate", "speculative", "probe")  # verbs that step the model: every DCP rank runs them
+LOCKSTEP = ("generate", "speculative", "probe", "session_start", "session_step", "session_close")
+SESSION_TOP_K = 8  # verbs that step the model: every DCP rank runs them
 
 
 class Engine:
@@ -110,6 +111,7 @@ class Engine:
         self.slot_table = torch.zeros(cap["max_num_seqs"], dtype=torch.int32)
         self.block_table = torch.zeros(cap["max_num_seqs"], self.max_blocks, dtype=torch.int32)
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.session: dict | None = None
         w = doc["weights"]
         self.weights_path = Path(w["path"])
         if not self.weights_path.is_file():
@@ -159,8 +161,8 @@ class Engine:
                 _answer(conn.recv())
             return out
         if name in LOCKSTEP:
-            prompts, max_tokens = (args[0], args[1]) if name != "probe" else ([[BOS, 65]], 2)
-            self._check(prompts, max_tokens)  # refused here before any rank steps
+            if name in ("generate", "speculative", "session_start"):
+                self._check(args[0], args[1])  # refused here before any rank steps
             for conn in self.conns:
                 conn.send(("verb", name, args))
             try:
@@ -369,6 +371,46 @@ class Engine:
                 if "state" in c:
                     c["state"][base] = c["state"][base + m]
                     c["conv"][base] = c["conv"][base + m]
+
+    # ------------------------------------------------------------ live sessions (docs/PEER.md, intervention)
+    def _seq_info(self, i: int, seq: Seq, logits: torch.Tensor) -> dict:
+        top = torch.topk(logits, SESSION_TOP_K)
+        base = int(self.slot_table[seq.row])
+        return {
+            "index": i, "token_id": int(torch.argmax(logits)), "top_ids": [int(t) for t in top.indices],
+            "top_logits": [float(v) for v in top.values], "num_tokens": seq.length + 1,
+            "state_slots": list(range(base, base + 1 + self.num_spec)), "kv_blocks": list(seq.blocks),
+        }  # fmt: skip
+
+    def session_start(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        """Admit and prefill the prompts and hold them live until closed (one session at a time)."""
+        seqs = self._admit(prompts, max_tokens)
+        seqs_out = []
+        with torch.inference_mode():
+            for i, (seq, p) in enumerate(zip(seqs, prompts, strict=True)):
+                seqs_out.append(self._seq_info(i, seq, self._prefill(seq, p)))
+        self.session = {"id": os.urandom(8).hex(), "seqs": seqs, "last": [s["token_id"] for s in seqs_out]}
+        return {"session": self.session["id"], "mode_used": "eager", "sequences": seqs_out}
+
+    def session_step(self, feed: list[int] | None) -> dict:
+        """One decode step of every sequence: it reads `feed[i]` (else its last token) at its next place."""
+        s = self.session
+        if s is None:
+            raise ValueError("no live session")
+        if feed is not None and len(feed) != len(s["seqs"]):
+            raise ValueError(f"feed has {len(feed)} tokens for {len(s['seqs'])} sequences")
+        out = []
+        with torch.inference_mode():
+            for i, seq in enumerate(s["seqs"]):
+                tok = feed[i] if feed is not None else s["last"][i]
+                info = self._seq_info(i, seq, self._step(seq, tok, 0, 0))
+                s["last"][i] = info["token_id"]
+                out.append(info)
+        return {"session": s["id"], "mode_used": "eager", "sequences": out}
+
+    def session_close(self) -> dict:
+        s, self.session = self.session, None
+        return {"session": s["id"] if s else "", "released": len(s["seqs"]) if s else 0}
 
     # ------------------------------------------------------------ reload
     @staticmethod

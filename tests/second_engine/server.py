@@ -123,6 +123,33 @@ def reload(engine: Engine, body: object) -> dict:
     return engine.verb("reload", path, seed)
 
 
+def session_start(engine: Engine, body: object) -> dict:
+    b = _fields(body, {"prompts", "max_tokens"}, {"prompts", "max_tokens"})
+    if not isinstance(b["prompts"], list) or not 1 <= len(b["prompts"]) <= 64:
+        raise Invalid("prompts must be 1 to 64 token-id lists")
+    prompts = [_ids(p, "prompts") for p in b["prompts"]]
+    return engine.verb("session_start", prompts, _int(b["max_tokens"], "max_tokens", 1, 256))
+
+
+def session_step(engine: Engine, body: object, session: str) -> dict:
+    b = _fields(body or {}, {"feed"}, set())
+    feed = b.get("feed")
+    if feed is not None:
+        feed = _ids(feed, "feed")
+    _live(engine, session)
+    return engine.verb("session_step", feed)
+
+
+def session_close(engine: Engine, _body: object, session: str) -> dict:
+    _live(engine, session)
+    return engine.verb("session_close")
+
+
+def _live(engine: Engine, session: str) -> None:
+    if engine.session is None or engine.session["id"] != session:
+        raise ValueError(f"no live session {session!r}")
+
+
 def metrics(engine: Engine) -> str:
     lines = []
     for name in COUNTERS:
@@ -139,7 +166,7 @@ def serve(engine: Engine, host: str, port: int) -> ThreadingHTTPServer:
     lock = threading.Lock()
     posts = {"/v1/completions": completions, "/qualify/reload": reload, "/qualify/kv-fill": kv_fill,
              "/qualify/kv-echo": kv_echo, "/qualify/capture": lambda e, _b: e.verb("capture"),
-             "/qualify/probe": lambda e, _b: e.verb("probe")}  # fmt: skip
+             "/qualify/probe": lambda e, _b: e.verb("probe"), "/qualify/sessions": session_start}  # fmt: skip
     gets = {"/v1/describe": lambda e: e.verb("describe"), "/qualify/kv-handles": lambda e: e.kv_handles()}
 
     class Handler(BaseHTTPRequestHandler):
@@ -195,6 +222,14 @@ def serve(engine: Engine, host: str, port: int) -> ThreadingHTTPServer:
             if n > MAX_BODY:
                 return self._error(413, "HTTPError", f"body over {MAX_BODY} bytes")
             raw = self.rfile.read(n) if n else b""
+            parts = path.strip("/").split("/")
+            if len(parts) == 4 and parts[:2] == ["qualify", "sessions"] and parts[3] in ("step", "close"):
+                try:
+                    body = json.loads(raw) if raw else None
+                except ValueError:
+                    return self._error(422, "ValidationError", "the body is not JSON")
+                fn = session_step if parts[3] == "step" else session_close
+                return self._run(lambda e, b: fn(e, b, parts[2]), body)
             if path not in posts:
                 return self._error(
                     404 if path not in gets else 405, "HTTPError", f"POST {path} is not served"
