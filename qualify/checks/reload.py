@@ -106,6 +106,10 @@ class FreshReference:
             self.thread.join(10.0)
 
 
+def _moved_params(r: Any) -> str:
+    return f"{r.census.params} parameters: the census says some storage address changed"
+
+
 def _counts(d: Describe) -> dict[str, int]:
     return {"graph_captures": d.counters.graph_captures, "graph_recaptures": d.counters.graph_recaptures}
 
@@ -180,7 +184,9 @@ def _run(ctx: Context, fresh_ref: FreshReference) -> Outcome:
         "counters": {"before": _counts(d0), "after_same": _counts(d1), "end": _counts(d2)},
     }
     conditions = {
-        "same_reload_keeps_parameter_addresses": engine_says(same.census.addresses_unchanged),
+        "same_reload_keeps_parameter_addresses": engine_says(
+            same.census.addresses_unchanged, None if same.census.addresses_unchanged else _moved_params(same)
+        ),
         "same_reload_keeps_arena_addresses": engine_says(
             same.census.arena_addresses_unchanged and {k: v.address for k, v in d1.arenas.items()} == arenas0
         ),
@@ -188,21 +194,40 @@ def _run(ctx: Context, fresh_ref: FreshReference) -> Outcome:
             not same.census.changed and same.census.before_digest == same.census.after_digest,
             f"changed: {same.census.changed[:5]}" if same.census.changed else None,
         ),
-        "census_starts_from_the_subject_weights": engine_says(same.census.before_digest == subject_weights),
-        "no_recapture": engine_says(_counts(d1) == _counts(d0) and _counts(d2) == _counts(d0)),
-        "no_graph_address_moved": engine_says(all(not m for m in moved.values())),
+        "census_starts_from_the_subject_weights": engine_says(
+            same.census.before_digest == subject_weights,
+            f"census before_digest {same.census.before_digest}; describe's weights_digest at boot "
+            f"{subject_weights} (they must be the same digest of the loaded parameters)",
+        ),
+        "no_recapture": engine_says(
+            _counts(d1) == _counts(d0) and _counts(d2) == _counts(d0),
+            f"graph counters before {_counts(d0)}, after the same reload {_counts(d1)}, "
+            f"at the end {_counts(d2)}",
+        ),
+        "no_graph_address_moved": engine_says(
+            all(not m for m in moved.values()), f"graph addresses moved: {moved}"
+        ),
         "output_same_after_same_reload": observed(coh_same["agrees"], coh_same.get("summary")),
         "other_weights_loaded_in_place": engine_says(
-            other.census.addresses_unchanged and bool(other.census.changed)
+            other.census.addresses_unchanged and bool(other.census.changed),
+            f"seed {seed}: addresses unchanged {other.census.addresses_unchanged}, "
+            f"{len(other.census.changed)} of {other.census.params} parameters changed",
         ),
         # Tokens the harness compared itself: new weights must change what the engine generates...
-        "other_weights_change_output": observed(changed_output),
+        "other_weights_change_output": observed(
+            changed_output, None if changed_output else f"seed {seed}: the tokens equal the first weights'"
+        ),
         # ...and replayed graphs must agree with an eager step on them (graphs are not stale).
         "other_weights_replay_equals_eager": observed(coh_other["agrees"], coh_other.get("summary")),
         "reload_back_restores_weights": engine_says(
-            back.census.after_digest == same.census.before_digest and back.census.addresses_unchanged
+            back.census.after_digest == same.census.before_digest and back.census.addresses_unchanged,
+            f"reloading {same.weights_path}: after_digest {back.census.after_digest}, first "
+            f"{same.census.before_digest}; addresses unchanged {back.census.addresses_unchanged}",
         ),
-        "weights_at_end_are_the_subject": engine_says(d2.engine.weights_digest == subject_weights),
+        "weights_at_end_are_the_subject": engine_says(
+            d2.engine.weights_digest == subject_weights,
+            f"weights_digest at the end {d2.engine.weights_digest}, at boot {subject_weights}",
+        ),
         "restored_output_equals_first": observed(coh_back["agrees"], coh_back.get("summary")),
         "replay_after_reload_equals_fresh_eager": observed(coh_fresh["agrees"], coh_fresh.get("summary")),
         # A freshly booted engine (the harness's own launch) on prompts neither engine had seen.
