@@ -44,9 +44,15 @@ def test_the_second_engine_qualifies_with_its_own_code_its_own_dims_and_the_laun
     p, summary = _qualified(home, "--layout", LAYOUT)
     engine = p["engine"]
     own = package_digest(SECOND)
-    # Its receipt names its own code (the harness's digest of its tree), never the reference engine's.
-    assert engine["name"] == "second-engine" and engine["code_digest"] == own != engine_code_digest_on_disk()
-    assert "tests.second_engine" in engine["code_scope"]
+    # It claims its own tree's digest, which the harness computed too; the receipt's code subject is the
+    # harness's tree digest of the sandbox's code mounts (which hold its package), never the reference's.
+    boot = check(p, "boot")
+    said = boot["evidence"]["code_digest"]
+    assert (
+        said["engine"] == said["own_tree"] == own and boot["conditions"]["code_digest_matches_disk"]["holds"]
+    )
+    assert engine["name"] == "second-engine" and engine["code_digest"] != engine_code_digest_on_disk()
+    assert "second_engine" in engine["code_scope"], engine["code_scope"]
     assert engine["protocol_version"] == "2" and engine["manifest"]["protocol_versions"] == ["2"]
     doc = engine["launch"]
     assert engine["launch_digest"].startswith("sha256:")
@@ -58,9 +64,11 @@ def test_the_second_engine_qualifies_with_its_own_code_its_own_dims_and_the_laun
     assert state["name"] == "state" and state["shape"][1:] == [3, 8, 8] and state["dtype"] == "float32"
     layout = check(p, "layout")
     assert layout["status"] == "pass" and layout["evidence"]["geometry"]["conv_width"] == 3
-    # The weights file it loaded is the one the launch document named, hashed by the harness.
-    boot = check(p, "boot")
-    assert boot["evidence"]["weights_file"]["path"] == str(Path(doc["weights"]["path"]).resolve())
+    # The weights file it loaded is the one the launch document named (its own: create true, in its
+    # sandbox's scratch dir), hashed by the harness.
+    assert doc["weights"]["create"] is True
+    assert boot["evidence"]["weights_file"]["hashed"]
+    assert Path(boot["evidence"]["weights_file"]["path"]).name == Path(doc["weights"]["path"]).name
     statuses = {c["name"]: c["status"] for c in p["checks"]}
     assert {k: v for k, v in statuses.items() if k != "monitor"} == {
         "boot": "pass", "backend": "pass", "layout": "pass", "arenas": "pass", "capture": "skip",
@@ -68,7 +76,7 @@ def test_the_second_engine_qualifies_with_its_own_code_its_own_dims_and_the_laun
     }  # fmt: skip
     assert statuses.get("monitor", "skip") == "skip"  # the CUDA monitor has nothing to watch on a CPU
     subjects = {s["name"]: s["digest"]["sha256"] for s in summary["subjects"]}
-    assert subjects["second-engine-code"] == own.removeprefix("sha256:")
+    assert subjects["second-engine-code"] == engine["code_digest"].removeprefix("sha256:")
     assert home.verify_all().code == 0
 
 
