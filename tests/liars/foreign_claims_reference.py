@@ -5,19 +5,11 @@ module the harness launched (its own tree), and it is rejected naming both diges
 
 from __future__ import annotations
 
+from qualify.run.receipt import engine_code_digest_on_disk
 from tests.second_engine import __main__ as second_main
 from tests.second_engine import engine as second_engine
 
-
-def reference_digest() -> str:
-    """The reference engine's own digest, as it reports it (imported late: in the sandbox the engine sees
-    qualify's engine code, not the harness's receipts package)."""
-    from qualify.engine.engine import code_digest
-
-    return code_digest()
-
-
-second_engine.code_digest = reference_digest
+second_engine.code_digest = engine_code_digest_on_disk
 
 if __name__ == "__main__":
     second_main.main()
