@@ -7,7 +7,7 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
@@ -19,6 +19,7 @@ from qualify.api_guard import BoundedJSONRoute, RequestGuard, token_problem, val
 from qualify.approve import SUBJECT_DIGEST, Decision, decide, record
 from qualify.limits import MAX_BODY_BYTES
 from qualify.policy import Policy, PolicyError, load_policy_data
+from receipts import merkle
 from receipts.checkpoint import Checkpoint, NoteVerifier, format_tlog_proof
 from receipts.errors import NotFound, ReceiptsError, TamperError
 from receipts.keys import SigningKey
@@ -243,6 +244,17 @@ def create_app(
         if problem is not None:
             raise HTTPException(401, problem, headers={"WWW-Authenticate": "Bearer"})
 
+    def served_from(response: Response) -> None:
+        # What every read serves is covered by the last checkpoint that verifies with the trusted log key:
+        # its size goes with the response, and a notice when rows beyond it are not served.
+        good = store.good_head()
+        response.headers["Qualify-Checkpoint-Size"] = str(good.size)
+        notice = good.notice()
+        if notice is not None:
+            response.headers["Qualify-Notice"] = notice
+
+    served = [Depends(served_from)]
+
     def _page(offset: int, limit: int, got: int) -> int | None:
         return offset + limit if got > limit else None
 
@@ -252,7 +264,9 @@ def create_app(
             status="ok", version=__version__, log_size=store.size(), decisions_enabled=token is not None
         )
 
-    @app.get("/v1/receipts", response_model=ReceiptPage, responses=ERRORS, tags=["receipts"])
+    @app.get(
+        "/v1/receipts", response_model=ReceiptPage, responses=ERRORS, tags=["receipts"], dependencies=served
+    )
     def list_receipts(
         verdict: Literal["qualified", "rejected", "aborted"] | None = None,
         subject: Annotated[
@@ -288,13 +302,23 @@ def create_app(
             total=total,
         )
 
-    @app.get("/v1/receipts/{receipt_id}", response_model=ReceiptDetail, responses=ERRORS, tags=["receipts"])
+    @app.get(
+        "/v1/receipts/{receipt_id}",
+        response_model=ReceiptDetail,
+        responses=ERRORS,
+        tags=["receipts"],
+        dependencies=served,
+    )
     def show_receipt(receipt_id: Annotated[str, Path(pattern=RECEIPT_ID)]) -> ReceiptDetail:
         r = store.get_receipt(receipt_id)
         return ReceiptDetail(**_summary(r), predicate=r.predicate)
 
     @app.get(
-        "/v1/receipts/{receipt_id}/envelope", response_model=EnvelopeOut, responses=ERRORS, tags=["receipts"]
+        "/v1/receipts/{receipt_id}/envelope",
+        response_model=EnvelopeOut,
+        responses=ERRORS,
+        tags=["receipts"],
+        dependencies=served,
     )
     def receipt_envelope(receipt_id: Annotated[str, Path(pattern=RECEIPT_ID)]) -> EnvelopeOut:
         r = store.get_receipt(receipt_id)
@@ -305,6 +329,7 @@ def create_app(
         response_model=InclusionProofOut,
         responses=ERRORS,
         tags=["receipts"],
+        dependencies=served,
     )
     def receipt_proof(
         receipt_id: Annotated[str, Path(pattern=RECEIPT_ID)],
@@ -313,7 +338,7 @@ def create_app(
         ] = None,
     ) -> InclusionProofOut:
         r = store.get_receipt(receipt_id)
-        current = store.size()
+        current = store.good_head().size  # only checkpoints that verify with the log key are served
         size = current if size is None else size
         if size > current or size <= r.log_idx:
             raise HTTPException(
@@ -322,30 +347,44 @@ def create_app(
             )
         entry = store.entry(r.log_idx)
         proof = store.inclusion_proof(r.log_idx, size)
-        note = store.checkpoint(size)
+        note, cp = store.verified_checkpoint(size)
+        # Never hand out a proof that does not verify under the signed root.
+        merkle.verify_inclusion(r.log_idx, size, merkle.leaf_hash(r.envelope or b""), proof, cp.root)
         return InclusionProofOut(
             receipt_id=r.id,
             log_index=r.log_idx,
             tree_size=size,
             leaf_hash=entry.leaf_hash.hex(),
             hashes=[h.hex() for h in proof],
-            root_hash=store.root(size).hex(),
+            root_hash=cp.root.hex(),
             checkpoint=note,
             tlog_proof=format_tlog_proof(r.log_idx, proof, note),
         )
 
-    @app.get("/v1/log/checkpoint", response_model=CheckpointOut, responses=ERRORS, tags=["log"])
+    @app.get(
+        "/v1/log/checkpoint",
+        response_model=CheckpointOut,
+        responses=ERRORS,
+        tags=["log"],
+        dependencies=served,
+    )
     def latest_checkpoint() -> CheckpointOut:
-        return _checkpoint_out(store.latest_checkpoint())
+        return _checkpoint_out(store.good_checkpoint())
 
-    @app.get("/v1/log/consistency", response_model=ConsistencyProofOut, responses=ERRORS, tags=["log"])
+    @app.get(
+        "/v1/log/consistency",
+        response_model=ConsistencyProofOut,
+        responses=ERRORS,
+        tags=["log"],
+        dependencies=served,
+    )
     def consistency(
         first: Annotated[int, Query(ge=1, le=MAX_INDEX, description="the older tree size")],
         second: Annotated[
             int | None, Query(ge=1, le=MAX_INDEX, description="the newer size; default latest")
         ] = None,
     ) -> ConsistencyProofOut:
-        current = store.size()
+        current = store.good_head().size
         second = current if second is None else second
         if not 1 <= first <= second <= current:
             raise HTTPException(
@@ -359,7 +398,13 @@ def create_app(
             hashes=[h.hex() for h in store.consistency_proof(first, second)],
         )
 
-    @app.get("/v1/approvals", response_model=ApprovalPage, responses=ERRORS, tags=["approvals"])
+    @app.get(
+        "/v1/approvals",
+        response_model=ApprovalPage,
+        responses=ERRORS,
+        tags=["approvals"],
+        dependencies=served,
+    )
     def list_approvals(
         subject: Annotated[
             str | None, Query(max_length=80, description="sha256:<hex> (or the 64 hex digits alone)")
@@ -392,7 +437,7 @@ def create_app(
             401: {"model": Problem, "description": "no or wrong bearer token (checked before the body)"},
             413: {"model": Problem, "description": f"the body is larger than {MAX_BODY_BYTES} bytes"},
         },
-        dependencies=[Depends(require_token)],
+        dependencies=[Depends(require_token), *served],
         tags=["approvals"],
     )
     def post_decision(body: DecisionRequest) -> Decision:

@@ -3,6 +3,7 @@ and append the signed decision to the log (`record`)."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import re
@@ -20,7 +21,7 @@ from receipts import dsse
 from receipts.approval_rows import APPROVAL_PREDICATE_TYPE
 from receipts.canonical import canonical_json
 from receipts.checkpoint import NoteVerifier
-from receipts.errors import VerificationError
+from receipts.errors import ReceiptsError, VerificationError
 from receipts.keys import SigningKey
 from receipts.statement import PREDICATE_TYPE, STATEMENT_TYPE, parse_time
 
@@ -305,20 +306,25 @@ def iter_gather(
     store: Store, subject: str, verifiers: list[NoteVerifier] | None = None
 ) -> Iterator[tuple[list[Candidate], int | None]]:
     """gather() in steps of GATHER_CHUNK receipts (in log order): each step's candidates, verified, with
-    the checkpoint size they were verified against. The latest checkpoint is read once per decision
-    and every step is verified against it."""
+    the checkpoint size they were verified against. The last good checkpoint (the latest stored one that
+    verifies with `verifiers`, default the trusted log key) is found once per decision and every step is
+    verified against it. The signed bytes are judged, not the query rows (an edited row cannot change
+    them), so the query-row check is left off."""
     records = store.list_receipts(subject=subject, limit=None)
     if not records:
         return
-    history = store.key_history()
-    verifiers = verifiers or [store.log_verifier()]
-    note = store.latest_checkpoint()
+    verifiers = verifiers or [store.trusted_log_key()[0]]
+    good = None
+    # The last good checkpoint (verified with the trusted log key), found once per decision; when none
+    # is, every receipt fails its checkpoint check, saying why (verify_receipts).
+    with contextlib.suppress(ReceiptsError):
+        good = store.good_head(verifier=(verifiers[0], "the log key given to verify with"))
     for start in range(0, len(records), GATHER_CHUNK):
         chunk = records[start : start + GATHER_CHUNK]
         candidates: list[Candidate] = []
         tree_size: int | None = None
         for record, (report, envelope) in zip(
-            chunk, store.verify_receipts(chunk, verifiers, history, note=note), strict=True
+            chunk, store.verify_receipts(chunk, verifiers, good=good, check_row=False), strict=True
         ):
             tree_size = report.checkpoint_size if report.checkpoint_size is not None else tree_size
             if not report.ok or envelope is None:

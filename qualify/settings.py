@@ -41,3 +41,8 @@ LOG_VKEY_ENV = "QUALIFY_LOG_VKEY"
 def log_vkey_path() -> Path:
     """A fleet host's copy of the log's verifier key (what `qualify log vkey` prints on the sequencer)."""
     return keys_dir() / "log.vkey"
+
+
+def repair_notes_dir() -> Path:
+    """Where `qualify log repair` keeps the notes it signs with the log key (`log verify` requires them)."""
+    return data_dir() / "log-repairs"

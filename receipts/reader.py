@@ -3,6 +3,7 @@ subtrees, checkpoints, keys, receipts and approvals, and verifying one receipt e
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Iterator, Sequence
@@ -12,8 +13,8 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from receipts import approval_rows, dsse, merkle, receipt_rows
-from receipts.checkpoint import NoteVerifier, open_checkpoint
+from receipts import approval_rows, dsse, merkle, receipt_rows, trusted
+from receipts.checkpoint import Checkpoint, NoteVerifier, open_checkpoint
 from receipts.errors import NotFound, StoreError, TamperError, VerificationError
 from receipts.keylog import KeyHistory
 from receipts.keys import VerifyingKey
@@ -31,12 +32,14 @@ from receipts.models import (
 )
 from receipts.records import ApprovalRecord, Entry, KeyInfo, ReceiptRecord, ReceiptReport, Subject
 from receipts.subtrees import SqlSubtrees
+from receipts.trusted import GoodHead
 
 ENTRIES = LogEntry.__table__
 RECEIPTS = ReceiptRow.__table__
 SUBJECTS = ReceiptSubject.__table__
 APPROVALS = ApprovalRow.__table__
 _HEX = re.compile(r"[0-9a-f]+")
+_MAX_VOUCHED = 200_000  # entries remembered as vouched for (about 20 MB)
 
 # (highest index, latest checkpoint size, its root column, its signed note) in one round trip; built once,
 # as the append path runs it thousands of times a second.
@@ -80,6 +83,17 @@ class LogReader:
         self._meta: tuple[str, str] | None = None
         # ((size, root), tree) of the last stored leaves found to hash to a signed checkpoint's root.
         self._leaves: tuple[tuple[int, bytes], merkle.MemoryTree] | None = None
+        # The log key the read paths trust (kept outside the database), and where it came from; None:
+        # the key recorded in the store (see trusted_log_key).
+        self._trust: tuple[NoteVerifier, str] | None = None
+        self._trust_from_signer = False  # the trust is the appender's own key (Store.set_log_signer)
+        # The last good checkpoint per log key, for the head row it was found under (reads re-check only
+        # the head).
+        self._good: dict[str, tuple[tuple[Any, ...], GoodHead]] = {}
+        # Key history under the good checkpoint of (size, root).
+        self._served_keys: tuple[int, bytes, KeyHistory] | None = None
+        # Entries vouched for under the good checkpoint of (size, root): index -> (bytes digest, signers).
+        self._vouched: tuple[int, bytes, dict[int, tuple[bytes, frozenset[str]]]] | None = None
 
     # ------------------------------------------------------------------ the log's identity
 
@@ -104,6 +118,137 @@ class LogReader:
         if meta is None:
             raise NotFound("the log is empty: it has no checkpoint signer yet")
         return NoteVerifier.from_vkey(meta[1])
+
+    def set_trusted_log_key(self, verifier: NoteVerifier, source: str) -> None:
+        """The log key every read path checks checkpoints with (a copy kept outside the database)."""
+        self._trust = (verifier, source)
+        self._trust_from_signer = False
+
+    def trusted_log_key(self) -> tuple[NoteVerifier, str]:
+        """The key set with set_trusted_log_key, else (weakest) the one recorded in the store."""
+        if self._trust is not None:
+            return self._trust
+        return self.log_verifier(), "the log key recorded in the store"
+
+    # ------------------------------------------------------------------ what may be served
+
+    def good_head(
+        self, conn: Connection | None = None, verifier: tuple[NoteVerifier, str] | None = None
+    ) -> GoodHead:
+        """The last stored checkpoint that verifies with the trusted log key and names the stored tree
+        (see receipts.trusted): every read path serves only what it covers. Verified once per head: a
+        later call that finds the same head row reuses it."""
+        if conn is None:
+            with self.engine.connect() as own:
+                return self.good_head(own, verifier)
+        head = self._head(conn)
+        if head.next == 0:
+            return GoodHead(0, merkle.EMPTY_ROOT, None, 0, head.checkpoint_size, "an empty log")
+        key, source = verifier or self.trusted_log_key()
+        cache_key = (*head, key.vkey())
+        cached = self._good.get(key.vkey())
+        if cached is not None and cached[0] == cache_key:
+            return cached[1]
+        good = trusted.last_good(conn, key, self.origin, head.next, source)
+        self._good[key.vkey()] = (cache_key, good)
+        return good
+
+    def good_checkpoint(self) -> str:
+        """The signed note of the last good checkpoint (NotFound for an empty log)."""
+        note = self.good_head().note
+        if note is None:
+            raise NotFound("the log is empty: there is no checkpoint yet")
+        return note
+
+    def verified_checkpoint(self, size: int) -> tuple[str, Checkpoint]:
+        """The stored checkpoint of `size` once it verifies with the trusted log key and names the stored
+        tree, and its size is at most the last good one's (NotFound / TamperError otherwise)."""
+        with self.engine.connect() as conn:
+            good = self.good_head(conn)
+            if not 0 < size <= good.size:
+                raise NotFound(
+                    f"no checkpoint of size {size} is served: the last good checkpoint is of size {good.size}"
+                )
+            if size == good.size and good.note is not None:
+                return good.note, open_checkpoint(good.note, [self.trusted_log_key()[0]])
+            note = conn.execute(sa.select(CheckpointRow.note).where(CheckpointRow.size == size)).scalar()
+            if note is None:
+                raise NotFound(f"no checkpoint of size {size} in the store")
+            try:
+                cp = open_checkpoint(note, [self.trusted_log_key()[0]], self.origin)
+            except VerificationError as error:
+                raise TamperError(
+                    f"the stored checkpoint of size {size} does not verify with the log key ({error}); "
+                    "nothing served; run: qualify log verify"
+                ) from error
+            if cp.size != size or cp.root != SqlSubtrees(conn).run(lambda r: merkle.root_from(r, size)):
+                raise TamperError(
+                    f"the stored checkpoint of size {size} does not name the stored tree; nothing served; "
+                    "run: qualify log verify"
+                )
+        return note, cp
+
+    def served_history(self, conn: Connection | None = None, good: GoodHead | None = None) -> KeyHistory:
+        """Key history from the key entries under the last good checkpoint, each proven included."""
+        if conn is None:
+            with self.engine.connect() as own:
+                return self.served_history(own, good)
+        good = good or self.good_head(conn)
+        cached = self._served_keys
+        if cached is not None and cached[:2] == (good.size, good.root):
+            return cached[2]
+        history = trusted.key_history(conn, good)
+        self._served_keys = (good.size, good.root, history)
+        return history
+
+    def _vouch(
+        self, conn: Connection, items: Sequence[tuple[int, bytes, str, str]], good: GoodHead | None = None
+    ) -> GoodHead:
+        """Refuse (TamperError) unless every (index, bytes, kind, keyid) is covered by the last good
+        checkpoint and signed by a key the log trusted at its index, among them `keyid`. What was vouched
+        for is remembered (by index and bytes digest) while the good checkpoint stays, or grows by a
+        consistency proof: a repeated read (the API) checks the bytes only."""
+        good = good or self.good_head(conn)
+        vouched = self._vouched_under(conn, good)
+        digests = [hashlib.sha256(data).digest() for _, data, _, _ in items]
+        todo = [
+            (item, digest)
+            for item, digest in zip(items, digests, strict=True)
+            if vouched.get(item[0], (None,))[0] != digest
+        ]
+        if todo:
+            trusted.check_included(conn, good, [(item[0], item[1]) for item, _ in todo])
+            history = self.served_history(conn, good)
+            if len(vouched) > _MAX_VOUCHED:
+                vouched.clear()
+            for (idx, data, kind, _), digest in todo:
+                vouched[idx] = (digest, frozenset(trusted.signers(history, idx, data, kind)))
+        for idx, _, kind, keyid in items:
+            if keyid not in vouched[idx][1]:
+                raise TamperError(
+                    f"the {kind} at log index {idx} is not signed by key {keyid[:16]}, which its query "
+                    "row names: the row was edited outside the store; nothing served; run: qualify log "
+                    "verify"
+                )
+        return good
+
+    def _vouched_under(self, conn: Connection, good: GoodHead) -> dict[int, tuple[bytes, frozenset[str]]]:
+        """The entries vouched for under `good`: those vouched for under an earlier good checkpoint stay
+        when the stored tree proves the new one extends it (RFC 9162 consistency); else none."""
+        cached = self._vouched
+        if cached is not None and cached[:2] == (good.size, good.root):
+            return cached[2]
+        kept: dict[int, tuple[bytes, frozenset[str]]] = {}
+        if cached is not None and 0 < cached[0] <= good.size:
+            size, root, entries = cached
+            try:
+                proof = SqlSubtrees(conn).run(lambda r: merkle.consistency_proof_from(r, size, good.size))
+                merkle.verify_consistency(size, good.size, proof, root, good.root)
+                kept = entries
+            except (merkle.ProofError, TamperError):
+                kept = {}
+        self._vouched = (good.size, good.root, kept)
+        return kept
 
     # ------------------------------------------------------------------ the head
 
@@ -209,7 +354,8 @@ class LogReader:
 
     def signer_keys(self) -> list[KeyInfo]:
         """Every signer key ever trusted, in log order, with its revocation if any: derived from the log's
-        own key entries (whose bytes the signed checkpoints cover), never from the query tables."""
+        own key entries under the last good checkpoint (each proven included in it), never from the query
+        tables nor from key entries beyond that checkpoint."""
         return [
             KeyInfo(
                 keyid,
@@ -220,7 +366,7 @@ class LogReader:
                 state.revoked_at,
                 reason=state.reason,
             )
-            for keyid, state in sorted(self.key_history().keys.items(), key=lambda kv: kv[1].trusted_at)
+            for keyid, state in sorted(self.served_history().keys.items(), key=lambda kv: kv[1].trusted_at)
         ]
 
     def key_rows(self) -> list[KeyInfo]:
@@ -254,11 +400,15 @@ class LogReader:
         return matches[0]
 
     def trusted_keys(self, at_idx: int | None = None) -> dict[str, VerifyingKey]:
-        """Keys that may sign the entry at `at_idx` (default: the next entry), from the log's key entries."""
-        return self.key_history().valid_at(self.size() if at_idx is None else at_idx)
+        """Keys that may sign the entry at `at_idx` (default: the next entry), from the log's key entries
+        under the last good checkpoint (a key-trust entry no good checkpoint covers trusts nothing)."""
+        with self.engine.connect() as conn:
+            good = self.good_head(conn)
+            return self.served_history(conn, good).valid_at(good.size if at_idx is None else at_idx)
 
     def key_history(self) -> KeyHistory:
-        """Key history replayed from the log's own key entries (not from the query tables)."""
+        """Key history replayed from every stored key entry (not from the query tables), verified by
+        nothing: for whole-log checks; what is served uses served_history."""
         history = KeyHistory()
         query = (
             sa.select(ENTRIES.c.idx, ENTRIES.c.envelope)
@@ -321,9 +471,9 @@ class LogReader:
         checked: bool = False,
     ) -> list[ReceiptRecord]:
         """Receipts in log order, filtered by verdict, finish time (>= since) and subject digest. With
-        `checked`, each row is checked against its log entry as get_receipt does (TamperError names the
-        first that disagrees): for listings shown to people; callers that verify every receipt themselves
-        (approve) leave it off."""
+        `checked`, only rows the last good checkpoint covers are listed, each checked against its log
+        entry, signature and inclusion as get_receipt does (TamperError names the first that fails): for
+        listings shown to people; callers that verify every receipt themselves (approve) leave it off."""
         query = sa.select(RECEIPTS).order_by(RECEIPTS.c.log_idx)
         if verdict is not None:
             query = query.where(RECEIPTS.c.verdict == verdict)
@@ -338,12 +488,17 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
+            good = self.good_head(conn) if checked else None
+            if good is not None:  # only what the last good checkpoint covers is shown
+                query = query.where(RECEIPTS.c.log_idx < good.size)
             records = self._records(conn, conn.execute(query).all(), envelopes=checked)
-            return self._checked(conn, records) if checked else records
+            return self._checked(conn, records, good) if checked else records
 
-    def _checked(self, conn: sa.Connection, records: list[ReceiptRecord]) -> list[ReceiptRecord]:
-        """Each record's query row checked against its log entry (TamperError names the first that
-        disagrees); records must carry their envelope bytes."""
+    def _checked(
+        self, conn: sa.Connection, records: list[ReceiptRecord], good: GoodHead | None = None
+    ) -> list[ReceiptRecord]:
+        """Each record's query row checked against its log entry, and the entry against its signature and
+        the last good checkpoint (TamperError names the first that fails); records carry their bytes."""
         if not records:
             return records
         entries = {
@@ -356,6 +511,7 @@ class LogReader:
         }
         for record in records:
             receipt_rows.check_served(record, entries.get(record.log_idx))
+        self._vouch(conn, [(r.log_idx, r.envelope or b"", "receipt", r.keyid) for r in records], good)
         return records
 
     def find_receipts(
@@ -387,8 +543,13 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
+            # Only what the last good checkpoint covers (rows beyond it were written outside the store).
+            good = self.good_head(conn)
+            where.append(RECEIPTS.c.log_idx < good.size)
+            query = query.where(where[-1])
             total = conn.execute(sa.select(sa.func.count()).select_from(RECEIPTS).where(*where)).scalar_one()
-            return self._checked(conn, self._records(conn, conn.execute(query).all(), envelopes=True)), total
+            rows = conn.execute(query).all()
+            return self._checked(conn, self._records(conn, rows, envelopes=True), good), total
 
     def receipt_at(self, log_idx: int) -> ReceiptRecord:
         """The receipt at a log index, with its envelope bytes (NotFound when that entry is no receipt)."""
@@ -407,7 +568,8 @@ class LogReader:
         """One receipt, with its envelope bytes, by id or unique id prefix (at least 4 hex digits). Its
         query row is checked against its log entry first (TamperError when they disagree); `checked=False`
         is for verify_receipt, which judges the signed bytes themselves (a row pointing at other bytes is
-        a failed check there)."""
+        a failed check there). A checked receipt is also signed by a key the log trusted at its index and
+        covered by the last good checkpoint (receipts.trusted), or it is not served."""
         prefix = id_or_prefix.strip().lower()
         if prefix.startswith("sha256:"):
             prefix = prefix[len("sha256:") :]
@@ -427,8 +589,9 @@ class LogReader:
             kind = conn.execute(
                 sa.select(ENTRIES.c.kind, ENTRIES.c.leaf_hash).where(ENTRIES.c.idx == record.log_idx)
             ).first()
-        if checked:
-            receipt_rows.check_served(record, kind)
+            if checked:
+                receipt_rows.check_served(record, kind)
+                self._vouch(conn, [(record.log_idx, record.envelope or b"", "receipt", record.keyid)])
         return record
 
     def get_approval(self, approval_id: str) -> ApprovalRecord:
@@ -467,8 +630,11 @@ class LogReader:
         if limit is not None:
             query = query.limit(limit)
         with self.engine.connect() as conn:
-            rows = conn.execute(query).all()
-        return [approval_rows.served(r) for r in rows]
+            good = self.good_head(conn)
+            rows = conn.execute(query.where(APPROVALS.c.log_idx < good.size)).all()
+            served = [approval_rows.served(r) for r in rows]
+            self._vouch(conn, [(r.log_idx, bytes(r.envelope), "approval", r.keyid) for r in rows], good)
+        return served
 
     def counts(self) -> dict[str, int]:
         """Rows per table (for status output and for tests that check nothing was written)."""
@@ -484,12 +650,16 @@ class LogReader:
         id_or_prefix: str,
         verifiers: Sequence[NoteVerifier] | None = None,
         history: KeyHistory | None = None,
+        *,
+        check_row: bool = True,
     ) -> ReceiptReport:
-        """Check one receipt end to end: its bytes and id, its signature against the key history at its
-        index, and its inclusion under the latest checkpoint (signature checked with `verifiers`,
-        default: the log key recorded in the store)."""
+        """Check one receipt end to end: its bytes and id, its query row against them (unless `check_row`
+        is off: approve judges the signed bytes themselves), its signature against
+        the key history at its index, and its inclusion under the last good checkpoint: the latest stored
+        one that verifies with the log key (`verifiers`, default: the trusted log key, see
+        trusted_log_key) and names the stored tree. `report.notice` says when rows beyond it exist."""
         record = self.get_receipt(id_or_prefix, checked=False)
-        return self.verify_receipts([record], verifiers, history)[0][0]
+        return self.verify_receipts([record], verifiers, history, check_row=check_row)[0][0]
 
     def verify_receipts(
         self,
@@ -497,62 +667,62 @@ class LogReader:
         verifiers: Sequence[NoteVerifier] | None = None,
         history: KeyHistory | None = None,
         *,
-        note: str | None = None,
+        good: GoodHead | None = None,
+        check_row: bool = True,
     ) -> list[tuple[ReceiptReport, bytes | None]]:
         """verify_receipt for many receipts at once, each with its verified envelope bytes (None when it
-        does not verify). The latest checkpoint is read and its signature checked once for all of them;
-        entries and the subtrees their proofs need are read in a few batched queries, not per receipt.
-        `note`: the signed checkpoint to verify against (default: the latest), e.g. one read once for a
-        whole decision."""
-        history = history if history is not None else self.key_history()
-        trusted = list(verifiers) if verifiers else None
+        does not verify). The last good checkpoint (the latest stored one that verifies with `verifiers`,
+        default the trusted log key, and names the stored tree) is found once for all of them; entries
+        and the subtrees their proofs need are read in a few batched queries, not per receipt. `good`:
+        the last good checkpoint to verify against, e.g. one found once for a whole decision; `history`
+        (default: the key history under it, each key entry proven included); `check_row` as in
+        verify_receipt."""
+        given = (verifiers[0], "the log key given to verify with") if verifiers else None
         out: list[tuple[ReceiptReport, bytes | None]] = []
         with self.engine.connect() as conn:
-            if note is None:
-                note = conn.execute(
-                    sa.select(CheckpointRow.note).order_by(CheckpointRow.size.desc()).limit(1)
-                ).scalar()
-            cp = None
             cp_problem = None
             try:
-                if note is None:
-                    raise NotFound("the log is empty: there is no checkpoint yet")
-                cp = open_checkpoint(note, trusted or [self.log_verifier()])
-            except (VerificationError, NotFound) as error:
-                cp_problem = str(error)
+                if good is None:
+                    good = self.good_head(conn, given)
+                if history is None:
+                    history = self.served_history(conn, good)
+            except (VerificationError, TamperError, NotFound) as error:
+                good, cp_problem = None, str(error)
+            notice = None if good is None else good.notice()
             reader: Any = SqlSubtrees(conn)
-            whole = None
-            if cp is not None and len(records) * max(1, cp.size.bit_length()) >= cp.size:
+            if good is not None and good.size and len(records) * max(1, good.size.bit_length()) >= good.size:
                 # Receipts are a large part of the log: read its leaves once and rebuild the tree in
                 # memory (proofs then need no queries); used only if it has the signed root.
                 cached = self._leaves
-                if cached is not None and cached[0] == (cp.size, cp.root):
+                if cached is not None and cached[0] == (good.size, good.root):
                     reader = cached[1]  # the same signed tree as a call before (a decision's steps)
                 else:
-                    whole = self._leaf_tree(conn, cp.size)
-                    if whole is not None and whole.root(cp.size) == cp.root:
+                    whole = self._leaf_tree(conn, good.size)
+                    if whole is not None and whole.root(good.size) == good.root:
                         reader = whole
-                        self._leaves = ((cp.size, cp.root), whole)
+                        self._leaves = ((good.size, good.root), whole)
             for chunk in _chunks(records, 500):
                 entries = {
                     row.idx: row
                     for row in conn.execute(
-                        sa.select(ENTRIES.c.idx, ENTRIES.c.envelope, ENTRIES.c.leaf_hash).where(
-                            ENTRIES.c.idx.in_([r.log_idx for r in chunk])
-                        )
+                        sa.select(
+                            ENTRIES.c.idx, ENTRIES.c.kind, ENTRIES.c.envelope, ENTRIES.c.leaf_hash
+                        ).where(ENTRIES.c.idx.in_([r.log_idx for r in chunk]))
                     )
                 }
-                if cp is not None and isinstance(reader, SqlSubtrees):
+                if good is not None and isinstance(reader, SqlSubtrees):
                     # One dry run over the chunk's proofs, then their subtrees in batched queries.
-                    wanted = [r.log_idx for r in chunk if r.log_idx in entries and r.log_idx < cp.size]
-                    size = cp.size
+                    wanted = [r.log_idx for r in chunk if r.log_idx in entries and r.log_idx < good.size]
+                    size = good.size
                     reader.prefetch(
                         lambda rd, w=wanted, n=size: [merkle.inclusion_proof_from(rd, i, n) for i in w]
                     )
                 for record in chunk:
-                    out.append(
-                        self._verify_one(record, entries.get(record.log_idx), history, cp, cp_problem, reader)
+                    report, envelope = self._verify_one(
+                        record, entries.get(record.log_idx), history, good, cp_problem, reader, check_row
                     )
+                    report.notice = notice
+                    out.append((report, envelope))
                 if isinstance(reader, SqlSubtrees) and len(reader.cache) > 200_000:
                     reader.cache.clear()
         return out
@@ -577,10 +747,11 @@ class LogReader:
     def _verify_one(
         record: ReceiptRecord,
         entry: Any,
-        history: KeyHistory,
-        cp: Any,
+        history: KeyHistory | None,
+        good: GoodHead | None,
         cp_problem: str | None,
         reader: merkle.SubtreeReader,
+        check_row: bool = True,
     ) -> tuple[ReceiptReport, bytes | None]:
         report = ReceiptReport(id=record.id, log_idx=record.log_idx)
         try:
@@ -591,18 +762,29 @@ class LogReader:
             report.checks["leaf_hash"] = merkle.leaf_hash(envelope) == leaf
             if not all(report.checks.values()):
                 raise TamperError(f"receipt {record.id[:16]}: stored bytes do not match its id or leaf hash")
+            row_problem = None
+            if check_row:
+                try:
+                    receipt_rows.check_served(dataclasses.replace(record, envelope=envelope), entry)
+                except TamperError as error:
+                    row_problem = str(error)
+                report.checks["query_row"] = row_problem is None
+            if good is None or history is None:
+                raise VerificationError(cp_problem or "no checkpoint verifies with the log key")
             parsed = dsse.parse(envelope)
             report.keyid = history.signers(parsed, entry.idx, "receipt")[0]
             report.checks["signature"] = True
-            if cp_problem is not None:
-                raise VerificationError(cp_problem)
-            report.checkpoint_size = cp.size
+            report.checkpoint_size = good.size
             report.checks["checkpoint_signature"] = True
-            if entry.idx >= cp.size:
-                raise NotFound(f"no log entry at index {entry.idx} in a tree of size {cp.size}")
-            proof = merkle.inclusion_proof_from(reader, entry.idx, cp.size)
-            merkle.verify_inclusion(entry.idx, cp.size, leaf, proof, cp.root)
+            if not 0 <= entry.idx < good.size:
+                raise TamperError(
+                    f"log index {entry.idx} lies beyond the last checkpoint that verifies with the log key "
+                    f"(size {good.size}): it was written outside the store; {trusted.NOT_SERVED}"
+                )
+            proof = merkle.inclusion_proof_from(reader, entry.idx, good.size)
+            merkle.verify_inclusion(entry.idx, good.size, leaf, proof, good.root)
             report.checks["inclusion"] = True
+            report.problem = row_problem
         except (VerificationError, TamperError, merkle.ProofError, NotFound) as error:
             report.problem = str(error)
             return report, None

@@ -151,6 +151,8 @@ class ReceiptReport:
     problem: str | None = None
     keyid: str | None = None
     checkpoint_size: int | None = None
+    # Set when the store holds rows beyond the checkpoint the receipt was checked under (they are ignored).
+    notice: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -165,4 +167,5 @@ class ReceiptReport:
             "checkpoint_size": self.checkpoint_size,
             "checks": self.checks,
             "problem": self.problem,
+            "notice": self.notice,
         }

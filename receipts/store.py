@@ -165,6 +165,9 @@ class Store(LogReader):
         self._frontier: tuple[int, bytes, dict[tuple[int, int], bytes]] | None = None
         self._signer: NoteSigner | None = None
         self._origin: str | None = None
+        # Whether the signer's name and the origin are the log's own (read from log_meta), not yet the
+        # provisional ones of a log that did not exist when set_log_signer was called.
+        self._bound = False
         # Key history replayed from key entries below the given index (see _history).
         self._keys_cache: tuple[KeyHistory, int] | None = None
         # How long an append waits for the single-writer lock before LockTimeout (None: the default,
@@ -233,13 +236,19 @@ class Store(LogReader):
     def revision(self) -> str | None:
         return check_connection(self.engine)
 
-    def set_log_signer(self, signer: NoteSigner, origin: str | None = None) -> None:
-        """Use `signer`'s private key for checkpoints; refused if the store was started with another key.
+    def set_log_signer(
+        self, signer: NoteSigner, origin: str | None = None, *, new_origin: str | None = None
+    ) -> None:
+        """Use `signer`'s private key for checkpoints; refused if the store was started with another key
+        (or, with `origin`, under another origin). The signer's key is also the key the read paths trust
+        (unless another was set with set_trusted_log_key).
 
-        C2SP tlog-checkpoint: the log's key name is its origin. A new log (origin `origin`, default the
-        signer's name) signs under that name, whatever name the key file gives the key; an existing log
-        signs under the key name recorded with it (for logs created before key name = origin, the old
-        name, so that their checkpoints keep verifying with the verifier key auditors hold)."""
+        C2SP tlog-checkpoint: the log's key name is its origin. An existing log signs under the key name
+        recorded with it (for logs created before key name = origin, the old name, so that their
+        checkpoints keep verifying with the verifier key auditors hold). A log that does not exist yet
+        gets the origin `origin`, else `new_origin`, else the signer's name, and signs under that name:
+        both are chosen under the writer lock by the first append (_ensure_meta), so that concurrent first
+        uses agree on the origin and key name of the one that committed first."""
         meta = self.meta()
         if meta is not None:
             name = recorded_key_name(meta[1])
@@ -252,10 +261,16 @@ class Store(LogReader):
             if origin is not None and origin != meta[0]:
                 raise StoreError(f"this store's log origin is {meta[0]!r}, not {origin!r}")
             origin = meta[0]
+            self._bound = True
         else:
-            origin = origin or signer.name
+            self._bound = False
+            # Provisional until the first append records it under the writer lock (_ensure_meta).
+            origin = origin or new_origin or signer.name
             signer = signer_named(signer, origin)
         self._signer, self._origin = signer, origin
+        if self._trust is None or self._trust_from_signer:
+            self.set_trusted_log_key(signer.verifier(), "the log key this store appends with")
+            self._trust_from_signer = True
 
     def set_host(self, verifier: NoteVerifier) -> None:
         """Append as a fleet host: submit to the sequencer's queue and wait for it, then check the entry's
@@ -273,6 +288,8 @@ class Store(LogReader):
                 "check --db and the key you were given"
             )
         self.host_verifier = verifier
+        if self._trust is None:
+            self.set_trusted_log_key(verifier, "the log's verifier key this host holds")
 
     def ensure_log(self) -> None:
         """Record the log's identity (origin and verifier key) now, before its first entry, so that hosts
@@ -350,17 +367,30 @@ class Store(LogReader):
         self._keys_cache = (history, size)
         return history
 
-    def _ensure_meta(self, conn: Connection, signer: NoteSigner) -> str:
+    def _ensure_meta(self, conn: Connection, signer: NoteSigner) -> tuple[str, NoteSigner]:
+        """The log's origin and the signer named for it, read under the writer lock; the first append of a
+        new log records them (key name = origin). A log that another process created meanwhile keeps the
+        origin and key name that process chose."""
         row = conn.execute(_META).first()
         if row is None:
+            # set_log_signer named the signer for this origin (key name = origin, C2SP tlog-checkpoint).
             origin = self._origin or signer.name
             conn.execute(
                 sa.insert(LogMeta), {"id": 1, "origin": origin, "vkey": signer.vkey(), "created_at": _now()}
             )
-            return origin
-        if row.vkey != signer.vkey():
-            raise StoreError(f"the log key is not this store's log key ({row.vkey}); use the store's log key")
-        return row.origin
+        else:
+            # Another process created the log meanwhile: its origin and key name are the log's.
+            origin = row.origin
+            signer = signer_named(signer, recorded_key_name(row.vkey))
+            if row.vkey != signer.vkey():
+                raise StoreError(
+                    f"the log key is not this store's log key ({row.vkey}); use the store's log key"
+                )
+        self._signer, self._origin, self._bound = signer, origin, True
+        if self._trust is None or self._trust_from_signer:
+            self.set_trusted_log_key(signer.verifier(), "the log key this store appends with")
+            self._trust_from_signer = True
+        return origin, signer
 
     def _append(
         self,
@@ -383,7 +413,10 @@ class Store(LogReader):
         refused: list[tuple[_Pending, str]] = []
         try:
             with write_transaction(self._writer, self.lock_timeout_s) as conn:
-                origin = self._meta[0] if self._meta else self._ensure_meta(conn, signer)
+                if self._meta and self._bound:
+                    origin = self._meta[0]
+                else:
+                    origin, signer = self._ensure_meta(conn, signer)
                 head = self._head(conn)
                 idx = head.next
                 reader = SqlSubtrees(conn)

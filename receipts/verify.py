@@ -14,12 +14,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from receipts import logscan, merkle, time_rows
+from receipts import logscan, merkle, repair, time_rows
 from receipts.checkpoint import Checkpoint, NoteSigner, NoteVerifier, open_checkpoint
 from receipts.errors import ReceiptsError, TamperError
 from receipts.keylog import KeyHistory
@@ -147,8 +148,10 @@ class _Verifier:
         verifiers: Sequence[NoteVerifier] | None,
         log_signer: NoteSigner | None,
         workers: int | None,
+        notes_dir: Path | None = None,
     ) -> None:
         self.store = store
+        self.notes_dir = notes_dir
         self.report = LogReport()
         self.tree = Rebuilt()
         self.meta = store.meta(refresh=True)
@@ -192,6 +195,7 @@ class _Verifier:
             time_rows.check(conn, size, self.problem)
             self.report.repairs = [
                 {
+                    "number": r.id,
                     "repaired_at": r.repaired_at.isoformat().replace("+00:00", "Z"),
                     "kept_size": r.kept_size,
                     "removed_entries": r.removed_entries,
@@ -203,6 +207,8 @@ class _Verifier:
                 for r in conn.execute(sa.select(LogRepair).order_by(LogRepair.id)).all()
             ]
         self._orphans()
+        if self.notes_dir is not None and self.meta is not None:
+            self._repair_notes(self.notes_dir, self.meta[0])
         if checkpoint_text is not None:
             self._external(checkpoint_text, size)
         self.report.root = self.tree.root(self.tree.size)
@@ -405,6 +411,60 @@ class _Verifier:
                 f"({', '.join(wrong)}): they were edited or planted",
             )
 
+    def _repair_notes(self, notes_dir: Path, origin: str) -> None:
+        """Every repair is recorded twice: a log_repairs row and a note signed by the log key in the data
+        dir. A note without its row is a deleted record; a row without its note, later than a signed one
+        and where the log key is, a forged or unsigned one; a note's kept root must be the log's."""
+        notes = repair.repair_notes(notes_dir, origin)
+        rows = {r["number"]: r for r in self.report.repairs}
+        for number, path in sorted(notes.items()):
+            try:
+                fields = repair.open_repair_note(path.read_text(), self.verifiers)
+            except (OSError, UnicodeDecodeError, ReceiptsError) as error:
+                self.problem(None, f"the repair note {path} does not verify with the log key: {error}")
+                continue
+            row = rows.get(number)
+            if row is None:
+                self.problem(
+                    None,
+                    f"repair {number} (signed note {path}, kept size {fields.get('kept')}) has no "
+                    "log_repairs row: the record of a repair was deleted",
+                )
+                continue
+            recorded = {
+                "origin": origin,
+                "number": str(number),
+                "kept": str(row["kept_size"]),
+                "removed_entries": str(row["removed_entries"]),
+                "removed_rows": str(row["removed_rows"]),
+                "evidence": row["evidence_sha256"],
+            }
+            wrong = [k for k, v in recorded.items() if fields.get(k) != v]
+            if wrong:
+                self.problem(
+                    None,
+                    f"the log_repairs row of repair {number} disagrees with its signed note "
+                    f"({', '.join(wrong)})",
+                )
+                continue
+            kept = row["kept_size"]
+            if kept <= self.tree.size and fields.get("root") != self.tree.root(kept).hex():
+                self.problem(
+                    None,
+                    f"the log's first {kept} entries no longer hash to the root repair {number} kept: "
+                    "history was rewritten after the repair",
+                )
+        signer = self.log_signer
+        if notes and signer is not None and signer.vkey() in {v.vkey() for v in self.verifiers}:
+            # Where the log key is and repairs are signed: every repair after the first signed one has its
+            # note (repairs recorded before signed notes existed have none).
+            for number in sorted(n for n in set(rows) - set(notes) if n > min(notes)):
+                self.problem(
+                    None,
+                    f"repair {number} has no note signed by the log key in {notes_dir}: it was not made by "
+                    "qualify log repair where the log key is (or its note was removed)",
+                )
+
     def _external(self, text: str, size: int) -> None:
         """A checkpoint kept outside the database: its tree must be a prefix of the recomputed one."""
         origin = self.meta[0] if self.meta else None
@@ -452,14 +512,16 @@ def verify_log(
     verifiers: Sequence[NoteVerifier] | None = None,
     log_signer: NoteSigner | None = None,
     workers: int | None = None,
+    notes_dir: Path | None = None,
 ) -> LogReport:
     """Verify the whole log; TamperError (naming the first bad index; `.report` holds all) on any discrepancy.
 
     `verifiers`: trusted checkpoint keys (default: the log key recorded in the store, which whoever rewrote
     the database could have replaced: pass the real one). `log_signer`: the log's own key, if at hand,
     makes checkpoint checks cheaper (see logscan.LogKeys). `workers`: processes for the slices (default:
-    one per CPU for large logs, none for small ones)."""
-    report = _Verifier(store, verifiers, log_signer, workers).run(checkpoint_text)
+    one per CPU for large logs, none for small ones). `notes_dir`: where `log repair` keeps its signed
+    notes (the data dir's log-repairs/): each must have its log_repairs row, and the reverse."""
+    report = _Verifier(store, verifiers, log_signer, workers, notes_dir).run(checkpoint_text)
     if not report.ok:
         first = report.first_problem()
         more = len(report.problems) - 1

@@ -167,16 +167,26 @@ def load_log_signer(*, create: bool) -> NoteSigner | None:
             return None
         from receipts.store import new_log_origin
 
+        # A key made for a new log is named for the log's origin (C2SP: key name = origin).
         signer = NoteSigner(new_log_origin(default_origin()), Ed25519PrivateKey.generate())
+        # Written whole under a private name, then linked into place: a concurrent first use either makes
+        # the key or reads the whole key another process made, never a half-written file.
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(_skey(signer) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.link(temp, path)
         except FileExistsError:
             return load_log_signer(create=False)  # another process made it meanwhile
         except OSError as error:
             raise KeyFileError(f"cannot create the log key {path}: {error.strerror}") from error
+        finally:
+            with contextlib.suppress(OSError):
+                temp.unlink()
         return signer
     text = read_private_text(path, "log key file")
     try:
@@ -239,12 +249,12 @@ def parse_vkey(value: str) -> NoteVerifier:
     return NoteVerifier.from_vkey(text)
 
 
-def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerifier], str]:
-    """Trusted checkpoint keys and where they came from: --vkey (text or a file holding it), else the
-    local log key, else a fleet host's copy of the verifier key (keys/log.vkey, $QUALIFY_LOG_VKEY), else
-    (weakest) the key recorded in the store itself."""
-    if vkey:
-        return [parse_vkey(vkey)], "--vkey"
+def local_trust(store: Store) -> tuple[NoteVerifier, str] | None:
+    """The log key this machine holds for `store`'s log, as a verifier, and where it came from: the local
+    log key (named as this log signs), else a fleet host's copy of the verifier key (keys/log.vkey,
+    $QUALIFY_LOG_VKEY); None when it holds neither. Both kept here (a fleet host that also has a log of its
+    own): the one this log records; if neither is, the fleet's (the explicit one), against which the
+    difference is reported."""
     signer = local_log_signer(store)
     held = host_log_verifier()
     candidates: list[tuple[NoteVerifier, str]] = []
@@ -252,13 +262,21 @@ def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerif
         candidates.append((signer.verifier(), f"the local log key {settings.log_key_path()}"))
     if held is not None:
         candidates.append((held[0], f"the log's verifier key from {held[1]}"))
-    if candidates:
-        # Both kept here (a fleet host that also has a log of its own): the one this log records; if
-        # neither is, the fleet's (the explicit one), against which the difference is reported.
-        meta = store.meta()
-        recorded = meta[1] if meta else None
-        verifier, source = next((c for c in candidates if c[0].vkey() == recorded), candidates[-1])
-        return [verifier], source
+    if not candidates:
+        return None
+    meta = store.meta()
+    recorded = meta[1] if meta else None
+    return next((c for c in candidates if c[0].vkey() == recorded), candidates[-1])
+
+
+def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerifier], str]:
+    """Trusted checkpoint keys and where they came from: --vkey (text or a file holding it), else the
+    key this machine holds for the log (local_trust), else (weakest) the key recorded in the store."""
+    if vkey:
+        return [parse_vkey(vkey)], "--vkey"
+    local = local_trust(store)
+    if local is not None:
+        return [local[0]], local[1]
     return [store.log_verifier()], "the log key recorded in the store (pass --vkey to trust your own copy)"
 
 
@@ -266,10 +284,25 @@ def log_verifiers(store: Store, vkey: str | None = None) -> tuple[list[NoteVerif
 
 
 def open_read(url: str | None) -> Store:
-    """An existing store for reading; StoreError when there is none (nothing is created)."""
+    """An existing store for reading; StoreError when there is none (nothing is created). Its read paths
+    trust the local log key where there is one (not the key the database records)."""
     from receipts.store import Store
 
-    return Store.open(resolve_db(url), create=False)
+    store = Store.open(resolve_db(url), create=False)
+    try:
+        trust_local_log_key(store)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def trust_local_log_key(store: Store) -> None:
+    """Make the log key this machine holds (the local log key, or on a fleet host the log's verifier key
+    in keys/log.vkey or $QUALIFY_LOG_VKEY: see local_trust) the key the store's read paths verify with."""
+    local = local_trust(store)
+    if local is not None:
+        store.set_trusted_log_key(*local)
 
 
 def open_read_or_none(url: str | None) -> Store | None:
@@ -355,8 +388,12 @@ def open_append(url: str | None, *, create: bool = True) -> Store:
             signer = load_log_signer(create=True)
             assert signer is not None
             # A new log gets an origin of its own (qualify.local/<host>/<random id>), and its
-            # checkpoints the key name equal to it; a key made just now is already named for it.
-            store.set_log_signer(signer, signer.name if not existed else new_log_origin(default_origin()))
+            # checkpoints the key name equal to it; a key made just now is already named for it. Both
+            # are recorded by the first append, under the writer lock: a concurrent first use that
+            # commits first wins, and this one goes on with its origin and key name.
+            store.set_log_signer(
+                signer, new_origin=signer.name if not existed else new_log_origin(default_origin())
+            )
         else:
             assert signer is not None
             store.set_log_signer(signer)
@@ -364,6 +401,14 @@ def open_append(url: str | None, *, create: bool = True) -> Store:
         store.close()
         raise
     return store
+
+
+def warn_served(store: Store) -> None:
+    """On stderr, when the store holds rows beyond the last checkpoint that verifies with the trusted log
+    key: what is shown comes from that checkpoint, and nothing beyond it."""
+    notice = store.good_head().notice()
+    if notice is not None:
+        click.echo(f"warning: {notice}", err=True)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from qualify.commands._common import (
     parse_vkey,
     store_errors,
     vkey_option,
+    warn_served,
 )
 from qualify.errors import UsageError
 from receipts.keys import SigningKey
@@ -207,6 +208,7 @@ def approve(
         # Checkpoints are checked against the local log key (or --vkey), not the one the database names.
         verifiers = pinned or log_verifiers(store)[0]
         decision = decide(store, loaded, digest, verifiers=verifiers, attestations=attestations)
+        warn_served(store)  # rows beyond the last good checkpoint: judged from it, and said so
         if key is not None:
             decision = record(store, decision, loaded, key)
     console = _PipeConsole(highlight=False, soft_wrap=True)

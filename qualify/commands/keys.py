@@ -19,6 +19,7 @@ from qualify.commands._common import (
     opened,
     short,
     store_errors,
+    warn_served,
     write_file,
 )
 from qualify.errors import UsageError
@@ -91,6 +92,7 @@ def list_(db_url: str | None, as_json: bool) -> None:
     """Every key the log has trusted, with its revocation if any."""
     with opened(open_read(db_url)) as store:
         infos = store.signer_keys()
+        warn_served(store)
 
     def human() -> None:
         # A pipe (a script that feeds `keys revoke`) gets whole key ids on unfolded rows; a terminal gets

@@ -15,18 +15,23 @@ from typing import TYPE_CHECKING
 
 import click
 
+from qualify import settings
 from qualify.commands._common import (
     console,
     db_option,
     emit,
+    host_log_verifier,
     json_option,
+    load_log_signer,
     local_log_signer,
     log_verifiers,
     open_append,
     open_read,
     opened,
+    parse_vkey,
     store_errors,
     vkey_option,
+    warn_served,
     write_file,
 )
 from qualify.commands.offline import MAX_PROOF_BYTES, consistency_document
@@ -58,8 +63,9 @@ def log() -> None:
 def checkpoint(out: str | None, db_url: str | None, as_json: bool) -> None:
     """The latest signed checkpoint (C2SP signed note): keep a copy outside the database."""
     with opened(open_read(db_url)) as store:
-        note = store.latest_checkpoint()
-        vkey = store.log_verifier().vkey()
+        note = store.good_checkpoint()  # the latest one that verifies with the trusted log key
+        vkey = store.trusted_log_key()[0].vkey()
+        warn_served(store)
     cp = Checkpoint.parse(note[: note.rfind("\n\n") + 1])
     if out:
         write_file(out, note)
@@ -90,7 +96,9 @@ def consistency(old: str, out: str | None, vkey: str | None, db_url: str | None,
     old_note = read_text_limited(old, MAX_PROOF_BYTES, "checkpoint")
     with opened(open_read(db_url)) as store:
         verifiers, source = log_verifiers(store, vkey)
-        new_note = store.latest_checkpoint()
+        # The latest checkpoint that verifies with that key and names the stored tree (not a junk row).
+        new_note = store.good_head(verifier=(verifiers[0], source)).note or store.latest_checkpoint()
+        warn_served(store)
         first = open_checkpoint(old_note, verifiers)
         latest = open_checkpoint(new_note, verifiers, origin=first.origin)
         if first.size > latest.size:
@@ -276,7 +284,12 @@ def verify(
         signer = local_log_signer(store)
         try:
             report = verify_log(
-                store, checkpoint_text=text, verifiers=verifiers, log_signer=signer, workers=workers
+                store,
+                checkpoint_text=text,
+                verifiers=verifiers,
+                log_signer=signer,
+                workers=workers,
+                notes_dir=settings.repair_notes_dir(),
             )
         except TamperError as error:
             report = error.report  # type: ignore[attr-defined]
@@ -298,28 +311,56 @@ def verify(
     help="Where to save the removed rows (JSON Lines, 0600; must not exist).",
 )
 @click.option("--reason", required=True, help="Why the log is repaired (recorded with the repair).")
+@click.option(
+    "--keep-size",
+    type=click.IntRange(min=0),
+    help="Confirm the size the repair keeps, where it would cut below a checkpoint the log key signed.",
+)
 @vkey_option
 @db_option
 @json_option
 @store_errors
 @click.pass_context
 def repair_(
-    ctx: click.Context, evidence: str, reason: str, vkey: str | None, db_url: str | None, as_json: bool
+    ctx: click.Context,
+    evidence: str,
+    reason: str,
+    keep_size: int | None,
+    vkey: str | None,
+    db_url: str | None,
+    as_json: bool,
 ) -> None:
-    """Owner only: remove rows written outside the store beyond the last checkpoint that verifies with the
-    log key (they stop every append), saving them to --evidence first; the repair is recorded in the
-    append-only log_repairs table. Entries covered by a good signed checkpoint are never touched."""
+    """Owner only, where the log key is: remove rows written outside the store beyond the last checkpoint
+    that verifies with the log key (they stop every append), saving them to --evidence first; the repair
+    is recorded in the append-only log_repairs table and in a note signed by the log key in the data dir
+    (log verify requires both). Entries covered by a good signed checkpoint are never touched; a cut below
+    a checkpoint the log key signed, or to nothing, needs --keep-size."""
     with opened(open_read(db_url)) as store:  # brings the schema to head first, as the owner
-        verifiers, source = log_verifiers(store, vkey)
         url = store.engine.url.render_as_string(hide_password=False)
-    if source.startswith("the log key recorded in the store"):
+        # The local log key named as this log signs (key name = origin), when it is this log's key.
+        signer = local_log_signer(store)
+        held = host_log_verifier() if signer is None else None
+        own_key = load_log_signer(create=False) if signer is None else None
+    if signer is None and held is not None and own_key is None:
         raise UsageError(
-            "a repair trusts only a log key kept outside the database: pass --vkey, or run it where the "
-            "log key is"
+            f"this host holds only the log's verifier key ({held[1]}), not the log key: a repair is signed "
+            "by the log key, so it is the sequencer's act; run qualify log repair where the log key is"
         )
+    if signer is None:
+        raise UsageError(
+            f"a repair is signed by the log key, and there is no key of this log at "
+            f"{settings.log_key_path()}; run it where the log key is"
+        )
+    if vkey and parse_vkey(vkey).vkey() != signer.vkey():
+        raise UsageError(
+            f"--vkey {parse_vkey(vkey).vkey()} is not the local log key {signer.vkey()}; nothing removed"
+        )
+    verifiers = [signer.verifier()]
     from receipts.repair import repair
 
-    report = repair(url, verifiers[0], Path(evidence), reason)
+    report = repair(
+        url, signer, Path(evidence), reason, notes_dir=settings.repair_notes_dir(), keep_size=keep_size
+    )
     if report is None:
         # Nothing lies beyond the last good checkpoint; but "nothing to repair" is said only of a log that
         # also verifies: tampering inside the signed part is not the repair's to fix, and must not read
@@ -345,7 +386,7 @@ def repair_(
         lambda: console.print(
             f"removed {report.removed_entries} entries ({report.removed_rows} rows) beyond the signed "
             f"checkpoint of size {report.kept_size}; evidence {report.evidence} ({report.evidence_sha256}); "
-            "the repair is recorded in log_repairs"
+            f"the repair is recorded in log_repairs and in {report.note} (signed by the log key)"
         ),
     )
 
@@ -356,7 +397,12 @@ def _verify_problem(db_url: str | None, verifiers: list) -> str | None:
 
     with opened(open_read(db_url)) as store:
         try:
-            verify_log(store, verifiers=verifiers, log_signer=local_log_signer(store))
+            verify_log(
+                store,
+                verifiers=verifiers,
+                log_signer=local_log_signer(store),
+                notes_dir=settings.repair_notes_dir(),
+            )
         except TamperError as error:
             return str(error)
     return None

@@ -31,6 +31,7 @@ from qualify.commands._common import (
     store_errors,
     tamper_exits_1,
     vkey_option,
+    warn_served,
     write_file,
     write_or_echo,
 )
@@ -95,6 +96,7 @@ def list_(
             records, total = store.find_receipts(
                 verdict=verdict, since=when, subject=subject, host=host, limit=limit, offset=offset
             )
+            warn_served(store)
 
     def human() -> None:
         if not records:
@@ -151,6 +153,7 @@ def show(
         raise click.UsageError("give a receipt ID or --log-index N")
     with opened(open_read(db_url)) as store:
         record = store.get_receipt(receipt_id) if receipt_id is not None else store.receipt_at(log_index or 0)
+        warn_served(store)
     if envelope:
         assert record.envelope is not None
         click.echo(record.envelope, nl=False)  # the exact stored bytes, nothing added
@@ -216,14 +219,15 @@ def verify(
         raise click.UsageError("give a receipt ID or --all")
     with opened(open_read(db_url)) as store:
         verifiers, _ = log_verifiers(store, vkey)
-        history = store.key_history()
         if receipt_id:
-            reports = [store.verify_receipt(receipt_id, verifiers=verifiers, history=history)]
+            reports = [store.verify_receipt(receipt_id, verifiers=verifiers)]
         else:
-            # Every receipt against one latest checkpoint, read and checked once; entries and proof
-            # subtrees read in batches.
+            # Every receipt against one last good checkpoint (found and checked once, with the trusted
+            # log key), each query row checked; entries and proof subtrees read in batches.
             records = store.list_receipts(limit=None)
-            reports = [report for report, _ in store.verify_receipts(records, verifiers, history)]
+            reports = [report for report, _ in store.verify_receipts(records, verifiers)]
+    for notice in sorted({r.notice for r in reports if r.notice}):
+        click.echo(f"warning: {notice}", err=True)
 
     def human() -> None:
         for report in reports:
@@ -267,10 +271,11 @@ def _proof_path(out: str) -> str:
 
 
 def inclusion_of(store: Store, record: ReceiptRecord) -> tuple[str, int]:
-    """The receipt's C2SP tlog-proof under the latest signed checkpoint (checked before it is handed
-    out), and that checkpoint's size."""
-    note = store.latest_checkpoint()
-    cp = open_checkpoint(note, [store.log_verifier()])
+    """The receipt's C2SP tlog-proof under the last good checkpoint (the latest that verifies with the
+    trusted log key and names the stored tree; checked before it is handed out), and that checkpoint's
+    size."""
+    note = store.good_checkpoint()
+    cp = open_checkpoint(note, [store.trusted_log_key()[0]])
     proof = store.inclusion_proof(record.log_idx, cp.size)
     entry = store.entry(record.log_idx)
     merkle.verify_inclusion(record.log_idx, cp.size, entry.leaf_hash, proof, cp.root)

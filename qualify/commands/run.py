@@ -332,13 +332,21 @@ def run(ctx: click.Context, **opts: object) -> None:
 
 def _close_leftovers(console: Console, req: RunRequest, store, key) -> None:  # type: ignore[no-untyped-def]
     """What an earlier harness killed by SIGKILL left: its run gets an aborted receipt, its containers go."""
-    from qualify.run.recover import close_abandoned
+    from qualify.run.recover import close_abandoned, reconcile_kept
 
     for r in close_abandoned(store, key.key, req.db_url):
         console.print(
             f"closed run {r.run_dir} whose harness was killed: aborted receipt {r.receipt_id} "
             f"(log index {r.log_idx})"
         )
+    for k in reconcile_kept(store, req.db_url):  # receipts an earlier run kept because the store refused
+        if k.log_idx is not None:
+            console.print(f"stored receipt {k.receipt_id} kept in {k.run_dir} (log index {k.log_idx})")
+        else:
+            console.print(
+                f"receipt {k.receipt_id} kept in {k.run_dir} is not in the store ({k.problem}); "
+                f"append it with: {k.command}"
+            )
     if req.launcher == "docker":
         from qualify.launch.docker import reap_orphans
 

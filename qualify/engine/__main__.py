@@ -22,6 +22,12 @@ EXIT_BAD_CONFIG = 2  # refused at construction: launchers do not restart an engi
 # The read end of a pipe whose write end only the harness holds (qualify.launch.base.HARNESS_FD_ENV).
 HARNESS_FD_ENV = "QUALIFY_HARNESS_FD"
 HARNESS_GONE_GRACE_S = 10.0
+# In a container no pipe from the harness can reach us: instead a TCP port (published on the host's loopback
+# only) on which the harness must hold a connection, announced by a token and kept alive by a heartbeat
+# (qualify.launch.docker). "PORT:TOKEN"; see _watch_harness_socket.
+HARNESS_WATCH_ENV = "QUALIFY_HARNESS_WATCH"
+HARNESS_FIRST_CONNECT_S = 60.0  # the harness connects as soon as the container runs
+HARNESS_SILENT_S = 15.0  # no heartbeat (or no new connection after one closed) for this long: gone
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -200,6 +206,9 @@ def _watch_harness() -> None:
     prctl runs, and kills without cleanup. A pipe's read end sees EOF exactly when the last write end
     closes, which the kernel does when the harness process dies by any means; we then stop as on SIGTERM
     (allocations released), and die hard only if that does not finish within a grace period."""
+    spec = os.environ.pop(HARNESS_WATCH_ENV, None)
+    if spec:
+        _watch_harness_socket(spec)
     raw = os.environ.get(HARNESS_FD_ENV)
     if not raw:
         return
@@ -219,13 +228,73 @@ def _watch_harness() -> None:
                 continue
             except OSError:
                 break
-        with contextlib.suppress(OSError):  # our stdout went with the harness: EPIPE, not a reason to stay
-            print("qualify engine: the harness is gone; stopping", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(HARNESS_GONE_GRACE_S)
-        os.kill(os.getpid(), signal.SIGKILL)
+        _harness_gone("its pipe closed")
 
     threading.Thread(target=watch, name="harness-watch", daemon=True).start()
+
+
+def _harness_gone(why: str) -> None:
+    """Stop as on SIGTERM (allocations released); die hard if that does not finish within the grace."""
+    with contextlib.suppress(OSError):  # our stdout went with the harness: EPIPE, not a reason to stay
+        print(f"qualify engine: the harness is gone ({why}); stopping", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(HARNESS_GONE_GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch_harness_socket(spec: str) -> None:
+    """Exit when the harness that started this container is gone (SIGKILL included): it must connect to
+    PORT, say TOKEN, and send a byte at least every HARNESS_SILENT_S. A closed connection (the kernel
+    closes it when the harness dies) is given HARNESS_SILENT_S for a new one (a harness that lost it
+    reconnects at once); no connection, or silence, for that long stops the engine as on SIGTERM."""
+    port_text, _, token = spec.partition(":")
+    try:
+        port = int(port_text)
+        server = socket.create_server(("0.0.0.0", port), backlog=4)
+    except (ValueError, OSError) as exc:
+        _fail(f"{HARNESS_WATCH_ENV}={spec[:12]!r}...: cannot listen for the harness ({exc})")
+    expected = token.encode() + b"\n"
+
+    def accept(wait_s: float) -> socket.socket | None:
+        end = time.monotonic() + wait_s
+        while (left := end - time.monotonic()) > 0:
+            server.settimeout(left)
+            try:
+                conn, _ = server.accept()
+            except OSError:  # timeout
+                return None
+            conn.settimeout(5.0)
+            got = b""
+            with contextlib.suppress(OSError):
+                while len(got) < len(expected) and not got.endswith(b"\n"):
+                    chunk = conn.recv(len(expected) - len(got))
+                    if not chunk:
+                        break
+                    got += chunk
+            if got == expected:
+                conn.settimeout(HARNESS_SILENT_S)
+                return conn
+            conn.close()  # not our harness (a stray connection): keep waiting
+        return None
+
+    def watch() -> None:
+        conn = accept(HARNESS_FIRST_CONNECT_S)
+        why = f"it did not connect within {HARNESS_FIRST_CONNECT_S:g} s"
+        while conn is not None:
+            try:
+                alive = bool(conn.recv(64))
+            except OSError:
+                alive = False
+                why = f"no heartbeat for {HARNESS_SILENT_S:g} s"
+            else:
+                why = f"its connection closed and no new one came within {HARNESS_SILENT_S:g} s"
+            if alive:
+                continue
+            conn.close()
+            conn = accept(HARNESS_SILENT_S)
+        _harness_gone(why)
+
+    threading.Thread(target=watch, name="harness-watch-socket", daemon=True).start()
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -267,9 +336,8 @@ def _serve(args: argparse.Namespace) -> None:
     except ValueError as e:
         _fail(str(e))
     from .config import EngineConfig
-    from .engine import Engine, EngineConfigError
 
-    try:
+    try:  # before the engine module (and torch) loads: a bad configuration is refused in about a second
         cfg = EngineConfig(**_config_fields(args))
     except ValidationError as e:
         err = e.errors()[0]
@@ -278,6 +346,7 @@ def _serve(args: argparse.Namespace) -> None:
         _fail(f"invalid engine config{where}: {err['msg'].removeprefix('Value error, ')}")
     except (OSError, json.JSONDecodeError) as e:
         _fail(f"cannot read --config: {e}")
+    from .engine import Engine, EngineConfigError
     from .weights import WeightsError
 
     group = followers = lockstep = None

@@ -1,7 +1,8 @@
 """The KV-transfer peer the harness launches (`python -m qualify.engine.peer --spec SPEC [--out REPORT]`):
 it imports every group allocation from the engine's exported handles and reports what it found.
 
-Self-contained (torch, numpy and the standard library only) so that the harness can run this very file
+Self-contained (numpy and the standard library; torch only for CUDA-IPC handles, imported when one is
+met, so a CPU run's peer starts in a fraction of a second) so that the harness can run this very file
 inside an engine container. Nothing the engine says about spans is read: the peer derives each group, its
 span and its exact byte layout from the geometry the harness asked for, measures each allocation, checks
 the pattern the engine wrote, writes its own, samples a region for the engine to echo, and confirms that a
@@ -24,7 +25,6 @@ import os
 import sys
 
 import numpy as np
-import torch
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 SAMPLE_BYTES = 1 << 16  # bytes of the cache region the peer hashes for the engine to echo
@@ -125,19 +125,84 @@ def _cuda_extent(ptr: int) -> int | None:
         return None
 
 
-def import_allocation(handle: dict) -> tuple[torch.Tensor, int | None, list]:
-    """(uint8 tensor over the allocation, bytes measured on this side, objects to keep alive).
+class Buffer:
+    """One imported allocation as bytes: read, write and exchange ranges, and the facts the report needs."""
 
-    shm: the file's own size is mapped, whatever the handle claims. CUDA IPC: the storage is opened from the
-    handle and the driver says how far its allocation really extends."""
-    if handle.get("kind") == "shm":
-        size = os.stat(handle["path"]).st_size
-        mm = np.memmap(handle["path"], dtype=np.uint8, mode="r+", shape=(size,))
-        return torch.from_numpy(mm), size, [mm]
-    if handle.get("kind") == "cuda-ipc":
+    on_cuda = False
+    device: dict = {"type": "cpu"}
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def address(self) -> int:
+        raise NotImplementedError
+
+    def read(self, offset: int, n: int) -> bytes:
+        raise NotImplementedError
+
+    def write(self, offset: int, raw: bytes) -> None:
+        raise NotImplementedError
+
+    def swap(self, a: int, b: int, n: int) -> tuple[bytes, bytes, bytes]:
+        """Exchange [a, a+n) and [b, b+n): (a's bytes before, b's bytes before, a's bytes after)."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every write visible to the engine."""
+
+    def out_of_bounds_refused(self) -> bool:
+        """A view one page past the allocation's end must be refused."""
+        raise NotImplementedError
+
+
+class ShmBuffer(Buffer):
+    """A shm file mapped whole, at the size the file itself has (whatever the handle claims)."""
+
+    def __init__(self, path: str) -> None:
+        size = os.stat(path).st_size
+        self.mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+
+    def __len__(self) -> int:
+        return int(self.mm.shape[0])
+
+    def address(self) -> int:
+        return int(self.mm.ctypes.data)
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.mm[offset : offset + n].tobytes()
+
+    def write(self, offset: int, raw: bytes) -> None:
+        self.mm[offset : offset + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+
+    def swap(self, a: int, b: int, n: int) -> tuple[bytes, bytes, bytes]:
+        ta, tb = self.mm[a : a + n].copy(), self.mm[b : b + n].copy()
+        self.mm[a : a + n] = tb
+        self.mm[b : b + n] = ta
+        return ta.tobytes(), tb.tobytes(), self.mm[a : a + n].tobytes()
+
+    def sync(self) -> None:
+        self.mm.flush()
+
+    def out_of_bounds_refused(self) -> bool:
+        try:
+            np.ndarray((len(self) + 4096,), dtype=np.uint8, buffer=self.mm)
+            return False
+        except (TypeError, ValueError):
+            return True
+
+
+class CudaBuffer(Buffer):
+    """A CUDA-IPC storage opened from the handle; the driver says how far its allocation really extends."""
+
+    on_cuda = True
+
+    def __init__(self, handle: dict) -> None:
+        import torch  # only here: a CPU run's peer never pays torch's import
+
+        self.torch = torch
         torch.cuda._lazy_init()
         dev, ev = handle["device_index"], handle["event_handle"]
-        storage = torch.UntypedStorage._new_shared_cuda(
+        self.storage = torch.UntypedStorage._new_shared_cuda(
             dev,
             bytes.fromhex(handle["handle"]),
             handle["storage_size_bytes"],
@@ -147,35 +212,58 @@ def import_allocation(handle: dict) -> tuple[torch.Tensor, int | None, list]:
             bytes.fromhex(ev) if ev else b"",
             handle["event_sync_required"],
         )
-        n = handle["nbytes"]
-        t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage, 0, (n,))
-        return t, _cuda_extent(t.data_ptr()), [storage]
-    raise ValueError(f"unknown handle kind {handle.get('kind')!r}; expected 'shm' or 'cuda-ipc'")
-
-
-def _read(buf: torch.Tensor, offset: int, n: int) -> bytes:
-    return buf[offset : offset + n].cpu().numpy().tobytes()
-
-
-def _write(buf: torch.Tensor, offset: int, raw: bytes, keep: list) -> None:
-    buf[offset : offset + len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(buf.device))
-    if buf.device.type == "cuda":
-        torch.cuda.synchronize(buf.device)
-    for obj in keep:
-        flush = getattr(obj, "flush", None)
-        if flush is not None:
-            flush()
-
-
-def out_of_bounds_refused(buf: torch.Tensor) -> bool:
-    """A view one page past the allocation's end must be refused by the storage."""
-    try:
-        torch.empty(0, dtype=torch.uint8, device=buf.device).set_(
-            buf.untyped_storage(), 0, (buf.numel() + 4096,)
+        self.t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(
+            self.storage, 0, (handle["nbytes"],)
         )
-        return False
-    except RuntimeError:
-        return True
+        uuid = str(getattr(torch.cuda.get_device_properties(self.t.device), "uuid", ""))
+        self.device = {"type": "cuda", "uuid": uuid}
+
+    def __len__(self) -> int:
+        return int(self.t.numel())
+
+    def address(self) -> int:
+        return int(self.t.data_ptr())
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.t[offset : offset + n].cpu().numpy().tobytes()
+
+    def write(self, offset: int, raw: bytes) -> None:
+        src = self.torch.frombuffer(bytearray(raw), dtype=self.torch.uint8).to(self.t.device)
+        self.t[offset : offset + len(raw)].copy_(src)
+
+    def swap(self, a: int, b: int, n: int) -> tuple[bytes, bytes, bytes]:
+        ta, tb = self.t[a : a + n].clone(), self.t[b : b + n].clone()
+        self.t[a : a + n].copy_(tb)
+        self.t[b : b + n].copy_(ta)
+        return (
+            ta.cpu().numpy().tobytes(),
+            tb.cpu().numpy().tobytes(),
+            self.t[a : a + n].cpu().numpy().tobytes(),
+        )
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.t.device)
+
+    def out_of_bounds_refused(self) -> bool:
+        try:
+            self.torch.empty(0, dtype=self.torch.uint8, device=self.t.device).set_(
+                self.t.untyped_storage(), 0, (len(self) + 4096,)
+            )
+            return False
+        except RuntimeError:
+            return True
+
+
+def import_allocation(handle: dict) -> tuple[Buffer, int | None]:
+    """(the allocation, bytes measured on this side): a shm file's own size, or the extent the CUDA driver
+    reports for the device allocation from the buffer's start."""
+    if handle.get("kind") == "shm":
+        buf: Buffer = ShmBuffer(handle["path"])
+        return buf, len(buf)
+    if handle.get("kind") == "cuda-ipc":
+        buf = CudaBuffer(handle)
+        return buf, _cuda_extent(buf.address())
+    raise ValueError(f"unknown handle kind {handle.get('kind')!r}; expected 'shm' or 'cuda-ipc'")
 
 
 # ---------------------------------------------------------------- one group, the whole report
@@ -196,40 +284,39 @@ def verify_group(want: dict, got: dict | None, spec: dict) -> dict:
     res["layers_match"] = got.get("layers") == want["layers"] and got.get("kind") == want["kind"]
     res["views_differ"] = views_differ(got.get("views", []), views)
     res["probe_match"] = (got.get("probe") or {}).get("offset") == probe
-    buf, measured, keep = import_allocation(got["handle"])
+    buf, measured = import_allocation(got["handle"])
     res["nbytes_measured"], res["nbytes_handle"] = measured, got["handle"].get("nbytes")
-    on_cuda = buf.device.type == "cuda"
+    on_cuda = buf.on_cuda
     res["size_ok"] = bool(
         measured is not None
         and res["nbytes_handle"] == got.get("nbytes") == nbytes
         and (measured >= nbytes if on_cuda else measured == nbytes)
     )
-    res["alignment_ok"] = buf.data_ptr() % g["alignment"] == 0
+    res["alignment_ok"] = buf.address() % g["alignment"] == 0
+    res["device"] = dict(buf.device)
     if on_cuda:
-        uuid = str(getattr(torch.cuda.get_device_properties(buf.device), "uuid", ""))
-        res["device"] = {"type": "cuda", "uuid": uuid}
-        res["device_ok"] = uuid == (got.get("device") or {}).get("uuid")
+        res["device_ok"] = buf.device["uuid"] == (got.get("device") or {}).get("uuid")
     else:
-        res["device"] = {"type": "cpu"}
         res["device_ok"] = (got.get("device") or {}).get("type") == "cpu"
     half = g["probe_bytes"] // 2
-    usable = min(buf.numel(), measured or 0)
+    usable = min(len(buf), measured or 0)
     if probe + g["probe_bytes"] > usable:
         res["error"] = f"the probe page at {probe} lies past the {usable} bytes this allocation has"
-        res["out_of_bounds_refused"] = out_of_bounds_refused(buf)
+        res["out_of_bounds_refused"] = buf.out_of_bounds_refused()
         return res
-    seen = _read(buf, probe, half)
+    seen = buf.read(probe, half)
     res["engine_pattern"] = {"offset": probe, "length": half, "sha256": _sha(seen)}
     res["engine_pattern_ok"] = seen == pattern_bytes(f"{spec['read_nonce']}:{want['name']}", half)
     mine = pattern_bytes(f"{spec['write_nonce']}:{want['name']}", half)
-    _write(buf, probe + half, mine, keep)
-    res["written"] = {"offset": probe + half, "length": half, "sha256": _sha(_read(buf, probe + half, half))}
+    buf.write(probe + half, mine)
+    buf.sync()
+    res["written"] = {"offset": probe + half, "length": half, "sha256": _sha(buf.read(probe + half, half))}
     n = min(spec.get("sample_bytes", SAMPLE_BYTES), probe)
     at = (int.from_bytes(os.urandom(8), "little") % max(1, (probe - n) // g["alignment"] + 1)) * g[
         "alignment"
     ]
-    res["sample"] = {"offset": at, "length": n, "sha256": _sha(_read(buf, at, n))}
-    res["out_of_bounds_refused"] = out_of_bounds_refused(buf)
+    res["sample"] = {"offset": at, "length": n, "sha256": _sha(buf.read(at, n))}
+    res["out_of_bounds_refused"] = buf.out_of_bounds_refused()
     return res
 
 
@@ -291,25 +378,17 @@ def swap_ranges(kind: str, layers: list[int], g: dict, swap: dict, rank: int) ->
     return out
 
 
-def _swap(buf: torch.Tensor, runs: list[tuple[int, int, int]], keep: list) -> dict:
+def _swap(buf: Buffer, runs: list[tuple[int, int, int]]) -> dict:
     """Exchange the bytes of each (a, b, length) run; the digests of a's bytes before and after."""
     ha, hb, after = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
     total = 0
     for a, b, n in runs:
-        ta = buf[a : a + n].clone()
-        tb = buf[b : b + n].clone()
-        ha.update(ta.cpu().numpy().tobytes())
-        hb.update(tb.cpu().numpy().tobytes())
-        buf[a : a + n].copy_(tb)
-        buf[b : b + n].copy_(ta)
-        after.update(buf[a : a + n].cpu().numpy().tobytes())
+        was_a, was_b, now_a = buf.swap(a, b, n)
+        ha.update(was_a)
+        hb.update(was_b)
+        after.update(now_a)
         total += n
-    if buf.device.type == "cuda":
-        torch.cuda.synchronize(buf.device)
-    for obj in keep:
-        flush = getattr(obj, "flush", None)
-        if flush is not None:
-            flush()
+    buf.sync()
     return {
         "bytes": total,
         "runs": len(runs),
@@ -337,14 +416,14 @@ def run_swaps(spec: dict) -> dict:
                 groups.append({**res, "error": "not in the engine's handles"})
                 continue
             try:
-                buf, measured, keep = import_allocation(got["handle"])
+                buf, measured = import_allocation(got["handle"])
                 _, _, nbytes = expected_views(want["kind"], want["layers"], g)
-                if measured is None or measured < nbytes or buf.numel() < nbytes:
+                if measured is None or measured < nbytes or len(buf) < nbytes:
                     raise ValueError(f"{measured} bytes mapped, the geometry needs {nbytes}")
                 for sw in spec["swaps"]:
                     if want["kind"] in sw["kinds"]:
                         res["swaps"][sw["name"]] = _swap(
-                            buf, swap_ranges(want["kind"], want["layers"], g, sw, rank), keep
+                            buf, swap_ranges(want["kind"], want["layers"], g, sw, rank)
                         )
             except Exception as e:  # one bad allocation must not hide the others
                 res["error"] = f"{type(e).__name__}: {e}"

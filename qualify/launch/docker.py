@@ -12,6 +12,8 @@ import contextlib
 import json
 import math
 import os
+import secrets
+import socket
 import threading
 import time
 import uuid
@@ -64,6 +66,12 @@ PEER_BOOT = (
     "sys.argv = ['peer.py', '--spec', path]\n"
     "exec(compile(src, 'peer.py', 'exec'), {'__name__': '__main__'})\n"
 )
+# The engine in a container stops by itself when its harness is gone: no pipe crosses into a container, so
+# the harness holds a TCP connection to this port (published on 127.0.0.1 only), says a token and sends a
+# heartbeat (qualify.engine's _watch_harness_socket; the variable is read there).
+WATCH_PORT = 8001
+WATCH_ENV = "QUALIFY_HARNESS_WATCH"
+HEARTBEAT_S = 1.0
 # Harness variables that configure the engine under test travel into the container.
 FORWARD_ENV_PREFIX = "QUALIFY_ENGINE_"
 
@@ -184,6 +192,7 @@ class DockerLauncher(Launcher):
         self._running_image_id: str | None = None
         # The harness's CUDA activity monitor: its file mounted read-only, its socket in the run dir.
         self.monitor = EngineMonitor(run_dir, enabled=monitor_enabled(self._env_source))
+        self._watches: list[_HarnessWatch] = []
 
     def _entry(self) -> list[str]:
         """What runs the engine's commands: nothing of ours when the image declares an ENTRYPOINT (a foreign
@@ -233,12 +242,14 @@ class DockerLauncher(Launcher):
             # booted again, and the daemon's policy cannot tell it from a crash. The harness restarts a
             # crash before ready itself, then hands restarts to the daemon (`on-failure`) once ready.
             "restart_policy": {"Name": "no"},
-            "ports": {CONTAINER_PORT: ("127.0.0.1", None)},
+            "ports": {CONTAINER_PORT: ("127.0.0.1", None), f"{WATCH_PORT}/tcp": ("127.0.0.1", None)},
             "shm_size": "1g",
             **HARDENING,
         }
         if mon_volumes:
             kwargs["volumes"] = mon_volumes
+        watch = _HarnessWatch(self)
+        kwargs["environment"] = {**kwargs["environment"], WATCH_ENV: watch.spec}
         if self.mem_limit:
             kwargs.update(mem_limit=self.mem_limit, memswap_limit=self.mem_limit)
         if self.gpus:
@@ -251,6 +262,7 @@ class DockerLauncher(Launcher):
         self._follow_events(since)
         try:
             self._container.start()
+            self._watches.append(watch.hold(self._container.id))
         except docker.errors.APIError as exc:
             # A GPU request without the NVIDIA runtime fails here and leaves a `created` container.
             self._remove()
@@ -392,6 +404,7 @@ class DockerLauncher(Launcher):
         with contextlib.suppress(Exception):
             # SIGTERM, then SIGKILL after the grace period
             self._container.stop(timeout=max(1, int(round(grace_s))))
+        self._end_watches()
         time.sleep(0.3)  # let the `die` event arrive
         final = self.status()
         final.alive = False
@@ -407,7 +420,13 @@ class DockerLauncher(Launcher):
         self._final = final
         return final
 
+    def _end_watches(self) -> None:
+        for watch in self._watches:
+            watch.end()
+        self._watches.clear()
+
     def _remove(self) -> None:
+        self._end_watches()
         if self._container is not None:
             with contextlib.suppress(Exception):
                 self._container.remove(force=True)
@@ -503,26 +522,56 @@ class DockerLauncher(Launcher):
         cmd = self.command(kda_backend)
         env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
         env.update(self._launch_env(kda_backend))
+        watch = _HarnessWatch(self)
         t0 = time.monotonic()
+        # Removed by the daemon when it exits, and stopped by its own watch when the harness is gone (a
+        # probe that does not refuse would serve forever): nothing of it outlives a killed harness. Its
+        # output is attached and its end waited for before it starts, as `docker run --rm` does.
         c = self._client.containers.create(
             image.id,
             command=cmd,
-            environment=env,
+            environment={**env, WATCH_ENV: watch.spec},
             detach=True,
             labels=self.labels,
             name=f"qualify-refusal-{self.run_id}",
             **HARDENING,
+            auto_remove=True,
+            ports={f"{WATCH_PORT}/tcp": ("127.0.0.1", None)},
         )
-        try:
-            c.start()
+        ended: list[Any] = []
+        chunks: list[bytes] = []
+
+        def wait() -> None:
             try:
-                code: int | None = int(c.wait(timeout=timeout_s)["StatusCode"])
+                ended.append(int(c.wait(timeout=timeout_s, condition="removed")["StatusCode"]))
             except requests.exceptions.RequestException:  # ReadTimeout / ConnectionError: not in time
-                code = None
-            out = c.logs().decode(errors="replace")
+                ended.append(None)
+            except Exception as exc:  # an API error: no exit code
+                ended.append(exc)
+
+        def read() -> None:
+            with contextlib.suppress(Exception):
+                for chunk in c.attach(stdout=True, stderr=True, stream=True, logs=True):
+                    chunks.append(chunk)
+
+        try:
+            reader = threading.Thread(target=read, name="docker-refusal-output", daemon=True)
+            waiter = threading.Thread(target=wait, name="docker-refusal-wait", daemon=True)
+            reader.start()
+            waiter.start()
+            c.start()
+            self._watches.append(watch.hold(c.id))
+            waiter.join(timeout_s + 10)
+            reader.join(5)
+            result = ended[0] if ended else None
+            if isinstance(result, Exception):
+                raise result
+            code: int | None = result
+            out = b"".join(chunks).decode(errors="replace")
         except docker.errors.APIError as exc:
             code, out = None, f"docker error: {_explain(exc)}"
         finally:
+            watch.end()
             with contextlib.suppress(Exception):
                 c.remove(force=True)
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out)
@@ -611,6 +660,69 @@ class DockerLauncher(Launcher):
 
 def _json_hardening() -> dict[str, Any]:
     return {k: (dict(v) if isinstance(v, dict) else v) for k, v in HARDENING.items()}
+
+
+class _HarnessWatch:
+    """The harness's side of an engine container's watch (see WATCH_PORT): a thread that holds a TCP
+    connection to the container's watch port, says the token and sends a heartbeat, reconnecting after the
+    engine restarts (its published port may change). When the harness dies, so does the connection."""
+
+    def __init__(self, launcher: DockerLauncher) -> None:
+        self.launcher = launcher
+        self.token = secrets.token_hex(16)
+        self.spec = f"{WATCH_PORT}:{self.token}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, container_id: str) -> _HarnessWatch:
+        self._thread = threading.Thread(
+            target=self._run, args=(container_id,), name="docker-harness-watch", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def end(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _port(self, container_id: str) -> int | None:
+        with contextlib.suppress(Exception):
+            bindings = self.launcher._client.api.port(container_id, WATCH_PORT) or []
+            for binding in bindings:
+                if binding.get("HostIp") in ("127.0.0.1", "0.0.0.0", ""):
+                    return int(binding["HostPort"])
+        return None
+
+    def _run(self, container_id: str) -> None:
+        sock: socket.socket | None = None
+        try:
+            while not self._stop.is_set():
+                if sock is None:
+                    port = self._port(container_id)
+                    if port is not None:
+                        with contextlib.suppress(OSError):
+                            sock = socket.create_connection(("127.0.0.1", port), timeout=2.0)
+                            sock.sendall(self.token.encode() + b"\n")
+                    if sock is None:
+                        self._stop.wait(0.5)
+                        continue
+                try:
+                    sock.sendall(b".")
+                    # The engine never writes: readable means closed (an engine restarted, a proxy that
+                    # found no listener yet), so connect again.
+                    if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                        raise ConnectionResetError
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    sock.close()
+                    sock = None
+                    continue
+                self._stop.wait(HEARTBEAT_S)
+        finally:
+            if sock is not None:
+                sock.close()
 
 
 def _healthy(url: str) -> bool:

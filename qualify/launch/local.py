@@ -34,7 +34,7 @@ from qualify.launch.base import (
     FAULT_ENV,
     HARNESS_FD_ENV,
     MAX_PEER_REPORT_BYTES,
-    PEER_MODULE,
+    PEER_FILE,
     READY_RE,
     EngineOptions,
     Launcher,
@@ -561,15 +561,16 @@ class LocalLauncher(Launcher):
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out or "")
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
-        """The peer as a sibling subprocess: `python -I -m qualify.engine.peer` from the harness's own
-        installation (never the engine module under test): -I drops PYTHONPATH, the user site and the
-        working directory from its path, so nothing the engine could write is imported. Its report is
-        read from a file with a size limit."""
+        """The peer as a sibling subprocess: `python -I .../qualify/engine/peer.py` from the harness's own
+        installation (never the engine module under test), run as a file (it is self-contained: torch,
+        numpy, stdlib), so it needs no installed qualify (a GPU host runs the checkout in place): -I drops
+        PYTHONPATH, the user site, the working directory and the script's folder from its path, so
+        nothing the engine could write is imported. Its report is read from a file with a size limit."""
         env = peer_env(self.env)
         out = spec_path.with_name(spec_path.stem + ".report.json")
         log = spec_path.with_name(spec_path.stem + ".log")
         out.unlink(missing_ok=True)  # a report left by an earlier peer must not count for this one
-        cmd = [self.python, "-I", "-m", PEER_MODULE, "--spec", str(spec_path), "--out", str(out)]
+        cmd = [self.python, "-I", str(PEER_FILE), "--spec", str(spec_path), "--out", str(out)]
         t0 = time.monotonic()
         with log.open("w") as sink:
             proc = subprocess.Popen(

@@ -28,6 +28,7 @@ import os
 import select
 import shutil
 import site
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -53,7 +54,13 @@ INFO_TIMEOUT_S = 30.0
 # Variables of the harness's environment the engine gets when they are set (the engine protocol's own,
 # and what selects or configures the device). Everything else the engine sees is set here or added by the
 # operator with --engine-env.
-FORWARDED_ENV = (FAULT_ENV, "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+FORWARDED_ENV = (
+    FAULT_ENV,
+    "TRITON_INTERPRET",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "TRITON_LIBCUDA_PATH",
+)
 # Top-level folders that are symlinks into /usr on a merged-/usr system, or folders of their own.
 ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # /etc files a Python process with torch reads (the dynamic loader's cache, time zone, name service).
@@ -103,6 +110,22 @@ class Bwrap:
 
 
 _PROBED: dict[str, Bwrap | str] = {}
+
+
+def libcuda_dir() -> str | None:
+    """The folder of the driver's libcuda.so.1 as this host's loader cache names it (read outside the
+    sandbox, where `ldconfig -p` works), or None."""
+    try:
+        out = subprocess.run(
+            ["/sbin/ldconfig", "-p"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        if name.startswith("libcuda.so.1 ") and path:
+            return str(Path(path).parent)
+    return None
 
 
 def find_bwrap(env: dict[str, str] | None = None) -> Bwrap:
@@ -319,6 +342,7 @@ class DigestCache:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.entries: dict[str, list[Any]] = {}
+        self.seen: set[str] = set()
         self.dirty = False
         if path is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -326,6 +350,7 @@ class DigestCache:
 
     def digest(self, f: Path, st: os.stat_result) -> str:
         key = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        self.seen.add(str(f))
         got = self.entries.get(str(f))
         if got is not None and got[:5] == key:
             return str(got[5])
@@ -338,7 +363,13 @@ class DigestCache:
         return h.hexdigest()
 
     def save(self) -> None:
-        if self.path is None or not self.dirty:
+        """Write the cache back, keeping only the files this digest met (gone files drop out)."""
+        if self.path is None:
+            return
+        if len(self.seen) < len(self.entries):
+            self.entries = {k: v for k, v in self.entries.items() if k in self.seen}
+            self.dirty = True
+        if not self.dirty:
             return
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -351,29 +382,40 @@ def tree_digest(
     roots: list[str] | tuple[str, ...], cache: DigestCache | None = None, exclude: tuple[str, ...] = ()
 ) -> tuple[str, int]:
     """sha256 over every regular file and symlink under `roots` (files or folders; __pycache__ skipped),
-    sorted by path: (path NUL `f` sha256-of-bytes NUL) or (path NUL `l` link-target NUL). (digest, files)."""
+    sorted by path: (path NUL `f` sha256-of-bytes NUL) or (path NUL `l` link-target NUL). (digest, files).
+    One lstat per entry (os.scandir): a virtual environment's tens of thousands of files take well under a
+    second once the cache knows their bytes."""
     cache = cache or DigestCache(None)
     entries: list[tuple[str, str]] = []
-    for root in roots:
-        r = Path(root)
-        if r.is_file():
-            entries.append((str(r), "f" + cache.digest(r, r.stat())))
-            continue
-        for dirpath, dirnames, filenames in os.walk(r, followlinks=False):
-            dirnames[:] = sorted(
-                d for d in dirnames if d not in SKIP_DIRS and os.path.join(dirpath, d) not in exclude
-            )
-            for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-                f = Path(dirpath) / name
+
+    def walk(folder: str) -> None:
+        try:
+            it = os.scandir(folder)
+        except OSError:
+            return
+        with it:
+            for e in it:
+                path = os.path.join(folder, e.name)
                 try:
-                    st = f.lstat()
+                    st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if os.path.islink(f):
-                    entries.append((str(f), "l" + os.readlink(f)))
-                elif f.is_file():
+                if stat.S_ISLNK(st.st_mode):
                     with contextlib.suppress(OSError):
-                        entries.append((str(f), "f" + cache.digest(f, st)))
+                        entries.append((path, "l" + os.readlink(path)))
+                elif stat.S_ISDIR(st.st_mode):
+                    if e.name not in SKIP_DIRS and path not in exclude:
+                        walk(path)
+                elif stat.S_ISREG(st.st_mode):
+                    with contextlib.suppress(OSError):
+                        entries.append((path, "f" + cache.digest(Path(path), st)))
+
+    for root in roots:
+        r = str(Path(root))
+        if os.path.isfile(r):
+            entries.append((r, "f" + cache.digest(Path(r), os.stat(r))))
+        else:
+            walk(r)
     entries.sort()
     h = hashlib.sha256()
     for path, what in entries:
@@ -383,8 +425,10 @@ def tree_digest(
 
 
 def code_digest(code: CodeSet) -> tuple[str, int]:
-    """(digest, files) of what `code` covers, its hidden folders left out."""
-    return tree_digest(code.hashed, DigestCache(cache_dir() / "code-digests.json"), code.hidden)
+    """(digest, files) of what `code` covers, its hidden folders left out. The cache of file digests is
+    kept per set of roots, so one run loads only the entries its own code can use."""
+    key = hashlib.sha256("\0".join(code.hashed).encode()).hexdigest()[:16]
+    return tree_digest(code.hashed, DigestCache(cache_dir() / f"code-digests-{key}.json"), code.hidden)
 
 
 # ---------------------------------------------------------------------------------------------- sandbox
@@ -450,6 +494,10 @@ class Sandbox:
         for k in FORWARDED_ENV:
             if k in harness_env:
                 env[k] = harness_env[k]
+        if self.gpu and "TRITON_LIBCUDA_PATH" not in env:
+            found = libcuda_dir()
+            if found is not None:  # Triton finds libcuda through `ldconfig -p`, which fails in the sandbox
+                env["TRITON_LIBCUDA_PATH"] = found
         env.update(self.operator_env)
         env.update(extra or {})
         return env
@@ -515,17 +563,22 @@ class Sandbox:
                 cmd += ["--ro-bind-try", p, p]
         # bwrap makes a mount point's missing parents 0700, which the sandbox's uid could not traverse.
         made: set[str] = set()
-        wdest = [self.weights_path(weights)] if weights is not None else []
-        for dest in (*self.code.mounts, SCRATCH, *wdest):
-            for parent in reversed(Path(dest).parents):
-                p = str(parent)
-                if p in ("/", "/usr") or p in made or p.startswith("/usr/"):
-                    continue
-                made.add(p)
-                cmd += ["--perms", "0755", "--dir", p]
-        # Scratch and /tmp first: a code mount below /tmp (the GPU host's unpacked wheels in /tmp/site) must
-        # land on top of the private /tmp, not be hidden by it.
+
+        def parents(*dests: str) -> None:
+            for dest in dests:
+                for parent in reversed(Path(dest).parents):
+                    p = str(parent)
+                    if p in ("/", "/usr", "/tmp") or p in made or p.startswith("/usr/"):
+                        continue
+                    made.add(p)
+                    cmd.extend(["--perms", "0755", "--dir", p])
+
+        parents(SCRATCH)
+        # Scratch and the private /tmp first, then the code mounts' parents and the mounts: a code folder
+        # below /tmp (a checkout cloned there, the GPU host's unpacked wheels in /tmp/site) lands on top of
+        # the private /tmp, with traversable parents, instead of being hidden by it.
         cmd += ["--bind", str(scratch), SCRATCH, "--bind", str(scratch / "tmp"), "/tmp"]
+        parents(*self.code.mounts, *([self.weights_path(weights)] if weights is not None else []))
         for m in self.code.mounts:
             cmd += ["--ro-bind", m, m]
         for h in self.code.hidden:

@@ -52,7 +52,21 @@ RECOVERY_WAIT_S = 30.0  # how long to wait for a restarted engine before the nex
 REQUEST_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL; an engine that stopped answering gets the short one
 STOP_GRACE_UNRESPONSIVE_S = 1.0
-APPEND_GRACE_S = 2.0  # the store's lock wait once the run's --timeout is spent
+APPEND_GRACE_S = 0.05  # the store's lock wait once the run's --timeout is spent (a free lock is taken)
+# The end of a run (stopping the engine, signing and storing the receipt) happens within --timeout: the
+# checks end this much before it (at most a quarter of the run).
+FINISH_RESERVE_S = 3.0
+
+
+def process_elapsed_s() -> float:
+    """Seconds since this process started (Linux /proc; 0.0 where it cannot be read): --timeout counts
+    the interpreter's start and the store's opening too."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
 
 
 class Reporter(Protocol):
@@ -218,8 +232,9 @@ class Pipeline:
 
     # ------------------------------------------------------------ the run
     def run(self) -> RunResult:
-        t0 = time.monotonic()
-        run_deadline = self.run_deadline = t0 + self.req.timeout_s
+        t0 = time.monotonic() - process_elapsed_s()
+        self.run_deadline = t0 + self.req.timeout_s
+        run_deadline = self.run_deadline - min(FINISH_RESERVE_S, self.req.timeout_s / 4)
         client = EngineClient(lambda: self.launcher.url(), timeout_s=REQUEST_TIMEOUT_S)
         ctx = Context(
             request=self.req,
@@ -442,7 +457,10 @@ class Pipeline:
             pre = self.launcher.status()
         if ctx.procs is not None:
             ctx.procs.stop()  # the last sample of the tree, before the harness ends it
-        final = self.launcher.stop(STOP_GRACE_UNRESPONSIVE_S if self.unresponsive else STOP_GRACE_S)
+        grace = STOP_GRACE_UNRESPONSIVE_S if self.unresponsive else STOP_GRACE_S
+        # Within --timeout: what is left of it, less a second for the receipt (at least the short grace).
+        left = self.run_deadline - time.monotonic() - 1.0
+        final = self.launcher.stop(min(grace, max(STOP_GRACE_UNRESPONSIVE_S, left)))
         self._reveal_probes(ctx)
         self.kmsg.stop()
         self.nvml.stop()

@@ -222,3 +222,34 @@ def test_serve_answers_health_and_refuses_decisions_without_the_token(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_junk_rows_beyond_the_last_good_checkpoint_do_not_deny_an_approval(cli_log: Log, capsys) -> None:
+    """Two junk rows (an empty entry and a checkpoint row `junk`, which pass the insert guards) stop
+    appends, but `approve` judges the receipts under the last good checkpoint, and says so."""
+    from tests.store.conftest import Raw
+    from tests.store.test_insert_guards import _forged_append
+
+    cli_log.add(host="gpu-1")
+    cli_log.add(host="gpu-2")
+    args = (
+        "approve",
+        "--policy",
+        str(FLEET),
+        "--subject",
+        SUBJECT,
+        "--db",
+        cli_log.url,
+        "--dry-run",
+        "--json",
+    )
+    code, out, _ = run(capsys, *args)
+    before = json.loads(out)["decision"]
+    raw = Raw(cli_log.url)
+    try:
+        _forged_append(raw, cli_log.store.size())
+    finally:
+        raw.close()
+    code_after, out, err = run(capsys, *args)
+    assert (code_after, json.loads(out)["decision"]) == (code, before)
+    assert "beyond the last checkpoint that verifies with the log key" in err

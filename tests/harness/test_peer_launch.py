@@ -37,15 +37,16 @@ def test_the_peer_is_the_harness_module_not_the_engine_under_test(tmp_path: Path
     # The fake interpreter writes its argv and environment as the report.
     body = (
         'printf \'{"argv": "%s", "module": "%s", "path": "%s", "cwd": "%s"}\' '
-        '"$*" "$QUALIFY_ENGINE_MODULE" "$PYTHONPATH" "$PWD" > "$7"'
+        '"$*" "$QUALIFY_ENGINE_MODULE" "$PYTHONPATH" "$PWD" > "$6"'
     )
     launcher = _launcher(
         tmp_path, _fake_python(tmp_path, body), QUALIFY_ENGINE_MODULE="tests.liars.x", PYTHONPATH="/evil"
     )
     out = launcher.run_peer(spec, 10.0)
     assert out.error is None and out.exit_code == 0, out
-    # -I: no PYTHONPATH, no user site, no working-directory imports (nothing the engine could write)
-    assert out.report["argv"].startswith("-I -m qualify.engine.peer --spec " + str(spec))
+    # -I: no PYTHONPATH, no user site, no working-directory or script-folder imports (nothing the engine
+    # could write); the harness's own peer file, run as a script (no installed qualify needed)
+    assert out.report["argv"].startswith(f"-I {PEER_FILE} --spec {spec}")
     assert out.report["module"] == ""  # the liar's module name does not reach the peer
     assert out.report["path"] == "" and out.report["cwd"] == "/"
     assert PEER_FILE.is_file() and PEER_FILE.parent.name == "engine"

@@ -15,7 +15,9 @@ DCP2_LAYOUT = "2304,2304,2304,4608"
 
 
 def _rejected(home: Home, env: dict[str, str], *args: str) -> dict:
-    ran = home.qualify("run", *args, "--json", env=env, timeout=400)
+    # The liar's own knobs reach its sandbox only as the operator adds them, on purpose (--engine-env).
+    added = [a for k, v in env.items() if k.startswith("LIAR_") for a in ("--engine-env", f"{k}={v}")]
+    ran = home.qualify("run", *args, "--json", *added, env=env, timeout=400)
     assert ran.code == 1, ran.stderr[-2000:]
     (p,) = home.predicates()
     assert p["verdict"] == "rejected"

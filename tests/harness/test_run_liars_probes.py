@@ -52,8 +52,11 @@ def test_a_triton_backend_claimed_on_a_cpu_target_is_rejected(home: Home) -> Non
 def test_a_worker_reforked_by_a_supervisor_is_a_restart(home: Home) -> None:
     s, p = _run(home, "supervised")
     assert s["verdict"] == "rejected"
-    # Every check that talks to the engine passed: the restart is invisible to the launcher.
-    assert {c["name"] for c in s["checks"] if c["status"] not in ("pass", "skip")} == {"faults"}
+    # The restart is invisible to the launcher; only the process tree shows it. (Under load the re-forked
+    # worker can still be warming up while the reload check's fresh-engine comparison runs: that check
+    # may fail too, but never in place of faults.)
+    failing = {c["name"] for c in s["checks"] if c["status"] not in ("pass", "skip")}
+    assert "faults" in failing and failing <= {"faults", "reload"}, failing
     assert set(_failed(p, "faults")) == {"no_restarts"}
     faults = check(p, "faults")
     assert faults["evidence"]["launcher"]["restart_count"] == 0

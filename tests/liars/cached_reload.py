@@ -49,6 +49,10 @@ def _damage(self) -> None:
 
 def lying_reload(self, path=None, seed=None):
     out = _reload(self, path, seed)
+    # The boot check's reload of the handed weights comes first: the lie starts with the reload check's.
+    self._reloads = getattr(self, "_reloads", 0) + 1
+    if self._reloads == 1:
+        return out
     self._other_weights = seed is not None
     if seed is None:
         _damage(self)

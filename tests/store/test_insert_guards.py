@@ -141,7 +141,11 @@ def test_a_forged_append_stops_appends_by_name_until_the_owner_repairs(
 
     evidence = tmp_path / "removed.jsonl"
     report = repair(
-        store.engine.url.render_as_string(hide_password=False), log_signer.verifier(), evidence, "x"
+        store.engine.url.render_as_string(hide_password=False),
+        log_signer,
+        evidence,
+        "x",
+        notes_dir=tmp_path / "notes",
     )
     assert report is not None and (report.kept_size, report.removed_entries) == (3, 1)
     assert evidence.stat().st_mode & 0o777 == 0o600
@@ -160,9 +164,10 @@ def test_a_forged_append_stops_appends_by_name_until_the_owner_repairs(
     assert (
         repair(
             store.engine.url.render_as_string(hide_password=False),
-            log_signer.verifier(),
+            log_signer,
             tmp_path / "again.jsonl",
             "x",
+            notes_dir=tmp_path / "notes",
         )
         is None
     )
@@ -212,7 +217,7 @@ def test_a_login_member_of_the_writer_role_cannot_repair(
     before = raw_pg.counts()
     evidence = tmp_path / "e.jsonl"
     with pytest.raises(StoreError, match="only the owner of the store's tables can"):
-        repair(url, log_signer.verifier(), evidence, "not mine to do")
+        repair(url, log_signer, evidence, "not mine to do", notes_dir=tmp_path / "notes")
     assert raw_pg.counts() == before and not evidence.exists()
     assert raw_pg.scalar("SELECT count(*) FROM log_repairs") == 0
 

@@ -201,6 +201,7 @@ def test_verify_receipt_reports_each_check(store, operator, log_signer) -> None:
     assert set(report.checks) == {
         "id_matches_bytes",
         "leaf_hash",
+        "query_row",
         "signature",
         "checkpoint_signature",
         "inclusion",
