@@ -90,15 +90,29 @@ def test_the_second_engine_qualifies_with_speculation_proved(home: Home):
     assert p["engine"]["launch"]["capacity"]["num_spec"] == 2
 
 
-def test_a_foreign_engine_claiming_the_reference_code_digest_is_rejected_naming_both(home: Home):
-    ran = home.qualify("run", "--json", env=_env(home, "tests.liars.foreign_claims_reference"), timeout=300)
+def test_a_foreign_engine_claiming_the_reference_code_digest_is_rejected_naming_both(
+    home: Home, tmp_path: Path
+):
+    # Installed the way a foreign engine is: its package and the liar in a folder of their own, which the
+    # sandbox mounts (QUALIFY_ENGINE_PATH) and the harness finds the module in.
+    site = tmp_path / "site"
+    shutil.copytree(SECOND, site / "second_engine", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "tests" / "liars" / "foreign_claims_reference.py", site)
+    paths = [str(site), os.environ.get("QUALIFY_ENGINE_PATH", "")]
+    env = home.env(
+        QUALIFY_ENGINE_MODULE="foreign_claims_reference",
+        PYTHONPATH=os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        QUALIFY_ENGINE_PATH=os.pathsep.join(p for p in paths if p),
+    )
+    claim = engine_code_digest_on_disk()
+    ran = home.qualify("run", "--json", "--engine-env", f"LIAR_CLAIM={claim}", env=env, timeout=300)
     assert ran.code == 1, ran.stderr[-2000:]
     (p,) = home.predicates()
     cond = check(p, "boot")["conditions"]["code_digest_matches_disk"]
-    assert not cond["holds"] and engine_code_digest_on_disk() in cond["detail"]
+    assert not cond["holds"] and claim in cond["detail"], cond
     assert "its own tree" in cond["detail"]
     # The receipt names the module the harness launched, not the reference engine's code.
-    assert p["engine"]["code_digest"] != engine_code_digest_on_disk()
+    assert p["engine"]["code_digest"] != claim
 
 
 def test_an_engine_of_another_protocol_version_is_refused_with_one_line_before_boot(home: Home):
