@@ -32,6 +32,22 @@ def _env(home: Home, module: str) -> dict[str, str]:
     return home.env(QUALIFY_ENGINE_MODULE=module, PYTHONPATH=path)
 
 
+def _installed(home: Home, tmp_path: Path, liar: str) -> dict[str, str]:
+    """The environment that runs tests/liars/<liar>.py installed the way a foreign engine is: it and the
+    second engine (as the top-level package `second_engine`) in a folder of their own, which the sandbox
+    mounts (QUALIFY_ENGINE_PATH) and the harness finds the module in (PYTHONPATH)."""
+    site = tmp_path / "site"
+    if not (site / "second_engine").is_dir():
+        shutil.copytree(SECOND, site / "second_engine", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "tests" / "liars" / f"{liar}.py", site)
+    paths = [str(site), os.environ.get("QUALIFY_ENGINE_PATH", "")]
+    return home.env(
+        QUALIFY_ENGINE_MODULE=liar,
+        PYTHONPATH=os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        QUALIFY_ENGINE_PATH=os.pathsep.join(p for p in paths if p),
+    )
+
+
 def _qualified(home: Home, *args: str) -> tuple[dict, dict]:
     ran = home.qualify("run", *args, "--json", env=_env(home, "tests.second_engine"), timeout=900)
     assert ran.code == 0, (ran.stdout[-3000:], ran.stderr[-3000:])
@@ -93,17 +109,7 @@ def test_the_second_engine_qualifies_with_speculation_proved(home: Home):
 def test_a_foreign_engine_claiming_the_reference_code_digest_is_rejected_naming_both(
     home: Home, tmp_path: Path
 ):
-    # Installed the way a foreign engine is: its package and the liar in a folder of their own, which the
-    # sandbox mounts (QUALIFY_ENGINE_PATH) and the harness finds the module in.
-    site = tmp_path / "site"
-    shutil.copytree(SECOND, site / "second_engine", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "tests" / "liars" / "foreign_claims_reference.py", site)
-    paths = [str(site), os.environ.get("QUALIFY_ENGINE_PATH", "")]
-    env = home.env(
-        QUALIFY_ENGINE_MODULE="foreign_claims_reference",
-        PYTHONPATH=os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-        QUALIFY_ENGINE_PATH=os.pathsep.join(p for p in paths if p),
-    )
+    env = _installed(home, tmp_path, "foreign_claims_reference")
     claim = engine_code_digest_on_disk()
     ran = home.qualify("run", "--json", "--engine-env", f"LIAR_CLAIM={claim}", env=env, timeout=300)
     assert ran.code == 1, ran.stderr[-2000:]
@@ -115,8 +121,10 @@ def test_a_foreign_engine_claiming_the_reference_code_digest_is_rejected_naming_
     assert p["engine"]["code_digest"] != claim
 
 
-def test_an_engine_of_another_protocol_version_is_refused_with_one_line_before_boot(home: Home):
-    ran = home.qualify("run", "--json", env=_env(home, "tests.liars.old_protocol"), timeout=120)
+def test_an_engine_of_another_protocol_version_is_refused_with_one_line_before_boot(
+    home: Home, tmp_path: Path
+):
+    ran = home.qualify("run", "--json", env=_installed(home, tmp_path, "old_protocol"), timeout=120)
     assert ran.code == 1, ran.stderr[-2000:]
     (p,) = home.predicates()
     boot = check(p, "boot")
@@ -142,8 +150,9 @@ def test_the_second_engine_qualifies_with_distributed_dcp_against_its_own_dcp_1_
     assert layout["status"] == "pass"
 
 
-def test_distributed_dcp_is_refused_for_an_engine_whose_manifest_has_none(home: Home):
-    ran = home.qualify("run", "--dcp", "2", "--json", env=_env(home, "tests.liars.folded_only"), timeout=120)
+def test_distributed_dcp_is_refused_for_an_engine_whose_manifest_has_none(home: Home, tmp_path: Path):
+    env = _installed(home, tmp_path, "folded_only")
+    ran = home.qualify("run", "--dcp", "2", "--json", env=env, timeout=120)
     assert ran.code == 1, ran.stderr[-2000:]
     (p,) = home.predicates()
     reason = check(p, "boot")["reason"]

@@ -1,10 +1,13 @@
 """tests/second_engine with a manifest that declares no distributed DCP (`dcp_distributed: false`): the
-harness refuses `qualify run --dcp N` for it before boot, with one line."""
+harness refuses `qualify run --dcp N` for it before boot, with one line.
+
+Installed beside the second engine as a foreign engine is (tests/harness/test_second_engine.py,
+`_installed`)."""
 
 from __future__ import annotations
 
-from tests.second_engine import __main__ as second_main
-from tests.second_engine import engine as second_engine
+from second_engine import __main__ as second_main
+from second_engine import engine as second_engine
 
 _honest = second_engine.manifest
 
