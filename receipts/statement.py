@@ -110,6 +110,9 @@ class RequestInfo(_Model):
     engine_env: dict[str, str] | None = Field(
         None, description="variables the operator added to the engine's environment (--engine-env)"
     )
+    fail_fast: bool | None = Field(
+        None, description="true: --fail-fast, no check ran after the first that did not pass"
+    )
 
 
 class EngineInfo(_Model):

@@ -159,6 +159,7 @@ def build_request(
     dcp: int | None = None,
     no_sandbox: bool = False,
     engine_env: tuple[str, ...] = (),
+    fail_fast: bool = False,
 ) -> RunRequest:
     """Validate every option; UsageError (exit 2) before anything is booted or written."""
     num_spec = parse_spec(spec)
@@ -217,6 +218,7 @@ def build_request(
         dcp=dcp_v,
         sandbox=not no_sandbox,
         engine_env=tuple(sorted(added.items())),
+        fail_fast=fail_fast,
     )
 
 
@@ -285,6 +287,11 @@ def _check_key_file(path: str) -> None:
     "--no-sandbox",
     is_flag=True,
     help="Run a local engine as your own process, unsandboxed (recorded; fleet policies deny it).",
+)
+@click.option(
+    "--fail-fast",
+    is_flag=True,
+    help="Stop at the first check that does not pass; the rest are not run (recorded; never qualified).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the receipt summary as JSON.")
 @click.pass_context

@@ -159,6 +159,7 @@ class RunRequest:
     dcp: int | None = None  # DCP ranks (one process each); None: folded into one process
     sandbox: bool = True  # False: --no-sandbox (the engine runs as the operator's own process)
     engine_env: tuple[tuple[str, str], ...] = ()  # --engine-env K=V, given to the engine and recorded
+    fail_fast: bool = False  # --fail-fast: the checks after the first that does not pass are not run
 
     def request_info(self) -> dict:
         """The predicate's `request` object (receipts.statement.RequestInfo fields)."""
@@ -174,4 +175,5 @@ class RunRequest:
             "dcp": self.dcp,
             "sandbox": self.sandbox,
             "engine_env": dict(self.engine_env) or None,
+            "fail_fast": self.fail_fast or None,
         }

@@ -23,7 +23,8 @@ def _liar_env(home: Home, module: str, **extra: str) -> dict[str, str]:
 def _layout_of_rejected_run(home: Home, env: dict[str, str]) -> dict:
     # The liar's own knobs reach its sandbox only as the operator adds them, on purpose (--engine-env).
     added = [a for k, v in env.items() if k.startswith("LIAR_") for a in ("--engine-env", f"{k}={v}")]
-    ran = home.qualify("run", "--layout", LAYOUT, "--json", *added, env=env)
+    # --fail-fast: nothing after the layout check is asserted, so the run ends with it.
+    ran = home.qualify("run", "--layout", LAYOUT, "--fail-fast", "--json", *added, env=env)
     assert ran.code == 1, ran.stderr[-2000:]
     s = ran.summary()
     assert s["verdict"] == "rejected" and "layout: fail" in s["reasons"]

@@ -15,6 +15,7 @@ DCP2_LAYOUT = "2304,2304,2304,4608"
 
 
 def _rejected(home: Home, env: dict[str, str], *args: str) -> dict:
+    """The rejected run's predicate; the tests that assert only the layout check pass --fail-fast."""
     # The liar's own knobs reach its sandbox only as the operator adds them, on purpose (--engine-env).
     added = [a for k, v in env.items() if k.startswith("LIAR_") for a in ("--engine-env", f"{k}={v}")]
     ran = home.qualify("run", *args, "--json", *added, env=env, timeout=400)
@@ -40,7 +41,7 @@ def _peer_fooled(cond: dict) -> None:
 
 
 def test_decoy_allocations_that_hold_no_cache_are_rejected_by_the_intervention(home: Home):
-    p = _rejected(home, _liar_env(home, "decoy_kv"), "--layout", LAYOUT)
+    p = _rejected(home, _liar_env(home, "decoy_kv"), "--layout", LAYOUT, "--fail-fast")
     layout = check(p, "layout")
     cond = layout["conditions"]
     _peer_fooled(cond)
@@ -54,7 +55,7 @@ def test_decoy_allocations_that_hold_no_cache_are_rejected_by_the_intervention(h
 
 def test_decoys_mirrored_from_the_real_caches_are_rejected_all_the_same(home: Home):
     env = _liar_env(home, "decoy_kv", LIAR_DECOY="mirror")
-    cond = check(_rejected(home, env, "--layout", LAYOUT), "layout")["conditions"]
+    cond = check(_rejected(home, env, "--layout", LAYOUT, "--fail-fast"), "layout")["conditions"]
     _peer_fooled(cond)
     assert cond["intervention_memory_holds_caches"]["holds"]  # the decoys hold plausible bytes
     _failed(cond, "intervention_swap_exchanges_outputs")
@@ -67,7 +68,7 @@ def test_an_engine_that_scrambles_the_owner_of_changed_memory_cannot_fake_the_ex
     # only the exact predictions (the swapped pair answers as each other did; swapped back, as before)
     # tell it from an engine that computes with that memory.
     env = _liar_env(home, "decoy_kv", LIAR_DECOY="scramble")
-    cond = check(_rejected(home, env, "--layout", LAYOUT), "layout")["conditions"]
+    cond = check(_rejected(home, env, "--layout", LAYOUT, "--fail-fast"), "layout")["conditions"]
     for name in ("intervention_kda_slots_owned", "intervention_attention_pages_owned"):
         assert cond[name]["holds"], cond[name]
     assert cond["intervention_others_unchanged"]["holds"]
@@ -77,7 +78,7 @@ def test_an_engine_that_scrambles_the_owner_of_changed_memory_cannot_fake_the_ex
 
 def test_the_same_bytes_laid_out_for_another_block_size_fail_the_intervention(home: Home):
     env = _liar_env(home, "wrong_layout", LIAR_GEOMETRY='{"block_size": 1152, "dcp_size": 8}')
-    cond = check(_rejected(home, env, "--layout", LAYOUT), "layout")["conditions"]
+    cond = check(_rejected(home, env, "--layout", LAYOUT, "--fail-fast"), "layout")["conditions"]
     assert cond["peer_allocation_sizes"]["holds"]
     # Beyond the engine's own view table, the effect shows it: the swap at the geometry's rows is partial.
     _failed(cond, "intervention_swap_exchanges_outputs")

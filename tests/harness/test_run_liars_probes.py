@@ -41,7 +41,7 @@ def test_graphs_claimed_on_a_cpu_target_fail_the_capture_check(home: Home) -> No
 
 
 def test_a_triton_backend_claimed_on_a_cpu_target_is_rejected(home: Home) -> None:
-    s, p = _run(home, "cpu_triton")
+    s, p = _run(home, "cpu_triton", "--fail-fast")
     assert s["verdict"] == "rejected"
     assert check(p, "backend")["evidence"]["resolved"] == "triton"
     failed = _failed(p, "backend")

@@ -100,13 +100,28 @@ def test_engine_crash_during_a_check_rejects_naming_the_check(home: Home) -> Non
     assert home.verify_all().code == 0
 
 
+def test_fail_fast_stops_at_the_first_failing_check_and_the_receipt_names_the_rest(home: Home) -> None:
+    # Spans the tiny preset's folded DCP 4 geometry does not have: the layout check fails.
+    ran = home.qualify("run", "--layout", "2304,2304,2304,4608", "--fail-fast", "--json")
+    assert ran.code == 1, ran.stderr[-2000:]
+    s = ran.summary()
+    assert [c["name"] for c in s["checks"]] == ["boot", "backend", "layout"]
+    assert check(s, "layout")["status"] == "fail"
+    assert s["verdict"] == "rejected"
+    assert any(r.startswith("checks not run: arenas, capture, reload") for r in s["reasons"]), s["reasons"]
+    (p,) = home.predicates()
+    assert p["request"]["fail_fast"] is True
+    assert home.verify_all().code == 0
+
+
 def test_hung_engine_is_bounded_by_the_run_timeout(home: Home) -> None:
     # The kv-handles endpoint hangs the whole server (the fault blocks its event loop), so the layout
     # check, and every check after it, would wait forever without the run's time limit.
     env = home.env(QUALIFY_ENGINE_FAULT="hang-on:/qualify/kv-handles")
     # --timeout counts from the process's start and the checks end 3 s before it; boot hands over the
-    # seeded weights and reloads them, backend runs a refusal probe: then the layout check hangs.
-    timeout = 34
+    # seeded weights and reloads them, backend runs a refusal probe: then the layout check hangs. Those
+    # take about 12 s on an idle 2-core machine and were seen taking 34 s on a loaded one.
+    timeout = 60
     ran = home.qualify("run", "--json", "--timeout", str(timeout), env=env, timeout=timeout + 60)
     assert ran.code == 1, ran.stderr[-2000:]
     s = ran.summary()
