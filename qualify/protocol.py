@@ -6,14 +6,37 @@ Also the coherence rule of two greedy runs (docs/generation.md), implemented onc
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
-PROTOCOL_VERSION = "1"
+# The protocol's version: the engine reports it in `describe` (and in its manifest), the receipt records it,
+# and the harness refuses an engine that speaks another one (docs/PROTOCOL.md, "Versions").
+PROTOCOL_VERSION = "2"
+SUPPORTED_PROTOCOL_VERSIONS = ("2",)
 CAPACITY_ERROR = "CapacityError"
 # The line a DCP engine prints before it exits because a follower rank died ("... rank=R how").
 DCP_RANK_LOST = "QUALIFY_DCP_RANK_LOST"
+
+
+def tree_digest(root: str | Path, files: list[Path]) -> str:
+    """The code-digest algorithm (docs/PROTOCOL.md, "Identity"): sha256 over the files sorted by path, each
+    as (its path relative to `root` with / separators, NUL, its bytes, NUL); `sha256:<hex>`."""
+    import hashlib
+
+    base = Path(root)
+    h = hashlib.sha256()
+    for f in sorted(files):
+        if f.is_file():
+            h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def package_digest(package_dir: str | Path) -> str:
+    """A foreign engine's code digest: `tree_digest` over every .py under its package's directory."""
+    root = Path(package_dir)
+    return tree_digest(root, list(root.rglob("*.py")))
 
 
 def dcp_ranks_lost(log_text: str) -> list[str]:
@@ -157,6 +180,8 @@ class DcpRankInfo(_Reply):
 
 
 class Describe(_Reply):
+    # The protocol version the engine speaks (PROTOCOL_VERSION); None: an engine older than version 2.
+    protocol_version: str | None = None
     engine: EngineInfo
     config: dict
     config_digest: str
@@ -448,6 +473,115 @@ class ProbeResponse(_Reply):
     device_type: str
 
 
+# ---------------------------------------------------------------- the launch document and the manifest
+# Before boot the harness reads the engine's manifest (`python -m MODULE manifest`: the model dimensions it
+# chose, per preset, and the protocol versions it speaks), then writes ONE launch document and starts the
+# engine with `serve --launch FILE`. Everything the checks later hold the engine to (the KV geometry, the
+# per-group cache views, the capacities, the weights file, the scratch dir) is in that document, and the
+# harness's expectations are derived from it, never from the reference engine's presets (docs/PROTOCOL.md).
+
+LAUNCH_FLAG = "--launch"  # serve --launch FILE
+MANIFEST_COMMAND = "manifest"  # python -m MODULE manifest: prints one EngineManifest as JSON
+MAX_MANIFEST_BYTES = 64 * 1024
+DTYPES = ("float32", "bfloat16", "float16")
+# The state of every KDA layer is fp32, whatever the cache dtype (docs/LAYOUT.md).
+KDA_STATE_DTYPE = "float32"
+
+
+class ModelDims(_Msg):
+    """The per-layer cache dimensions an engine chose for its model (what its caches' shapes follow from).
+    The KDA state of a head is V x K with V = K = kda_head_dim."""
+
+    kda_heads: int = Field(ge=1)
+    kda_head_dim: int = Field(ge=1, description="K = V: the key and value dimension of a KDA head")
+    conv_width: int = Field(ge=2, description="depthwise causal conv width; its cached state keeps width-1")
+    attn_kv_heads: int = Field(ge=1)
+    attn_head_dim: int = Field(ge=1)
+    vocab: int = Field(ge=257, description="byte tokens 0..255 then the engine's specials")
+
+
+class EngineManifest(_Reply):
+    """What an engine declares before it is booted (`python -m MODULE manifest`)."""
+
+    name: str
+    version: str
+    protocol_versions: list[str]
+    presets: dict[str, ModelDims]  # the model an engine of each preset has
+    kda_backends: list[str] = ["auto", "torch"]
+    dcp_distributed: bool = False  # whether it runs dcp_ranks = dcp_size (one process per shard)
+
+
+class LaunchGeometry(_Msg):
+    """The KV geometry the harness asks for (docs/LAYOUT.md, docs/PEER.md)."""
+
+    layer_pattern: str = Field(pattern=r"^[KA]+$", description="K = KDA layer, A = attention layer")
+    group_size: int = Field(ge=1, description="layers of one kind per KV group allocation")
+    block_size: int = Field(
+        ge=1, description="tokens per block of a KDA group; per shard of an attention block"
+    )
+    dcp_size: int = Field(ge=1, description="decode-context-parallel shards of the attention KV")
+    dcp_ranks: int = Field(ge=1, description="processes the shards run in: 1 (folded) or dcp_size")
+    interleave: int = Field(1, ge=1, description="tokens dealt to a DCP shard at a time, round-robin")
+    kv_dtype: Literal["float32", "bfloat16", "float16"]  # conv state, attention K and V
+    alignment: int = KV_ALIGNMENT
+    probe_bytes: int = KV_PROBE_BYTES
+
+
+class LaunchCapacity(_Msg):
+    """The capacity envelope. `slots` KDA state slots and `blocks` attention blocks per group follow from it
+    (docs/PEER.md); a batch of more than max_num_seqs prompts is over capacity (409 CapacityError)."""
+
+    max_num_seqs: int = Field(ge=1, description="requests live at once; more in one batch is refused")
+    max_model_len: int = Field(ge=2, description="prompt + generated (+ num_spec) tokens of one request")
+    max_num_batched_tokens: int = Field(ge=1, description="tokens one step may process")
+    num_spec: int = Field(ge=0, le=8, description="speculative tokens per verify step (--spec mtp:N)")
+    capture_sizes: list[int] | None = None  # graph sizes in tokens (multiples of 1 + num_spec); None: own
+
+
+class LaunchView(_Msg):
+    layer: int
+    name: Literal["state", "conv", "k", "v"]
+    offset: int
+    shape: list[int]
+    dtype: Literal["float32", "bfloat16", "float16"]
+
+
+class LaunchGroup(_Msg):
+    """One KV group allocation exactly as the harness's peer will expect it (per DCP rank)."""
+
+    name: str
+    kind: Literal["kda", "attention"]
+    layers: list[int]
+    span: int
+    nbytes: int
+    probe: KvRegion
+    views: list[LaunchView]
+
+
+class LaunchWeights(_Msg):
+    """The weights file: load it; when it does not exist and `create` is true, write seeded weights there
+    first (seed `seed`). The harness hashes this file (sha256 of its bytes) for the receipt's subject."""
+
+    path: str
+    seed: int = Field(0, ge=0)
+    create: bool = True
+
+
+class LaunchDocument(_Msg):
+    """What `serve --launch FILE` reads: the whole configuration the harness asks the engine to be."""
+
+    protocol_version: str
+    preset: str
+    model: ModelDims  # copied from the engine's manifest for the preset
+    kda_decode_backend: str
+    seed: int = Field(0, ge=0)
+    geometry: LaunchGeometry
+    capacity: LaunchCapacity
+    kv_groups: list[LaunchGroup]  # as laid out on each rank (distributed DCP: every rank the same)
+    weights: LaunchWeights
+    scratch_dir: str  # the one directory the engine may write (seeded reloads write their weights here)
+
+
 # ---------------------------------------------------------------- coherence rule (docs/generation.md)
 
 
@@ -624,4 +758,20 @@ __all__ = [
     "dcp_ranks_lost",
     "pattern_bytes",
     "coherence_rule_text",
+    "DTYPES",
+    "EngineManifest",
+    "KDA_STATE_DTYPE",
+    "LAUNCH_FLAG",
+    "LaunchCapacity",
+    "LaunchDocument",
+    "LaunchGeometry",
+    "LaunchGroup",
+    "LaunchView",
+    "LaunchWeights",
+    "MANIFEST_COMMAND",
+    "MAX_MANIFEST_BYTES",
+    "ModelDims",
+    "SUPPORTED_PROTOCOL_VERSIONS",
+    "tree_digest",
+    "package_digest",
 ]

@@ -137,6 +137,16 @@ class EngineInfo(_Model):
         description="where the engine ran: tool, identity, namespaces, mounts, writable paths, network, "
         "its whole environment (docs/SANDBOX.md); enabled false with why when it ran unsandboxed",
     )
+    protocol_version: str | None = Field(
+        None, max_length=16, description="the engine protocol version the engine reported (docs/PROTOCOL.md)"
+    )
+    launch: dict[str, Any] | None = Field(
+        None, description="the launch document the harness wrote and passed (`serve --launch FILE`)"
+    )
+    launch_digest: str | None = Field(None, pattern=_SHA256_REF, description="sha256 of its RFC 8785 bytes")
+    manifest: dict[str, Any] | None = Field(
+        None, description="the engine manifest the harness read before boot (`python -m MODULE manifest`)"
+    )
 
     @model_validator(mode="after")
     def _identity(self) -> EngineInfo:

@@ -43,9 +43,14 @@ def run(ctx: Context) -> Outcome:
     }
     return fail_unless(
         {
-            "arenas_present": engine_says(bool(before.arenas)),
-            "capacities_positive": engine_says(all(a.capacity > 0 for a in before.arenas.values())),
-            "addresses_distinct": engine_says(len(set(addrs_before.values())) == len(addrs_before)),
+            "arenas_present": engine_says(bool(before.arenas), "describe lists no arenas"),
+            "capacities_positive": engine_says(
+                all(a.capacity > 0 for a in before.arenas.values()),
+                f"capacities { ({k: a.capacity for k, a in before.arenas.items()}) }",
+            ),
+            "addresses_distinct": engine_says(
+                len(set(addrs_before.values())) == len(addrs_before), f"addresses {addrs_before}"
+            ),
             "num_spec_in_envelope": engine_says(
                 cap.num_spec == ctx.request.num_spec, f"envelope num_spec {cap.num_spec}"
             ),
@@ -58,7 +63,9 @@ def run(ctx: Context) -> Outcome:
             ),
             "no_address_moved": engine_says(not moved, f"moved: {moved}" if moved else None),
             "refusal_counted": engine_says(
-                after.counters.capacity_refusals > before.counters.capacity_refusals
+                after.counters.capacity_refusals > before.counters.capacity_refusals,
+                f"capacity_refusals {before.counters.capacity_refusals} -> "
+                f"{after.counters.capacity_refusals}",
             ),
             "fitting_batch_served": observed(
                 len(ok_resp.choices) == cap.max_num_seqs,

@@ -4,8 +4,10 @@ harness hashes the weights file itself (local launcher) and, on a GPU, sees the 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -14,14 +16,20 @@ from qualify import settings
 from qualify.checks.base import Check, Cond, Context, Outcome, engine_says, fail_unless, observed
 from qualify.checks.weights import handed_reload_keeps_output
 from qualify.launch.local import DEFAULT_ENGINE_MODULE
-from qualify.protocol import Describe
+from qualify.protocol import SUPPORTED_PROTOCOL_VERSIONS, Describe
+from qualify.run import launch as launch_doc
 from qualify.run.geometry import geometry_for
-from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_digest
+from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_digest, module_source_digest
 from qualify.watch.procs import resolve_ns_pid
+
+MANIFEST_TIMEOUT_S = 60.0  # `python -m MODULE manifest` imports the engine's package, nothing more
 
 
 def sent_config(ctx: Context) -> dict[str, Any]:
     """What the harness asked the engine to be (its launch options): the config the receipt digests."""
+    doc = ctx.facts.get("launch_document")
+    if doc is not None:
+        return launch_doc.sent_config(doc)
     r = ctx.request
     g = geometry_for(r)  # the KV geometry is sent as explicit flags too (qualify/run/geometry.py)
     return {
@@ -38,9 +46,11 @@ def sent_config(ctx: Context) -> dict[str, Any]:
 
 
 def _weights(ctx: Context, d: Describe) -> tuple[dict[str, Any], Cond | None]:
-    """The weights file the harness hashed and handed the engine (read-only, at a path it chose); the
-    engine must name that path. Otherwise (a launcher that hands over none) the file the engine names,
-    which must lie in the data dir; docker: say that the harness could not (it is inside the container)."""
+    """The weights file the harness hashed and handed the engine (read-only, at a path it chose: the launch
+    document's weights.path, create false); the engine must name that path. Otherwise (a launcher that
+    hands over none, or a foreign engine that writes its own) the file the engine names, which must be the
+    file the launch document named (without a document: a file in the data dir the harness and the engine
+    share); docker: say that the harness could not (the file is inside the container)."""
     handed = getattr(ctx.launcher, "weights", None)
     if handed is not None:
         facts = {**handed.evidence(), "engine_names": d.engine.weights_path}
@@ -52,11 +62,20 @@ def _weights(ctx: Context, d: Describe) -> tuple[dict[str, Any], Cond | None]:
     named = d.engine.weights_path
     if not named:
         return {"hashed": False, "why": "the engine named no weights file"}, observed(
-            False, "the engine named no weights file"
+            False, "the engine named no weights file (describe's engine.weights_path is null)"
         )
-    path = Path(named).resolve()
+    host = getattr(ctx.launcher, "host_path", Path)  # a sandbox's scratch dir, as the harness sees it
+    path = host(named).resolve()
+    doc = ctx.facts.get("launch_document")
+    if doc is not None:
+        sent = host(doc.weights.path).resolve()
+        if path != sent or not path.is_file():
+            why = f"the engine names {path}, the launch document named {sent} (weights.path)"
+            if path == sent:
+                why = f"{path}, the file the launch document named, is not a file"
+            return {"hashed": False, "path": str(path), "why": why}, observed(False, why)
     home = settings.data_dir().resolve()
-    if not path.is_relative_to(home) or not path.is_file():
+    if doc is None and (not path.is_relative_to(home) or not path.is_file()):
         why = f"{path} is not a file under the data dir {home}"
         return {"hashed": False, "path": str(path), "why": why}, observed(False, why)
     digest = file_digest(path)
@@ -132,8 +151,91 @@ def serving_process(ctx: Context, health_pid: int, port: int | None) -> tuple[Co
     return engine_says(True, f"/health pid {health_pid} is host pid {proc.pid} of the launched tree"), facts
 
 
+def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
+    """Before boot: read the engine's manifest, refuse a protocol version the harness does not speak, and
+    write the launch document into the launcher's options (docs/PROTOCOL.md, "Launch"). (evidence, why
+    the engine cannot be launched). A launcher that cannot read manifests boots with flags as before."""
+    raw, command, error = ctx.launcher.manifest(min(MANIFEST_TIMEOUT_S, max(1.0, ctx.remaining())))
+    if error is not None and "cannot read an engine manifest" in error:
+        return {"manifest": {"read": False, "why": error}}, None
+    manifest, why = (None, error) if error else launch_doc.parse_manifest(raw, command)
+    if manifest is None:
+        return {"manifest": {"read": False, "command": command, "why": why}}, why
+    ctx.facts["manifest"] = manifest
+    evidence: dict[str, Any] = {"manifest": {"read": True, "command": command, **manifest.model_dump()}}
+    refusal = launch_doc.manifest_refusal(manifest, ctx.request.preset, ctx.request.dcp)
+    if refusal is not None:
+        return evidence, refusal
+    g = launch_doc.harness_geometry(ctx.request)
+    kv = "bfloat16" if ctx.target == "gpu" else "float32"
+    name = launch_doc.weights_name(manifest, ctx.request.preset, g.layer_pattern, kv, 0)
+    # The reference engine's seeded weights fit an engine of its manifest (the reference, a wrapper of it):
+    # the harness seeds and hashes them first and the document hands them over read-only (create false).
+    # Another engine's weights are its own: it writes them where the document says (create true).
+    prepare = getattr(ctx.launcher, "prepare_weights", None)
+    if prepare is not None and manifest.name == launch_doc.REFERENCE_ENGINE_NAME:
+        try:
+            prepare(max(1.0, ctx.remaining()))
+        except RuntimeError as exc:  # the seeding step failed: the engine cannot be handed its weights
+            return evidence, str(exc)
+    elif hasattr(ctx.launcher, "weights"):
+        ctx.launcher.weights = None  # type: ignore[attr-defined]
+        ctx.launcher.hand_weights = False  # type: ignore[attr-defined]
+    weights, scratch = ctx.launcher.launch_paths(name)
+    create = getattr(ctx.launcher, "weights", None) is None
+    doc = launch_doc.build(
+        ctx.request, manifest, ctx.target, weights_path=weights, scratch_dir=scratch, weights_create=create
+    )
+    ctx.facts["launch_document"] = doc
+    options = getattr(ctx.launcher, "options", None)
+    if options is not None:
+        ctx.launcher.options = replace(options, launch=doc.model_dump_json())  # type: ignore[attr-defined]
+    evidence["launch"] = {"digest": launch_doc.document_digest(doc), "document": doc.model_dump(mode="json")}
+    return evidence, None
+
+
+def _code_identity(ctx: Context, d: Describe) -> tuple[str | None, Cond | None, dict[str, Any]]:
+    """The harness's digest of the code a local engine runs, and whether the engine's claim agrees.
+
+    The reference module: qualify/engine, protocol.py, shm.py and kernels. Another module is named as
+    itself: either its own tree (a foreign engine: the module's package, `tree_digest`), or, for a module
+    that runs the reference engine inside it (a wrapper, a patched build), the reference digest combined
+    with its own (`sha256(reference NUL module NUL own)`). A foreign engine claiming the reference's digest
+    matches neither, so it never borrows the reference's identity."""
+    if ctx.launcher.kind != "local":
+        return None, None, {}
+    module = getattr(ctx.launcher, "module", DEFAULT_ENGINE_MODULE)
+    base = engine_code_digest_on_disk()
+    claim = bare_hex(d.engine.code_digest)
+    if module == DEFAULT_ENGINE_MODULE:
+        cond = engine_says(claim == bare_hex(base), f"engine says {d.engine.code_digest}, disk has {base}")
+        return base, cond, {"harness_on_disk": base}
+    own, where = module_source_digest(module)
+    if own is None:
+        return base, engine_says(False, f"the harness cannot hash the engine module: {where}"), {"why": where}
+    wrapped = "sha256:" + hashlib.sha256(f"{base}\0{module}\0{own}".encode()).hexdigest()
+    seen = {"module": module, "own_tree": own, "reference_wrapped": wrapped, "where": where}
+    if claim == bare_hex(own):
+        ctx.facts["code_identity"] = (own, f"{where}: the engine's own code, hashed by the harness")
+        return own, engine_says(True, f"engine says {own}: its own tree ({where})"), seen
+    if claim == bare_hex(wrapped):
+        scope = f"qualify/engine, qualify/protocol.py and kernels, hashed by the harness, plus {where}: {own}"
+        ctx.facts["code_identity"] = (wrapped, scope)
+        ok = engine_says(True, f"engine says {wrapped}: the reference engine run by {module}")
+        return wrapped, ok, seen
+    detail = (
+        f"engine says {d.engine.code_digest}; the harness hashed {module} as {own} (its own tree: {where}) "
+        f"and as {wrapped} (the reference engine {base} run by it); a foreign engine reports its own tree's "
+        "digest (docs/PROTOCOL.md, Identity)"
+    )
+    return own, engine_says(False, detail), seen
+
+
 def run(ctx: Context) -> Outcome:
     t0 = time.monotonic()
+    prep, refusal = prepare_launch(ctx)
+    if refusal is not None:
+        return Outcome("fail", prep, refusal, {"engine_manifest_accepted": observed(False, refusal)})
     try:
         ctx.url = ctx.launcher.start(ctx.remaining())
     except TimeoutError as exc:
@@ -153,11 +255,9 @@ def run(ctx: Context) -> Outcome:
     sent = sent_config(ctx)
     described = {k: d.config.get(k) for k in sent}
     described["num_spec"] = d.capacity.num_spec
-    # A local engine runs the code installed beside the harness: its self-reported code digest must equal
-    # the digest the harness computes from the same files (the receipt's code subject is the harness's).
-    # A foreign engine (QUALIFY_ENGINE_MODULE) is named by its own tree's digest, never held to this one.
-    reference = getattr(ctx.launcher, "module", DEFAULT_ENGINE_MODULE) == DEFAULT_ENGINE_MODULE
-    disk_digest = engine_code_digest_on_disk() if ctx.launcher.kind == "local" and reference else None
+    # A local engine's self-reported code digest must equal the digest the harness computes of the code it
+    # launched (the receipt's code subject is the harness's).
+    disk_digest, code_cond, code_seen = _code_identity(ctx, d)
     launcher_pid = ctx.launcher.status().detail.get("pid")
     weights, weights_cond = _weights(ctx, d)
     ctx.facts["weights_file"] = weights
@@ -172,13 +272,25 @@ def run(ctx: Context) -> Outcome:
         "versions": d.versions.model_dump(mode="json"),
         "config": {"sent": sent, "described": described, "described_digest": d.config_digest},
         "target": {"expected": ctx.target, "engine_device": d.device.type},
-        "code_digest": {"engine": d.engine.code_digest, "harness_on_disk": disk_digest},
+        "code_digest": {"engine": d.engine.code_digest, "harness_on_disk": disk_digest, **code_seen},
+        "protocol_version": d.protocol_version,
+        **prep,
         "weights_file": weights,
         "cudagraph_mode": d.cudagraph_mode,
         "launcher": ctx.launcher.identity(),
     }
     differ = {k: (v, described[k]) for k, v in sent.items() if described[k] != v}
+    spoken = d.protocol_version in SUPPORTED_PROTOCOL_VERSIONS
+    speaks = list(SUPPORTED_PROTOCOL_VERSIONS)
     conditions = {
+        # The version the engine answers in; the harness reads nothing else right from another version.
+        "protocol_version_spoken": engine_says(
+            spoken,
+            f"protocol {d.protocol_version}"
+            if spoken
+            else f"the engine reports protocol version {d.protocol_version!r} in describe; this harness "
+            f"speaks {speaks}",
+        ),
         # What the harness sent is the receipt's config; the engine's account of it must agree.
         "described_config_agrees_with_sent": engine_says(
             not differ, f"sent vs described: {differ}" if differ else None
@@ -211,11 +323,19 @@ def run(ctx: Context) -> Outcome:
         )
         cond, evidence["handed_weights_reload"] = handed_reload_keeps_output(ctx, handed.engine_path)
         conditions["handed_weights_reload_keeps_output"] = cond
-    if disk_digest is not None:
-        # The harness hashed the code it launched; the engine's claim about itself must agree with it.
-        conditions["code_digest_matches_disk"] = engine_says(  # one side is the engine's number: `engine`
-            bare_hex(d.engine.code_digest) == bare_hex(disk_digest),
-            f"engine says {d.engine.code_digest}, disk has {disk_digest}",
+    if code_cond is not None:
+        # The harness hashed the code it launched; the engine's claim about itself must agree with it (one
+        # side is the engine's number: `engine`).
+        conditions["code_digest_matches_disk"] = code_cond
+    doc = ctx.facts.get("launch_document")
+    if doc is not None:
+        ctx.facts["protocol_version"] = d.protocol_version
+        cap = d.capacity
+        want = {"max_num_seqs": doc.capacity.max_num_seqs, "num_spec": doc.capacity.num_spec,
+                "max_num_batched_tokens": doc.capacity.max_num_batched_tokens}  # fmt: skip
+        got = {k: getattr(cap, k) for k in want}
+        conditions["capacity_as_sent"] = engine_says(
+            got == want, f"describe's capacity {got}, the launch document sent {want}"
         )
     return fail_unless(conditions, evidence)
 

@@ -69,7 +69,9 @@ def run(ctx: Context) -> Outcome:
     if not cap.captured:
         return Outcome("fail", evidence, f"no graphs captured on a {ctx.target} target: {cap.reason}")
     ctx.captured = True
-    want = sorted(before.config.get("capture_sizes") or [])
+    doc = ctx.facts.get("launch_document")  # the sizes the harness asked for; else the engine's own
+    sent = doc.capacity.capture_sizes if doc is not None else None
+    want = sorted(sent if sent is not None else before.config.get("capture_sizes") or [])
     # What was captured is measured, not read back from the config: the engine's graph counter moved by at
     # least one graph per size, and (where it reports them) its graph plans cover every requested size.
     captured_graphs = after_capture.counters.graph_captures - before.counters.graph_captures

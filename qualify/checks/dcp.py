@@ -23,6 +23,7 @@ from qualify.checks.base import (
 from qualify.client import EngineClient
 from qualify.launch.base import EngineOptions, proc_stat
 from qualify.protocol import CompletionRequest, ReloadRequest
+from qualify.run import launch as launch_doc
 
 REFERENCE_BOOT_S = 300.0
 
@@ -131,12 +132,26 @@ def _own_gpus(gpu: dict[int, dict[int, int | None]] | None, hosts: dict[int, int
 
 
 def reference_options(ctx: Context) -> EngineOptions:
+    """The DCP 1 reference engine: the same full launch document as the engine under test, with one shard
+    in one process (its attention groups laid out for dcp_size 1), the same weights file and its own
+    scratch dir."""
     r = ctx.request
+    doc, manifest = ctx.facts.get("launch_document"), ctx.facts.get("manifest")
+    launch = None
+    if doc is not None and manifest is not None:
+        # A sandboxed sibling has a scratch dir of its own at the same path inside its sandbox.
+        own = getattr(ctx.launcher, "sandbox", None) is not None
+        launch = launch_doc.build(
+            r, manifest, ctx.target, weights_path=doc.weights.path,
+            scratch_dir=doc.scratch_dir if own else doc.scratch_dir + "-dcp1",
+            weights_create=doc.weights.create, dcp=(1, 1),
+        ).model_dump_json()  # fmt: skip
     return EngineOptions(
         preset=r.preset,
         kda_backend=r.kda_backend,
         num_spec=r.num_spec,
         extra_args=("--dcp-size", "1", "--dcp-ranks", "1"),
+        launch=launch,
     )
 
 

@@ -23,6 +23,7 @@ from qualify.checks.intervene import all_hold, intervene
 from qualify.client import EngineError
 from qualify.protocol import KV_PROBE_BYTES, KvEchoRequest, KvFillRequest, KvHandle, pattern_bytes
 from qualify.run.geometry import geometry_for
+from qualify.run.launch import peer_geometry
 
 PEER_TIMEOUT_S = 90.0  # the peer imports torch (and initialises CUDA) before it maps anything
 
@@ -148,7 +149,12 @@ def run(ctx: Context) -> Outcome:
     d = ctx.client.describe()
     lay = d.layout
     want = ctx.request.layout
-    geometry = geometry_for(ctx.request).for_peer(ctx.request.num_spec, ctx.target)
+    doc = ctx.facts.get("launch_document")  # the peer expects what the harness sent, nothing else
+    geometry = (
+        peer_geometry(doc)
+        if doc is not None
+        else geometry_for(ctx.request).for_peer(ctx.request.num_spec, ctx.target)
+    )
     handles = ctx.client.kv_handles()
     # Distributed DCP: every rank registers its own allocations, and the peer verifies each rank's.
     rank_sets = [(r.rank, r.groups) for r in handles.ranks] or [(0, handles.groups)]

@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", dest="max_model_len", type=int, default=None)
     s.add_argument("--cudagraph", dest="cudagraph_mode", choices=["full", "none"], default=None)
     s.add_argument("--config", default=None, help="JSON file of EngineConfig fields (flags override it)")
+    s.add_argument(
+        "--launch", default=None, help="the harness's launch document (docs/PROTOCOL.md); flags override it"
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=0, help="0 picks a free port")
     s.add_argument("--ready-file", dest="ready_file", default=None)
@@ -76,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         if action.option_strings and action.dest != "help":
             w._add_action(action)
     w.add_argument("--out", required=True, help="the safetensors file to write")
+    sub.add_parser("manifest", help="print this engine's manifest (JSON): protocol versions, model dims")
     o = sub.add_parser("openapi", help="print the engine protocol's OpenAPI document (JSON)")
     o.add_argument("--out", default=None, help="write it to this file instead")
     f.add_argument("--dcp-rank", dest="dcp_rank", type=int, required=True)
@@ -88,8 +92,102 @@ def _fail(msg: str) -> None:
     sys.exit(EXIT_BAD_CONFIG)
 
 
+def manifest() -> dict:
+    """What the harness reads before it launches this engine (qualify.protocol.EngineManifest)."""
+    from dataclasses import asdict
+
+    from qualify import __version__
+    from qualify.protocol import SUPPORTED_PROTOCOL_VERSIONS
+
+    from .config import KDA_BACKENDS, PRESETS
+
+    engine_name = "qualify-reference-engine"  # engine.ENGINE_NAME, without importing torch and kernels
+
+    keys = ("kda_heads", "kda_head_dim", "conv_width", "attn_kv_heads", "attn_head_dim", "vocab")
+    return {
+        "name": engine_name,
+        "version": __version__,
+        "protocol_versions": list(SUPPORTED_PROTOCOL_VERSIONS),
+        "presets": {name: {k: asdict(shape)[k] for k in keys} for name, shape in PRESETS.items()},
+        "kda_backends": list(KDA_BACKENDS),
+        "dcp_distributed": True,
+    }
+
+
+def read_launch(where: str) -> dict:
+    """The launch document: the JSON file `where`, or with `env:NAME` the environment variable NAME (how the
+    Docker launcher passes it)."""
+    if where.startswith("env:"):
+        name = where.removeprefix("env:")
+        if name not in os.environ:
+            raise OSError(f"the environment has no {name}")
+        return json.loads(os.environ[name])
+    with open(where) as f:
+        return json.load(f)
+
+
+def _launch_fields(path: str) -> dict:
+    """EngineConfig fields from a launch document; a document this engine cannot honour exits 2 naming the
+    first thing it cannot (the protocol version, the model dims, a field)."""
+    from pydantic import ValidationError
+
+    from qualify.protocol import SUPPORTED_PROTOCOL_VERSIONS, LaunchDocument
+
+    try:
+        doc = LaunchDocument.model_validate(read_launch(path))
+    except (OSError, ValueError) as e:
+        first = str(e).splitlines()
+        if isinstance(e, ValidationError):
+            err = e.errors()[0]
+            first = [f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err['msg']}"]
+        _fail(f"cannot read the launch document {path}: {' '.join(first[:2])}")
+    if doc.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
+        _fail(
+            f"the launch document speaks protocol {doc.protocol_version}; this engine speaks "
+            f"{list(SUPPORTED_PROTOCOL_VERSIONS)}"
+        )
+    dims = manifest()["presets"].get(doc.preset)
+    if dims is not None and doc.model.model_dump() != dims:
+        _fail(f"the launch document's model {doc.model.model_dump()} is not preset {doc.preset}'s {dims}")
+    g, c = doc.geometry, doc.capacity
+    return {
+        "preset": doc.preset, "kda_decode_backend": doc.kda_decode_backend, "seed": doc.seed,
+        "layer_pattern": g.layer_pattern, "group_size": g.group_size, "block_size": g.block_size,
+        "dcp_size": g.dcp_size, "dcp_ranks": g.dcp_ranks, "interleave": g.interleave, "dtype": g.kv_dtype,
+        "max_num_seqs": c.max_num_seqs, "max_model_len": c.max_model_len,
+        "max_num_batched_tokens": c.max_num_batched_tokens, "num_spec": c.num_spec,
+        "capture_sizes": c.capture_sizes, "weights": doc.weights.path, "weights_create": doc.weights.create,
+        "scratch_dir": doc.scratch_dir,
+    }  # fmt: skip
+
+
+def _launch_layout_differs(engine, path: str) -> str | None:
+    """The first way this engine's exported allocations differ from the launch document's kv_groups."""
+    from qualify.protocol import LaunchDocument
+
+    from . import kv_export
+
+    doc = LaunchDocument.model_validate(read_launch(path))
+    have = {g["name"]: g for g in kv_export.kv_handles(engine)["groups"]}
+    for want in doc.kv_groups:
+        got = have.pop(want.name, None)
+        if got is None:
+            return f"group {want.name} of the launch document is not allocated"
+        if got["nbytes"] != want.nbytes or got["probe"]["offset"] != want.probe.offset:
+            return (
+                f"group {want.name}: {got['nbytes']} bytes, probe at {got['probe']['offset']}; the document "
+                f"says {want.nbytes} bytes, probe at {want.probe.offset}"
+            )
+        views = [{k: v[k] for k in ("layer", "name", "offset", "shape", "dtype")} for v in got["views"]]
+        if views != [v.model_dump() for v in want.views]:
+            return f"group {want.name}: views {views} differ from the launch document's"
+    return f"groups {sorted(have)} are not in the launch document" if have else None
+
+
 def _config_fields(args: argparse.Namespace) -> dict:
     fields: dict = {}
+    if getattr(args, "launch", None):
+        fields.update(_launch_fields(args.launch))
     if args.config:
         with open(args.config) as f:
             fields.update(json.load(f))
@@ -260,6 +358,11 @@ def _serve(args: argparse.Namespace) -> None:
         engine = Engine(cfg, dcp=group)
     except (EngineConfigError, WeightsError) as e:
         _fail(str(e))
+    if args.launch:
+        differs = _launch_layout_differs(engine, args.launch)
+        if differs:
+            engine.close()
+            _fail(f"this engine cannot lay out its caches as the launch document says: {differs}")
     if group is not None:
         # Rank 0 built its engine first (the seeded weights file exists), then starts the other ranks with
         # its own arguments and joins them; a rank lost at any time ends this engine, naming the rank.
@@ -402,6 +505,8 @@ def main(argv: list[str] | None = None) -> None:
         write_weights(args)
     elif args.command == "follow":
         follow_rank(args)
+    elif args.command == "manifest":
+        print(json.dumps(manifest(), sort_keys=True), flush=True)
     elif args.command == "openapi":
         from .server import protocol_openapi
 

@@ -82,6 +82,8 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     seed: int = Field(0, ge=0)
     weights: str | None = None  # safetensors path; default under the data dir
+    weights_create: bool = False  # a named weights file that does not exist yet: write seeded weights there
+    scratch_dir: str | None = None  # where seeded reloads write their weights (the launch document's)
     selector_pool: int = Field(64, ge=1)  # tokens pooled into one selector row
     selector_topk: int = Field(16, ge=1)  # pooled rows a query attends to (own row included)
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from kernels.kda import BackendUnavailable, get_backend, resolve_backend
-from qualify.protocol import Counters
+from qualify.protocol import PROTOCOL_VERSION, Counters, package_digest, tree_digest
 
 from .arena import build_arena
 from .config import EngineConfig
@@ -47,7 +48,22 @@ def code_digest() -> str:
     for f in files:
         if f.is_file():
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return "sha256:" + h.hexdigest()
+    base = "sha256:" + h.hexdigest()
+    # Run by another module (`python -m tests.liars.x`, a patched build): that module's code is part of what
+    # runs, so the engine names it too (docs/PROTOCOL.md, Identity): sha256(base NUL module NUL its digest).
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = getattr(main, "name", None) or ""
+    if module.endswith(".__main__"):
+        module = module.removesuffix(".__main__")
+    if not module or module == "qualify.engine" or main is None or not main.origin:
+        return base
+    origin = Path(main.origin).resolve()
+    own = (
+        package_digest(origin.parent)
+        if origin.name == "__main__.py"
+        else tree_digest(origin.parent, [origin])
+    )
+    return "sha256:" + hashlib.sha256(f"{base}\0{module}\0{own}".encode()).hexdigest()
 
 
 class Engine:
@@ -114,7 +130,9 @@ class Engine:
         if seed is not None:
             target = default_weights_path(self.cfg, seed)
             beside = Path(self.weights_path).parent
-            if beside != target.parent and os.access(beside, os.W_OK):
+            if self.cfg.scratch_dir:  # the launch document's one writable directory
+                target = Path(self.cfg.scratch_dir) / target.name
+            elif beside != target.parent and os.access(beside, os.W_OK):
                 target = beside / target.name  # else (a read-only weights mount): under the data dir
             if not target.is_file():
                 save(generate(self.model, seed), target, {"seed": str(seed), "preset": self.cfg.preset})
@@ -186,6 +204,7 @@ class Engine:
     def describe(self) -> dict:
         cfg = self.cfg
         return {
+            "protocol_version": PROTOCOL_VERSION,
             "engine": {
                 "name": ENGINE_NAME,
                 "version": _qualify_version(),

@@ -70,7 +70,7 @@ def _align(n: int, a: int) -> int:
 def expected_views(kind: str, layers: list[int], g: dict) -> tuple[list[dict], int, int]:
     """(views, probe offset, total bytes) of one group's allocation as the geometry lays it out.
 
-    KDA layer: fp32 state [slots, H, K, K] and conv [slots, 3*H*K, width-1]; attention layer: K and V
+    KDA layer: fp32 state [slots, H, V, K] (V = K) and conv [slots, 3*H*K, width-1]; attention layer: K and V
     [blocks, shards, block_size, kv_heads, head_dim], blocks = 1 + max_num_seqs * ceil(len / span), shards
     = dcp_size folded, 1 on each rank of a distributed DCP (dcp_ranks = dcp_size)."""
     slots = 1 + g["max_num_seqs"] * (1 + g["num_spec"])
@@ -80,7 +80,7 @@ def expected_views(kind: str, layers: list[int], g: dict) -> tuple[list[dict], i
         if kind == "kda":
             h, k = g["kda_heads"], g["kda_head_dim"]
             parts = [
-                ("state", [slots, h, k, k], "float32"),
+                ("state", [slots, h, k, k], "float32"),  # [slots, H, V, K] with V = K
                 ("conv", [slots, 3 * h * k, g["conv_width"] - 1], g["dtype"]),
             ]
         else:

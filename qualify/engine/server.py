@@ -49,6 +49,8 @@ from .runner import ModeUnavailable
 from .tokenizer import ByteTokenizer
 from .weights import WeightsError
 
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4"  # Prometheus text exposition format
+
 
 def _error(status: int, type_: str, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"type": type_, "message": message}})
@@ -271,7 +273,7 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
     async def probe() -> ProbeResponse:
         return ProbeResponse.model_validate(await verb("probe"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         lines = []
         counts = engine.counters.model_dump(exclude={"spec_acceptance_rate"})
@@ -291,7 +293,7 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
             "# TYPE qualify_engine_boot_seconds gauge",
             f"qualify_engine_boot_seconds {engine.boot_seconds:.6f}",
         ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return PlainTextResponse("\n".join(lines) + "\n", media_type=METRICS_CONTENT_TYPE)
 
     return app
 
@@ -309,6 +311,39 @@ def protocol_openapi() -> dict:
     doc["info"] = {
         "title": "qualify engine protocol",
         "version": PROTOCOL_VERSION,
-        "description": "What an engine serves to be qualified by `qualify run` (docs/PROTOCOL.md).",
+        "description": "What an engine serves to be qualified by `qualify run` (docs/PROTOCOL.md). The "
+        "launch document (`serve --launch FILE`) and the manifest (`python -m MODULE manifest`) are not "
+        "served: their schemas are LaunchDocument and EngineManifest under components.",
     }
+    return _protocol_errors(doc)
+
+
+def _protocol_errors(doc: dict) -> dict:
+    """Every error answers ErrorBody ({"error": {type, message}}): a 422 is a ValidationError in that shape
+    (never FastAPI's {"detail": [...]}), and every other status is documented as the default response. The
+    launch document and the manifest join the components, so one file holds every schema of the contract."""
+    from qualify.protocol import EngineManifest, ErrorBody, LaunchDocument
+
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    for model in (ErrorBody, LaunchDocument, EngineManifest):
+        one = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(one.pop("$defs", {}))
+        schemas[model.__name__] = one
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    ok = doc["paths"]["/metrics"]["get"]["responses"]["200"]
+    ok["content"] = {METRICS_CONTENT_TYPE: ok["content"].pop("text/plain")}
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            responses = op["responses"]
+            if "422" in responses:
+                responses["422"] = {
+                    "description": "ValidationError: the body does not fit the schema",
+                    "content": error,
+                }
+            responses["default"] = {
+                "description": 'any 4xx/5xx: {"error": {type, message}}',
+                "content": error,
+            }
     return doc

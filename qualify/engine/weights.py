@@ -130,10 +130,11 @@ def ensure_weights(model: nn.Module, cfg) -> Path:
     """Load the configured weights; generate and save them first if this is the first boot."""
     path = Path(cfg.weights) if cfg.weights else default_weights_path(cfg)
     if not path.is_file():
-        if cfg.weights:
+        if cfg.weights and not cfg.weights_create:
             raise WeightsError(
                 f"weights file {path} does not exist; omit --weights to generate seeded weights"
             )
+        path.parent.mkdir(parents=True, exist_ok=True)
         save(generate(model, cfg.seed), path, {"seed": str(cfg.seed), "preset": cfg.preset})
     load_into(model, path)
     return path

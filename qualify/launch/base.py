@@ -98,8 +98,22 @@ class EngineOptions:
     kda_backend: str
     num_spec: int = 0
     extra_args: tuple[str, ...] = ()
+    # The launch document (JSON text, docs/PROTOCOL.md "Launch"): when set, the engine is started with
+    # `serve --launch FILE` alone, the launcher writing the file where the engine can read it.
+    launch: str | None = None
 
-    def serve_args(self, kda_backend: str | None = None) -> list[str]:
+    def launch_text(self, kda_backend: str | None = None) -> str:
+        """The launch document, with another backend where one is given (the refusal probe's)."""
+        assert self.launch is not None
+        if kda_backend is None:
+            return self.launch
+        doc = json.loads(self.launch)
+        doc["kda_decode_backend"] = kda_backend
+        return json.dumps(doc, sort_keys=True)
+
+    def serve_args(self, kda_backend: str | None = None, launch_path: str | None = None) -> list[str]:
+        if self.launch is not None and launch_path is not None:
+            return ["serve", "--launch", launch_path]
         return [
             "serve",
             "--preset",
@@ -220,6 +234,15 @@ class Launcher(ABC):
         """Another engine of the same build, launched the same way with other options (a reference the
         harness compares against), logging under the run dir's `name` folder. Not restarted."""
         raise NotImplementedError(f"the {self.kind} launcher cannot start a reference engine")
+
+    def launch_paths(self, weights_name: str) -> tuple[str, str]:
+        """(weights file, scratch dir) as the engine will see them: the launcher fills these fields of the
+        launch document (where they live is the launcher's to decide)."""
+        raise NotImplementedError(f"the {self.kind} launcher does not say where the weights live")
+
+    def manifest(self, timeout_s: float) -> tuple[bytes | None, str, str | None]:
+        """Run the engine's `manifest` command: (its output, the command in words, why there is none)."""
+        return None, "manifest", f"the {self.kind} launcher cannot read an engine manifest"
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
         """Launch the KV-transfer peer (the harness's own code, not the engine) where it can import the

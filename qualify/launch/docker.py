@@ -142,6 +142,12 @@ def device_requests(gpus: str | None) -> list[Any]:
     return [types.DeviceRequest(device_ids=gpus.split(","), capabilities=[["gpu"]])]
 
 
+# The launch document inside a container: in this environment variable, named to the engine as
+# `serve --launch env:QUALIFY_LAUNCH` (docs/PROTOCOL.md, "Launch").
+LAUNCH_ENV = "QUALIFY_LAUNCH"
+LAUNCH_PATH = f"env:{LAUNCH_ENV}"
+
+
 class DockerLauncher(Launcher):
     kind = "docker"
 
@@ -188,12 +194,25 @@ class DockerLauncher(Launcher):
         self.monitor = EngineMonitor(run_dir, enabled=monitor_enabled(self._env_source))
         self._watches: list[_HarnessWatch] = []
 
+    def _entry(self) -> list[str]:
+        """What runs the engine's commands: nothing of ours when the image declares an ENTRYPOINT (a foreign
+        engine's image: its entry point gets `serve ...` and `manifest`), else the reference engine."""
+        image = self._image or self._resolve_image()
+        declared = (image.attrs.get("Config") or {}).get("Entrypoint")
+        return [] if declared else ["python", "-m", "qualify.engine"]
+
     def command(self, kda_backend: str | None = None, *, monitored: bool = False) -> list[str]:
-        """The engine's command; `monitored`: run through the monitor file mounted at CONTAINER_DIR."""
-        args = [*self.options.serve_args(kda_backend), "--host", "0.0.0.0", "--port", "8000"]
+        """The engine's command; `monitored`: run through the monitor file mounted at CONTAINER_DIR (only
+        for an image run as `python -m qualify.engine`: the monitor cannot wrap an entry point it does not
+        know)."""
+        launch = LAUNCH_PATH if self.options.launch else None
+        args = [*self.options.serve_args(kda_backend, launch), "--host", "0.0.0.0", "--port", "8000"]
+        entry = self._entry()
+        if not entry:
+            return args
         if monitored:
             return ["python", f"{CONTAINER_DIR}/cupti_monitor.py", "qualify.engine", *args]
-        return ["python", "-m", "qualify.engine", *args]
+        return [*entry, *args]
 
     # ------------------------------------------------------------ lifecycle
     def _resolve_image(self) -> Any:
@@ -217,7 +236,7 @@ class DockerLauncher(Launcher):
             "detach": True,
             "name": f"qualify-engine-{self.run_id}",
             "labels": self.labels,
-            "environment": {**self.env, **mon_env},
+            "environment": {**self.env, **mon_env, **self._launch_env(None)},
             "ipc_mode": "host",  # CUDA IPC between the engine and its KV-transfer peer
             # No daemon restarts until the engine is ready: a refusal at construction (exit 2) must not be
             # booted again, and the daemon's policy cannot tell it from a crash. The harness restarts a
@@ -502,6 +521,7 @@ class DockerLauncher(Launcher):
         image = self._image or self._resolve_image()
         cmd = self.command(kda_backend)
         env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
+        env.update(self._launch_env(kda_backend))
         watch = _HarnessWatch(self)
         t0 = time.monotonic()
         # Removed by the daemon when it exits, and stopped by its own watch when the harness is gone (a
@@ -555,6 +575,52 @@ class DockerLauncher(Launcher):
             with contextlib.suppress(Exception):
                 c.remove(force=True)
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out)
+
+    def _launch_env(self, kda_backend: str | None) -> dict[str, str]:
+        """The launch document travels in the container's environment (`--launch env:QUALIFY_LAUNCH`): no file
+        of the host's is mounted and nothing is copied into the container's filesystem; it is also kept
+        beside the logs."""
+        if self.options.launch is None:
+            return {}
+        text = self.options.launch_text(kda_backend)
+        if kda_backend is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "launch.json").write_text(text)
+        return {LAUNCH_ENV: text}
+
+    def launch_paths(self, weights_name: str) -> tuple[str, str]:
+        return f"/var/lib/qualify/weights/{weights_name}", "/tmp/qualify-scratch"
+
+    def manifest(self, timeout_s: float) -> tuple[bytes | None, str, str | None]:
+        """`manifest` in a throwaway container of the image (its entry point, else the reference engine's
+        `python -m qualify.engine manifest`), bounded by timeout_s."""
+        import requests  # the docker SDK's transport
+
+        docker = _docker()
+        text = f"docker run {self.image_ref} manifest"
+        c = None
+        try:
+            image = self._image = self._image or self._resolve_image()
+            cmd = [*self._entry(), "manifest"]
+            text = f"docker run {self.image_ref} {' '.join(cmd)}"
+            c = self._client.containers.create(
+                image.id, cmd, detach=True, labels=self.labels,
+                network_disabled=True, name=f"qualify-manifest-{self.run_id}",
+            )  # fmt: skip
+            c.start()
+            code = int(c.wait(timeout=timeout_s)["StatusCode"])
+            out = c.logs(stdout=True, stderr=False)
+        except requests.exceptions.RequestException:
+            return None, text, f"`{text}` did not finish within {timeout_s:g} s"
+        except docker.errors.APIError as exc:
+            return None, text, f"`{text}` failed: {_explain(exc)}"
+        finally:
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    c.remove(force=True)
+        if code != 0:
+            return None, text, f"`{text}` exited with code {code}"
+        return bytes(out), text, None
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
         """The peer by `docker exec` inside the engine container (its IPC namespace, /dev/shm and GPUs), as

@@ -112,6 +112,8 @@ class LocalLauncher(Launcher):
         self.env = dict(os.environ if env is None else env)
         self.sandbox = sandbox
         self.weights = weights
+        # False: this engine writes its own weights (a foreign engine, its launch document's create true)
+        self.hand_weights = True
         self.log_path = run_dir / "engine.log"
         self.scratch = run_dir / "scratch"
         self._lock = threading.Lock()
@@ -144,8 +146,10 @@ class LocalLauncher(Launcher):
 
     def command(self, port: int, kda_backend: str | None = None) -> list[str]:
         """The engine's own argv (inside the sandbox when there is one)."""
-        weights = [] if self.weights is None else ["--weights", self.weights.engine_path]
-        args = [*self.options.serve_args(kda_backend), *weights, "--port", str(port)]
+        launch = self._launch_file(kda_backend)
+        handed = self.weights is not None and launch is None  # a launch document names the file itself
+        weights = ["--weights", self.weights.engine_path] if handed and self.weights is not None else []
+        args = [*self.options.serve_args(kda_backend, launch), *weights, "--port", str(port)]
         if self.monitor.enabled and kda_backend is None:  # the refusal probe's engine is not monitored
             return monitor_command(self.python, self.module, args)
         return [self.python, "-m", self.module, *args]
@@ -252,11 +256,76 @@ class LocalLauncher(Launcher):
         shutil.rmtree(scratch, ignore_errors=True)
         return True
 
+    def _launch_file(self, kda_backend: str | None = None) -> str | None:
+        """Write the launch document (the refusal probe's beside it) into the run dir, and in a sandbox into
+        the scratch dir too (the one folder of the host the engine sees); the path the engine reads."""
+        if self.options.launch is None:
+            return None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        name = "launch.json" if kda_backend is None else "launch-refusal.json"
+        text = self.options.launch_text(kda_backend)
+        (self.run_dir / name).write_text(text)
+        if self.sandbox is None:
+            return str(self.run_dir / name)
+        scratch = self.scratch if kda_backend is None else self.run_dir / "refusal-scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        (scratch / name).write_text(text)
+        os.chmod(scratch / name, 0o444)
+        return f"{SCRATCH}/{name}"
+
+    def launch_paths(self, weights_name: str) -> tuple[str, str]:
+        """The handed weights where the engine sees them (prepare_weights has run: boot's prepare_launch),
+        else a file the engine writes: in a sandbox under its scratch dir, unsandboxed in the data dir."""
+        from qualify import settings
+
+        scratch = SCRATCH if self.sandbox is not None else str(self.scratch)
+        if self.weights is not None:
+            return self.weights.engine_path, scratch
+        if self.sandbox is not None:
+            return f"{SCRATCH}/weights/{weights_name}", scratch
+        return str(settings.data_dir() / "weights" / weights_name), scratch
+
+    def host_path(self, engine_path: str) -> Path:
+        """A path the engine names, as the harness sees it (its scratch dir is the sandbox's SCRATCH)."""
+        if self.sandbox is not None and (engine_path == SCRATCH or engine_path.startswith(SCRATCH + "/")):
+            return self.scratch / engine_path[len(SCRATCH) :].lstrip("/")
+        return Path(engine_path)
+
+    def manifest(self, timeout_s: float) -> tuple[bytes | None, str, str | None]:
+        """`python -m MODULE manifest`, in this launcher's sandbox like every engine process."""
+        argv = [self.python, "-m", self.module, "manifest"]
+        env = {k: v for k, v in self.env.items() if k != FAULT_ENV}
+        sub_env = env if self.sandbox is None else self.sandbox.engine_env(env)
+        scratch = self.run_dir / "manifest-scratch"
+        text = " ".join(argv[1:])
+        try:
+            proc, _ = self._popen(
+                argv, scratch, sub_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:
+            return None, text, f"`{text}` could not run: {exc}"
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _terminate(proc, 1.0)
+            proc.communicate()
+            return None, text, f"`{text}` did not finish within {timeout_s:g} s"
+        finally:
+            if self.sandbox is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        rc = _exit_status(proc.returncode, self.sandbox is not None)
+        if rc != 0:
+            why = _last_line(err.decode(errors="replace") or out.decode(errors="replace"))
+            return None, text, f"`{text}` exited with code {rc}: {why}"
+        return out, text, None
+
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float) -> str:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        self.prepare_weights(timeout_s)
+        if self.hand_weights:
+            self.prepare_weights(timeout_s)
         timeout_s = max(0.0, timeout_s - (time.monotonic() - t0))
         self._thread = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
         self._thread.start()
@@ -408,7 +477,7 @@ class LocalLauncher(Launcher):
         return "\n".join(text.splitlines()[-lines:])
 
     def sibling(self, options: EngineOptions, name: str) -> LocalLauncher:
-        return LocalLauncher(
+        other = LocalLauncher(
             options,
             self.run_dir / name,
             max_restarts=0,
@@ -417,6 +486,8 @@ class LocalLauncher(Launcher):
             sandbox=self.sandbox,
             weights=self.weights,
         )
+        other.hand_weights = self.hand_weights
+        return other
 
     def identity(self) -> dict[str, Any]:
         return {"launcher": "local", "python": self.python, "engine_module": self.module}

@@ -25,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import py_compile
 import select
 import shutil
 import site
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,9 @@ CACHE_ENV = "QUALIFY_CACHE_DIR"  # the harness's cache (file digests, seeded wei
 SANDBOX_UID = SANDBOX_GID = 65534  # nobody/nogroup on Debian
 SCRATCH = "/qualify/scratch"  # the engine's only writable folder, inside the sandbox
 WEIGHTS_DIR = "/qualify/weights"  # where the harness's weights file appears, read-only
+# Where the bytecode the harness compiled from the hashed sources appears, read-only: the engine's
+# PYTHONPYCACHEPREFIX, so no __pycache__ beside a source (which the code digest does not cover) is read.
+PYCACHE_DIR = "/qualify/pycache"
 HOSTNAME = "qualify-engine"
 PROBE_TIMEOUT_S = 15.0
 INFO_TIMEOUT_S = 30.0
@@ -79,6 +84,24 @@ SKIP_DIRS = {"__pycache__"}
 
 class SandboxUnavailable(LaunchError):
     """This host cannot give the engine a sandbox: one line saying why and what to do."""
+
+
+def pycache_dir() -> Path:
+    """The harness's own bytecode of the engine's code mounts (this interpreter's cache tag)."""
+    return cache_dir() / f"pycache-{sys.implementation.cache_tag}"
+
+
+def _compiled(source: str, into: Path, fresh: bool) -> None:
+    """Bytecode of `source` at its PYTHONPYCACHEPREFIX place under `into`, compiled from the bytes just
+    hashed (again when the file changed, `fresh` False, or the bytecode is missing). A file that does not
+    compile is left to fail in the engine, as it would."""
+    head, name = os.path.split(source)
+    target = os.path.join(into, head.lstrip(os.sep), f"{name[:-3]}.{sys.implementation.cache_tag}.pyc")
+    if fresh and os.path.exists(target):
+        return
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a SyntaxWarning of some test file in site-packages is not ours
+        py_compile.compile(source, cfile=target, dfile=source, doraise=True, quiet=2)
 
 
 def cache_dir() -> Path:
@@ -344,6 +367,7 @@ class DigestCache:
         self.entries: dict[str, list[Any]] = {}
         self.seen: set[str] = set()
         self.dirty = False
+        self.last_hit = False  # whether the last digest() came from the cache (the file unchanged)
         if path is not None:
             with contextlib.suppress(OSError, ValueError):
                 self.entries = json.loads(path.read_text())
@@ -352,6 +376,7 @@ class DigestCache:
         key = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
         self.seen.add(str(f))
         got = self.entries.get(str(f))
+        self.last_hit = got is not None and got[:5] == key
         if got is not None and got[:5] == key:
             return str(got[5])
         h = hashlib.sha256()
@@ -379,12 +404,16 @@ class DigestCache:
 
 
 def tree_digest(
-    roots: list[str] | tuple[str, ...], cache: DigestCache | None = None, exclude: tuple[str, ...] = ()
+    roots: list[str] | tuple[str, ...],
+    cache: DigestCache | None = None,
+    exclude: tuple[str, ...] = (),
+    compile_into: Path | None = None,
 ) -> tuple[str, int]:
     """sha256 over every regular file and symlink under `roots` (files or folders; __pycache__ skipped),
     sorted by path: (path NUL `f` sha256-of-bytes NUL) or (path NUL `l` link-target NUL). (digest, files).
     One lstat per entry (os.scandir): a virtual environment's tens of thousands of files take well under a
-    second once the cache knows their bytes."""
+    second once the cache knows their bytes. With `compile_into`, every .py file hashed also gets its
+    bytecode there (`_compiled`)."""
     cache = cache or DigestCache(None)
     entries: list[tuple[str, str]] = []
 
@@ -409,6 +438,8 @@ def tree_digest(
                 elif stat.S_ISREG(st.st_mode):
                     with contextlib.suppress(OSError):
                         entries.append((path, "f" + cache.digest(Path(path), st)))
+                        if compile_into is not None and e.name.endswith(".py"):
+                            _compiled(path, compile_into, cache.last_hit)
 
     for root in roots:
         r = str(Path(root))
@@ -428,7 +459,8 @@ def code_digest(code: CodeSet) -> tuple[str, int]:
     """(digest, files) of what `code` covers, its hidden folders left out. The cache of file digests is
     kept per set of roots, so one run loads only the entries its own code can use."""
     key = hashlib.sha256("\0".join(code.hashed).encode()).hexdigest()[:16]
-    return tree_digest(code.hashed, DigestCache(cache_dir() / f"code-digests-{key}.json"), code.hidden)
+    cache = DigestCache(cache_dir() / f"code-digests-{key}.json")
+    return tree_digest(code.hashed, cache, code.hidden, compile_into=pycache_dir())
 
 
 # ---------------------------------------------------------------------------------------------- sandbox
@@ -488,6 +520,7 @@ class Sandbox:
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONNOUSERSITE": "1",
+            "PYTHONPYCACHEPREFIX": PYCACHE_DIR,
         }
         if self.code.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(self.code.pythonpath)
@@ -585,6 +618,9 @@ class Sandbox:
             cmd += ["--tmpfs", h, "--remount-ro", h]
         if weights is not None:
             cmd += ["--ro-bind", str(weights), self.weights_path(weights)]
+        pyc = pycache_dir()
+        pyc.mkdir(parents=True, exist_ok=True)
+        cmd += ["--ro-bind", str(pyc), PYCACHE_DIR]
         cmd += ["--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
         for k, v in sorted(env.items()):
             cmd += ["--setenv", k, v]
@@ -629,6 +665,10 @@ class Sandbox:
             "writable": [SCRATCH, "/tmp (the scratch dir)", "/dev/shm (the host's: KV allocations)"],
             "devices": "the host's /dev (GPU)" if self.gpu else "a minimal /dev",
             "code_mounts": list(self.code.mounts),
+            "bytecode": (
+                f"compiled by the harness from the hashed sources, read-only at {PYCACHE_DIR} "
+                "(PYTHONPYCACHEPREFIX); no __pycache__ beside a source is read"
+            ),
             "absent": self.absent(),
             "engine_module": self.code.module,
             "env": dict(sorted(env.items())),

@@ -183,6 +183,20 @@ def _signals_deferred() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _launch_record(ctx: Context) -> dict[str, Any]:
+    """The receipt's record of what boot sent and read: the launch document and its digest, the engine's
+    manifest, and the protocol version the engine reported (docs/PROTOCOL.md)."""
+    doc, manifest = ctx.facts.get("launch_document"), ctx.facts.get("manifest")
+    out: dict[str, Any] = {"protocol_version": ctx.describe.protocol_version if ctx.describe else None}
+    if doc is not None:
+        from qualify.run.launch import document_digest
+
+        out.update(launch=doc.model_dump(mode="json"), launch_digest=document_digest(doc))
+    if manifest is not None:
+        out["manifest"] = manifest.model_dump(mode="json")
+    return out
+
+
 def _json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
@@ -284,6 +298,10 @@ class Pipeline:
                 return  # nothing to check without an engine; the verdict names the checks not run
             if self.req.fail_fast and outcome.status in ("fail", "error"):
                 return  # --fail-fast: the verdict names the checks not run
+            if check.name == "boot" and outcome.status == "pass" and not self.req.fail_fast:
+                from qualify.checks import reload
+
+                reload.prefetch(ctx, max(1.0, run_deadline - time.monotonic()))
             if trouble is not None:
                 self.unresponsive = self.unresponsive or trouble.timed_out
                 if trouble.timed_out and time.monotonic() >= run_deadline:
@@ -445,6 +463,10 @@ class Pipeline:
             pre = self.launcher.status()
         if ctx.procs is not None:
             ctx.procs.stop()  # the last sample of the tree, before the harness ends it
+        early = ctx.facts.pop("fresh_reference", None)  # booted for a reload check that did not run
+        if early is not None:
+            with contextlib.suppress(Exception):
+                early.close()
         grace = STOP_GRACE_UNRESPONSIVE_S if self.unresponsive else STOP_GRACE_S
         # Within --timeout: what is left of it, less a second for the receipt (at least the short grace).
         left = self.run_deadline - time.monotonic() - 1.0
@@ -522,7 +544,11 @@ class Pipeline:
         d = ctx.describe
         image = self._identity().get("image_id")
         sent = sent_config(ctx)
-        code, scope = self._code(d)
+        # Local: the sandbox's tree digest of the code mounts. Boot's own-tree check of a foreign engine's
+        # claim (ctx.facts["code_identity"]) is evidence; where no tree digest exists it names the engine.
+        code, scope = self._code(d) if hasattr(self.launcher, "code_subject") else (None, "")
+        if code is None:
+            code, scope = ctx.facts.get("code_identity") or self._code(d)
         if code is None and image is None:  # nothing else identifies it: the code on disk, and say so
             code = rc.engine_code_digest_on_disk()
             scope = "the harness's digest of the engine code on disk; the engine never identified itself"
@@ -538,6 +564,7 @@ class Pipeline:
             "config": sent,
             "described_config": _json_safe(d.config) if d else None,
             "sandbox": self._sandbox(),
+            **_launch_record(ctx),
         }, weights.get("digest") or (handed.digest if handed is not None else None)
 
     def _sandbox(self) -> dict[str, Any] | None:

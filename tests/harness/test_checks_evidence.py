@@ -51,6 +51,7 @@ class Engine:
     def describe(self) -> dict[str, Any]:
         code = "sha256:" + "c" * 64 if self.lie == "code" else engine_code_digest_on_disk()
         return {
+            "protocol_version": "1" if self.lie == "protocol" else "2",
             "engine": {
                 "name": "e",
                 "version": "1",
@@ -326,6 +327,13 @@ def test_a_docker_engine_is_not_hashed_by_the_harness_and_says_so() -> None:
     }  # fmt: skip
 
 
+def test_an_engine_that_answers_in_another_protocol_version_fails_boot_saying_so() -> None:
+    out = boot.run(_context(Engine(lie="protocol")))
+    assert _failed(out) == {"protocol_version_spoken"}
+    detail = out.conditions["protocol_version_spoken"].detail or ""
+    assert "'1'" in detail and "['2']" in detail
+
+
 def test_a_code_digest_that_is_not_the_code_on_disk_fails_boot() -> None:
     out = boot.run(_context(Engine(lie="code")))
     assert _failed(out) == {"code_digest_matches_disk"}
@@ -419,3 +427,30 @@ def test_graph_steps_at_eager_speed_fail_the_harness_timing_on_a_gpu() -> None:
     out = capture.run(_context(Engine(lie="eager-speed-graphs")))
     assert out.status == "fail" and _failed(out) == {"graph_steps_faster_than_eager"}
     assert out.conditions["graph_steps_faster_than_eager"].source == "observed"
+
+
+@pytest.mark.parametrize("claims", ["reference", "own", "wrapped"])
+def test_another_module_is_named_as_itself_never_as_the_reference_engine(claims: str) -> None:
+    """QUALIFY_ENGINE_MODULE=X: the engine's claim must be X's own tree (a foreign engine) or the reference
+    combined with X (a wrapper); the reference's digest alone is another engine's identity."""
+    import hashlib
+
+    from qualify.run.receipt import module_source_digest
+
+    module = "tests.second_engine"
+    own, _ = module_source_digest(module)
+    base = engine_code_digest_on_disk()
+    wrapped = "sha256:" + hashlib.sha256(f"{base}\0{module}\0{own}".encode()).hexdigest()
+    engine = Engine()
+    claim = {"reference": base, "own": own, "wrapped": wrapped}[claims]
+    honest = engine.describe
+    engine.describe = lambda: {**honest(), "engine": {**honest()["engine"], "code_digest": claim}}  # type: ignore[method-assign]
+    ctx = _context(engine)
+    ctx.launcher.module = module  # type: ignore[attr-defined]
+    out = boot.run(ctx)
+    cond = out.conditions["code_digest_matches_disk"]
+    assert cond.holds == (claims != "reference"), cond.detail
+    if claims == "reference":
+        assert own in (cond.detail or "") and wrapped in (cond.detail or "")
+    else:
+        assert ctx.facts["code_identity"][0] == claim

@@ -1,13 +1,19 @@
 """Engines that reach for the harness's trust domain, through the real `qualify run` path (local launcher,
 tiny preset, CPU, bubblewrap sandbox): reading the operator's key, planting a sitecustomize.py where the
 peer would import it, loading code from outside the hashed tree, booting other weights than the handed
-file. Each attempt fails or is caught, and the receipt names what ran (docs/SANDBOX.md)."""
+file, shipping bytecode that differs from its hashed source. Each attempt fails or is caught, and the
+receipt names what ran (docs/SANDBOX.md)."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
+import marshal
 import os
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,7 +153,62 @@ def test_the_engine_runs_as_another_uid_in_its_own_namespaces(home: Home) -> Non
     assert boot["pid"] != boot["launcher_pid"]  # its own pid namespace: /health says 2
     assert sb["identity"].startswith(f"host uid {SANDBOX_UID}" if os.geteuid() == 0 else f"uid {SANDBOX_UID}")
     assert set(sb["env"]) <= {
-        "HOME", "LANG", "PATH", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE", "QUALIFY_HOME", "TMPDIR",
-        "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES",
+        "HOME", "LANG", "PATH", "PYTHONDONTWRITEBYTECODE", "PYTHONNOUSERSITE", "PYTHONPYCACHEPREFIX",
+        "QUALIFY_HOME", "TMPDIR", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES",
     }  # fmt: skip
     assert ns_pids(os.getpid()) is not None
+
+
+PLANTED = """import sys
+print("LIAR_PYC ran", file=sys.stderr, flush=True)
+from qualify.engine import model as m
+_forward = m.DecoderLayer.forward
+def forward(self, x, ctx, decode):
+    return x if self.kind == "A" else _forward(self, x, ctx, decode)
+m.DecoderLayer.forward = forward
+"""
+
+
+def _planted_bytecode_engine(site: Path) -> Path:
+    """An engine package whose `lie.py` is an empty, honest source, beside a __pycache__ file that Python
+    accepts for it (its header names the source's mtime and size) holding other code: it announces itself
+    and skips every attention layer. The code digest covers the source, never __pycache__."""
+    pkg = site / "pyc_liar"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "lie.py").write_text('"""Nothing here: the honest source."""\n')
+    (pkg / "__main__.py").write_text(
+        "from pyc_liar import lie  # noqa: F401\nfrom qualify.engine.__main__ import main\n\nmain()\n"
+    )
+    st = (pkg / "lie.py").stat()
+    header = importlib.util.MAGIC_NUMBER + struct.pack("<III", 0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size)
+    code = compile(PLANTED, str(pkg / "lie.py"), "exec")
+    planted = pkg / "__pycache__" / f"lie.{sys.implementation.cache_tag}.pyc"
+    planted.write_bytes(header + marshal.dumps(code))
+    return pkg
+
+
+def test_bytecode_planted_beside_an_honest_source_never_runs_in_the_sandbox(
+    home: Home, tmp_path: Path
+) -> None:
+    site = tmp_path / "site"
+    _planted_bytecode_engine(site)
+    # Outside the sandbox Python runs the planted bytecode, not the source the digest covers.
+    plain = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    plain["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
+    probe = subprocess.run(
+        [sys.executable, "-c", "import pyc_liar.lie"], env=plain, capture_output=True, text=True, timeout=120
+    )
+    assert "LIAR_PYC ran" in probe.stderr, probe.stderr[-2000:]
+    env = home.env(
+        QUALIFY_ENGINE_MODULE="pyc_liar",
+        PYTHONPATH=os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        QUALIFY_ENGINE_PATH=os.pathsep.join(filter(None, (str(site), os.environ.get("QUALIFY_ENGINE_PATH")))),
+    )
+    ran = home.qualify("run", "--layout", LAYOUT, "--json", env=env)
+    log = _engine_log(home)
+    # In the sandbox the engine reads only the harness's bytecode, compiled from the hashed source.
+    assert "LIAR_PYC ran" not in log, log[-3000:]
+    assert ran.code == 0, ran.stderr[-2000:]
+    sb = _statement(home)["predicate"]["engine"]["sandbox"]
+    assert sb["env"]["PYTHONPYCACHEPREFIX"] == "/qualify/pycache" and "PYTHONPYCACHEPREFIX" in sb["bytecode"]

@@ -36,6 +36,8 @@ def _lying_describe(self) -> dict:
 
 
 engine_main._config_fields = _lying_fields  # serve() looks both up when it runs
+# The honest engine refuses a launch document whose kv_groups it would lay out otherwise; a liar does not.
+engine_main._launch_layout_differs = lambda engine, path: None
 Engine.describe = _lying_describe
 
 if __name__ == "__main__":
