@@ -175,7 +175,7 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
     prepare = getattr(ctx.launcher, "prepare_weights", None)
     if prepare is not None and manifest.name == launch_doc.REFERENCE_ENGINE_NAME:
         try:
-            prepare(max(1.0, ctx.remaining()))
+            prepare(max(1.0, ctx.remaining()), dtype=kv)
         except RuntimeError as exc:  # the seeding step failed: the engine cannot be handed its weights
             return evidence, str(exc)
     elif hasattr(ctx.launcher, "weights"):

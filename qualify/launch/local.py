@@ -194,7 +194,9 @@ class LocalLauncher(Launcher):
         return env
 
     # ------------------------------------------------------------ weights
-    def prepare_weights(self, timeout_s: float = WEIGHTS_STEP_TIMEOUT_S) -> HandedWeights | None:
+    def prepare_weights(
+        self, timeout_s: float = WEIGHTS_STEP_TIMEOUT_S, dtype: str | None = None
+    ) -> HandedWeights | None:
         """The seeded weights of this configuration in the harness's cache (written once, by the reference
         engine in a sandboxed first step), hashed by the harness: the file every engine of this run loads.
         None when the reference engine refuses the configuration itself (the engine under test will be
@@ -203,6 +205,8 @@ class LocalLauncher(Launcher):
             return self.weights
         code, _ = tree_digest([str(REFERENCE_ENGINE), str(REFERENCE_KERNELS)])
         serve = self.options.serve_args(kda_backend="auto")  # the backend changes no weight
+        if dtype is not None:  # the launch document's: weights of another dtype would be refused
+            serve += ["--dtype", dtype]
         key_src = json.dumps([serve, code, self.sandbox.gpu if self.sandbox else None])
         key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
         cached = cache_dir() / "weights" / f"seeded-{self.options.preset}-{key}.safetensors"

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -151,6 +152,8 @@ def test_a_container_gets_the_monitor_file_read_only_and_a_socket_of_the_harness
     from qualify.launch.monitor import CONTAINER_DIR
 
     launcher = DockerLauncher(EngineOptions("tiny", "auto"), "img", tmp_path / "run")
+    # An image without an ENTRYPOINT, as the reference engine's: no Docker daemon is asked here.
+    launcher._image = SimpleNamespace(attrs={"Config": {"Entrypoint": None}})
     cmd = launcher.command(monitored=True)
     assert cmd[:3] == ["python", f"{CONTAINER_DIR}/cupti_monitor.py", "qualify.engine"] and "serve" in cmd
     assert launcher.command()[:3] == ["python", "-m", "qualify.engine"]  # the refusal probe: no monitor

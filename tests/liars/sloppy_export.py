@@ -35,5 +35,8 @@ def _echo(engine, group: str, offset: int, length: int) -> dict:
 kv_export.kv_handles = _handles
 kv_export.kv_echo = _echo
 
+# The honest engine refuses a launch document whose kv_groups its own export differs from; a liar does not.
+engine_main._launch_layout_differs = lambda engine, path: None
+
 if __name__ == "__main__":
     engine_main.main()
