@@ -92,6 +92,8 @@ class Context:
     client_for: Callable[[str, float], EngineClient] = lambda url, t: EngineClient(url, timeout_s=t)
     # The run's prompts, drawn from a seed the engine never sees (checks/probes.py)
     probes: Probes = field(default_factory=Probes)
+    # What a check's `prepare` started early, by check name; the check takes it, the pipeline closes the rest
+    prepared: dict[str, Any] = field(default_factory=dict)
     last_batch: CompletionResponse | None = None
 
     def remaining(self) -> float:
@@ -193,6 +195,9 @@ class Check:
     run: Callable[[Context], Outcome]
     timeout_s: float  # per-check budget, bounded further by the run's --timeout
     needs_engine: bool = True  # False: still runs when the engine stopped answering (faults)
+    # Called once boot passed, with the run's time left: start work that may overlap the checks before
+    # this one, kept in ctx.prepared[name] (it must have close()).
+    prepare: Callable[[Context, float], None] | None = None
 
 
 def fail_unless(conditions: dict[str, Cond], evidence: dict[str, Any]) -> Outcome:

@@ -124,12 +124,12 @@ def prefetch(ctx: Context, boot_s: float) -> None:
     """On a CPU target, boot the fresh reference as soon as the engine under test is up, beside the checks
     before this one (nothing there is timed; on a GPU target it would share the device with the capture
     check's timing, so it boots with this check instead). `run` takes it; the pipeline closes it."""
-    if ctx.target == "cpu" and "fresh_reference" not in ctx.facts:
-        ctx.facts["fresh_reference"] = FreshReference(ctx, boot_s)
+    if ctx.target == "cpu" and "reload" not in ctx.prepared:
+        ctx.prepared["reload"] = FreshReference(ctx, boot_s)
 
 
 def run(ctx: Context) -> Outcome:
-    fresh_ref = ctx.facts.pop("fresh_reference", None) or FreshReference(ctx)  # boots while the checks run
+    fresh_ref = ctx.prepared.pop("reload", None) or FreshReference(ctx)  # boots while the checks run
     try:
         return _run(ctx, fresh_ref)
     finally:
@@ -262,4 +262,4 @@ def _vs_fresh(reports: list[dict[str, Any]], info: dict[str, Any]) -> Cond:
     return observed(r["agrees"], r.get("summary"))
 
 
-CHECK = Check("reload", run, timeout_s=240.0)
+CHECK = Check("reload", run, timeout_s=240.0, prepare=prefetch)

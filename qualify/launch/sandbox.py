@@ -92,9 +92,10 @@ def pycache_dir() -> Path:
 
 
 def _compiled(source: str, into: Path, fresh: bool) -> None:
-    """Bytecode of `source` at its PYTHONPYCACHEPREFIX place under `into`, compiled from the bytes just
-    hashed (again when the file changed, `fresh` False, or the bytecode is missing). A file that does not
-    compile is left to fail in the engine, as it would."""
+    """Bytecode of `source` at its PYTHONPYCACHEPREFIX place under `into`, compiled again when the file
+    changed since its digest was cached (`fresh` False) or the bytecode is missing. Python checks the
+    header's source size and mtime on import and compiles in memory on a mismatch, so a source changed
+    after this never runs as stale bytecode. A file that does not compile is left to fail in the engine."""
     head, name = os.path.split(source)
     target = os.path.join(into, head.lstrip(os.sep), f"{name[:-3]}.{sys.implementation.cache_tag}.pyc")
     if fresh and os.path.exists(target):
@@ -377,7 +378,7 @@ class DigestCache:
         self.seen.add(str(f))
         got = self.entries.get(str(f))
         self.last_hit = got is not None and got[:5] == key
-        if got is not None and got[:5] == key:
+        if self.last_hit:
             return str(got[5])
         h = hashlib.sha256()
         with f.open("rb") as fh:
@@ -417,6 +418,11 @@ def tree_digest(
     cache = cache or DigestCache(None)
     entries: list[tuple[str, str]] = []
 
+    def add_file(path: str, st: os.stat_result) -> None:
+        entries.append((path, "f" + cache.digest(Path(path), st)))
+        if compile_into is not None and path.endswith(".py"):
+            _compiled(path, compile_into, cache.last_hit)
+
     def walk(folder: str) -> None:
         try:
             it = os.scandir(folder)
@@ -437,14 +443,12 @@ def tree_digest(
                         walk(path)
                 elif stat.S_ISREG(st.st_mode):
                     with contextlib.suppress(OSError):
-                        entries.append((path, "f" + cache.digest(Path(path), st)))
-                        if compile_into is not None and e.name.endswith(".py"):
-                            _compiled(path, compile_into, cache.last_hit)
+                        add_file(path, st)
 
     for root in roots:
         r = str(Path(root))
         if os.path.isfile(r):
-            entries.append((r, "f" + cache.digest(Path(r), os.stat(r))))
+            add_file(r, os.stat(r))
         else:
             walk(r)
     entries.sort()

@@ -299,9 +299,9 @@ class Pipeline:
             if self.req.fail_fast and outcome.status in ("fail", "error"):
                 return  # --fail-fast: the verdict names the checks not run
             if check.name == "boot" and outcome.status == "pass" and not self.req.fail_fast:
-                from qualify.checks import reload
-
-                reload.prefetch(ctx, max(1.0, run_deadline - time.monotonic()))
+                for later in checks_for(self.req):
+                    if later.prepare is not None:
+                        later.prepare(ctx, max(1.0, run_deadline - time.monotonic()))
             if trouble is not None:
                 self.unresponsive = self.unresponsive or trouble.timed_out
                 if trouble.timed_out and time.monotonic() >= run_deadline:
@@ -463,10 +463,10 @@ class Pipeline:
             pre = self.launcher.status()
         if ctx.procs is not None:
             ctx.procs.stop()  # the last sample of the tree, before the harness ends it
-        early = ctx.facts.pop("fresh_reference", None)  # booted for a reload check that did not run
-        if early is not None:
+        for early in ctx.prepared.values():  # started for a check that did not run
             with contextlib.suppress(Exception):
                 early.close()
+        ctx.prepared.clear()
         grace = STOP_GRACE_UNRESPONSIVE_S if self.unresponsive else STOP_GRACE_S
         # Within --timeout: what is left of it, less a second for the receipt (at least the short grace).
         left = self.run_deadline - time.monotonic() - 1.0
