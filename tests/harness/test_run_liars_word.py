@@ -1,7 +1,9 @@
 """Engines whose own word is wrong, for the conditions whose source is `engine` and that no other liar makes
 fail, through the real `qualify run` path (local launcher, tiny preset, CPU, sandbox): /health naming a
-process that does not serve, describe naming another weights file than the one handed over, and /health
-naming another process at the end of the run than at boot. Each is rejected by the condition it lies to."""
+process that does not serve, describe naming another weights file than the one handed over, /health
+naming another process at the end of the run than at boot, describe answering in another protocol
+version, and an engine serving another capacity than the launch document sent. Each is rejected by the
+condition it lies to."""
 
 from __future__ import annotations
 
@@ -48,3 +50,13 @@ def test_a_serving_process_swapped_during_the_run_fails_the_faults_check(home: H
     _failed(p, "faults", "same_serving_process_as_at_boot", "boot")
     ev = check(p, "faults")["evidence"]["serving_process"]
     assert ev["boot"]["pid"] != ev["end"]["pid"]
+
+
+def test_describe_in_another_protocol_version_fails_boot(home: Home) -> None:
+    p = _rejected(home, "describe_v1", "--fail-fast")
+    _failed(p, "boot", "protocol_version_spoken", "protocol version '1'")
+
+
+def test_an_engine_serving_another_capacity_than_sent_fails_boot(home: Home) -> None:
+    p = _rejected(home, "own_capacity", "--fail-fast")
+    _failed(p, "boot", "described_config_agrees_with_sent", "max_num_seqs")
