@@ -1,6 +1,8 @@
 """HTTP client for the engine protocol (docs/PROTOCOL.md): typed requests and replies, one-line errors.
 
-The harness speaks only this to an engine, local or in a container; it never imports the engine.
+The harness speaks only this to an engine, local or in a container; it never imports the engine. A
+sandboxed local engine serves in a network namespace of its own: the client then makes each connection's
+socket there (qualify/netns.py), so the engine needs no address the host can reach.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import httpcore
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from qualify.netns import Netns, NetnsError
 from qualify.protocol import (
     CaptureResponse,
     CompletionRequest,
@@ -33,6 +37,32 @@ from qualify.protocol import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+NetnsOf = Callable[[], "Netns | None"]  # the engine's network namespace now (None: the host's)
+
+
+class _NetnsBackend(httpcore.SyncBackend):
+    """TCP connections made inside the engine's network namespace (when it has one of its own)."""
+
+    def __init__(self, netns: NetnsOf) -> None:
+        self._netns = netns
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):  # type: ignore[no-untyped-def]
+        ns = self._netns()
+        if ns is None:
+            return super().connect_tcp(host, port, timeout, local_address, socket_options)
+        try:
+            with ns.entered():
+                return super().connect_tcp(host, port, timeout, local_address, socket_options)
+        except NetnsError as exc:  # httpx makes it a ConnectError, as the client expects of a lost engine
+            raise httpcore.ConnectError(f"cannot enter the engine's network namespace: {exc}") from exc
+
+
+def _transport(netns: NetnsOf) -> httpx.HTTPTransport:
+    """httpx's own transport (its error mapping, its pool's limits) over a pool whose sockets are made in
+    the engine's namespace; tests/harness/test_netns.py holds this to real namespaces."""
+    t = httpx.HTTPTransport(trust_env=False)
+    t._pool = httpcore.ConnectionPool(network_backend=_NetnsBackend(netns))  # where httpx keeps its pool
+    return t
 
 
 class EngineError(Exception):
@@ -52,13 +82,19 @@ class EngineUnreachable(Exception):
 
 
 class EngineClient:
-    """One engine's API. `base_url` is a callable so a restarted container's new port is followed."""
+    """One engine's API. `base_url` is a callable so a restarted container's new port is followed;
+    `netns` (a callable, as a restarted engine has a new one) names the engine's network namespace."""
 
-    def __init__(self, base_url: Callable[[], str] | str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, base_url: Callable[[], str] | str, timeout_s: float = 30.0, netns: NetnsOf | None = None
+    ) -> None:
         self._base = base_url if callable(base_url) else (lambda: base_url)
         self.timeout_s = timeout_s
         self.deadline: float | None = None  # monotonic; requests never wait past it
-        self._http = httpx.Client(timeout=timeout_s)
+        if netns is None:
+            self._http = httpx.Client(timeout=timeout_s)
+        else:
+            self._http = httpx.Client(timeout=timeout_s, transport=_transport(netns))
 
     def close(self) -> None:
         self._http.close()

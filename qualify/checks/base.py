@@ -89,7 +89,10 @@ class Context:
     procs: ProcessWatch | None = None
     clock: Callable[[], float] = time.perf_counter  # the harness's clock for what it times (checks/timing.py)
     # A client for another engine the harness boots (a fresh reference): (url, timeout_s) -> client
-    client_for: Callable[[str, float], EngineClient] = lambda url, t: EngineClient(url, timeout_s=t)
+    # Another engine's client: (its url, timeout, its network namespace: a callable, as Launcher.netns)
+    client_for: Callable[[str, float, Any], EngineClient] = lambda url, t, ns: EngineClient(
+        url, timeout_s=t, netns=ns
+    )
     # The run's prompts, drawn from a seed the engine never sees (checks/probes.py)
     probes: Probes = field(default_factory=Probes)
     # What a check's `prepare` started early, by check name; the check takes it, the pipeline closes the rest

@@ -102,10 +102,11 @@ def _device(ctx: Context, d: Describe, engine_pid: int | None) -> Cond:
 
 def holds_listener(pid: int, port: int) -> bool | None:
     """Whether process `pid` holds the TCP socket listening on `port` (Linux /proc: the listening socket's
-    inode among the process's open files); None when /proc cannot say."""
+    inode among the process's open files); None when /proc cannot say. The tables are those of the
+    process's own network namespace (a sandboxed engine's is not the harness's)."""
     inodes: set[str] = set()
     tables = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
         try:
             rows = Path(table).read_text().splitlines()[1:]
         except OSError:

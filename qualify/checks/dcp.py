@@ -161,7 +161,7 @@ def _reference_tokens(ctx: Context) -> tuple[Any, str | None, dict[str, Any]]:
     client: EngineClient | None = None
     try:
         url = ref.start(min(REFERENCE_BOOT_S, ctx.remaining()))
-        client = EngineClient(url, timeout_s=max(1.0, ctx.remaining()))
+        client = EngineClient(url, timeout_s=max(1.0, ctx.remaining()), netns=ref.netns)
         resp = client.complete(CompletionRequest(prompt=PROMPTS, max_tokens=GEN_TOKENS, mode="eager"))
         weights = client.describe().engine.weights_digest
         return resp, weights, {"url": url, "launcher": ref.identity()}

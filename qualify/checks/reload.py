@@ -83,7 +83,7 @@ class FreshReference:
             return None, {"error": self.error or "the fresh engine did not boot within the check's time"}
         client: EngineClient | None = None
         try:
-            client = self.ctx.client_for(self.url, max(1.0, self.ctx.remaining()))
+            client = self.ctx.client_for(self.url, max(1.0, self.ctx.remaining()), self.ref.netns)
             out = [
                 client.complete(CompletionRequest(prompt=prompts, max_tokens=GEN_TOKENS, mode="eager"))
                 for prompts, _ in asked

@@ -215,6 +215,11 @@ class Launcher(ABC):
     @abstractmethod
     def status(self) -> LaunchStatus: ...
 
+    def netns(self) -> Any:
+        """The engine's own network namespace (qualify.netns.Netns) that the harness connects in, or None:
+        the engine is reached on the host's network."""
+        return None
+
     @abstractmethod
     def stop(self, grace_s: float = 5.0) -> LaunchStatus:
         """Stop the engine (SIGTERM, then SIGKILL after `grace_s`); the final status."""

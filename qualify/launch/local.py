@@ -54,6 +54,7 @@ from qualify.launch.sandbox import (
     read_info,
     tree_digest,
 )
+from qualify.netns import Netns, NetnsError
 from qualify.shm import sweep_stale_shm
 
 STOP_GRACE_S = 5.0
@@ -127,6 +128,7 @@ class LocalLauncher(Launcher):
         self._pid: int | None = None  # the engine's host pid (inside the sandbox: bwrap's child's child)
         self._sandbox_pid: int | None = None  # bwrap's own pid, the process the harness started
         self._ns_pid: list[int] | None = None
+        self._netns: Netns | None = None  # the engine's own network namespace (its sandbox's), held open
         self._exit_code: int | None = None
         self._exit_codes: list[int] = []
         self._pids: list[int] = []
@@ -378,6 +380,7 @@ class LocalLauncher(Launcher):
                     self._sandbox_pid = self._proc.pid if self.sandbox is not None else None
                     self._pid = pid if pid is not None else self._proc.pid
                     self._ns_pid = ns_pids(self._pid) if self.sandbox is not None else None
+                    self._hold_netns(pid)
                     self._pids.append(self._pid)
                     where = f" in bwrap pid {self._sandbox_pid}, NSpid {self._ns_pid}" if self.sandbox else ""
                     log.write(f"# qualify: engine host pid {self._pid}{where}\n")
@@ -410,6 +413,22 @@ class LocalLauncher(Launcher):
                 self._port = urlsplit(url).port
                 self._url = url.rstrip("/")
                 self._ready.set()
+
+    def _hold_netns(self, pid: int | None) -> None:
+        """Open the new boot's network namespace (a restarted engine has a new one). In a sandbox with one
+        of its own that cannot be opened, the client's connections fail: they never go to the host's."""
+        old, self._netns = self._netns, None
+        if old is not None:
+            old.close()
+        if self.sandbox is None or not self.sandbox.own_net:
+            return
+        try:
+            self._netns = Netns(pid, "the harness did not find the engine's pid to enter its network")
+        except NetnsError as exc:
+            self._netns = Netns(None, str(exc))
+
+    def netns(self) -> Netns | None:
+        return self._netns
 
     def url(self, refresh: bool = False) -> str:
         if self._url is None:
@@ -461,6 +480,10 @@ class LocalLauncher(Launcher):
             self._swept.extend(sweep_stale_shm())
         if self.sandbox is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)  # the engine's writes go with it
+        with self._lock:
+            old, self._netns = self._netns, None
+        if old is not None:
+            old.close()
         return self.status()
 
     def _engine_env(self, env: dict[str, str]) -> dict[str, str]:

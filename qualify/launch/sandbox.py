@@ -9,9 +9,11 @@ writable path besides /dev/shm (the CPU KV allocations the peer imports live the
 /dev is bound so CUDA and CUDA IPC work). The operator's data dir (keys, store, run dirs) and the rest of
 the project checkout are absent. The environment is built from nothing: the variables the engine
 protocol names, plus what the operator adds with `--engine-env`, all recorded in the receipt. The network
-is the host's (the engine serves TCP on 127.0.0.1; it is not cut off from other addresses: see
-docs/SANDBOX.md). `--die-with-parent` and `--new-session` tie it to its harness and keep it off the
-operator's terminal.
+is its own when the harness runs as root (bwrap --unshare-net: loopback only, no route anywhere; the
+harness makes its connections to the engine's 127.0.0.1 port inside that namespace, qualify/netns.py);
+a harness without root cannot enter such a namespace, and its engine keeps the host's network, as the
+receipt says (docs/SANDBOX.md). `--die-with-parent` and `--new-session` tie it to its harness and keep
+it off the operator's terminal.
 
 The code subject is a digest of what the engine can import inside: every file under the code mounts
 (bytecode caches aside), through a stat-keyed cache of file digests kept in the harness's cache dir.
@@ -202,8 +204,18 @@ def _probe(path: str) -> Bwrap | str:
     return Bwrap(str(p), lib_dir, version or "bubblewrap", tool.userns)
 
 
+def own_network(tool: Bwrap) -> bool:
+    """Whether the engine gets a network namespace of its own: only where the harness can enter it to
+    connect (CAP_SYS_ADMIN in its own user namespace, i.e. root; qualify/netns.py)."""
+    from qualify.netns import can_enter
+
+    return not tool.userns and can_enter()
+
+
 def _namespace_args(tool: Bwrap) -> list[str]:
     args = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if own_network(tool):
+        args.append("--unshare-net")
     if tool.userns:
         args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
     return args
@@ -513,6 +525,11 @@ class Sandbox:
     def root(self) -> bool:
         return not self.bwrap.userns
 
+    @property
+    def own_net(self) -> bool:
+        """The engine's processes share one network namespace of their own (loopback only)."""
+        return own_network(self.bwrap)
+
     def engine_env(self, harness_env: dict[str, str], extra: dict[str, str] | None = None) -> dict[str, str]:
         """The engine's whole environment: nothing of the harness's but FORWARDED_ENV."""
         venv_bin = str(Path(sys.prefix) / "bin")
@@ -664,8 +681,16 @@ class Sandbox:
             "enabled": True,
             "tool": f"{self.bwrap.version} ({self.bwrap.path})",
             "identity": ident,
-            "namespaces": ["mount", "pid", "ipc", "uts", "cgroup"] + (["user"] if self.bwrap.userns else []),
-            "network": "the host's (the engine serves on 127.0.0.1)",
+            "namespaces": ["mount", "pid", "ipc", "uts", "cgroup"]
+            + (["net"] if self.own_net else [])
+            + (["user"] if self.bwrap.userns else []),
+            "network": (
+                "its own namespace: loopback only (the harness connects to its 127.0.0.1 port from inside "
+                "that namespace)"
+                if self.own_net
+                else "the host's (a harness without root cannot enter a network namespace to connect; "
+                "the engine serves on 127.0.0.1 and can reach other addresses)"
+            ),
             "writable": [SCRATCH, "/tmp (the scratch dir)", "/dev/shm (the host's: KV allocations)"],
             "devices": "the host's /dev (GPU)" if self.gpu else "a minimal /dev",
             "code_mounts": list(self.code.mounts),

@@ -235,7 +235,9 @@ class Pipeline:
         t0 = time.monotonic() - process_elapsed_s()
         self.run_deadline = t0 + self.req.timeout_s
         run_deadline = self.run_deadline - min(FINISH_RESERVE_S, self.req.timeout_s / 4)
-        client = EngineClient(lambda: self.launcher.url(), timeout_s=REQUEST_TIMEOUT_S)
+        client = EngineClient(
+            lambda: self.launcher.url(), timeout_s=REQUEST_TIMEOUT_S, netns=self.launcher.netns
+        )
         ctx = Context(
             request=self.req,
             launcher=self.launcher,

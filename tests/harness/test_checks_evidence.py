@@ -205,7 +205,7 @@ def _context(engine: Engine, target: str = "gpu", watch: str = "active") -> Cont
     client._http = httpx.Client(transport=httpx.MockTransport(engine.handle))
     ctx = Context(request=req, launcher=StandingLauncher(), client=client, target=target)
 
-    def fresh_reference(url: str, timeout_s: float) -> EngineClient:
+    def fresh_reference(url: str, timeout_s: float, netns: object = None) -> EngineClient:
         other = EngineClient(url)  # a freshly booted engine of the same build: the subject weights, no lie
         other._http = httpx.Client(transport=httpx.MockTransport(Engine(engine.device).handle))
         return other

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from qualify.checks.boot import holds_listener
+from qualify.client import EngineClient
 from qualify.launch.base import EngineOptions
 from qualify.launch.local import LocalLauncher
 from qualify.launch.sandbox import (
@@ -58,7 +59,8 @@ def test_a_sandboxed_engine_is_another_uid_in_its_own_namespaces(tmp_path: Path)
         st = launcher.status().detail
         pid = st["pid"]
         assert st["sandbox_pid"] != pid and st["engine_ns_pid"] == [pid, 2] == ns_pids(pid)
-        assert httpx.get(url + "/health").json()["pid"] == 2  # its own word: its pid namespace's
+        # Its own word, its pid namespace's pid, over a connection made in its network namespace.
+        assert EngineClient(url, netns=launcher.netns).health().pid == 2
         status = _status(pid)
         if os.geteuid() == 0:  # a host uid of its own, no capabilities
             assert status["Uid"].split() == [str(SANDBOX_UID)] * 4
@@ -66,7 +68,12 @@ def test_a_sandboxed_engine_is_another_uid_in_its_own_namespaces(tmp_path: Path)
         assert status["NoNewPrivs"] == "1"
         for ns in ("mnt", "pid", "ipc", "uts"):
             assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")
-        assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")  # documented: shared
+        if sandbox.own_net:  # root: a network of its own, not reachable on the host's loopback
+            assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url + "/health", timeout=5)
+        else:  # documented: a harness without root cannot enter one, so the engine keeps the host's
+            assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
         assert holds_listener(pid, urlsplit(url).port) is True  # the launched engine serves the port
         # A clean environment: nothing of the operator's but what the protocol names and what was added.
         environ = dict(
