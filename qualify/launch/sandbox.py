@@ -93,18 +93,74 @@ def pycache_dir() -> Path:
     return cache_dir() / f"pycache-{sys.implementation.cache_tag}"
 
 
-def _compiled(source: str, into: Path, fresh: bool) -> None:
-    """Bytecode of `source` at its PYTHONPYCACHEPREFIX place under `into`, compiled again when the file
-    changed since its digest was cached (`fresh` False) or the bytecode is missing. Python checks the
-    header's source size and mtime on import and compiles in memory on a mismatch, so a source changed
-    after this never runs as stale bytecode. A file that does not compile is left to fail in the engine."""
+# Compiles the "source\ttarget" lines of the file argv[1] names (run with -I: nothing of any PYTHONPATH); a
+# file that does not compile is left to fail in the engine, as Python would fail it there.
+_COMPILE_WORKER = """
+import py_compile, sys, warnings
+warnings.simplefilter("ignore")
+for line in open(sys.argv[1], encoding="utf-8"):
+    src, _, cfile = line.rstrip("\\n").partition("\\t")
+    try:
+        py_compile.compile(src, cfile=cfile, dfile=src, doraise=True, quiet=2)
+    except Exception:
+        pass
+"""
+COMPILE_INLINE = 64  # fewer stale files than this compile in the harness's own process
+COMPILE_TIMEOUT_S = 900.0
+
+
+def _pyc_path(source: str, into: Path) -> str:
     head, name = os.path.split(source)
-    target = os.path.join(into, head.lstrip(os.sep), f"{name[:-3]}.{sys.implementation.cache_tag}.pyc")
-    if fresh and os.path.exists(target):
+    return os.path.join(into, head.lstrip(os.sep), f"{name[:-3]}.{sys.implementation.cache_tag}.pyc")
+
+
+def _stale(source_st: os.stat_result, target: str) -> bool:
+    """Whether `target` was not written after the source last changed. The harness writes every .pyc
+    there itself (the engine never sees the cache dir); a source's ctime moves on any write and no process
+    can set it back, so a .pyc younger than its source's ctime was compiled from the bytes there now.
+    (Python's own check, the header's source size and mtime, stays on at import: an mtime can be set back.)"""
+    try:
+        return os.stat(target).st_mtime_ns <= source_st.st_ctime_ns
+    except OSError:
+        return True
+
+
+def compile_sources(pairs: list[tuple[str, str]], timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+    """Bytecode of each (source, target): in this process for a few, else in one `python -I` worker per
+    core (a GPU host's site-packages holds tens of thousands of modules)."""
+    if len(pairs) < COMPILE_INLINE:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a SyntaxWarning of some test file in site-packages is not ours
+            for src, cfile in pairs:
+                with contextlib.suppress(Exception):
+                    py_compile.compile(src, cfile=cfile, dfile=src, doraise=True, quiet=2)
         return
-    with contextlib.suppress(Exception), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a SyntaxWarning of some test file in site-packages is not ours
-        py_compile.compile(source, cfile=target, dfile=source, doraise=True, quiet=2)
+    import tempfile
+
+    n = max(1, min(os.cpu_count() or 1, 16, len(pairs) // COMPILE_INLINE))
+    with tempfile.TemporaryDirectory(prefix="qualify-compile-") as tmp:
+        procs = []
+        for i in range(n):
+            todo = Path(tmp) / f"{i}.txt"
+            todo.write_text("".join(f"{a}\t{b}\n" for a, b in pairs[i::n]), encoding="utf-8")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-I", "-c", _COMPILE_WORKER, str(todo)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        end = time.monotonic() + timeout_s
+        try:
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.1, end - time.monotonic()))
+        finally:  # past the bound, or the harness interrupted: no worker outlives the call
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(5)
 
 
 def cache_dir() -> Path:
@@ -380,25 +436,31 @@ class DigestCache:
         self.entries: dict[str, list[Any]] = {}
         self.seen: set[str] = set()
         self.dirty = False
-        self.last_hit = False  # whether the last digest() came from the cache (the file unchanged)
         if path is not None:
             with contextlib.suppress(OSError, ValueError):
                 self.entries = json.loads(path.read_text())
 
-    def digest(self, f: Path, st: os.stat_result) -> str:
-        key = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-        self.seen.add(str(f))
-        got = self.entries.get(str(f))
-        self.last_hit = got is not None and got[:5] == key
-        if self.last_hit:
-            return str(got[5])
-        h = hashlib.sha256()
-        with f.open("rb") as fh:
-            while block := fh.read(1 << 22):
-                h.update(block)
-        self.entries[str(f)] = [*key, h.hexdigest()]
+    @staticmethod
+    def _key(st: os.stat_result) -> list[int]:
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    def lookup(self, f: str, st: os.stat_result) -> str | None:
+        """The cached digest of `f` if the file is unchanged since, else None."""
+        self.seen.add(f)
+        got = self.entries.get(f)
+        return str(got[5]) if got is not None and got[:5] == self._key(st) else None
+
+    def store(self, f: str, st: os.stat_result, hexdigest: str) -> None:
+        self.seen.add(f)
+        self.entries[f] = [*self._key(st), hexdigest]
         self.dirty = True
-        return h.hexdigest()
+
+    def digest(self, f: Path, st: os.stat_result) -> str:
+        got = self.lookup(str(f), st)
+        if got is None:
+            got = _sha256_file(str(f))
+            self.store(str(f), st, got)
+        return got
 
     def save(self) -> None:
         """Write the cache back, keeping only the files this digest met (gone files drop out)."""
@@ -416,6 +478,24 @@ class DigestCache:
             os.replace(tmp, self.path)
 
 
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            h.update(block)  # releases the GIL: the threads of tree_digest hash files side by side
+    return h.hexdigest()
+
+
+def _sha256_or_none(path: str) -> str | None:
+    try:
+        return _sha256_file(path)
+    except OSError:
+        return None
+
+
+HASH_THREADS = 8
+
+
 def tree_digest(
     roots: list[str] | tuple[str, ...],
     cache: DigestCache | None = None,
@@ -425,15 +505,12 @@ def tree_digest(
     """sha256 over every regular file and symlink under `roots` (files or folders; __pycache__ skipped),
     sorted by path: (path NUL `f` sha256-of-bytes NUL) or (path NUL `l` link-target NUL). (digest, files).
     One lstat per entry (os.scandir): a virtual environment's tens of thousands of files take well under a
-    second once the cache knows their bytes. With `compile_into`, every .py file hashed also gets its
-    bytecode there (`_compiled`)."""
+    second once the cache knows their bytes; files it does not know are hashed by a few threads at once.
+    With `compile_into`, every .py file hashed also gets its bytecode there, compiled again where the
+    source changed since (`_stale`; in parallel, `compile_sources`)."""
     cache = cache or DigestCache(None)
     entries: list[tuple[str, str]] = []
-
-    def add_file(path: str, st: os.stat_result) -> None:
-        entries.append((path, "f" + cache.digest(Path(path), st)))
-        if compile_into is not None and path.endswith(".py"):
-            _compiled(path, compile_into, cache.last_hit)
+    files: list[tuple[str, os.stat_result]] = []
 
     def walk(folder: str) -> None:
         try:
@@ -454,15 +531,34 @@ def tree_digest(
                     if e.name not in SKIP_DIRS and path not in exclude:
                         walk(path)
                 elif stat.S_ISREG(st.st_mode):
-                    with contextlib.suppress(OSError):
-                        add_file(path, st)
+                    files.append((path, st))
 
     for root in roots:
         r = str(Path(root))
         if os.path.isfile(r):
-            add_file(r, os.stat(r))
+            with contextlib.suppress(OSError):
+                files.append((r, os.stat(r)))
         else:
             walk(r)
+    known = {path: cache.lookup(path, st) for path, st in files}
+    misses = [(path, st) for path, st in files if known[path] is None]
+    if misses:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, min(HASH_THREADS, len(misses) // 16 + 1))) as pool:
+            for (path, st), got in zip(misses, pool.map(_sha256_or_none, [m[0] for m in misses])):
+                if got is not None:  # a file that vanished or cannot be read is left out, as before
+                    cache.store(path, st, got)
+                    known[path] = got
+    entries += [(path, "f" + str(known[path])) for path, _ in files if known[path] is not None]
+    if compile_into is not None:
+        stale = []
+        for path, st in files:
+            if path.endswith(".py") and known[path] is not None:
+                target = _pyc_path(path, compile_into)
+                if _stale(st, target):
+                    stale.append((path, target))
+        compile_sources(stale)
     entries.sort()
     h = hashlib.sha256()
     for path, what in entries:

@@ -153,6 +153,41 @@ def test_the_code_digest_covers_every_file_of_the_mounts(tmp_path: Path) -> None
     assert tree_digest([str(site)], DigestCache(None))[0] == tree_digest([str(site)], cache)[0]
 
 
+@pytest.mark.parametrize("modules", [3, 200])  # in the harness's process; in parallel workers
+def test_bytecode_is_compiled_from_the_bytes_there_now_even_when_an_mtime_is_set_back(
+    tmp_path: Path, modules: int
+) -> None:
+    import importlib.util
+    import marshal
+
+    site, into = tmp_path / "site-packages", tmp_path / "pycache"
+    (site / "pkg").mkdir(parents=True)
+    for i in range(modules):
+        (site / "pkg" / f"m{i}.py").write_text(f'VALUE = "{i:03d}"\n')
+    tag = sys.implementation.cache_tag
+
+    def compiled(i: int) -> tuple[int, object]:
+        pyc = into / str(site / "pkg").lstrip("/") / f"m{i}.{tag}.pyc"
+        data = pyc.read_bytes()
+        assert data[:4] == importlib.util.MAGIC_NUMBER
+        return pyc.stat().st_mtime_ns, marshal.loads(data[16:]).co_consts
+
+    tree_digest([str(site)], DigestCache(None), compile_into=into)
+    first = [compiled(i) for i in range(modules)]
+    assert all(f"{i:03d}" in first[i][1] for i in range(modules))  # type: ignore[operator]
+    tree_digest([str(site)], DigestCache(None), compile_into=into)
+    assert [compiled(i) for i in range(modules)] == first  # nothing changed: nothing compiled again
+    # Same size, mtime set back: Python's own header check would take the old bytecode; the harness's
+    # (the source's ctime, which cannot be set back) compiles it again.
+    src = site / "pkg" / "m1.py"
+    st = src.stat()
+    src.write_text('VALUE = "999"\n')
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert src.stat().st_size == st.st_size and src.stat().st_mtime_ns == st.st_mtime_ns
+    tree_digest([str(site)], DigestCache(None), compile_into=into)
+    assert "999" in compiled(1)[1] and compiled(0) == first[0]  # type: ignore[operator]
+
+
 def test_the_code_set_of_a_wrapped_engine_is_its_whole_package_found_without_importing_it() -> None:
     root, files = locate_module("tests.liars.late_exit")
     assert root == ROOT and files == [ROOT / "tests" / "liars", ROOT / "tests" / "__init__.py"]
