@@ -546,7 +546,8 @@ def tree_digest(
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max(1, min(HASH_THREADS, len(misses) // 16 + 1))) as pool:
-            for (path, st), got in zip(misses, pool.map(_sha256_or_none, [m[0] for m in misses])):
+            hashed = pool.map(_sha256_or_none, [m[0] for m in misses])
+            for (path, st), got in zip(misses, hashed, strict=True):
                 if got is not None:  # a file that vanished or cannot be read is left out, as before
                     cache.store(path, st, got)
                     known[path] = got
