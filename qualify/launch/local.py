@@ -587,6 +587,17 @@ class LocalLauncher(Launcher):
                 shutil.rmtree(scratch, ignore_errors=True)
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out or "")
 
+    def _into_engine_namespaces(self, cmd: list[str]) -> list[str]:
+        """A harness helper that must meet the sandboxed engine's memory (the peer) joins the engine's pid
+        and network namespaces with util-linux nsenter, keeping the harness's uid, mounts and files: a
+        legacy CUDA IPC handle opens only in the pid namespace it was made in (seen on the H200:
+        cudaErrorMapBufferObjectFailed from outside it). The engine's uid has no capability over it. A
+        harness without root (a user-namespace sandbox) cannot enter, and runs it outside."""
+        if self.sandbox is None or not self.sandbox.own_net or self._pid is None:
+            return cmd
+        nsenter = shutil.which("nsenter", path="/usr/bin:/bin") or "/usr/bin/nsenter"
+        return [nsenter, f"--target={self._pid}", "--pid", "--net", "--", *cmd]
+
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
         """The peer as a sibling subprocess: `python -I .../qualify/engine/peer.py` from the harness's own
         installation (never the engine module under test), run as a file (it is self-contained: torch,
@@ -598,6 +609,7 @@ class LocalLauncher(Launcher):
         log = spec_path.with_name(spec_path.stem + ".log")
         out.unlink(missing_ok=True)  # a report left by an earlier peer must not count for this one
         cmd = [self.python, "-I", str(PEER_FILE), "--spec", str(spec_path), "--out", str(out)]
+        cmd = self._into_engine_namespaces(cmd)
         t0 = time.monotonic()
         with log.open("w") as sink:
             proc = subprocess.Popen(

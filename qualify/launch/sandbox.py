@@ -701,7 +701,9 @@ class Sandbox:
             cmd += ["--dev-bind", "/dev", "/dev"]  # the NVIDIA device nodes; CUDA IPC needs them
         else:
             cmd += ["--dev", "/dev", "--bind", "/dev/shm", "/dev/shm"]  # CPU KV allocations the peer maps
-        cmd += ["--ro-bind", "/sys", "/sys"]
+        # bwrap makes /etc 0700 for the binds below, which the sandbox's uid could not read through (no
+        # getpwuid, no name service: b12x's start-up check failed on "uid not found").
+        cmd += ["--ro-bind", "/sys", "/sys", "--perms", "0755", "--dir", "/etc"]
         for name in ETC_FILES:
             cmd += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
         meta = self._meta()

@@ -116,3 +116,11 @@ def test_the_client_connects_inside_the_engines_namespace_and_the_thread_comes_b
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_the_sandbox_names_its_identity_and_its_etc_is_readable(tmp_path: Path) -> None:
+    sandbox, scratch = _sandbox(tmp_path)
+    probe = "import getpass, os, pwd; print(pwd.getpwuid(os.getuid()).pw_name, getpass.getuser())"
+    cmd = sandbox.command([sys.executable, "-c", probe], scratch, sandbox.engine_env({}))
+    r = subprocess.run(cmd, env=sandbox.bwrap.exec_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["qualify-engine"] * 2, r.stderr

@@ -75,6 +75,12 @@ def test_a_sandboxed_engine_is_another_uid_in_its_own_namespaces(tmp_path: Path)
         else:  # documented: a harness without root cannot enter one, so the engine keeps the host's
             assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
         assert holds_listener(pid, urlsplit(url).port) is True  # the launched engine serves the port
+        if sandbox.own_net:  # the peer joins its pid and network namespaces as the harness's own uid
+            show = "import os; print(*(os.readlink(f'/proc/self/ns/{n}') for n in ('pid', 'net', 'mnt')))"
+            cmd = launcher._into_engine_namespaces([sys.executable, "-I", "-c", show])
+            got = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout.split()
+            assert got == [os.readlink(f"/proc/{pid}/ns/pid"), os.readlink(f"/proc/{pid}/ns/net"),
+                           os.readlink("/proc/self/ns/mnt")]  # fmt: skip
         # A clean environment: nothing of the operator's but what the protocol names and what was added.
         environ = dict(
             e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e
