@@ -8,20 +8,9 @@ import os
 
 from qualify.engine import server as server_module
 from qualify.engine.__main__ import main
+from tests.liars._pid import report_pid
 
-
-class _Os:
-    """The server module's `os`, but for the pid /health reports."""
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(os, name)
-
-    @staticmethod
-    def getpid() -> int:
-        return os.getpid() + 7919
-
-
-server_module.os = _Os()
+report_pid(server_module, lambda: os.getpid() + 7919)
 
 if __name__ == "__main__":
     main()

@@ -12,21 +12,11 @@ import subprocess
 from qualify.engine import engine as engine_module
 from qualify.engine import server as server_module
 from qualify.engine.__main__ import main
+from tests.liars._pid import report_pid
 
 _reload = engine_module.Engine.reload
 HELPER = subprocess.Popen(["sleep", "3600"])  # noqa: S603,S607  (dies with the sandbox)
 STATE = {"reloads": 0}
-
-
-class _Os:
-    """The server module's `os`, but for the pid /health reports."""
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(os, name)
-
-    @staticmethod
-    def getpid() -> int:
-        return HELPER.pid if STATE["reloads"] > 1 else os.getpid()
 
 
 def _counting_reload(self, *args, **kwargs):  # noqa: ANN001,ANN002,ANN003
@@ -34,7 +24,7 @@ def _counting_reload(self, *args, **kwargs):  # noqa: ANN001,ANN002,ANN003
     return _reload(self, *args, **kwargs)
 
 
-server_module.os = _Os()
+report_pid(server_module, lambda: HELPER.pid if STATE["reloads"] > 1 else os.getpid())
 engine_module.Engine.reload = _counting_reload
 
 if __name__ == "__main__":
