@@ -54,6 +54,18 @@ class Home:
         env.update(QUALIFY_HOME=str(self.path), **extra)
         return env
 
+    def foreign_env(self, module: str, site: Path, **extra: str) -> dict[str, str]:
+        """The environment that runs `module`, installed in `site` the way a foreign engine is: the folder
+        mounted in the sandbox and hashed (QUALIFY_ENGINE_PATH), where the harness finds it (PYTHONPATH)."""
+        harness = (str(site), str(ROOT), os.environ.get("PYTHONPATH", ""))
+        mounted = (str(site), os.environ.get("QUALIFY_ENGINE_PATH", ""))
+        return self.env(
+            QUALIFY_ENGINE_MODULE=module,
+            PYTHONPATH=os.pathsep.join(p for p in harness if p),
+            QUALIFY_ENGINE_PATH=os.pathsep.join(p for p in mounted if p),
+            **extra,
+        )
+
     def qualify(self, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> Ran:
         t0 = time.monotonic()
         p = subprocess.run(

@@ -200,12 +200,7 @@ def test_bytecode_planted_beside_an_honest_source_never_runs_in_the_sandbox(
         [sys.executable, "-c", "import pyc_liar.lie"], env=plain, capture_output=True, text=True, timeout=120
     )
     assert "LIAR_PYC ran" in probe.stderr, probe.stderr[-2000:]
-    env = home.env(
-        QUALIFY_ENGINE_MODULE="pyc_liar",
-        PYTHONPATH=os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-        QUALIFY_ENGINE_PATH=os.pathsep.join(filter(None, (str(site), os.environ.get("QUALIFY_ENGINE_PATH")))),
-    )
-    ran = home.qualify("run", "--layout", LAYOUT, "--json", env=env)
+    ran = home.qualify("run", "--layout", LAYOUT, "--json", env=home.foreign_env("pyc_liar", site))
     log = _engine_log(home)
     # In the sandbox the engine reads only the harness's bytecode, compiled from the hashed source.
     assert "LIAR_PYC ran" not in log, log[-3000:]

@@ -40,12 +40,7 @@ def _installed(home: Home, tmp_path: Path, liar: str) -> dict[str, str]:
     if not (site / "second_engine").is_dir():
         shutil.copytree(SECOND, site / "second_engine", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "tests" / "liars" / f"{liar}.py", site)
-    paths = [str(site), os.environ.get("QUALIFY_ENGINE_PATH", "")]
-    return home.env(
-        QUALIFY_ENGINE_MODULE=liar,
-        PYTHONPATH=os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-        QUALIFY_ENGINE_PATH=os.pathsep.join(p for p in paths if p),
-    )
+    return home.foreign_env(liar, site)
 
 
 def _qualified(home: Home, *args: str) -> tuple[dict, dict]:
