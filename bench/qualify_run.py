@@ -86,6 +86,7 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
     predicate = json.loads(r.stdout).get("predicate", {})
     checks = predicate.get("checks", [])
     generation = next((c for c in checks if c.get("name") == "generation"), {})
+    boot = next((c for c in checks if c.get("name") == "boot"), {})
     spec = generation.get("evidence", {}).get("speculation", generation.get("evidence", {}))
     if show_out:
         shown = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -101,6 +102,10 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         "acceptance_histogram": spec.get("acceptance_histogram"),
         "mtp_acceptance_histogram": spec.get("mtp_acceptance_histogram"),
         "xid_watch": predicate.get("faults", {}).get("xid_watch"),
+        # Where boot's time went (the boot check's evidence.phases) and the check times, as the receipt has
+        # them: what a faster qualification starts from.
+        "boot_phases": (boot.get("evidence") or {}).get("phases"),
+        "check_seconds": {c.get("name"): c.get("seconds") for c in checks},
     }
 
 

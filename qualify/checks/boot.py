@@ -156,6 +156,7 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
     """Before boot: read the engine's manifest, refuse a protocol version the harness does not speak, and
     write the launch document into the launcher's options (docs/PROTOCOL.md, "Launch"). (evidence, why
     the engine cannot be launched). A launcher that cannot read manifests boots with flags as before."""
+    t0 = time.monotonic()
     raw, command, error = ctx.launcher.manifest(min(MANIFEST_TIMEOUT_S, max(1.0, ctx.remaining())))
     if error is not None and "cannot read an engine manifest" in error:
         return {"manifest": {"read": False, "why": error}}, None
@@ -164,6 +165,7 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
         return {"manifest": {"read": False, "command": command, "why": why}}, why
     ctx.facts["manifest"] = manifest
     evidence: dict[str, Any] = {"manifest": {"read": True, "command": command, **manifest.model_dump()}}
+    ctx.facts["boot_phases"] = {"manifest": round(time.monotonic() - t0, 3)}
     refusal = launch_doc.manifest_refusal(manifest, ctx.request.preset, ctx.request.dcp)
     if refusal is not None:
         return evidence, refusal
@@ -182,6 +184,7 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
     elif hasattr(ctx.launcher, "weights"):
         ctx.launcher.weights = None  # type: ignore[attr-defined]
         ctx.launcher.hand_weights = False  # type: ignore[attr-defined]
+    ctx.facts["boot_phases"]["weights_seeded_and_hashed"] = round(time.monotonic() - t0, 3)
     weights, scratch = ctx.launcher.launch_paths(name)
     create = getattr(ctx.launcher, "weights", None) is None
     doc = launch_doc.build(
@@ -235,6 +238,7 @@ def _code_identity(ctx: Context, d: Describe) -> tuple[str | None, Cond | None, 
 def run(ctx: Context) -> Outcome:
     t0 = time.monotonic()
     prep, refusal = prepare_launch(ctx)
+    prepared_s = time.monotonic() - t0
     if refusal is not None:
         return Outcome("fail", prep, refusal, {"engine_manifest_accepted": observed(False, refusal)})
     try:
@@ -248,6 +252,7 @@ def run(ctx: Context) -> Outcome:
             str(exc),
         )
     ready_s = time.monotonic() - t0
+    started_s = ready_s - prepared_s
     if ctx.procs is not None:
         ctx.procs.start().mark_baseline()  # the engine as booted: what a later restart would replace
     health = ctx.client.health()
@@ -322,8 +327,10 @@ def run(ctx: Context) -> Outcome:
             if weights.get("engine_names_handed_file")
             else f"the engine names {weights.get('engine_names')}, not {handed.engine_path}",
         )
+        t_reload = time.monotonic()
         cond, evidence["handed_weights_reload"] = handed_reload_keeps_output(ctx, handed.engine_path)
         conditions["handed_weights_reload_keeps_output"] = cond
+        evidence["handed_weights_reload"]["seconds"] = round(time.monotonic() - t_reload, 3)
     if code_cond is not None:
         # The harness hashed the code it launched; the engine's claim about itself must agree with it (one
         # side is the engine's number: `engine`).
@@ -338,6 +345,14 @@ def run(ctx: Context) -> Outcome:
         conditions["capacity_as_sent"] = engine_says(
             got == want, f"describe's capacity {got}, the launch document sent {want}"
         )
+    # Where boot's time went (cumulative marks of prepare_launch, then each step's own seconds): what a
+    # faster qualification starts from (bench/qualify_run.py reports them).
+    evidence["phases"] = {
+        **{f"prepare_{k}_at": v for k, v in (ctx.facts.get("boot_phases") or {}).items()},
+        "prepare": round(prepared_s, 3),
+        "engine_start_to_ready": round(started_s, 3),
+        "checks_after_ready": round(time.monotonic() - t0 - ready_s, 3),
+    }
     return fail_unless(conditions, evidence)
 
 

@@ -55,6 +55,13 @@ def test_local_run_qualifies_on_cpu_and_signs_a_verifiable_receipt(home: Home) -
     layout_patterns = [x for x in REQUIRED_OBSERVED["gpu"] if x.startswith("layout.")]
     assert observed_shortfalls([check(p, "layout")], layout_patterns) == []
     assert check(p, "layout")["evidence"]["peer"]["spans"] == [2304, 2304, 2304, 9216]
+    # Where boot's time went, step by step (what a faster qualification starts from).
+    phases = check(p, "boot")["evidence"]["phases"]
+    assert set(phases) == {"prepare_manifest_at", "prepare_weights_seeded_and_hashed_at", "prepare",
+                           "engine_start_to_ready", "checks_after_ready"}  # fmt: skip
+    marks = ("prepare_manifest_at", "prepare_weights_seeded_and_hashed_at", "prepare")
+    assert 0 < phases[marks[0]] <= phases[marks[1]] <= phases[marks[2]]
+    assert check(p, "boot")["evidence"]["handed_weights_reload"]["seconds"] > 0
     assert p["backend"]["resolved"] == "torch" and "kda::torch" in p["backend"]["kernel_names"]
     backend = check(p, "backend")["evidence"]
     assert backend["bogus_refusal"]["exit_code"] not in (None, 0)
