@@ -417,15 +417,15 @@ class LocalLauncher(Launcher):
     def _hold_netns(self, pid: int | None) -> None:
         """Open the new boot's network namespace (a restarted engine has a new one). In a sandbox with one
         of its own that cannot be opened, the client's connections fail: they never go to the host's."""
-        old, self._netns = self._netns, None
-        if old is not None:
-            old.close()
         if self.sandbox is None or not self.sandbox.own_net:
             return
         try:
-            self._netns = Netns(pid, "the harness did not find the engine's pid to enter its network")
+            new = Netns(pid, "the harness did not find the engine's pid to enter its network")
         except NetnsError as exc:
-            self._netns = Netns(None, str(exc))
+            new = Netns(None, str(exc))
+        old, self._netns = self._netns, new  # never None between two boots: None is the host's network
+        if old is not None:
+            old.close()
 
     def netns(self) -> Netns | None:
         return self._netns
@@ -481,7 +481,9 @@ class LocalLauncher(Launcher):
         if self.sandbox is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)  # the engine's writes go with it
         with self._lock:
-            old, self._netns = self._netns, None
+            old = self._netns
+            if old is not None:  # a stopped engine's address is nobody's: nothing connects there now
+                self._netns = Netns(None, "the engine was stopped")
         if old is not None:
             old.close()
         return self.status()

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from qualify.checks.boot import holds_listener
-from qualify.client import EngineClient
+from qualify.client import EngineClient, EngineUnreachable
 from qualify.launch.base import EngineOptions
 from qualify.launch.local import LocalLauncher
 from qualify.launch.sandbox import (
@@ -114,6 +114,9 @@ def test_a_sandboxed_engine_is_another_uid_in_its_own_namespaces(tmp_path: Path)
             (root / weights.engine_path.lstrip("/")).open("ab")
     finally:
         final = launcher.stop()
+    if sandbox.own_net:  # its address is nobody's now: the client never tries the host's network instead
+        with pytest.raises(EngineUnreachable, match="the engine was stopped"):
+            EngineClient(url, netns=launcher.netns).health()
     # Stopped by SIGTERM to the engine itself (not bwrap), so it released its allocations and died of it.
     assert final.exit_code == -signal.SIGTERM and not final.alive
     assert not launcher.scratch.exists()  # what it wrote goes with it
