@@ -13,6 +13,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -146,6 +147,11 @@ def device_requests(gpus: str | None) -> list[Any]:
 # `serve --launch env:QUALIFY_LAUNCH` (docs/PROTOCOL.md, "Launch").
 LAUNCH_ENV = "QUALIFY_LAUNCH"
 LAUNCH_PATH = f"env:{LAUNCH_ENV}"
+# Where the weights the harness seeded and hashed appear in every container of the run, read-only (a bind
+# mount of the harness's cached copy: the weights subject), and where the seeding container writes them.
+WEIGHTS_DIR = "/qualify/weights"
+SEED_OUT_DIR = "/qualify/out"
+WEIGHTS_STEP_TIMEOUT_S = 600.0
 
 
 class DockerLauncher(Launcher):
@@ -173,6 +179,10 @@ class DockerLauncher(Launcher):
         src = os.environ if env is None else env
         self.env = {k: v for k, v in src.items() if k.startswith(FORWARD_ENV_PREFIX)}
         self.env.update(self.engine_env)  # --engine-env: added on purpose, recorded in the receipt
+        # The weights file handed to the engine (HandedWeights), seeded by the image's reference engine and
+        # hashed by the harness; None until boot's prepare_weights, or when the engine writes its own.
+        self.weights: Any = None
+        self.hand_weights = True
         self.env["QUALIFY_HOME"] = "/var/lib/qualify"
         self.log_path = run_dir / "engine.log"
         self._env_source = dict(src)
@@ -246,8 +256,9 @@ class DockerLauncher(Launcher):
             "shm_size": "1g",
             **HARDENING,
         }
-        if mon_volumes:
-            kwargs["volumes"] = mon_volumes
+        volumes = {**mon_volumes, **self._weights_volume()}
+        if volumes:
+            kwargs["volumes"] = volumes
         watch = _HarnessWatch(self)
         kwargs["environment"] = {**kwargs["environment"], WATCH_ENV: watch.spec}
         if self.mem_limit:
@@ -454,7 +465,7 @@ class DockerLauncher(Launcher):
             return ""
 
     def sibling(self, options: EngineOptions, name: str) -> DockerLauncher:
-        return DockerLauncher(
+        other = DockerLauncher(
             options,
             self.image_ref,
             self.run_dir / name,
@@ -464,6 +475,9 @@ class DockerLauncher(Launcher):
             env=self._env_source,
             engine_env=self.engine_env,
         )
+        # The same handed weights file: a reference engine compares against the weights subject.
+        other.weights, other.hand_weights = self.weights, self.hand_weights
+        return other
 
     def identity(self) -> dict[str, Any]:
         """The image as the daemon names it: the id of the image the RUNNING container was created from
@@ -537,6 +551,7 @@ class DockerLauncher(Launcher):
             **HARDENING,
             auto_remove=True,
             ports={f"{WATCH_PORT}/tcp": ("127.0.0.1", None)},
+            volumes=self._weights_volume(),
         )
         ended: list[Any] = []
         chunks: list[bytes] = []
@@ -589,7 +604,84 @@ class DockerLauncher(Launcher):
         return {LAUNCH_ENV: text}
 
     def launch_paths(self, weights_name: str) -> tuple[str, str]:
+        if self.weights is not None:
+            return self.weights.engine_path, "/tmp/qualify-scratch"
         return f"/var/lib/qualify/weights/{weights_name}", "/tmp/qualify-scratch"
+
+    def _weights_volume(self) -> dict[str, dict[str, str]]:
+        if self.weights is None:
+            return {}
+        return {str(self.weights.path): {"bind": self.weights.engine_path, "mode": "ro"}}
+
+    def prepare_weights(self, timeout_s: float = WEIGHTS_STEP_TIMEOUT_S, dtype: str | None = None) -> Any:
+        """The seeded weights of this configuration, as the image's reference engine writes them (its
+        `weights` verb, in a hardened container without network whose one writable mount is a folder of
+        the run dir), copied into the harness's cache and hashed there: the file every container of the
+        run gets read-only at WEIGHTS_DIR, and the weights subject. None when the engine refuses the
+        configuration itself (its refusal is then the answer, as for the local launcher)."""
+        import hashlib
+
+        import requests  # the docker SDK's transport
+
+        from qualify.launch.local import HandedWeights
+        from qualify.launch.sandbox import DigestCache, cache_dir
+
+        if self.weights is not None:
+            return self.weights
+        docker = _docker()
+        image = self._image = self._image or self._resolve_image()
+        serve = self.options.serve_args(kda_backend="auto")  # the backend changes no weight
+        if dtype is not None:
+            serve += ["--dtype", dtype]
+        key_src = json.dumps([serve, image.id, bool(self.gpus)])
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+        cached = cache_dir() / "weights" / f"seeded-docker-{self.options.preset}-{key}.safetensors"
+        if not cached.is_file():
+            step = self.run_dir / "weights-step"
+            step.mkdir(parents=True, exist_ok=True)
+            os.chmod(step, 0o777)  # the container's uid writes here (no capability overrides a mode)
+            cmd = [*(self._entry() or ["python", "-m", "qualify.engine"]), "weights", *serve[1:]]
+            cmd += ["--out", f"{SEED_OUT_DIR}/seeded.safetensors"]
+            out_mount = {"bind": SEED_OUT_DIR, "mode": "rw"}
+            c = None
+            try:
+                c = self._client.containers.create(
+                    image.id, cmd, detach=True, labels=self.labels, network_disabled=True,
+                    name=f"qualify-weights-{self.run_id}", volumes={str(step): out_mount},
+                    device_requests=device_requests(self.gpus), **HARDENING,
+                )  # fmt: skip
+                c.start()
+                code: int | None = int(c.wait(timeout=timeout_s)["StatusCode"])
+                tail = _last_line(c.logs(stdout=True, stderr=True).decode(errors="replace"))
+            except requests.exceptions.RequestException:
+                code, tail = None, f"no end within {timeout_s:g} s"
+            except docker.errors.APIError as exc:
+                code, tail = None, _explain(exc)
+            finally:
+                if c is not None:
+                    with contextlib.suppress(Exception):
+                        c.remove(force=True)
+            made = step / "seeded.safetensors"
+            if code == EXIT_REFUSED:
+                shutil.rmtree(step, ignore_errors=True)
+                return None
+            if code != 0 or not made.is_file():
+                shutil.rmtree(step, ignore_errors=True)
+                raise RuntimeError(f"the harness could not seed the engine's weights (exit {code}): {tail}")
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".tmp{os.getpid()}")
+            shutil.copyfile(made, tmp)  # a file of the harness's own, not the one the container wrote
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, cached)
+            shutil.rmtree(step, ignore_errors=True)
+        digests = DigestCache(cache_dir() / "weights-digests.json")
+        digest = "sha256:" + digests.digest(cached, cached.stat())
+        digests.save()
+        origin = f"seeded by the image's reference engine ({image.id[:19]} weights), cached"
+        self.weights = HandedWeights(
+            cached, digest, cached.stat().st_size, f"{WEIGHTS_DIR}/{cached.name}", origin
+        )
+        return self.weights
 
     def manifest(self, timeout_s: float) -> tuple[bytes | None, str, str | None]:
         """`manifest` in a throwaway container of the image (its entry point, else the reference engine's

@@ -105,7 +105,8 @@ def host_info() -> dict[str, Any]:
 def subjects(
     engine: dict[str, Any], identity: dict[str, Any], weights_digest: str | None
 ) -> list[st.Subject]:
-    """docker: the image digest; local: the engine code and weights digests; both: the config digest."""
+    """docker: the image digest; local: the engine code digest; both: the weights digests where the harness
+    hashed the file it handed the engine, and the config digest."""
     out: list[st.Subject] = []
     if engine.get("image_digest"):
         name = identity.get("image") or "engine-image"
@@ -114,15 +115,11 @@ def subjects(
         out.append(
             st.Subject(name=f"{engine['name']}-code", digest={"sha256": bare_hex(engine["code_digest"])})
         )
-        if bare_hex(weights_digest):
-            out.append(
-                st.Subject(name=f"{engine['name']}-weights", digest={"sha256": bare_hex(weights_digest)})
-            )
-            # The same weights as OpenSSF model signing names them (its root digest of the one file).
-            oms = bare_hex(weights_identity.root_of_one_file(str(bare_hex(weights_digest))))
-            out.append(
-                st.Subject(name=engine["name"] + weights_identity.SUBJECT_SUFFIX, digest={"sha256": oms})
-            )
+    if bare_hex(weights_digest):
+        out.append(st.Subject(name=f"{engine['name']}-weights", digest={"sha256": bare_hex(weights_digest)}))
+        # The same weights as OpenSSF model signing names them (its root digest of the one file).
+        oms = bare_hex(weights_identity.root_of_one_file(str(bare_hex(weights_digest))))
+        out.append(st.Subject(name=engine["name"] + weights_identity.SUBJECT_SUFFIX, digest={"sha256": oms}))
     out.append(
         st.Subject(name=f"{engine['name']}-config", digest={"sha256": bare_hex(engine["config_digest"])})
     )

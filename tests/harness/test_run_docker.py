@@ -26,6 +26,17 @@ def test_docker_run_qualifies_and_names_the_image_digest(home: Home, engine_imag
     assert p["engine"]["image_digest"] == image_id
     assert p["request"]["launcher"] == "docker" and p["request"]["image"] == engine_image
     assert check(p, "faults")["evidence"]["launcher"]["restart_count"] == 0
+    # The weights the engine ran are the harness's: seeded by the image's reference engine, hashed, mounted
+    # read-only into the container, named by the engine, reloaded with unchanged output; a subject.
+    boot = check(p, "boot")
+    handed = boot["evidence"]["weights_file"]
+    assert handed["hashed"] and handed["engine_path"].startswith("/qualify/weights/")
+    for cond in ("weights_file_hashed", "engine_names_handed_weights", "handed_weights_reload_keeps_output"):
+        assert boot["conditions"][cond]["holds"], (cond, boot["conditions"][cond])
+    weights = {"name": "qualify-reference-engine-weights", "digest": {"sha256": handed["digest"][7:]}}
+    assert weights in s["subjects"]
+    binds = p["engine"]["sandbox"]["binds"]
+    assert f"{handed['path']}:{handed['engine_path']}:ro" in binds, binds
     assert home.verify_all().code == 0
 
 
