@@ -277,13 +277,9 @@ class DockerLauncher(Launcher):
         except docker.errors.APIError as exc:
             # A GPU request without the NVIDIA runtime fails here and leaves a `created` container.
             self._remove()
-            hint = ""
-            if "device driver" in _explain(exc) or "gpu" in _explain(exc).lower():
-                hint = (
-                    "; this host has no NVIDIA container runtime: drop --gpus or install the NVIDIA "
-                    "container toolkit"
-                )
-            raise LaunchError(f"docker could not start the engine container: {_explain(exc)}{hint}") from exc
+            raise LaunchError(
+                f"docker could not start the engine container: {_explain(exc)}{_gpu_hint(exc)}"
+            ) from exc
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._container.reload()
@@ -653,10 +649,13 @@ class DockerLauncher(Launcher):
                 c.start()
                 code: int | None = int(c.wait(timeout=timeout_s)["StatusCode"])
                 tail = _last_line(c.logs(stdout=True, stderr=True).decode(errors="replace"))
+            except docker.errors.APIError as exc:  # (a RequestException too) no container runs here
+                shutil.rmtree(step, ignore_errors=True)
+                raise LaunchError(
+                    f"docker could not start the weights-seeding container: {_explain(exc)}{_gpu_hint(exc)}"
+                ) from exc
             except requests.exceptions.RequestException:
                 code, tail = None, f"no end within {timeout_s:g} s"
-            except docker.errors.APIError as exc:
-                code, tail = None, _explain(exc)
             finally:
                 if c is not None:
                     with contextlib.suppress(Exception):
@@ -702,10 +701,10 @@ class DockerLauncher(Launcher):
             c.start()
             code = int(c.wait(timeout=timeout_s)["StatusCode"])
             out = c.logs(stdout=True, stderr=False)
+        except docker.errors.APIError as exc:  # first: it is a RequestException too
+            return None, text, f"`{text}` failed: {_explain(exc)}"
         except requests.exceptions.RequestException:
             return None, text, f"`{text}` did not finish within {timeout_s:g} s"
-        except docker.errors.APIError as exc:
-            return None, text, f"`{text}` failed: {_explain(exc)}"
         finally:
             if c is not None:
                 with contextlib.suppress(Exception):
@@ -829,6 +828,15 @@ def _explain(exc: Exception) -> str:
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
     return str(text).splitlines()[0][:300]
+
+
+def _gpu_hint(exc: Exception) -> str:
+    """What to do about a GPU request the daemon cannot serve (no NVIDIA runtime), else nothing."""
+    if "device driver" in _explain(exc) or "gpu" in _explain(exc).lower():
+        return (
+            "; this host has no NVIDIA container runtime: drop --gpus or install the NVIDIA container toolkit"
+        )
+    return ""
 
 
 def _last_line(text: str) -> str:
