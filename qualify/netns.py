@@ -96,6 +96,3 @@ class Netns:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = None
-
-    def describe(self) -> str:
-        return f"net:[{self.inode}]"

@@ -619,8 +619,8 @@ class DockerLauncher(Launcher):
 
         import requests  # the docker SDK's transport
 
-        from qualify.launch.local import HandedWeights
-        from qualify.launch.sandbox import DigestCache, cache_dir
+        from qualify.launch.local import hand_over, keep_seeded
+        from qualify.launch.sandbox import cache_dir
 
         if self.weights is not None:
             return self.weights
@@ -667,19 +667,10 @@ class DockerLauncher(Launcher):
             if code != 0 or not made.is_file():
                 shutil.rmtree(step, ignore_errors=True)
                 raise RuntimeError(f"the harness could not seed the engine's weights (exit {code}): {tail}")
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".tmp{os.getpid()}")
-            shutil.copyfile(made, tmp)  # a file of the harness's own, not the one the container wrote
-            os.chmod(tmp, 0o444)
-            os.replace(tmp, cached)
+            keep_seeded(made, cached)
             shutil.rmtree(step, ignore_errors=True)
-        digests = DigestCache(cache_dir() / "weights-digests.json")
-        digest = "sha256:" + digests.digest(cached, cached.stat())
-        digests.save()
         origin = f"seeded by the image's reference engine ({image.id[:19]} weights), cached"
-        self.weights = HandedWeights(
-            cached, digest, cached.stat().st_size, f"{WEIGHTS_DIR}/{cached.name}", origin
-        )
+        self.weights = hand_over(cached, f"{WEIGHTS_DIR}/{cached.name}", origin)
         return self.weights
 
     def manifest(self, timeout_s: float) -> tuple[bytes | None, str, str | None]:

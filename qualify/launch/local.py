@@ -89,6 +89,24 @@ class HandedWeights:
         }
 
 
+def keep_seeded(made: Path, cached: Path) -> None:
+    """Copy the file a seeding step wrote into the harness's cache, read-only: a file of the harness's own,
+    not the one the step (the engine's code) wrote and could still change."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    shutil.copyfile(made, tmp)
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, cached)
+
+
+def hand_over(cached: Path, engine_path: str, origin: str) -> HandedWeights:
+    """The harness's cached seeded weights, hashed (through its digest cache), as the engine will see them."""
+    digests = DigestCache(cache_dir() / "weights-digests.json")
+    digest = "sha256:" + digests.digest(cached, cached.stat())
+    digests.save()
+    return HandedWeights(cached, digest, cached.stat().st_size, engine_path, origin)
+
+
 class LocalLauncher(Launcher):
     kind = "local"
 
@@ -215,11 +233,8 @@ class LocalLauncher(Launcher):
         origin = f"seeded by the reference engine (python -m {DEFAULT_ENGINE_MODULE} weights), cached"
         if not cached.is_file() and not self._seed(cached, serve, timeout_s):
             return None
-        digests = DigestCache(cache_dir() / "weights-digests.json")
-        digest = "sha256:" + digests.digest(cached, cached.stat())
-        digests.save()
         engine_path = Sandbox.weights_path(cached) if self.sandbox is not None else str(cached)
-        self.weights = HandedWeights(cached, digest, cached.stat().st_size, engine_path, origin)
+        self.weights = hand_over(cached, engine_path, origin)
         return self.weights
 
     def _seed(self, cached: Path, serve: list[str], timeout_s: float) -> bool:
@@ -254,11 +269,7 @@ class LocalLauncher(Launcher):
             shutil.rmtree(scratch, ignore_errors=True)
             why = describe_exit(rc) or "timed out"
             raise RuntimeError(f"the harness could not seed the engine's weights ({why}): {tail}")
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        shutil.copyfile(made, tmp)  # a file of the harness's own, not the one the step wrote
-        os.chmod(tmp, 0o444)
-        os.replace(tmp, cached)
+        keep_seeded(made, cached)
         shutil.rmtree(scratch, ignore_errors=True)
         return True
 
