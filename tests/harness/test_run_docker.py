@@ -3,12 +3,27 @@ run, a container killed by its memory limit, and a GPU request on a host without
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from .conftest import DOCKER, LAYOUT, Home, check
+from .conftest import DOCKER, LAYOUT, ROOT, Home, check
+
+# A lying image: the reference engine with tests/liars/other_weights.py loaded at interpreter start (a
+# sitecustomize on the image's PYTHONPATH), so `python -m qualify.engine serve` boots weights of its own
+# and names the handed file. The peer (`python -I`) never loads it.
+LIAR_DOCKERFILE = """ARG BASE
+FROM ${BASE}
+COPY other_weights.py /opt/liar/liar_other_weights.py
+RUN echo 'import liar_other_weights  # noqa' > /opt/liar/sitecustomize.py
+ENV PYTHONPATH=/opt/liar
+"""
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.usefixtures("no_leftover_containers")]
 
@@ -141,3 +156,48 @@ def test_the_engine_container_is_hardened_as_docker_inspect_reports_it(tmp_path,
         assert ident["image_id"] == c["Image"] == ident["running_container_image_id"]
     finally:
         launcher.stop()
+
+
+@pytest.fixture(scope="module")
+def other_weights_image(engine_image: str) -> str:
+    liar = ROOT / "tests" / "liars" / "other_weights.py"
+    h = hashlib.sha256(engine_image.encode() + LIAR_DOCKERFILE.encode() + liar.read_bytes())
+    tag = f"qualify-liar-other-weights:{h.hexdigest()[:12]}"
+    if subprocess.run([DOCKER, "image", "inspect", tag], capture_output=True).returncode == 0:
+        return tag
+    with tempfile.TemporaryDirectory() as ctx:
+        shutil.copyfile(liar, Path(ctx) / "other_weights.py")
+        (Path(ctx) / "Dockerfile").write_text(LIAR_DOCKERFILE)
+        r = subprocess.run(
+            [DOCKER, "build", "--quiet", "--build-arg", f"BASE={engine_image}", "-t", tag, ctx],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "DOCKER_BUILDKIT": "1"},
+        )  # fmt: skip
+    if r.returncode != 0:
+        pytest.fail(f"building the lying image failed: {r.stderr[-1500:]}")
+    return tag
+
+
+def test_an_image_that_boots_other_weights_than_the_handed_file_is_rejected(
+    home: Home, other_weights_image: str
+) -> None:
+    ran = home.qualify(
+        "run",
+        "--launcher",
+        "docker",
+        "--image",
+        other_weights_image,
+        "--layout",
+        LAYOUT,
+        "--json",
+        "--fail-fast",
+    )
+    assert ran.code == 1, ran.stderr[-2000:]
+    (p,) = home.predicates()
+    boot = check(p, "boot")
+    # It names the handed file (its word holds) and the file is the hashed one; reloading that very file
+    # changes its answers on fresh prompts: what it booted was not the subject.
+    assert boot["conditions"]["engine_names_handed_weights"]["holds"]
+    assert boot["conditions"]["weights_file_hashed"]["holds"]
+    cond = boot["conditions"]["handed_weights_reload_keeps_output"]
+    assert not cond["holds"] and cond["source"] == "observed"
+    assert "output changed" in cond["detail"], cond
