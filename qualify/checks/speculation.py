@@ -17,7 +17,7 @@ from qualify.checks.base import (
     observed,
     well_formed,
 )
-from qualify.checks.timing import SPEC_REPEATS, spec_rule
+from qualify.checks.timing import SPEC_REPEATS, SPEC_TIMED_TOKENS, spec_rule
 from qualify.protocol import Choice, CompletionResponse, Counters
 
 
@@ -99,20 +99,23 @@ def prove(
     ref: Choice | None = choices(long)[0] if well_formed(long, 1) else None
     runs: list[tuple[int, list[list[int]], CompletionResponse]] = []
     times: dict[str, list[float]] = {"first": [], "plain": [], "none": [], "every": []}
+    gpu = ctx.target == "gpu"
     if ref is not None:
-        _time_plain(ctx, drafted, M, times)
+        if not gpu:
+            _time_plain(ctx, drafted, M, times)
         for j in range(N + 1):
             drafts = plan(ref.token_ids, M, j, N)
             t0 = ctx.clock()
             resp = ctx.generate(drafted, speculative=True, max_tokens=M, drafts=drafts)
-            if j in (0, N):
+            if j in (0, N) and not gpu:
                 times["none" if j == 0 else "every"].append(ctx.clock() - t0)
             runs.append((j, drafts, resp))
     after = ctx.client.describe().counters
-    if ref is not None and ctx.target == "gpu":  # more timings, each on a prompt of its own
-        for _ in range(SPEC_REPEATS - 1):
-            _time_drafted(ctx, ctx.fresh(1), M, N, times)
-    fast, timing = spec_rule(**times, max_tokens=M, num_spec=N)
+    timed = SPEC_TIMED_TOKENS if gpu else M
+    if ref is not None and gpu:  # timed rounds of longer sequences, each on a prompt of its own
+        for _ in range(SPEC_REPEATS):
+            _time_drafted(ctx, ctx.fresh(1), timed, N, times)
+    fast, timing = spec_rule(**times, max_tokens=timed, num_spec=N)
 
     reask = ctx.reask(speculative=True)
     vs_plain = coherence(plain, mtp, len(prompts), reask=reask)

@@ -601,11 +601,12 @@ class LocalLauncher(Launcher):
         return RefusalOutcome(cmd, code, time.monotonic() - t0, out or "")
 
     def _into_engine_namespaces(self, cmd: list[str]) -> list[str]:
-        """A harness helper that must meet the sandboxed engine's memory (the peer) joins the engine's pid
-        and network namespaces with util-linux nsenter, keeping the harness's uid and files: a legacy CUDA
-        IPC handle opens only in the pid namespace it was made in (seen on the H200:
-        cudaErrorMapBufferObjectFailed from outside it). Its /proc must then be that namespace's too (the
-        CUDA driver reads /proc/<getpid()>: "Error 304" under the host's /proc), so util-linux unshare
+        """A harness helper that must meet the sandboxed engine's memory (the peer) joins the engine's pid,
+        IPC, UTS and network namespaces with util-linux nsenter, keeping the harness's uid and files: a
+        legacy CUDA IPC handle opens only in the pid and IPC namespaces it was made in (seen on the H200:
+        cudaErrorMapBufferObjectFailed from outside the pid namespace, and again from inside it but outside
+        the IPC namespace). Its /proc must be that pid namespace's too (the CUDA driver reads
+        /proc/<getpid()>: "Error 304" under the host's /proc), so util-linux unshare
         gives it a mount namespace of its own, a copy of the harness's, with a fresh /proc. The engine's
         uid has no capability over it. A harness without root (a user-namespace sandbox) cannot enter,
         and runs it outside."""
@@ -613,7 +614,7 @@ class LocalLauncher(Launcher):
             return cmd
         nsenter = shutil.which("nsenter", path="/usr/bin:/bin") or "/usr/bin/nsenter"
         unshare = shutil.which("unshare", path="/usr/bin:/bin") or "/usr/bin/unshare"
-        into = [nsenter, f"--target={self._pid}", "--pid", "--net", "--"]
+        into = [nsenter, f"--target={self._pid}", "--pid", "--ipc", "--uts", "--net", "--"]
         return [*into, unshare, "--mount", "--propagation=private", "--mount-proc", "--", *cmd]
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:

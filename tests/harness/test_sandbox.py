@@ -75,18 +75,20 @@ def test_a_sandboxed_engine_is_another_uid_in_its_own_namespaces(tmp_path: Path)
         else:  # documented: a harness without root cannot enter one, so the engine keeps the host's
             assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
         assert holds_listener(pid, urlsplit(url).port) is True  # the launched engine serves the port
-        if sandbox.own_net:  # the peer joins its pid and network namespaces as the harness's own uid
+        if sandbox.own_net:  # the peer joins its pid, net, IPC and UTS namespaces as the harness's own uid
             show = (
-                "import os; print(*(os.readlink(f'/proc/self/ns/{n}') for n in ('pid', 'net', 'mnt')), "
+                "import os; ns = ('pid', 'net', 'ipc', 'uts', 'mnt'); "
+                "print(*(os.readlink(f'/proc/self/ns/{n}') for n in ns), "
                 "os.readlink('/proc/self') == str(os.getpid()), os.getuid(), os.path.isfile(os.sys.argv[1]))"
             )
             readme = str(ROOT / "README.md")
             cmd = launcher._into_engine_namespaces([sys.executable, "-I", "-c", show, readme])
             got = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout.split()
-            assert got[:2] == [os.readlink(f"/proc/{pid}/ns/pid"), os.readlink(f"/proc/{pid}/ns/net")]
+            assert got[:4] == [os.readlink(f"/proc/{pid}/ns/{n}") for n in ("pid", "net", "ipc", "uts")]
             # Its own /proc of that pid namespace (CUDA reads /proc/<getpid()>), the harness's files, uid.
-            assert got[2] != os.readlink("/proc/self/ns/mnt")
-            assert got[3:] == ["True", str(os.getuid()), "True"]
+            assert got[4] != os.readlink("/proc/self/ns/mnt")
+            assert got[4] != os.readlink(f"/proc/{pid}/ns/mnt")
+            assert got[5:] == ["True", str(os.getuid()), "True"]
         # A clean environment: nothing of the operator's but what the protocol names and what was added.
         environ = dict(
             e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e
