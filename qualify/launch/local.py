@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -615,7 +616,12 @@ class LocalLauncher(Launcher):
         nsenter = shutil.which("nsenter", path="/usr/bin:/bin") or "/usr/bin/nsenter"
         unshare = shutil.which("unshare", path="/usr/bin:/bin") or "/usr/bin/unshare"
         into = [nsenter, f"--target={self._pid}", "--pid", "--ipc", "--uts", "--net", "--"]
-        return [*into, unshare, "--mount", "--propagation=private", "--mount-proc", "--", *cmd]
+        own = [unshare, "--mount", "--propagation=private", "--mount-proc", "--"]
+        join = os.environ.get(PEER_JOIN_ENV, "ns")
+        if join == "ns-tmp":  # the engine's /tmp (its scratch dir's tmp) over the peer's own /tmp
+            inner = f'mount --bind {shlex.quote(str(self.scratch / "tmp"))} /tmp && exec "$@"'
+            return [*into, *own, "/bin/sh", "-c", inner, "sh", *cmd]
+        return [*into, *own, *cmd]
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
         """The peer as a sibling subprocess: `python -I .../qualify/engine/peer.py` from the harness's own
@@ -647,6 +653,10 @@ class LocalLauncher(Launcher):
         text = log.read_text(errors="replace") if log.is_file() else ""
         return PeerOutcome.from_output(cmd, code, time.monotonic() - t0, raw, text)
 
+
+# A diagnostic switch for the H200 (scripts/ipc-matrix): which of the engine's namespaces and files the peer
+# shares ("ns": pid, IPC, UTS, net; "ns-tmp": with its /tmp too).
+PEER_JOIN_ENV = "QUALIFY_PEER_JOIN"
 
 # What a harness helper (the peer) keeps of the harness's environment; -I ignores the PYTHON* ones anyway.
 PEER_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")
