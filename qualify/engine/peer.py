@@ -17,6 +17,7 @@ the same swap applied again restores the bytes. Both work on shm files and CUDA-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -452,15 +453,46 @@ def run(spec: dict) -> dict:
     }
 
 
+@contextlib.contextmanager
+def effective_identity(ids: str | None):
+    """Within: the effective uid and gid `ids` ("UID:GID"), no supplementary groups; real and saved ids
+    unchanged. The NVIDIA driver opens a legacy CUDA IPC handle only for a process of the exporter's
+    effective uid (on the H200: cudaErrorMapBufferObjectFailed for root opening a uid-65534 engine's
+    handle, scripts/ipc-matrix), while a peer whose real and saved uid stay the harness's cannot be
+    signalled or traced by the engine's uid, and changing its effective uid makes it non-dumpable."""
+    if not ids:
+        yield
+        return
+    uid, gid = (int(x) for x in ids.split(":"))
+    euid, egid, groups = os.geteuid(), os.getegid(), os.getgroups()
+    os.setgroups([])
+    os.setresgid(-1, gid, -1)
+    os.setresuid(-1, uid, -1)
+    try:
+        yield
+    finally:
+        os.setresuid(-1, euid, -1)
+        os.setresgid(-1, egid, -1)
+        os.setgroups(groups)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qualify.engine.peer")
     p.add_argument("--spec", required=True, help="JSON: geometry, the engine's kv-handles, nonces")
     p.add_argument("--out", default=None, help="write the report here (default: stdout)")
+    p.add_argument(
+        "--cuda-as", default=None, metavar="UID:GID",
+        help="open the CUDA handles with this effective uid and gid (the sandboxed engine's), keeping the "
+        "real and saved ones; the spec is read and the report written with the peer's own",
+    )  # fmt: skip
     args = p.parse_args(argv)
     try:
         with open(args.spec) as f:
             spec = json.load(f)
-        report = run_swaps(spec) if spec.get("mode") == "swap" else run(spec)
+        if args.cuda_as:
+            import torch  # noqa: F401  (read with the peer's own uid; CUDA starts later, under the engine's)
+        with effective_identity(args.cuda_as):
+            report = run_swaps(spec) if spec.get("mode") == "swap" else run(spec)
     except Exception as e:
         report = {
             "pid": os.getpid(),

@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -46,6 +45,8 @@ from qualify.launch.base import (
 )
 from qualify.launch.monitor import EngineMonitor, monitor_command, monitor_enabled
 from qualify.launch.sandbox import (
+    SANDBOX_GID,
+    SANDBOX_UID,
     SCRATCH,
     DigestCache,
     Sandbox,
@@ -603,25 +604,28 @@ class LocalLauncher(Launcher):
 
     def _into_engine_namespaces(self, cmd: list[str]) -> list[str]:
         """A harness helper that must meet the sandboxed engine's memory (the peer) joins the engine's pid,
-        IPC, UTS and network namespaces with util-linux nsenter, keeping the harness's uid and files: a
-        legacy CUDA IPC handle opens only in the pid and IPC namespaces it was made in (seen on the H200:
-        cudaErrorMapBufferObjectFailed from outside the pid namespace, and again from inside it but outside
-        the IPC namespace). Its /proc must be that pid namespace's too (the CUDA driver reads
-        /proc/<getpid()>: "Error 304" under the host's /proc), so util-linux unshare
-        gives it a mount namespace of its own, a copy of the harness's, with a fresh /proc. The engine's
-        uid has no capability over it. A harness without root (a user-namespace sandbox) cannot enter,
-        and runs it outside."""
+        IPC, UTS and network namespaces with util-linux nsenter, keeping the harness's uid and files. Its
+        /proc must be that pid namespace's (the CUDA driver reads /proc/<getpid()>: "Error 304" under the
+        host's /proc), so util-linux unshare gives it a mount namespace of its own, a copy of the
+        harness's, with a fresh /proc. (What a legacy CUDA IPC handle needs is the exporter's effective
+        uid, `peer_identity`; scripts/ipc-matrix measured which namespaces matter.) A harness without root
+        (a user-namespace sandbox) cannot enter, and runs it outside."""
         if self.sandbox is None or not self.sandbox.own_net or self._pid is None:
             return cmd
         nsenter = shutil.which("nsenter", path="/usr/bin:/bin") or "/usr/bin/nsenter"
         unshare = shutil.which("unshare", path="/usr/bin:/bin") or "/usr/bin/unshare"
         into = [nsenter, f"--target={self._pid}", "--pid", "--ipc", "--uts", "--net", "--"]
-        own = [unshare, "--mount", "--propagation=private", "--mount-proc", "--"]
-        join = os.environ.get(PEER_JOIN_ENV, "ns")
-        if join == "ns-tmp":  # the engine's /tmp (its scratch dir's tmp) over the peer's own /tmp
-            inner = f'mount --bind {shlex.quote(str(self.scratch / "tmp"))} /tmp && exec "$@"'
-            return [*into, *own, "/bin/sh", "-c", inner, "sh", *cmd]
-        return [*into, *own, *cmd]
+        return [*into, unshare, "--mount", "--propagation=private", "--mount-proc", "--", *cmd]
+
+    def peer_identity(self) -> list[str]:
+        """The peer's --cuda-as: on a GPU, a root harness's sandboxed engine runs as SANDBOX_UID, and the
+        NVIDIA driver opens its CUDA IPC handles only for that effective uid (root gets
+        cudaErrorMapBufferObjectFailed: scripts/ipc-matrix on the H200, 2026-12-02). The peer takes it
+        as its effective uid only while it holds the handles; its real and saved uid stay root, so the
+        engine can neither signal nor trace it."""
+        if self.sandbox is None or not self.sandbox.root or not self.sandbox.gpu:
+            return []
+        return ["--cuda-as", f"{SANDBOX_UID}:{SANDBOX_GID}"]
 
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
         """The peer as a sibling subprocess: `python -I .../qualify/engine/peer.py` from the harness's own
@@ -634,7 +638,7 @@ class LocalLauncher(Launcher):
         log = spec_path.with_name(spec_path.stem + ".log")
         out.unlink(missing_ok=True)  # a report left by an earlier peer must not count for this one
         cmd = [self.python, "-I", str(PEER_FILE), "--spec", str(spec_path), "--out", str(out)]
-        cmd = self._into_engine_namespaces(cmd)
+        cmd = self._into_engine_namespaces([*cmd, *self.peer_identity()])
         t0 = time.monotonic()
         with log.open("w") as sink:
             proc = subprocess.Popen(
@@ -653,10 +657,6 @@ class LocalLauncher(Launcher):
         text = log.read_text(errors="replace") if log.is_file() else ""
         return PeerOutcome.from_output(cmd, code, time.monotonic() - t0, raw, text)
 
-
-# A diagnostic switch for the H200 (scripts/ipc-matrix): which of the engine's namespaces and files the peer
-# shares ("ns": pid, IPC, UTS, net; "ns-tmp": with its /tmp too).
-PEER_JOIN_ENV = "QUALIFY_PEER_JOIN"
 
 # What a harness helper (the peer) keeps of the harness's environment; -I ignores the PYTHON* ones anyway.
 PEER_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")

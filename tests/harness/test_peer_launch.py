@@ -84,3 +84,50 @@ def test_the_layout_check_fails_closed_when_no_peer_can_be_launched() -> None:
     assert peer and not any(c.holds for c in peer.values())
     assert all(c.source == "observed" for c in peer.values())
     assert "cannot launch a peer" in out.conditions["peer_ran"].detail
+
+
+def test_the_peer_takes_the_engines_effective_uid_only_while_it_holds_cuda_handles(tmp_path: Path) -> None:
+    """--cuda-as: the NVIDIA driver opens a legacy CUDA IPC handle only for the exporter's effective uid
+    (scripts/ipc-matrix on the H200); the peer reads its spec and writes its report with its own ids, and
+    its real and saved uid never change (the engine's uid can neither signal nor trace it)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from qualify.launch.sandbox import SANDBOX_GID, SANDBOX_UID
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: only a root harness gives its engine another uid")
+    probe = (
+        "import os, sys; sys.path.insert(0, os.path.dirname(sys.argv[1])); import peer; "
+        "seen = []; "
+        "peer.run = lambda spec: seen.append((os.getresuid(), os.getresgid(), os.getgroups())) or "
+        "{'pid': 0, 'spans': [], 'groups': [], 'unexpected': [], 'error': None}; "
+        "rc = peer.main(['--spec', sys.argv[2], '--out', sys.argv[3], '--cuda-as', sys.argv[4]]); "
+        "print(seen, os.getresuid(), os.getresgid())"
+    )
+    spec, out = tmp_path / "spec.json", tmp_path / "report.json"
+    spec.write_text("{}")
+    os.chmod(tmp_path, 0o700)  # the engine's uid could not read the spec nor write the report here
+    ids = f"{SANDBOX_UID}:{SANDBOX_GID}"
+    r = subprocess.run(
+        [sys.executable, "-c", probe, str(PEER_FILE), str(spec), str(out), ids],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    u, g = SANDBOX_UID, SANDBOX_GID
+    assert r.stdout.split("] ", 1)[0] + "]" == f"[(({0}, {u}, {0}), ({0}, {g}, {0}), [])]"
+    assert r.stdout.strip().endswith("(0, 0, 0) (0, 0, 0)")
+    assert json.loads(out.read_text())["error"] is None and out.stat().st_uid == 0
+
+
+def test_only_a_root_harness_with_a_gpu_sandbox_asks_the_peer_for_the_engines_uid(tmp_path: Path) -> None:
+    from qualify.launch.sandbox import SANDBOX_GID, SANDBOX_UID, Bwrap, CodeSet, Sandbox
+
+    launcher = _launcher(tmp_path, "/bin/true")
+    assert launcher.peer_identity() == []  # unsandboxed: the engine has the harness's own uid
+    code = CodeSet((), (), (), (), "qualify.engine", ())
+    for userns, gpu, want in ((False, True, True), (False, False, False), (True, True, False)):
+        launcher.sandbox = Sandbox(Bwrap("/usr/bin/bwrap", None, "0.8", userns), code, gpu)
+        assert launcher.peer_identity() == (["--cuda-as", f"{SANDBOX_UID}:{SANDBOX_GID}"] if want else [])
