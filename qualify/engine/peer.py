@@ -455,24 +455,28 @@ def run(spec: dict) -> dict:
 
 @contextlib.contextmanager
 def effective_identity(ids: str | None):
-    """Within: the effective uid and gid `ids` ("UID:GID"), no supplementary groups; real and saved ids
-    unchanged. The NVIDIA driver opens a legacy CUDA IPC handle only for a process of the exporter's
-    effective uid (on the H200: cudaErrorMapBufferObjectFailed for root opening a uid-65534 engine's
-    handle, scripts/ipc-matrix), while a peer whose real and saved uid stay the harness's cannot be
-    signalled or traced by the engine's uid, and changing its effective uid makes it non-dumpable."""
+    """Within: the real and effective uid and gid `ids` ("UID:GID", the sandboxed engine's), no
+    supplementary groups; the saved uid and gid stay the peer's own, to return to. The NVIDIA driver opens
+    a legacy CUDA IPC handle only for a process of the exporter's real uid (on the H200, scripts/ipc-matrix:
+    root importers failed with cudaErrorMapBufferObjectFailed whatever namespaces they shared, and so did
+    one with only the engine's effective uid). The engine's uid cannot trace the peer (ptrace needs all
+    three uids to match, and a uid change makes the peer non-dumpable); it can signal it, which only makes
+    the check fail."""
     if not ids:
         yield
         return
     uid, gid = (int(x) for x in ids.split(":"))
-    euid, egid, groups = os.geteuid(), os.getegid(), os.getgroups()
+    ruid, euid, _ = os.getresuid()
+    rgid, egid, _ = os.getresgid()
+    groups = os.getgroups()
     os.setgroups([])
-    os.setresgid(-1, gid, -1)
-    os.setresuid(-1, uid, -1)
+    os.setresgid(gid, gid, -1)
+    os.setresuid(uid, uid, -1)
     try:
         yield
     finally:
-        os.setresuid(-1, euid, -1)
-        os.setresgid(-1, egid, -1)
+        os.setresuid(ruid, euid, -1)
+        os.setresgid(rgid, egid, -1)
         os.setgroups(groups)
 
 
@@ -482,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the report here (default: stdout)")
     p.add_argument(
         "--cuda-as", default=None, metavar="UID:GID",
-        help="open the CUDA handles with this effective uid and gid (the sandboxed engine's), keeping the "
-        "real and saved ones; the spec is read and the report written with the peer's own",
+        help="open the CUDA handles with this real and effective uid and gid (the sandboxed engine's), "
+        "keeping the saved ones; the spec is read and the report written with the peer's own",
     )  # fmt: skip
     args = p.parse_args(argv)
     try:

@@ -607,8 +607,8 @@ class LocalLauncher(Launcher):
         IPC, UTS and network namespaces with util-linux nsenter, keeping the harness's uid and files. Its
         /proc must be that pid namespace's (the CUDA driver reads /proc/<getpid()>: "Error 304" under the
         host's /proc), so util-linux unshare gives it a mount namespace of its own, a copy of the
-        harness's, with a fresh /proc. (What a legacy CUDA IPC handle needs is the exporter's effective
-        uid, `peer_identity`; scripts/ipc-matrix measured which namespaces matter.) A harness without root
+        harness's, with a fresh /proc. (What a legacy CUDA IPC handle needs is the exporter's real uid,
+        `peer_identity`; scripts/ipc-matrix measured which namespaces matter.) A harness without root
         (a user-namespace sandbox) cannot enter, and runs it outside."""
         if self.sandbox is None or not self.sandbox.own_net or self._pid is None:
             return cmd
@@ -619,10 +619,10 @@ class LocalLauncher(Launcher):
 
     def peer_identity(self) -> list[str]:
         """The peer's --cuda-as: on a GPU, a root harness's sandboxed engine runs as SANDBOX_UID, and the
-        NVIDIA driver opens its CUDA IPC handles only for that effective uid (root gets
-        cudaErrorMapBufferObjectFailed: scripts/ipc-matrix on the H200, 2026-12-02). The peer takes it
-        as its effective uid only while it holds the handles; its real and saved uid stay root, so the
-        engine can neither signal nor trace it."""
+        NVIDIA driver opens its CUDA IPC handles only for a process of that real uid (root, or root with
+        only that effective uid, gets cudaErrorMapBufferObjectFailed: scripts/ipc-matrix on the H200,
+        2026-12-02). The peer takes it only while it holds the handles; its saved uid stays root, so the
+        engine cannot trace it (it could signal it, which fails the check)."""
         if self.sandbox is None or not self.sandbox.root or not self.sandbox.gpu:
             return []
         return ["--cuda-as", f"{SANDBOX_UID}:{SANDBOX_GID}"]

@@ -86,10 +86,10 @@ def test_the_layout_check_fails_closed_when_no_peer_can_be_launched() -> None:
     assert "cannot launch a peer" in out.conditions["peer_ran"].detail
 
 
-def test_the_peer_takes_the_engines_effective_uid_only_while_it_holds_cuda_handles(tmp_path: Path) -> None:
-    """--cuda-as: the NVIDIA driver opens a legacy CUDA IPC handle only for the exporter's effective uid
+def test_the_peer_takes_the_engines_uid_only_while_it_holds_cuda_handles(tmp_path: Path) -> None:
+    """--cuda-as: the NVIDIA driver opens a legacy CUDA IPC handle only for the exporter's real uid
     (scripts/ipc-matrix on the H200); the peer reads its spec and writes its report with its own ids, and
-    its real and saved uid never change (the engine's uid can neither signal nor trace it)."""
+    its saved uid never changes (the engine's uid cannot trace it, and it returns to root)."""
     import os
     import subprocess
     import sys
@@ -117,7 +117,7 @@ def test_the_peer_takes_the_engines_effective_uid_only_while_it_holds_cuda_handl
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     u, g = SANDBOX_UID, SANDBOX_GID
-    assert r.stdout.split("] ", 1)[0] + "]" == f"[(({0}, {u}, {0}), ({0}, {g}, {0}), [])]"
+    assert r.stdout.split("] ", 1)[0] + "]" == f"[(({u}, {u}, 0), ({g}, {g}, 0), [])]"
     assert r.stdout.strip().endswith("(0, 0, 0) (0, 0, 0)")
     assert json.loads(out.read_text())["error"] is None and out.stat().st_uid == 0
 
