@@ -131,3 +131,16 @@ def test_only_a_root_harness_with_a_gpu_sandbox_asks_the_peer_for_the_engines_ui
     for userns, gpu, want in ((False, True, True), (False, False, False), (True, True, False)):
         launcher.sandbox = Sandbox(Bwrap("/usr/bin/bwrap", None, "0.8", userns), code, gpu)
         assert launcher.peer_identity() == (["--cuda-as", f"{SANDBOX_UID}:{SANDBOX_GID}"] if want else [])
+
+
+def test_the_recorded_h200_matrix_is_why_the_peer_takes_the_engines_real_uid() -> None:
+    """tests/data/ipc-matrix: on the H200 a sandboxed engine's handle opened only for importers of its real
+    uid; a root exporter's from any root importer. peer_identity's choice rests on this recording."""
+    rec = json.loads((Path(__file__).parents[1] / "data/ipc-matrix/h200-2026-12-02.json").read_text())
+    rows = {
+        r["exporter"]: {k: v["result"].startswith("OK") for k, v in r["imports"].items()}
+        for r in rec["results"]
+    }
+    assert {k for k, ok in rows["sandbox"].items() if ok} == {"ns-uid", "mnt-uid"}
+    assert not rows["sandbox"]["ns-euid"] and not rows["sandbox"]["ns"]
+    assert all(rows["sandbox-root"].values()) and rows["none"]["host"]
