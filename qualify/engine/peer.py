@@ -454,14 +454,14 @@ def run(spec: dict) -> dict:
 
 
 @contextlib.contextmanager
-def effective_identity(ids: str | None):
+def acting_as(ids: str | None):
     """Within: the real and effective uid and gid `ids` ("UID:GID", the sandboxed engine's), no
     supplementary groups; the saved uid and gid stay the peer's own, to return to. The NVIDIA driver opens
-    a legacy CUDA IPC handle only for a process of the exporter's real uid (on the H200, scripts/ipc-matrix:
-    root importers failed with cudaErrorMapBufferObjectFailed whatever namespaces they shared, and so did
-    one with only the engine's effective uid). The engine's uid cannot trace the peer (ptrace needs all
-    three uids to match, and a uid change makes the peer non-dumpable); it can signal it, which only makes
-    the check fail."""
+    a legacy CUDA IPC handle only for a process of the exporter's real uid (on the H200: root importers
+    failed with cudaErrorMapBufferObjectFailed whatever namespaces they shared, scripts/ipc-matrix, and so
+    did this peer with only the engine's effective uid; tests/data/ipc-matrix). The engine's uid cannot
+    trace the peer (ptrace needs all three uids to match, and a uid change makes the peer non-dumpable);
+    it can signal it, which only makes the check fail."""
     if not ids:
         yield
         return
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = json.load(f)
         if args.cuda_as:
             import torch  # noqa: F401  (read with the peer's own uid; CUDA starts later, under the engine's)
-        with effective_identity(args.cuda_as):
+        with acting_as(args.cuda_as):
             report = run_swaps(spec) if spec.get("mode") == "swap" else run(spec)
     except Exception as e:
         report = {

@@ -604,11 +604,13 @@ class LocalLauncher(Launcher):
 
     def _into_engine_namespaces(self, cmd: list[str]) -> list[str]:
         """A harness helper that must meet the sandboxed engine's memory (the peer) joins the engine's pid,
-        IPC, UTS and network namespaces with util-linux nsenter, keeping the harness's uid and files. Its
+        IPC, UTS and network namespaces with util-linux nsenter, keeping the harness's files. Its
         /proc must be that pid namespace's (the CUDA driver reads /proc/<getpid()>: "Error 304" under the
         host's /proc), so util-linux unshare gives it a mount namespace of its own, a copy of the
         harness's, with a fresh /proc. (What a legacy CUDA IPC handle needs is the exporter's real uid,
-        `peer_identity`; scripts/ipc-matrix measured which namespaces matter.) A harness without root
+        `peer_identity`; scripts/ipc-matrix found no set of shared namespaces that opens it for root. The
+        namespaces were joined before that was known; whether the engine's uid alone suffices from outside
+        them is untested.) A harness without root
         (a user-namespace sandbox) cannot enter, and runs it outside."""
         if self.sandbox is None or not self.sandbox.own_net or self._pid is None:
             return cmd
@@ -620,9 +622,9 @@ class LocalLauncher(Launcher):
     def peer_identity(self) -> list[str]:
         """The peer's --cuda-as: on a GPU, a root harness's sandboxed engine runs as SANDBOX_UID, and the
         NVIDIA driver opens its CUDA IPC handles only for a process of that real uid (root, or root with
-        only that effective uid, gets cudaErrorMapBufferObjectFailed: scripts/ipc-matrix on the H200,
-        2026-12-02). The peer takes it only while it holds the handles; its saved uid stays root, so the
-        engine cannot trace it (it could signal it, which fails the check)."""
+        only that effective uid, gets cudaErrorMapBufferObjectFailed on the H200, 2026-12-02:
+        tests/data/ipc-matrix). The peer takes it only while it holds the handles; its saved uid stays
+        root, so the engine cannot trace it (it could signal it, which fails the check)."""
         if self.sandbox is None or not self.sandbox.root or not self.sandbox.gpu:
             return []
         return ["--cuda-as", f"{SANDBOX_UID}:{SANDBOX_GID}"]

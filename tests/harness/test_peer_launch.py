@@ -4,11 +4,17 @@ parsed strictly, and run from the harness's own peer module whatever engine modu
 from __future__ import annotations
 
 import json
+import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from qualify.launch.base import MAX_PEER_REPORT_BYTES, PEER_FILE, EngineOptions, PeerOutcome
 from qualify.launch.local import LocalLauncher
+from qualify.launch.sandbox import SANDBOX_GID, SANDBOX_UID, Bwrap, CodeSet, Sandbox
 
 
 def _fake_python(tmp_path: Path, body: str) -> str:
@@ -90,14 +96,6 @@ def test_the_peer_takes_the_engines_uid_only_while_it_holds_cuda_handles(tmp_pat
     """--cuda-as: the NVIDIA driver opens a legacy CUDA IPC handle only for the exporter's real uid
     (scripts/ipc-matrix on the H200); the peer reads its spec and writes its report with its own ids, and
     its saved uid never changes (the engine's uid cannot trace it, and it returns to root)."""
-    import os
-    import subprocess
-    import sys
-
-    import pytest
-
-    from qualify.launch.sandbox import SANDBOX_GID, SANDBOX_UID
-
     if os.geteuid() != 0:
         pytest.skip("needs root: only a root harness gives its engine another uid")
     probe = (
@@ -123,8 +121,6 @@ def test_the_peer_takes_the_engines_uid_only_while_it_holds_cuda_handles(tmp_pat
 
 
 def test_only_a_root_harness_with_a_gpu_sandbox_asks_the_peer_for_the_engines_uid(tmp_path: Path) -> None:
-    from qualify.launch.sandbox import SANDBOX_GID, SANDBOX_UID, Bwrap, CodeSet, Sandbox
-
     launcher = _launcher(tmp_path, "/bin/true")
     assert launcher.peer_identity() == []  # unsandboxed: the engine has the harness's own uid
     code = CodeSet((), (), (), (), "qualify.engine", ())
@@ -133,14 +129,24 @@ def test_only_a_root_harness_with_a_gpu_sandbox_asks_the_peer_for_the_engines_ui
         assert launcher.peer_identity() == (["--cuda-as", f"{SANDBOX_UID}:{SANDBOX_GID}"] if want else [])
 
 
-def test_the_recorded_h200_matrix_is_why_the_peer_takes_the_engines_real_uid() -> None:
-    """tests/data/ipc-matrix: on the H200 a sandboxed engine's handle opened only for importers of its real
-    uid; a root exporter's from any root importer. peer_identity's choice rests on this recording."""
-    rec = json.loads((Path(__file__).parents[1] / "data/ipc-matrix/h200-2026-12-02.json").read_text())
+def test_the_recorded_h200_runs_are_why_the_peer_takes_the_engines_real_uid() -> None:
+    """tests/data/ipc-matrix: on the H200 a sandboxed engine's handle opened only for importers of its uid,
+    a root exporter's from any root importer, and the peer with only the engine's effective uid failed to
+    open any. peer_identity's choice rests on these recordings."""
+    data = Path(__file__).parents[1] / "data/ipc-matrix"
+    rec = json.loads((data / "h200-2026-12-02.json").read_text())
     rows = {
         r["exporter"]: {k: v["result"].startswith("OK") for k, v in r["imports"].items()}
         for r in rec["results"]
     }
     assert {k for k, ok in rows["sandbox"].items() if ok} == {"ns-uid", "mnt-uid"}
-    assert not rows["sandbox"]["ns-euid"] and not rows["sandbox"]["ns"]
+    assert not rows["sandbox"]["ns-euid"] and not rows["sandbox"]["ns"]  # ns-euid: root there (README)
     assert all(rows["sandbox-root"].values()) and rows["none"]["host"]
+    run = json.loads((data / "peer-effective-uid-run-c99e569.json").read_text())
+    assert run["provenance"]["commit"].startswith("c99e569") and run["target"] == "gpu"
+    assert run["conditions"]["layout"]["peer_found_every_group"][0] is False
+    shown = (data / "peer-effective-uid-run-c99e569.receipts-show.txt").read_text()
+    assert (
+        "peer_echo_round_trip (observed): kda0: AcceleratorError: CUDA error: mapping of buffer object"
+        in shown
+    )
