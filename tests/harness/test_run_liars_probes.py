@@ -116,7 +116,8 @@ def test_the_honest_proxy_engine_is_measurably_faster_replaying_and_speculating_
 
 @pytest.mark.gpu
 def test_graphs_claimed_from_eager_steps_run_at_eager_speed_on_a_gpu(home: Home) -> None:
-    s, p = _run(home, "claimed_graphs", *GPU_RUN, wait=700)
+    # --fail-fast: the run ends with the capture check that catches it (the device time is scarce).
+    s, p = _run(home, "claimed_graphs", *GPU_RUN, "--fail-fast", wait=700)
     assert s["verdict"] == "rejected"
     assert "graph_steps_faster_than_eager" in _failed(p, "capture"), check(p, "capture")["evidence"][
         "step_timing"
