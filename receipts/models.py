@@ -22,7 +22,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 # The Alembic revision this code expects; a test checks it is the head of migrations/versions.
-SCHEMA_REVISION = "0003_sequencer"
+SCHEMA_REVISION = "0004_statement_guards"
 
 ENTRY_KINDS = ("receipt", "approval", "key-trust", "key-revoke")
 
