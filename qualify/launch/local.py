@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -91,14 +92,34 @@ class HandedWeights:
         }
 
 
-def keep_seeded(made: Path, cached: Path) -> None:
+COPY_BLOCK = 1 << 24
+
+
+def keep_seeded(made: Path, cached: Path) -> str:
     """Copy the file a seeding step wrote into the harness's cache, read-only: a file of the harness's own,
-    not the one the step (the engine's code) wrote and could still change."""
+    not the one the step (the engine's code) wrote and could still change. The bytes are hashed as they
+    are copied (a second thread hashes block k while block k is written), and the digest is what the
+    harness wrote, so it goes into the digest cache under the copy's own stat: no second read. Returns
+    the sha256 hex."""
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    shutil.copyfile(made, tmp)
+    h = hashlib.sha256()
+    with open(made, "rb") as src, open(tmp, "wb") as dst, ThreadPoolExecutor(1, "weights-hash") as pool:
+        pending = None
+        while block := src.read(COPY_BLOCK):
+            hashed = pool.submit(h.update, block)  # hashlib releases the GIL for large blocks
+            dst.write(block)
+            if pending is not None:
+                pending.result()
+            pending = hashed
+        if pending is not None:
+            pending.result()
     os.chmod(tmp, 0o444)
     os.replace(tmp, cached)
+    digests = DigestCache(cache_dir() / "weights-digests.json")
+    digests.store(str(cached), cached.stat(), h.hexdigest())
+    digests.save()
+    return h.hexdigest()
 
 
 def hand_over(cached: Path, engine_path: str, origin: str) -> HandedWeights:
@@ -135,6 +156,8 @@ class LocalLauncher(Launcher):
         self.weights = weights
         # False: this engine writes its own weights (a foreign engine, its launch document's create true)
         self.hand_weights = True
+        # Where preparing the weights went (seconds): the sandboxed seeding step, the copy into the cache.
+        self.weights_phases: dict[str, float] = {}
         self.log_path = run_dir / "engine.log"
         self.scratch = run_dir / "scratch"
         self._lock = threading.Lock()
@@ -253,6 +276,7 @@ class LocalLauncher(Launcher):
             # The reference engine's own `weights` verb, with the sandbox's code path: on a host that runs
             # the checkout in place (a GPU host), that path is what holds qualify and its wheels.
             sub_env = self.sandbox.engine_env(env)
+        t0 = time.monotonic()
         with (self.run_dir / "weights-step.log").open("w") as log:
             proc, _ = self._popen(
                 argv, scratch, sub_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -263,6 +287,7 @@ class LocalLauncher(Launcher):
             except subprocess.TimeoutExpired:
                 _terminate(proc, 1.0)
                 rc = None
+        self.weights_phases["seeding_step"] = round(time.monotonic() - t0, 3)
         if rc == EXIT_REFUSED:
             shutil.rmtree(scratch, ignore_errors=True)
             return False
@@ -271,7 +296,9 @@ class LocalLauncher(Launcher):
             shutil.rmtree(scratch, ignore_errors=True)
             why = describe_exit(rc) or "timed out"
             raise RuntimeError(f"the harness could not seed the engine's weights ({why}): {tail}")
+        t0 = time.monotonic()
         keep_seeded(made, cached)
+        self.weights_phases["copied_and_hashed"] = round(time.monotonic() - t0, 3)
         shutil.rmtree(scratch, ignore_errors=True)
         return True
 
