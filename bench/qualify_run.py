@@ -110,6 +110,11 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         # them: what a faster qualification starts from.
         "boot_phases": (boot.get("evidence") or {}).get("phases"),
         "check_seconds": {c.get("name"): c.get("seconds") for c in checks},
+        # The harness's wait on the engine under test per endpoint inside each check (the rest of a
+        # check's seconds is the harness's own work and other engines it booted).
+        "check_waits": {
+            c.get("name"): (c.get("evidence") or {}).get("time_waited_on_engine") for c in checks
+        },
     }
 
 

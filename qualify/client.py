@@ -7,6 +7,7 @@ socket there (qualify/netns.py), so the engine needs no address the host can rea
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -81,6 +82,10 @@ class EngineUnreachable(Exception):
         self.path, self.timed_out = path, timed_out
 
 
+_SESSION_PATH = re.compile(r"/qualify/sessions/[^/]+/")
+MAX_WAITED_KEYS = 32
+
+
 class EngineClient:
     """One engine's API. `base_url` is a callable so a restarted container's new port is followed;
     `netns` (a callable, as a restarted engine has a new one) names the engine's network namespace."""
@@ -91,6 +96,8 @@ class EngineClient:
         self._base = base_url if callable(base_url) else (lambda: base_url)
         self.timeout_s = timeout_s
         self.deadline: float | None = None  # monotonic; requests never wait past it
+        # "METHOD path" -> [requests, seconds waited]: where a check's time goes (the pipeline takes it)
+        self.waited: dict[str, list[float]] = {}
         if netns is None:
             self._http = httpx.Client(timeout=timeout_s)
         else:
@@ -98,6 +105,12 @@ class EngineClient:
 
     def close(self) -> None:
         self._http.close()
+
+    def take_waited(self) -> dict[str, dict[str, float]]:
+        """The time waited per endpoint since the last call ({"n": requests, "s": seconds}), reset."""
+        out = {k: {"n": int(n), "s": round(s, 3)} for k, (n, s) in sorted(self.waited.items())}
+        self.waited = {}
+        return out
 
     def _timeout(self, timeout_s: float | None) -> float:
         t = timeout_s if timeout_s is not None else self.timeout_s
@@ -109,6 +122,7 @@ class EngineClient:
         self, method: str, path: str, body: BaseModel | None = None, timeout_s: float | None = None
     ) -> httpx.Response:
         t = self._timeout(timeout_s)
+        started = time.monotonic()
         try:
             r = self._http.request(
                 method,
@@ -122,6 +136,13 @@ class EngineClient:
             raise EngineUnreachable(
                 f"{method} {path} failed: {type(exc).__name__}: {exc}", path, False
             ) from exc
+        finally:
+            key = f"{method} {_SESSION_PATH.sub('/qualify/sessions/{id}/', path.split('?')[0])}"
+            if key not in self.waited and len(self.waited) >= MAX_WAITED_KEYS:
+                key = "other"  # a bounded record, whatever paths a caller sends
+            got = self.waited.setdefault(key, [0, 0.0])
+            got[0] += 1
+            got[1] += time.monotonic() - started
         if r.status_code >= 400:
             try:
                 err = ErrorBody.model_validate(r.json()).error

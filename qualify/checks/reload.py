@@ -74,6 +74,11 @@ class FreshReference:
         except Exception as exc:  # a reference that cannot boot fails the comparison, never the run
             self.error = f"{type(exc).__name__}: {exc}"[:400]
 
+    def settle(self, timeout_s: float) -> None:
+        """Return once the boot is over (ready, failed or past `timeout_s`): an idle engine after that."""
+        if self.ref is not None:
+            self.thread.join(max(0.0, min(FRESH_BOOT_S, timeout_s)))
+
     def answers(
         self, asked: list[tuple[list[Any], CompletionResponse]]
     ) -> tuple[list[CompletionResponse] | None, dict[str, Any]]:
@@ -121,10 +126,10 @@ def _counts(d: Describe) -> dict[str, int]:
 
 
 def prefetch(ctx: Context, boot_s: float) -> None:
-    """On a CPU target, boot the fresh reference as soon as the engine under test is up, beside the checks
-    before this one (nothing there is timed; on a GPU target it would share the device with the capture
-    check's timing, so it boots with this check instead). `run` takes it; the pipeline closes it."""
-    if ctx.target == "cpu" and "reload" not in ctx.prepared:
+    """Boot the fresh reference as soon as the engine under test is up, beside the checks before this one.
+    On a GPU target it shares the device: the capture check waits for its boot to end (settle) before it
+    times steps, and an idle engine takes no device time. `run` takes it; the pipeline closes it."""
+    if "reload" not in ctx.prepared:
         ctx.prepared["reload"] = FreshReference(ctx, boot_s)
 
 

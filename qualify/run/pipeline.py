@@ -284,7 +284,13 @@ class Pipeline:
                 continue
             ctx.deadline = min(run_deadline, now + check.timeout_s)
             ctx.client.deadline = ctx.deadline
+            ctx.client.take_waited()
             outcome, seconds, trouble = self._one(check, ctx)
+            waited = ctx.client.take_waited()
+            if waited:
+                # The harness's wait on the engine under test, per endpoint, inside this check's seconds
+                # (other engines a check boots, and the harness's own work, are the rest).
+                outcome.evidence.setdefault("time_waited_on_engine", waited)
             if ctx.procs is not None:
                 with contextlib.suppress(Exception):
                     ctx.procs.sample()  # at every check boundary, besides the background samples
