@@ -110,11 +110,29 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         # them: what a faster qualification starts from.
         "boot_phases": (boot.get("evidence") or {}).get("phases"),
         "check_seconds": {c.get("name"): c.get("seconds") for c in checks},
+        "check_details": _details(checks),
         # The harness's wait on the engine under test per endpoint inside each check (the rest of a
         # check's seconds is the harness's own work and other engines it booted).
         "check_waits": {
             c.get("name"): (c.get("evidence") or {}).get("time_waited_on_engine") for c in checks
         },
+    }
+
+
+def _details(checks: list[dict]) -> dict:
+    """Seconds inside the slow checks, as their evidence records them: the engine's own time per reload,
+    the fresh reference's boot and total, boot's reload of the handed file, capture's wait for work
+    started early."""
+    ev = {c.get("name"): c.get("evidence") or {} for c in checks}
+    reload, boot, capture = ev.get("reload", {}), ev.get("boot", {}), ev.get("capture", {})
+    return {
+        "reload_engine_seconds": {
+            k: (reload.get(key) or {}).get("seconds")
+            for k, key in (("same", "same_weights"), ("other", "other_weights"), ("back", "reload_back"))
+        },
+        "fresh_reference_seconds": (reload.get("fresh_engine") or {}).get("seconds"),
+        "boot_handed_weights_reload_s": (boot.get("handed_weights_reload") or {}).get("seconds"),
+        "capture_waited_for_prepared_s": capture.get("waited_for_prepared_s"),
     }
 
 
