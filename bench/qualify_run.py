@@ -121,10 +121,9 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
 
 def _details(checks: list[dict]) -> dict:
     """Seconds inside the slow checks, as their evidence records them: the engine's own time per reload,
-    the fresh reference's boot and total, boot's reload of the handed file, capture's wait for work
-    started early."""
+    the fresh reference's boot and total, boot's reload of the handed file."""
     ev = {c.get("name"): c.get("evidence") or {} for c in checks}
-    reload, boot, capture = ev.get("reload", {}), ev.get("boot", {}), ev.get("capture", {})
+    reload, boot = ev.get("reload", {}), ev.get("boot", {})
     return {
         "reload_engine_seconds": {
             k: (reload.get(key) or {}).get("seconds")
@@ -132,7 +131,6 @@ def _details(checks: list[dict]) -> dict:
         },
         "fresh_reference_seconds": (reload.get("fresh_engine") or {}).get("seconds"),
         "boot_handed_weights_reload_s": (boot.get("handed_weights_reload") or {}).get("seconds"),
-        "capture_waited_for_prepared_s": capture.get("waited_for_prepared_s"),
     }
 
 

@@ -102,16 +102,6 @@ class Context:
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    def settle_prepared(self) -> float:
-        """Wait (within this check's time) until the work started early for later checks is idle, before
-        anything is timed on a shared device; the seconds waited."""
-        t0 = time.monotonic()
-        for early in list(self.prepared.values()):
-            settle = getattr(early, "settle", None)
-            if settle is not None:
-                settle(self.remaining())
-        return round(time.monotonic() - t0, 3)
-
     def generate(
         self,
         prompt: Any = None,

@@ -104,9 +104,6 @@ def run(ctx: Context) -> Outcome:
     if ctx.target == "gpu":
         # Physical evidence: a replayed graph step is measurably faster than an eager one, timed by the
         # harness at the captured sizes (an engine answering "graph" from eager steps runs at eager speed).
-        # Nothing the harness started early (the reload check's fresh engine, booting since boot passed)
-        # may still be busy on the device while steps are timed.
-        evidence["waited_for_prepared_s"] = ctx.settle_prepared()
         timings: dict[str, Any] = {}
         fast = True
         for n in timed_sizes(ctx, want, 1 + before.capacity.num_spec):

@@ -455,36 +455,3 @@ def test_another_module_is_named_as_itself_never_as_the_reference_engine(claims:
     else:
         assert ctx.facts["code_identity"][0] == claim
 
-
-class SlowBootLauncher(StandingLauncher):
-    """A sibling whose boot takes a while: what the capture check must not time steps beside."""
-
-    booted_at: float | None = None
-
-    def start(self, timeout_s: float) -> str:
-        import time
-
-        time.sleep(0.5)
-        SlowBootLauncher.booted_at = time.monotonic()
-        return "http://fresh"
-
-
-def test_on_a_gpu_the_fresh_reference_boots_early_and_capture_times_nothing_before_it_is_up() -> None:
-    import time
-
-    engine = Engine()
-    ctx = _context(engine)
-    ctx.describe = ctx.client.describe()
-    ctx.launcher.sibling = lambda options, name: SlowBootLauncher()  # type: ignore[method-assign]
-    reload.prefetch(ctx, 60.0)
-    assert "reload" in ctx.prepared  # booting beside the checks before reload, on a GPU target too
-    timed_at: list[float] = []
-    clock = ctx.clock
-    ctx.clock = lambda: (timed_at.append(time.monotonic()), clock())[1]
-    out = capture.run(ctx)
-    assert out.status == "pass", out.reason
-    assert out.evidence["waited_for_prepared_s"] >= 0.3
-    assert SlowBootLauncher.booted_at is not None and timed_at
-    assert min(timed_at) >= SlowBootLauncher.booted_at  # every timed step after the fresh engine's boot
-    assert reload.run(ctx).status == "pass"  # the reload check takes the prefetched engine
-    assert "reload" not in ctx.prepared
