@@ -7,6 +7,7 @@ import hashlib
 import os
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,9 +24,10 @@ from .model.attention import AttentionRuntime
 from .model.kda_layer import KdaRuntime
 from .runner import Runner
 from .tokenizer import BOS
-from .weights import default_weights_path, ensure_weights, generate, reload, save, snapshot
+from .weights import default_weights_path, ensure_weights, generate, reload, reload_state, save, snapshot
 
 ENGINE_NAME = "qualify-reference-engine"
+SAVE_WAIT_S = 300.0  # a seeded weights file written in the background is done within this
 _ENGINE_DIR = Path(__file__).resolve().parent
 
 
@@ -134,11 +136,20 @@ class Engine:
                 target = Path(self.cfg.scratch_dir) / target.name
             elif beside != target.parent and os.access(beside, os.W_OK):
                 target = beside / target.name  # else (a read-only weights mount): under the data dir
-            if not target.is_file():
-                save(generate(self.model, seed), target, {"seed": str(seed), "preset": self.cfg.preset})
+        self._saved()  # a file still being written (an earlier seed's) is complete before any reload
+        if seed is not None and not target.is_file():
+            # Loaded from the generated tensors; the file (the same bytes) is written beside the checks.
+            state = generate(self.model, seed)
+            before, after = reload_state(self.model, state)
+            meta = {"seed": str(seed), "preset": self.cfg.preset}
+            self._saving = threading.Thread(
+                target=save, args=(state, target, meta), name="weights-save", daemon=True
+            )
+            self._saving.start()
         else:
-            target = Path(path) if path is not None else Path(self.weights_path)
-        before, after = reload(self.model, target)
+            if seed is None:
+                target = Path(path) if path is not None else Path(self.weights_path)
+            before, after = reload(self.model, target)
         self.weights_path = target
         self.weights_digest = after.digest
         changed = sorted(n for n in after.checksums if after.checksums[n] != before.checksums[n])
@@ -195,7 +206,16 @@ class Engine:
             "groups": [a.record() for a in self.allocations],
         }
 
+    def _saved(self, timeout_s: float = SAVE_WAIT_S) -> None:
+        saving = getattr(self, "_saving", None)
+        if saving is not None:
+            saving.join(timeout_s)
+            if saving.is_alive():
+                raise RuntimeError(f"the seeded weights file is still being written after {timeout_s:g} s")
+            self._saving = None
+
     def close(self) -> None:
+        self._saved()
         for a in self.allocations:
             release_group(a)
 

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,9 +101,9 @@ def load_into(model: nn.Module, path: str | Path) -> None:
     if not path.is_file():
         raise WeightsError(f"weights file {path} does not exist; pass an existing .safetensors file")
     params = dict(model.named_parameters())
-    dev = next(iter(params.values())).device
     try:
-        handle = safe_open(str(path), framework="pt", device=str(dev))
+        # Read on the host and copied into each parameter: no second device copy of each tensor is made.
+        handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # SafetensorError (not a ValueError): a corrupt or foreign file
         raise WeightsError(
             f"weights file {path} is not a readable safetensors file ({e}); pass a .safetensors file"
@@ -145,8 +146,60 @@ def ensure_weights(model: nn.Module, cfg) -> Path:
 
 
 def checksum(t: torch.Tensor) -> str:
-    data = t.detach().contiguous().view(torch.uint8).cpu().numpy()
+    """sha256 of a tensor's raw bytes (row-major), wherever it lives."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
     return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+# A CUDA census copies through pinned host buffers in chunks on a stream of its own per thread, hashing one
+# chunk while the next is copied: the plain `.cpu()` of every parameter went through pageable memory, one
+# copy at a time.
+CHUNK_BYTES = 16 << 20
+
+
+# Pinned buffer pairs, made on the first census and kept for the process's life: a census (a reload's
+# included) then allocates no memory, pinned or on the device, that the harness's monitor would count.
+_PINNED: queue.SimpleQueue = queue.SimpleQueue()
+
+
+def _device_checksums(tensors: list[torch.Tensor]) -> list[str]:
+    """`checksum` of each CUDA tensor (the same digests), for one worker thread."""
+    dev = tensors[0].device
+    torch.cuda.set_device(dev)
+    stream = torch.cuda.Stream(dev)
+    try:
+        bufs = _PINNED.get_nowait()
+    except queue.Empty:
+        bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    try:
+        return _hash_through(tensors, bufs, stream)
+    finally:
+        _PINNED.put(bufs)
+
+
+def _hash_through(tensors: list[torch.Tensor], bufs: list[torch.Tensor], stream) -> list[str]:  # type: ignore[no-untyped-def]
+    ready = [torch.cuda.Event(), torch.cuda.Event()]
+    out = []
+    with torch.cuda.stream(stream):
+        for t in tensors:
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            spans = [(o, min(CHUNK_BYTES, flat.numel() - o)) for o in range(0, flat.numel(), CHUNK_BYTES)]
+
+            def issue(i: int, flat: torch.Tensor = flat, spans: list = spans) -> None:
+                o, n = spans[i]
+                bufs[i % 2][:n].copy_(flat[o : o + n], non_blocking=True)
+                ready[i % 2].record(stream)
+
+            h = hashlib.sha256()
+            if spans:
+                issue(0)
+            for i, (_, n) in enumerate(spans):
+                ready[i % 2].synchronize()
+                if i + 1 < len(spans):
+                    issue(i + 1)  # into the other buffer, whose chunk was hashed the iteration before
+                h.update(memoryview(bufs[i % 2].numpy())[:n])
+            out.append(h.hexdigest())
+    return out
 
 
 @dataclass
@@ -168,16 +221,50 @@ CHECKSUM_THREADS = 8
 def snapshot(model: nn.Module) -> Snapshot:
     params = dict(model.named_parameters())
     workers = max(1, min(CHECKSUM_THREADS, os.cpu_count() or 1, len(params)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="census") as pool:
-        sums = dict(zip(params, pool.map(checksum, params.values()), strict=True))
-    return Snapshot({n: p.data_ptr() for n, p in params.items()}, sums)
+    sums: dict[str, str] = {}
+    cuda = [n for n, p in params.items() if p.is_cuda]
+    if cuda:
+        torch.cuda.synchronize()  # every write to the parameters is done before the census streams read them
+        # Largest first, dealt round-robin: each thread gets about the same number of bytes.
+        order = sorted(cuda, key=lambda n: -params[n].numel() * params[n].element_size())
+        shares = [order[i::workers] for i in range(workers) if order[i::workers]]
+        with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="census") as pool:
+            done = pool.map(lambda names: _device_checksums([params[n] for n in names]), shares)
+            for names, got in zip(shares, done, strict=True):
+                sums.update(zip(names, got, strict=True))
+    host = [n for n in params if n not in sums]
+    if host:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="census") as pool:
+            sums.update(zip(host, pool.map(checksum, [params[n] for n in host]), strict=True))
+    return Snapshot({n: p.data_ptr() for n, p in params.items()}, {n: sums[n] for n in params})
 
 
 def reload(model: nn.Module, path: str | Path) -> tuple[Snapshot, Snapshot]:
     """In-place reload: copy the file into the same parameters, refresh derived tensors, census both sides."""
     before = snapshot(model)
     load_into(model, path)
+    return before, _refreshed(model)
+
+
+def reload_state(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[Snapshot, Snapshot]:
+    """`reload` from tensors in memory (weights just generated, the bytes their file will hold): every
+    parameter named, of its shape and dtype, else WeightsError and nothing copied."""
+    params = dict(model.named_parameters())
+    if set(state) != set(params):
+        raise WeightsError(f"weights do not match the model: {sorted(set(state) ^ set(params))[:5]}")
+    for name, p in params.items():
+        if tuple(state[name].shape) != tuple(p.shape) or state[name].dtype != p.dtype:
+            raise WeightsError(f"{name}: {tuple(state[name].shape)} {state[name].dtype}, the model wants "
+                               f"{tuple(p.shape)} {p.dtype}")  # fmt: skip
+    before = snapshot(model)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.data.copy_(state[name])
+    return before, _refreshed(model)
+
+
+def _refreshed(model: nn.Module) -> Snapshot:
     refresh = getattr(model, "refresh_derived", None)
     if refresh is not None:
         refresh()
-    return before, snapshot(model)
+    return snapshot(model)

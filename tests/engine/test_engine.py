@@ -64,6 +64,23 @@ def test_reload_keeps_addresses_and_changes_outputs_only_when_weights_change(fre
     assert tokens(e) == before
 
 
+def test_a_seeded_reload_loads_the_bytes_its_file_then_holds(fresh_engine):
+    """`{"seed"}` loads the generated tensors and writes their file beside the checks: once written, the
+    file holds exactly what was loaded (a reload of it changes nothing), and a second reload of the same
+    seed loads that file."""
+    e = fresh_engine
+    new = e.reload(seed=4321)
+    path = new["weights_path"]
+    e._saved()  # the background write is done
+    again = e.reload(path=path)
+    assert (
+        again["census"]["changed"] == [] and again["census"]["before_digest"] == new["census"]["after_digest"]
+    )
+    same_seed = e.reload(seed=4321)
+    assert same_seed["weights_path"] == path and same_seed["census"]["changed"] == []
+    assert e._saving is None  # loaded from the file: nothing generated or written again
+
+
 def test_reload_refuses_a_mismatched_file_and_copies_nothing(fresh_engine, tmp_path):
     e = fresh_engine
     before = tokens(e)

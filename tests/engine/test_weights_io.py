@@ -74,3 +74,20 @@ def test_keep_seeded_hashes_what_it_copies(
     assert digests.lookup(str(cached), cached.stat()) == digest  # hand_over reads nothing again
     handed = local.hand_over(cached, "/weights/seeded.safetensors", "test")
     assert handed.digest == "sha256:" + digest
+
+
+def test_reload_state_copies_all_or_nothing() -> None:
+    from qualify.engine.weights import WeightsError, reload_state
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    before = snapshot(model)
+    state = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    with pytest.raises(WeightsError, match="1.bias"):
+        reload_state(model, {k: v for k, v in state.items() if k != "1.bias"})
+    with pytest.raises(WeightsError, match="the model wants"):
+        reload_state(model, {**state, "0.weight": state["0.weight"].double()})
+    assert snapshot(model).checksums == before.checksums  # nothing copied
+    old, new = reload_state(model, state)
+    assert old.checksums == before.checksums
+    assert all(torch.equal(p, state[n]) for n, p in model.named_parameters())
+    assert new.pointers == before.pointers

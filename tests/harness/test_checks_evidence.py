@@ -454,4 +454,3 @@ def test_another_module_is_named_as_itself_never_as_the_reference_engine(claims:
         assert own in (cond.detail or "") and wrapped in (cond.detail or "")
     else:
         assert ctx.facts["code_identity"][0] == claim
-
