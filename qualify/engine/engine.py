@@ -136,19 +136,21 @@ class Engine:
                 target = Path(self.cfg.scratch_dir) / target.name
             elif beside != target.parent and os.access(beside, os.W_OK):
                 target = beside / target.name  # else (a read-only weights mount): under the data dir
-        self._saved()  # a file still being written (an earlier seed's) is complete before any reload
+        if seed is None:
+            target = Path(path) if path is not None else Path(self.weights_path)
+        self._saved(target)  # the file being written in the background, if this reload reads or writes it
         if seed is not None and not target.is_file():
             # Loaded from the generated tensors; the file (the same bytes) is written beside the checks.
             state = generate(self.model, seed)
             before, after = reload_state(self.model, state)
             meta = {"seed": str(seed), "preset": self.cfg.preset}
-            self._saving = threading.Thread(
+            self._saved()  # one background write at a time
+            thread = threading.Thread(
                 target=save, args=(state, target, meta), name="weights-save", daemon=True
             )
-            self._saving.start()
+            thread.start()
+            self._saving = (thread, target)
         else:
-            if seed is None:
-                target = Path(path) if path is not None else Path(self.weights_path)
             before, after = reload(self.model, target)
         self.weights_path = target
         self.weights_digest = after.digest
@@ -206,13 +208,18 @@ class Engine:
             "groups": [a.record() for a in self.allocations],
         }
 
-    def _saved(self, timeout_s: float = SAVE_WAIT_S) -> None:
+    def _saved(self, target: Path | None = None, timeout_s: float = SAVE_WAIT_S) -> None:
+        """Wait for the seeded weights file written in the background: always, or (with `target`) only
+        when that is the file."""
         saving = getattr(self, "_saving", None)
-        if saving is not None:
-            saving.join(timeout_s)
-            if saving.is_alive():
-                raise RuntimeError(f"the seeded weights file is still being written after {timeout_s:g} s")
-            self._saving = None
+        if saving is None or (target is not None and Path(target).resolve() != saving[1].resolve()):
+            return
+        saving[0].join(timeout_s)
+        if saving[0].is_alive():
+            raise RuntimeError(
+                f"the seeded weights file {saving[1]} is still being written after {timeout_s:g} s"
+            )
+        self._saving = None
 
     def close(self) -> None:
         self._saved()
