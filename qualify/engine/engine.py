@@ -145,11 +145,17 @@ class Engine:
             before, after = reload_state(self.model, state)
             meta = {"seed": str(seed), "preset": self.cfg.preset}
             self._saved()  # one background write at a time
-            thread = threading.Thread(
-                target=save, args=(state, target, meta), name="weights-save", daemon=True
-            )
+            failed: list[BaseException] = []
+
+            def write() -> None:
+                try:
+                    save(state, target, meta)
+                except BaseException as exc:  # noqa: BLE001 - raised by the next reload that waits for it
+                    failed.append(exc)
+
+            thread = threading.Thread(target=write, name="weights-save", daemon=True)
             thread.start()
-            self._saving = (thread, target)
+            self._saving = (thread, target, failed)
         else:
             before, after = reload(self.model, target)
         self.weights_path = target
@@ -220,6 +226,8 @@ class Engine:
                 f"the seeded weights file {saving[1]} is still being written after {timeout_s:g} s"
             )
         self._saving = None
+        if saving[2]:
+            raise RuntimeError(f"writing the seeded weights file {saving[1]} failed: {saving[2][0]}")
 
     def close(self) -> None:
         self._saved()

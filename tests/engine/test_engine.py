@@ -83,6 +83,20 @@ def test_a_seeded_reload_loads_the_bytes_its_file_then_holds(fresh_engine):
     assert e.reload(seed=4321)["weights_path"] == path and e._saving is None  # nothing written again
 
 
+def test_a_failed_background_write_is_reported_by_the_reload_that_needs_the_file(fresh_engine, monkeypatch):
+    from qualify.engine import engine as engine_mod
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    e = fresh_engine
+    monkeypatch.setattr(engine_mod, "save", full_disk)
+    path = e.reload(seed=999)["weights_path"]
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        e.reload(path=path)
+    assert e._saving is None
+
+
 def test_reload_refuses_a_mismatched_file_and_copies_nothing(fresh_engine, tmp_path):
     e = fresh_engine
     before = tokens(e)
