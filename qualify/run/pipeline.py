@@ -152,14 +152,20 @@ def make_launcher(req: RunRequest, run_dir: Path) -> Launcher:
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """SIGTERM, SIGHUP and SIGQUIT raise RunInterrupted in the main thread (SIGINT: KeyboardInterrupt)."""
+def _signals_raise(received: list[str] | None = None) -> Iterator[None]:
+    """SIGTERM, SIGHUP and SIGQUIT raise RunInterrupted in the main thread (SIGINT: KeyboardInterrupt), and
+    each is also appended to `received`: an exception raised while the main thread runs a callback (a
+    weakref's, an import lock's, a finalizer) is printed and dropped by Python, so the pipeline also stops
+    at the next check boundary when a signal came and nothing was raised."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def on_term(signum: int, _frame: Any) -> None:
-        raise RunInterrupted(f"received {signal.Signals(signum).name}")
+        name = signal.Signals(signum).name
+        if received is not None:
+            received.append(name)
+        raise RunInterrupted(f"received {name}")
 
     old = {s: signal.signal(s, on_term) for s in STOP_SIGNALS}
     try:
@@ -223,6 +229,7 @@ class Pipeline:
         self.nvml = NvmlWatcher()
         self.results: list[dict[str, Any]] = []
         self.interrupted: str | None = None
+        self.signalled: list[str] = []  # stop signals received (each also raised RunInterrupted)
         self.unresponsive = False  # a request timed out: the engine may not honour SIGTERM either
         self.cgroup_oom_before = cgroup_oom_kills()
         self._ctx: Context | None = None  # set once the run starts: what progress.json records
@@ -250,7 +257,7 @@ class Pipeline:
         if self.launcher.kind == "local":  # a container's processes are docker's to count
             ctx.procs = ProcessWatch(self._launched_pid, self.nvml.compute_pids)
         try:
-            with _signals_raise():
+            with _signals_raise(self.signalled):
                 self.rundir.claim(self.req.request_info(), self.req.db_url, self.started, __version__)
                 self.kmsg.start()
                 self.nvml.start()
@@ -258,6 +265,7 @@ class Pipeline:
                 self._ctx = ctx
                 self._progress(None)
                 self._checks(ctx, run_deadline)
+                self._stop_if_signalled()  # a signal whose exception was dropped after the last check
         except (KeyboardInterrupt, RunInterrupted) as exc:
             self.interrupted = str(exc) or "interrupted (SIGINT)"
             if isinstance(exc, KeyboardInterrupt):
@@ -270,9 +278,14 @@ class Pipeline:
                     self.rundir.release()
         return result
 
+    def _stop_if_signalled(self) -> None:
+        if self.signalled:
+            raise RunInterrupted(f"received {self.signalled[0]}")
+
     def _checks(self, ctx: Context, run_deadline: float) -> None:
         engine_down: str | None = None
         for check in checks_for(self.req):
+            self._stop_if_signalled()
             now = time.monotonic()
             if now >= run_deadline:
                 self.interrupted = (
