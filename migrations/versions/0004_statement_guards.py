@@ -8,9 +8,9 @@ The guards of 0002 (changed by 0003 for batches) are row-level BEFORE INSERT tri
 batch of 256 receipts fires them more than a thousand times (entries, Merkle subtrees, receipts,
 subjects), each a PL/pgSQL call with its own lookups. Measured on the 2-core machine (8 hosts, 8,000
 receipts), they cost about a quarter of the sequencer's throughput. Here each guarded table gets one
-AFTER INSERT ... FOR EACH
-STATEMENT trigger with a transition table (`REFERENCING NEW TABLE AS new_rows`), which judges all rows of
-the statement in a few set queries against the table as the statement left it. The rules are those of
+AFTER INSERT ... FOR EACH STATEMENT trigger with a transition table (`REFERENCING NEW TABLE AS
+new_rows`), which judges all rows of the statement in a few set queries against the table as the
+statement left it. The rules are those of
 0003, restated for a set of rows:
 - log_entries: the rows are contiguous and start right after the entries before them (the log was
   gapless before the statement, and primary keys are unique, so it is gapless after); every leaf hash is
