@@ -10,8 +10,7 @@ subjects), each a PL/pgSQL call with its own lookups. Measured on the 2-core mac
 receipts), they cost about a quarter of the sequencer's throughput. Here each guarded table gets one
 AFTER INSERT ... FOR EACH STATEMENT trigger with a transition table (`REFERENCING NEW TABLE AS
 new_rows`), which judges all rows of the statement in a few set queries against the table as the
-statement left it. The rules are those of
-0003, restated for a set of rows:
+statement left it. The rules are those of 0003, restated for a set of rows:
 - log_entries: the rows are contiguous and start right after the entries before them (the log was
   gapless before the statement, and primary keys are unique, so it is gapless after); every leaf hash is
   the RFC 9162 hash of its bytes.
