@@ -32,6 +32,8 @@ SQLite keeps its triggers of 0002/0003: nothing changes there.
 
 from __future__ import annotations
 
+import importlib
+
 from alembic import op
 
 revision = "0004_statement_guards"
@@ -39,17 +41,8 @@ down_revision = "0003_sequencer"
 branch_labels = None
 depends_on = None
 
-GUARDED = (
-    "log_meta",
-    "log_entries",
-    "merkle_nodes",
-    "checkpoints",
-    "signer_keys",
-    "key_revocations",
-    "receipts",
-    "receipt_subjects",
-    "approvals",
-)
+# The tables 0002 guards (the same nine: this migration replaces each one's guard).
+GUARDED = importlib.import_module("migrations.versions.0002_insert_guards").GUARDED
 
 # n: the log's size; s: the latest checkpoint's size (rows of entries s..n-1 are being appended).
 _SIZES = """
@@ -172,38 +165,27 @@ for _table, _kind in (("receipts", "receipt"), ("approvals", "approval")):
 """
     )
 
-_BODIES["signer_keys"] = (
-    """
-    SELECT r.keyid, r.trusted_at_idx AS at INTO bad FROM new_rows AS r
-        LEFT JOIN log_entries AS e ON e.idx = r.trusted_at_idx
+# Key rows: (table, the column naming their entry, its kind, {record field: column}).
+_KEY_ROWS = (
+    ("signer_keys", "trusted_at_idx", "key-trust",
+     {"keyid": "keyid", "publicKey": "public_pem", "note": "note", "algorithm": "algorithm"}),
+    ("key_revocations", "revoked_at_idx", "key-revoke", {"keyid": "keyid", "reason": "reason"}),
+)  # fmt: skip
+for _table, _at, _kind, _fields in _KEY_ROWS:
+    _says = "".join(f"\n           OR rec.j->>'{f}' IS DISTINCT FROM r.{c}" for f, c in _fields.items())
+    _BODIES[_table] = (
+        f"""
+    SELECT r.keyid, r.{_at} AS at INTO bad FROM new_rows AS r
+        LEFT JOIN log_entries AS e ON e.idx = r.{_at}
         LEFT JOIN LATERAL (SELECT convert_from(e.envelope, 'UTF8')::jsonb AS j) AS rec ON true
-        WHERE r.trusted_at_idx < s OR r.trusted_at_idx >= n OR e.kind IS DISTINCT FROM 'key-trust'
-           OR rec.j->>'keyid' IS DISTINCT FROM r.keyid
-           OR rec.j->>'publicKey' IS DISTINCT FROM r.public_pem
-           OR rec.j->>'note' IS DISTINCT FROM r.note
-           OR rec.j->>'algorithm' IS DISTINCT FROM r.algorithm
+        WHERE r.{_at} < s OR r.{_at} >= n OR e.kind IS DISTINCT FROM '{_kind}'{_says}
         LIMIT 1;
     IF FOUND THEN
 """
-    + _refuse("signer_keys", "row for key % is not what key-trust entry % says", "bad.keyid", "bad.at")
-    + """    END IF;
+        + _refuse(_table, f"row for key % is not what {_kind} entry % says", "bad.keyid", "bad.at")
+        + """    END IF;
 """
-)
-_BODIES["key_revocations"] = (
-    """
-    SELECT r.keyid, r.revoked_at_idx AS at INTO bad FROM new_rows AS r
-        LEFT JOIN log_entries AS e ON e.idx = r.revoked_at_idx
-        LEFT JOIN LATERAL (SELECT convert_from(e.envelope, 'UTF8')::jsonb AS j) AS rec ON true
-        WHERE r.revoked_at_idx < s OR r.revoked_at_idx >= n OR e.kind IS DISTINCT FROM 'key-revoke'
-           OR rec.j->>'keyid' IS DISTINCT FROM r.keyid
-           OR rec.j->>'reason' IS DISTINCT FROM r.reason
-        LIMIT 1;
-    IF FOUND THEN
-"""
-    + _refuse("key_revocations", "row for key % is not what key-revoke entry % says", "bad.keyid", "bad.at")
-    + """    END IF;
-"""
-)
+    )
 
 
 def _function(table: str) -> str:
