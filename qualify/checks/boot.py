@@ -185,7 +185,6 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
         ctx.launcher.weights = None  # type: ignore[attr-defined]
         ctx.launcher.hand_weights = False  # type: ignore[attr-defined]
     ctx.facts["boot_phases"]["weights_seeded_and_hashed"] = round(time.monotonic() - t0, 3)
-    ctx.facts["weights_phases"] = dict(getattr(ctx.launcher, "weights_phases", {}))
     weights, scratch = ctx.launcher.launch_paths(name)
     create = getattr(ctx.launcher, "weights", None) is None
     doc = launch_doc.build(
@@ -351,7 +350,7 @@ def run(ctx: Context) -> Outcome:
     evidence["phases"] = {
         **{f"prepare_{k}_at": v for k, v in (ctx.facts.get("boot_phases") or {}).items()},
         # durations inside the weights mark: the sandboxed seeding step, the harness's copy and hash
-        **{f"prepare_weights_{k}_s": v for k, v in (ctx.facts.get("weights_phases") or {}).items()},
+        **{f"prepare_weights_{k}_s": v for k, v in getattr(ctx.launcher, "weights_phases", {}).items()},
         "prepare": round(prepared_s, 3),
         "engine_start_to_ready": round(started_s, 3),
         "checks_after_ready": round(time.monotonic() - t0 - ready_s, 3),
