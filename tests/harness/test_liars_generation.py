@@ -40,7 +40,15 @@ def test_the_honest_engine_qualifies_with_mtp3_and_every_acceptance_length_is_ex
     assert sources["spec_claims_match_output"] == "derived"
     drafted = gen["evidence"]["comparisons"]["speculative_drafts"]
     assert [d["j"] for d in drafted] == [0, 1, 2, 3]
-    assert all(set(d["accepted_per_step"]) == {d["j"]} for d in drafted)
+    for d in drafted:
+        # Every step the harness can predict accepts exactly j: those whose drafts lie inside the plain
+        # reference and come before any divergence, a non-empty prefix of the steps. The steps after a stop
+        # token in the reference (a run's random prompt and weights can greedily reach one) or after a near
+        # tie are unpredictable, and an honest engine may accept fewer there.
+        want, claimed = d["expected_per_step"], d["accepted_per_step"]
+        known = [w for w in want if w is not None]
+        assert known and want[: len(known)] == known == [d["j"]] * len(known), d
+        assert claimed[: len(known)] == known, d
     assert gen["evidence"]["comparisons"]["speculative_vs_plain"]["outcome"] == "identical"
 
 
