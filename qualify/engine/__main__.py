@@ -79,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
         if action.option_strings and action.dest != "help":
             w._add_action(action)
     w.add_argument("--out", required=True, help="the safetensors file to write")
+    # The harness's warm step: boot as serve would, run each kind of work once, print what ran, exit.
+    k = sub.add_parser("warm", help="boot as serve would, run each kind of request once, and exit")
+    for action in s._actions:
+        if action.option_strings and action.dest != "help":
+            k._add_action(action)
     sub.add_parser("manifest", help="print this engine's manifest (JSON): protocol versions, model dims")
     o = sub.add_parser("openapi", help="print the engine protocol's OpenAPI document (JSON)")
     o.add_argument("--out", default=None, help="write it to this file instead")
@@ -297,6 +302,40 @@ def _watch_harness_socket(spec: str) -> None:
     threading.Thread(target=watch, name="harness-watch-socket", daemon=True).start()
 
 
+def _config(args: argparse.Namespace):
+    """The EngineConfig of serve's arguments; refused (exit 2, one line) before torch loads."""
+    from pydantic import ValidationError
+
+    from .config import EngineConfig
+
+    try:  # before the engine module (and torch) loads: a bad configuration is refused in about a second
+        return EngineConfig(**_config_fields(args))
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        where = f" ({loc})" if loc else ""
+        _fail(f"invalid engine config{where}: {err['msg'].removeprefix('Value error, ')}")
+    except (OSError, json.JSONDecodeError) as e:
+        _fail(f"cannot read --config: {e}")
+
+
+def _build_engine(args: argparse.Namespace, cfg, group=None):
+    """The Engine of `cfg` (refused with one line, exit 2), checked against the launch document."""
+    from .engine import Engine, EngineConfigError
+    from .weights import WeightsError
+
+    try:
+        engine = Engine(cfg, dcp=group)
+    except (EngineConfigError, WeightsError) as e:
+        _fail(str(e))
+    if args.launch:
+        differs = _launch_layout_differs(engine, args.launch)
+        if differs:
+            engine.close()
+            _fail(f"this engine cannot lay out its caches as the launch document says: {differs}")
+    return engine
+
+
 def serve(args: argparse.Namespace) -> None:
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal with the handler that
     # was installed before it: with the default one the process dies inside server.run and no `finally`
@@ -327,42 +366,19 @@ def _serve(args: argparse.Namespace) -> None:
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments:True" in alloc_conf:
         _fail("PYTORCH_CUDA_ALLOC_CONF enables expandable_segments, which breaks CUDA IPC export; unset it")
-    from pydantic import ValidationError
-
     from .faults import arm_timers, plan_from
 
     try:
         faults = plan_from(args.fault)
     except ValueError as e:
         _fail(str(e))
-    from .config import EngineConfig
-
-    try:  # before the engine module (and torch) loads: a bad configuration is refused in about a second
-        cfg = EngineConfig(**_config_fields(args))
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        where = f" ({loc})" if loc else ""
-        _fail(f"invalid engine config{where}: {err['msg'].removeprefix('Value error, ')}")
-    except (OSError, json.JSONDecodeError) as e:
-        _fail(f"cannot read --config: {e}")
-    from .engine import Engine, EngineConfigError
-    from .weights import WeightsError
-
+    cfg = _config(args)
     group = followers = lockstep = None
     if cfg.dcp_ranks > 1:
         from .dcp import DcpGroup
 
         group = DcpGroup(0, cfg.dcp_ranks)
-    try:
-        engine = Engine(cfg, dcp=group)
-    except (EngineConfigError, WeightsError) as e:
-        _fail(str(e))
-    if args.launch:
-        differs = _launch_layout_differs(engine, args.launch)
-        if differs:
-            engine.close()
-            _fail(f"this engine cannot lay out its caches as the launch document says: {differs}")
+    engine = _build_engine(args, cfg, group)
     if group is not None:
         # Rank 0 built its engine first (the seeded weights file exists), then starts the other ranks with
         # its own arguments and joins them; a rank lost at any time ends this engine, naming the rank.
@@ -477,6 +493,19 @@ def follow_rank(args: argparse.Namespace) -> None:
     engine.close()
 
 
+def warm(args: argparse.Namespace) -> None:
+    """The harness's warm step: the engine `serve` would boot (the same arguments and launch document),
+    each kind of request run once (Engine.warm), a JSON line of what ran; no server, no port."""
+    cfg = _config(args)
+    if cfg.dcp_ranks > 1:
+        _fail("the warm step runs one process: DCP ranks run as processes of their own (--dcp-ranks 1)")
+    engine = _build_engine(args, cfg)
+    try:
+        print(json.dumps({"warm": engine.warm(), "boot_seconds": engine.boot_seconds}), flush=True)
+    finally:
+        engine.close()
+
+
 def write_weights(args: argparse.Namespace) -> None:
     """The seeded weights a `serve` with these options would generate, written to --out (atomically)."""
     from pydantic import ValidationError
@@ -503,6 +532,8 @@ def main(argv: list[str] | None = None) -> None:
         serve(args)
     elif args.command == "weights":
         write_weights(args)
+    elif args.command == "warm":
+        warm(args)
     elif args.command == "follow":
         follow_rank(args)
     elif args.command == "manifest":

@@ -203,6 +203,43 @@ class Engine:
 
         return capture_engine(self)
 
+    def warm(self) -> dict:
+        """The warm step (`python -m qualify.engine warm`): each kind of work the harness's checks ask of an
+        engine, run once, so that the kernels they launch are compiled into this process's caches (the
+        harness keeps what the step leaves and gives every later engine of the build a copy). Eager and
+        speculative batches of every size with prompts whose token counts are and are not multiples of 16
+        (Triton specializes integer arguments by divisibility by 16 and by equality with 1), then the FULL
+        capture and a replay of each captured size. Nothing here is kept: every request is released."""
+        from .spec import speculative_generate
+
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        sizes = sorted({1, 2, 3, cfg.max_num_seqs})
+        ran: list[str] = []
+        for b in sizes:
+            for n in (5, 16 * max(1, b) - 1):  # total tokens (BOS + n per prompt): an odd and a 16k count
+                prompts = [[BOS, *[65 + (i + j) % 26 for j in range(n)]] for i in range(b)]
+                self.generate(prompts, 3, "eager")
+                ran.append(f"eager b={b} n={n + 1}")
+                if cfg.num_spec > 0:
+                    speculative_generate(self, prompts, 3, "eager")
+                    ran.append(f"speculative b={b} n={n + 1}")
+        captured = self.capture()
+        if captured.get("captured"):
+            for b in sizes:
+                prompts = [[BOS, 65 + i, 66] for i in range(b)]
+                self.generate(prompts, 3, "graph")
+                if cfg.num_spec > 0:
+                    speculative_generate(self, prompts, 3, "graph")
+            ran.append(f"graph replay b in {sizes}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {
+            "seconds": round(time.perf_counter() - t0, 3),
+            "ran": ran,
+            "captured": {k: captured.get(k) for k in ("captured", "sizes", "reason")},
+        }
+
     def dcp_record(self) -> dict:
         """This process's DCP place: rank, world, pid, device and the allocations it registered."""
         return {

@@ -44,6 +44,7 @@ from qualify.launch.base import (
     RefusalOutcome,
     describe_exit,
 )
+from qualify.launch.kernels import CACHE_SUBDIR, WARM_STEP_TIMEOUT_S, KernelCache
 from qualify.launch.monitor import EngineMonitor, monitor_command, monitor_enabled
 from qualify.launch.sandbox import (
     SANDBOX_GID,
@@ -158,6 +159,11 @@ class LocalLauncher(Launcher):
         self.hand_weights = True
         # Where preparing the weights went (seconds): the sandboxed seeding step, the copy into the cache.
         self.weights_phases: dict[str, float] = {}
+        # The compiled kernels every engine process gets a copy of (launch/kernels.py); a reference engine
+        # shares its parent's (and waits for its warm step), the first launcher starts one.
+        self.kernels: KernelCache | None = None
+        self.kernels_name = "engine"
+        self._kernels_wait = False
         self.log_path = run_dir / "engine.log"
         self.scratch = run_dir / "scratch"
         self._lock = threading.Lock()
@@ -302,6 +308,91 @@ class LocalLauncher(Launcher):
         shutil.rmtree(scratch, ignore_errors=True)
         return True
 
+    # ------------------------------------------------------------ kernels
+    def prepare_kernels(self) -> KernelCache:
+        """The run's kernel cache (launch/kernels.py): found in the harness's cache, or filled by the
+        reference engine's warm step, started here in the background; none without a GPU sandbox."""
+        if self.kernels is not None:
+            return self.kernels
+        if self.sandbox is None:
+            self.kernels = KernelCache(None, "unsandboxed (--no-sandbox): no kernel cache is given")
+        elif not self.sandbox.gpu:
+            self.kernels = KernelCache(None, "a cpu target: its engines compile no kernels")
+        elif self.weights is None:
+            self.kernels = KernelCache(None, "no handed weights for a warm step to load")
+        else:
+            self.kernels = self._kernel_cache()
+        return self.kernels
+
+    def _kernel_cache(self) -> KernelCache:
+        from importlib import metadata
+
+        code, _ = tree_digest([str(REFERENCE_ENGINE), str(REFERENCE_KERNELS)])
+        versions = {}
+        for dist in ("torch", "triton"):
+            with contextlib.suppress(metadata.PackageNotFoundError):
+                versions[dist] = metadata.version(dist)
+        launch = self.options.launch_text() if self.options.launch is not None else None
+        key_src = json.dumps([self.options.serve_args(), launch, code, versions, self.weights.digest])
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+        kernels = KernelCache(cache_dir() / "kernels" / f"{self.options.preset}-{key}")
+        facts = {"reference_code": code, "versions": versions}
+        kernels.start(lambda: self._warm_step(facts), cleanup=self._warm_cleanup)
+        return kernels
+
+    def _warm_step(self, facts: dict[str, Any]) -> tuple[Path | None, str | None, dict[str, Any]]:
+        """`python -m qualify.engine warm` (the reference engine, never the module under test) in the sandbox,
+        with the launch document and the handed weights the engine under test gets: the cache it left."""
+        assert self.sandbox is not None and self.weights is not None
+        scratch = self.run_dir / "warm-step"
+        scratch.mkdir(parents=True, exist_ok=True)
+        if self.options.launch is not None:
+            (scratch / "launch.json").write_text(self.options.launch_text())
+            os.chmod(scratch / "launch.json", 0o444)
+            args = ["warm", "--launch", f"{SCRATCH}/launch.json"]
+        else:
+            args = ["warm", *self.options.serve_args()[1:], "--weights", self.weights.engine_path]
+        argv = [self.python, "-m", DEFAULT_ENGINE_MODULE, *args]
+        env = {k: v for k, v in self.env.items() if k not in (FAULT_ENV, ENGINE_MODULE_ENV)}
+        with (self.run_dir / "warm-step.log").open("w") as log:
+            proc, _ = self._popen(
+                argv, scratch, self.sandbox.engine_env(env), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            try:
+                rc = proc.wait(timeout=WARM_STEP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _terminate(proc, 1.0)
+                rc = None
+        rc = rc if rc is None else _exit_status(rc, True)
+        if rc != 0:
+            why = describe_exit(rc) or f"timed out after {WARM_STEP_TIMEOUT_S:g} s"
+            tail = _last_line((self.run_dir / "warm-step.log").read_text(errors="replace"))
+            return None, f"{why}: {tail}", {}
+        return scratch / "home" / CACHE_SUBDIR, None, facts
+
+    def _warm_cleanup(self) -> None:
+        shutil.rmtree(self.run_dir / "warm-step", ignore_errors=True)
+
+    def _give_kernels(self, scratch: Path) -> None:
+        """A fresh copy of the kernel cache into a new engine scratch dir (before its first process)."""
+        if self.kernels is None or self.sandbox is None:
+            return
+        self.sandbox.prepare_scratch(scratch)
+        owner = (SANDBOX_UID, SANDBOX_GID) if self.sandbox.root else None
+        self.kernels.give(self.kernels_name, scratch / "home", owner)
+
+    def settle(self, timeout_s: float) -> float:
+        """Wait (bounded) for a warm step still running, so that it shares the GPU with no check that times
+        the engine; the seconds waited."""
+        if self.kernels is None:
+            return 0.0
+        t0 = time.monotonic()
+        self.kernels.wait(timeout_s)
+        waited = round(time.monotonic() - t0, 3)
+        self.kernels.settled_s = waited
+        return waited
+
     def _launch_file(self, kda_backend: str | None = None) -> str | None:
         """Write the launch document (the refusal probe's beside it) into the run dir, and in a sandbox into
         the scratch dir too (the one folder of the host the engine sees); the path the engine reads."""
@@ -372,6 +463,9 @@ class LocalLauncher(Launcher):
         t0 = time.monotonic()
         if self.hand_weights:
             self.prepare_weights(timeout_s)
+        self.prepare_kernels()
+        if self._kernels_wait and self.kernels is not None:  # a reference engine: the warm step's cache
+            self.kernels.wait(max(0.0, min(WARM_STEP_TIMEOUT_S, timeout_s - (time.monotonic() - t0)) / 2))
         timeout_s = max(0.0, timeout_s - (time.monotonic() - t0))
         self._thread = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
         self._thread.start()
@@ -401,6 +495,8 @@ class LocalLauncher(Launcher):
                 with self._lock:
                     if self._stopping:
                         break
+                    if self._boots == 0:
+                        self._give_kernels(self.scratch)
                     mon_env, mon_fds = self.monitor.local_boot()
                     # Own session: a terminal's Ctrl-C reaches the harness, which stops the engine itself.
                     self._proc, pid = self._popen(
@@ -556,6 +652,9 @@ class LocalLauncher(Launcher):
             weights=self.weights,
         )
         other.hand_weights = self.hand_weights
+        other.kernels = self.kernels
+        other.kernels_name = name
+        other._kernels_wait = True
         return other
 
     def identity(self) -> dict[str, Any]:
@@ -594,7 +693,10 @@ class LocalLauncher(Launcher):
         if self.sandbox is None:
             return {**unsandboxed("--no-sandbox: the engine ran as the operator's own process"),
                     "env_names": sorted(self.engine_environment())}  # fmt: skip
-        return self.sandbox.describe(self.engine_environment())
+        info = self.sandbox.describe(self.engine_environment())
+        if self.kernels is not None:
+            info["kernel_cache"] = self.kernels.evidence()
+        return info
 
     def run_refusal(self, kda_backend: str, timeout_s: float) -> RefusalOutcome:
         # The fault flag is for the engine under test; the refusal must come from construction alone.

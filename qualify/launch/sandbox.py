@@ -645,6 +645,8 @@ class Sandbox:
         for k in FORWARDED_ENV:
             if k in harness_env:
                 env[k] = harness_env[k]
+        if self.gpu:  # Triton's cache: the copy the harness gives each process (launch/kernels.py)
+            env["TRITON_CACHE_DIR"] = f"{SCRATCH}/home/.triton/cache"
         if self.gpu and "TRITON_LIBCUDA_PATH" not in env:
             found = libcuda_dir()
             if found is not None:  # Triton finds libcuda through `ldconfig -p`, which fails in the sandbox

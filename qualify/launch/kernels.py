@@ -1,0 +1,246 @@
+"""The harness's kernel cache: compiled Triton kernels that the reference engine's warm step leaves, kept by
+the harness and copied, never shared, into the scratch dir of every engine process it starts later.
+
+Every engine process starts with an empty Triton cache of its own, and compiling the decode step's kernels
+is most of what a GPU engine's first requests cost (16.7 s of the H200 boot in bench/results). Sharing one
+cache directory between the engine under test and the reference engines the harness compares it with would
+give a lying engine a channel to them (and a place to plant binaries that the receipt does not name). So:
+
+- the cache is filled only by the harness's own reference engine (`python -m qualify.engine warm`, in the
+  same sandbox as every engine process, with no secret of the run: the handed weights and the launch
+  document are what the engine under test gets anyway), never by the engine under test;
+- the harness copies what the step left (regular files and folders only, bounded in count and bytes) into
+  its cache under a key of the reference engine's code, the configuration and the device, with a manifest
+  and a digest over every file;
+- each engine process gets a fresh copy in its own scratch dir (`$HOME/.triton/cache`), checked against the
+  manifest's digest as it is copied: what one process writes there reaches no other;
+- the receipt names the copy each process got (its digest, where it came from, or why there was none).
+
+A kernel in the cache is used only when Triton's own key matches (the kernel's source and its
+dependencies, the Triton version, the target and the compile options), so an engine whose kernels differ
+from the reference engine's compiles its own, as it did before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CACHE_SUBDIR = ".triton/cache"  # under the engine's HOME ($SCRATCH/home): where Triton looks by default
+MANIFEST = "qualify-kernel-cache.json"
+MAX_FILES = 20_000
+MAX_BYTES = 4 << 30
+WARM_STEP_TIMEOUT_S = 600.0
+ORIGIN = "compiled by the reference engine's warm step (python -m qualify.engine warm), cached by the harness"
+
+
+class KernelCacheError(RuntimeError):
+    """A tree that cannot be kept or given (too large, unreadable, not what its manifest says)."""
+
+
+def _walk(root: Path) -> list[tuple[str, Path]]:
+    """(relative path, path) of every regular file below `root`, sorted; links and anything that is
+    neither a file nor a folder are left out (never followed)."""
+    out: list[tuple[str, Path]] = []
+    total = 0
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_symlink():
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(Path(e.path))
+                elif e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+                    out.append((str(Path(e.path).relative_to(root)), Path(e.path)))
+                    if len(out) > MAX_FILES or total > MAX_BYTES:
+                        raise KernelCacheError(
+                            f"the kernel cache at {root} holds more than {MAX_FILES} files or "
+                            f"{MAX_BYTES >> 20} MiB"
+                        )
+    return sorted(out)
+
+
+def _copy(files: list[tuple[str, Path]], dest: Path, owner: tuple[int, int] | None) -> tuple[str, int]:
+    """Copy `files` into `dest` (created), hashing what was read: (digest, bytes). The digest is sha256
+    over (relative path NUL sha256 of the file NUL) in path order."""
+    h = hashlib.sha256()
+    nbytes = 0
+    dest.mkdir(parents=True, exist_ok=True)
+    dirs = {dest}
+    for rel, src in files:
+        if rel == MANIFEST:
+            continue
+        target = dest / rel
+        for parent in reversed(target.relative_to(dest).parents):
+            d = dest / parent
+            if d not in dirs:
+                d.mkdir(exist_ok=True)
+                dirs.add(d)
+        data = src.read_bytes()
+        nbytes += len(data)
+        with open(target, "xb") as f:  # never through a link or over a file already there
+            f.write(data)
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\0")
+    if owner is not None:
+        for d in dirs:
+            os.chown(d, *owner)
+        for rel, _ in files:
+            if rel != MANIFEST:
+                os.chown(dest / rel, *owner)
+    return "sha256:" + h.hexdigest(), nbytes
+
+
+def keep(step_cache: Path, cached: Path, facts: dict[str, Any]) -> dict[str, Any]:
+    """Copy the warm step's cache folder into the harness's cache at `cached` (atomically: a folder beside
+    it, renamed), with a manifest of its digest, size and `facts`; the manifest."""
+    files = _walk(step_cache) if step_cache.is_dir() else []
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    digest, nbytes = _copy(files, tmp, None)
+    manifest = {"digest": digest, "files": len(files), "bytes": nbytes, "origin": ORIGIN, **facts}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True))
+    os.chmod(tmp, 0o700)
+    try:
+        os.rename(tmp, cached)
+    except OSError:  # another harness kept the same key first: theirs stands
+        shutil.rmtree(tmp, ignore_errors=True)
+        return read_manifest(cached)
+    return manifest
+
+
+def read_manifest(cached: Path) -> dict[str, Any]:
+    try:
+        m = json.loads((cached / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise KernelCacheError(f"the kernel cache {cached} has no readable manifest: {exc}") from exc
+    if not isinstance(m, dict) or not isinstance(m.get("digest"), str):
+        raise KernelCacheError(f"the kernel cache {cached} has a manifest without a digest")
+    return m
+
+
+def give(cached: Path, home: Path, owner: tuple[int, int] | None) -> dict[str, Any]:
+    """A fresh copy of the kept cache into `home`/CACHE_SUBDIR (which must not exist yet), checked against
+    the manifest's digest; what the receipt says about it."""
+    manifest = read_manifest(cached)
+    dest = home / CACHE_SUBDIR
+    if dest.exists() or dest.is_symlink():
+        raise KernelCacheError(f"{dest} exists already: a kernel cache is only given to a new scratch dir")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if owner is not None:
+        os.chown(dest.parent, *owner)
+    digest, nbytes = _copy(_walk(cached), dest, owner)
+    if digest != manifest["digest"]:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise KernelCacheError(
+            f"the kernel cache {cached} does not match its manifest ({digest} != {manifest['digest']})"
+        )
+    return {"digest": digest, "files": manifest.get("files"), "bytes": nbytes}
+
+
+class KernelCache:
+    """One run's kernel cache: found in the harness's cache, or filled by a warm step in the background
+    (`start`); `give` copies it into an engine's scratch, `wait` bounds how long a launcher waits for it."""
+
+    def __init__(self, cached: Path | None, reason: str | None = None) -> None:
+        self.cached = cached
+        self.reason = reason  # why there is no cache (None while there may be one)
+        self.manifest: dict[str, Any] | None = None
+        self.filled_this_run = False
+        self.warm_step_s: float | None = None
+        self.given: dict[str, Any] = {}
+        self.settled_s: float | None = None  # how long the harness waited for the warm step (settle)
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        if cached is None:
+            self._done.set()
+        elif (cached / MANIFEST).is_file():
+            self._found()
+
+    def _found(self) -> None:
+        assert self.cached is not None
+        try:
+            self.manifest = read_manifest(self.cached)
+        except KernelCacheError as exc:
+            self.reason = str(exc)
+        self._done.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.manifest is not None
+
+    def start(
+        self,
+        step: Callable[[], tuple[Path | None, str | None, dict[str, Any]]],
+        cleanup: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Run the warm step `step` (-> the folder it left, why not, facts) on a thread unless the cache was
+        found, then `cleanup`; a step that fails leaves the run without a cache (the reason is recorded)."""
+        if self._done.is_set():
+            return
+
+        def work() -> None:
+            t0 = time.monotonic()
+            try:
+                folder, why, facts = step()
+                self.warm_step_s = round(time.monotonic() - t0, 3)
+                if folder is None:
+                    self.reason = f"the warm step left no kernel cache: {why}"
+                else:
+                    assert self.cached is not None
+                    self.cached.parent.mkdir(parents=True, exist_ok=True)
+                    self.manifest = keep(folder, self.cached, {**facts, "warm_step_s": self.warm_step_s})
+                    self.filled_this_run = True
+            except Exception as exc:  # the run goes on without a cache; the receipt says why
+                self.reason = f"the warm step's kernel cache could not be kept: {exc}"
+            finally:
+                with contextlib.suppress(Exception):
+                    cleanup()
+                self._done.set()
+
+        threading.Thread(target=work, name="kernel-cache-warm-step", daemon=True).start()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+    def give(self, name: str, home: Path, owner: tuple[int, int] | None) -> dict[str, Any]:
+        """Copy the cache (when ready) into an engine process's `home`; the record kept under `name`."""
+        if not self.ready:
+            why = self.reason or "the warm step was still running when this engine started"
+            record: dict[str, Any] = {"given": False, "reason": why}
+        else:
+            assert self.cached is not None
+            try:
+                record = {"given": True, **give(self.cached, home, owner)}
+            except (OSError, KernelCacheError) as exc:
+                record = {"given": False, "reason": str(exc)}
+        with self._lock:
+            self.given.setdefault(name, record)
+        return record
+
+    def evidence(self) -> dict[str, Any]:
+        m = self.manifest or {}
+        with self._lock:
+            given = dict(self.given)
+        return {
+            "origin": ORIGIN if self.ready else None,
+            "reason": None if self.ready else self.reason,
+            "digest": m.get("digest"),
+            "files": m.get("files"),
+            "bytes": m.get("bytes"),
+            "filled_this_run": self.filled_this_run,
+            "warm_step_s": self.warm_step_s,
+            "waited_before_timed_checks_s": self.settled_s,
+            "path": f"$HOME/{CACHE_SUBDIR}",
+            "given": given,
+        }

@@ -1,0 +1,182 @@
+"""The harness's kernel cache (qualify/launch/kernels.py): filled only by the reference engine's warm step,
+kept with a digest, and copied (never shared) into each engine process's scratch dir, so that what the
+engine under test writes into its copy reaches neither the harness's cache nor a reference engine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qualify.launch import kernels
+from qualify.launch.base import EngineOptions
+from qualify.launch.kernels import CACHE_SUBDIR, MANIFEST, KernelCache, KernelCacheError, give, keep
+from qualify.launch.local import DEFAULT_ENGINE_MODULE, ENGINE_MODULE_ENV, HandedWeights, LocalLauncher
+
+from .conftest import ROOT
+
+
+def _step_cache(root: Path) -> Path:
+    """What a warm step leaves: Triton's layout (a folder per key, its files), plus a link to a secret."""
+    cache = root / "home" / CACHE_SUBDIR
+    for key, names in {"AAAA": ["k.cubin", "k.json"], "BBBB": ["m.cubin", "m.json", "__grp__m.json"]}.items():
+        (cache / key).mkdir(parents=True)
+        for n in names:
+            (cache / key / n).write_bytes(f"{key}/{n}".encode() * 10)
+    secret = root / "secret"
+    secret.write_text("the operator's key")
+    (cache / "AAAA" / "leak.json").symlink_to(secret)  # never followed, never copied
+    return cache
+
+
+def test_a_kept_cache_is_copied_file_by_file_with_its_digest_and_no_links(tmp_path: Path) -> None:
+    kept = tmp_path / "harness-cache" / "tiny-key"
+    kept.parent.mkdir()
+    m = keep(_step_cache(tmp_path / "step"), kept, {"reference_code": "sha256:x"})
+    assert m["files"] == 5 and m["digest"].startswith("sha256:") and m["reference_code"] == "sha256:x"
+    assert not (kept / "AAAA" / "leak.json").exists()
+    home = tmp_path / "engine-scratch" / "home"
+    home.mkdir(parents=True)
+    got = give(kept, home, None)
+    assert got["digest"] == m["digest"] and got["files"] == 5
+    copy = home / CACHE_SUBDIR
+    assert (copy / "BBBB" / "m.cubin").read_bytes() == b"BBBB/m.cubin" * 10
+    assert not (copy / MANIFEST).exists()  # the manifest stays the harness's
+    with pytest.raises(KernelCacheError, match="exists already"):
+        give(kept, home, None)  # only into a new scratch dir
+
+
+def test_what_one_engine_writes_into_its_copy_reaches_no_other(tmp_path: Path) -> None:
+    kept = tmp_path / "kept"
+    m = keep(_step_cache(tmp_path / "step"), kept, {})
+    a, b = tmp_path / "a" / "home", tmp_path / "b" / "home"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    give(kept, a, None)
+    # The engine under test rewrites a kernel binary and plants one of its own in its copy...
+    (a / CACHE_SUBDIR / "AAAA" / "k.cubin").write_bytes(b"planted")
+    (a / CACHE_SUBDIR / "CCCC").mkdir()
+    (a / CACHE_SUBDIR / "CCCC" / "x.cubin").write_bytes(b"planted")
+    # ...and a reference engine started after it gets the warm step's bytes, checked against the digest.
+    assert give(kept, b, None)["digest"] == m["digest"]
+    assert (b / CACHE_SUBDIR / "AAAA" / "k.cubin").read_bytes() == b"AAAA/k.cubin" * 10
+    assert not (b / CACHE_SUBDIR / "CCCC").exists()
+    assert (kept / "AAAA" / "k.cubin").read_bytes() == b"AAAA/k.cubin" * 10
+
+
+def test_a_kept_cache_changed_after_the_warm_step_is_not_given(tmp_path: Path) -> None:
+    kept = tmp_path / "kept"
+    keep(_step_cache(tmp_path / "step"), kept, {})
+    (kept / "BBBB" / "m.cubin").write_bytes(b"changed in the harness's cache")
+    cache = KernelCache(kept)
+    assert cache.ready
+    home = tmp_path / "s" / "home"
+    home.mkdir(parents=True)
+    record = cache.give("engine", home, None)
+    assert record["given"] is False and "does not match its manifest" in record["reason"]
+    assert not (home / CACHE_SUBDIR).exists()
+    assert cache.evidence()["given"]["engine"] == record
+
+
+def test_a_warm_step_cache_beyond_the_bounds_is_refused(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "MAX_FILES", 3)
+    with pytest.raises(KernelCacheError, match="more than 3 files"):
+        keep(_step_cache(tmp_path / "step"), tmp_path / "kept", {})
+    assert not (tmp_path / "kept").exists()
+
+
+def test_a_failed_warm_step_leaves_the_run_without_a_cache_and_says_why(tmp_path: Path) -> None:
+    cache = KernelCache(tmp_path / "kept")
+    cleaned = []
+    cache.start(lambda: (None, "exited with code 2: no GPU", {}), cleanup=lambda: cleaned.append(1))
+    assert cache.wait(10) and not cache.ready and cleaned == [1]
+    home = tmp_path / "s" / "home"
+    home.mkdir(parents=True)
+    assert cache.give("engine", home, None) == {
+        "given": False,
+        "reason": "the warm step left no kernel cache: exited with code 2: no GPU",
+    }
+    ev = cache.evidence()
+    assert ev["origin"] is None and ev["digest"] is None and ev["warm_step_s"] is not None
+
+
+class _FakeSandbox:
+    """A GPU sandbox as far as the launcher asks (the warm step's process is faked below)."""
+
+    gpu = True
+    root = False
+
+    @staticmethod
+    def engine_env(env, extra=None):
+        return {**env, **(extra or {})}
+
+    @staticmethod
+    def prepare_scratch(scratch: Path) -> None:
+        (scratch / "home").mkdir(parents=True, exist_ok=True)
+
+
+def test_the_cache_is_filled_by_the_reference_engine_even_when_a_liar_is_under_test(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("QUALIFY_CACHE_DIR", str(tmp_path / "harness-cache"))
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"w")
+    handed = HandedWeights(weights, "sha256:w", 1, "/w", "test")
+    env = {ENGINE_MODULE_ENV: "tests.liars.spec_ignored"}
+    launcher = LocalLauncher(
+        EngineOptions("tiny", "torch"), tmp_path / "run", env=env, sandbox=_FakeSandbox(), weights=handed
+    )
+    ran: list[list[str]] = []
+
+    def popen(argv, scratch, env, **kw):  # the warm step: it compiles into its scratch's Triton cache
+        ran.append(argv)
+        made = scratch / "home" / CACHE_SUBDIR / "KEY"
+        made.mkdir(parents=True)
+        (made / "k.cubin").write_bytes(b"compiled")
+        return subprocess.Popen([sys.executable, "-c", "pass"]), None
+
+    monkeypatch.setattr(launcher, "_popen", popen)
+    cache = launcher.prepare_kernels()
+    assert cache.wait(30) and cache.ready and cache.filled_this_run
+    assert len(ran) == 1 and ran[0][1:4] == ["-m", DEFAULT_ENGINE_MODULE, "warm"]  # never the liar
+    assert not (tmp_path / "run" / "warm-step").exists()  # the step's scratch is removed once kept
+    # The engine under test and a reference engine each get a copy of their own.
+    launcher._give_kernels(launcher.scratch)
+    ref = launcher.sibling(launcher.options, "fresh-reference")
+    assert ref.kernels is cache and ref.module == "tests.liars.spec_ignored"
+    ref._give_kernels(ref.scratch)
+    ev = cache.evidence()
+    assert set(ev["given"]) == {"engine", "fresh-reference"}
+    assert all(g["given"] and g["digest"] == ev["digest"] for g in ev["given"].values())
+    assert (ref.scratch / "home" / CACHE_SUBDIR / "KEY" / "k.cubin").read_bytes() == b"compiled"
+    # A second run of the same build on this host finds the kept cache: no warm step.
+    again = LocalLauncher(
+        EngineOptions("tiny", "torch"), tmp_path / "run2", env=env, sandbox=_FakeSandbox(), weights=handed
+    )
+    monkeypatch.setattr(again, "_popen", popen)
+    assert again.prepare_kernels().ready and len(ran) == 1
+    assert again.kernels is not None and not again.kernels.filled_this_run
+
+
+def test_a_cpu_target_gives_no_cache_and_says_why(tmp_path: Path) -> None:
+    class Cpu(_FakeSandbox):
+        gpu = False
+
+    launcher = LocalLauncher(EngineOptions("tiny", "torch"), tmp_path / "run", env={}, sandbox=Cpu())
+    assert launcher.prepare_kernels().evidence()["reason"] == "a cpu target: its engines compile no kernels"
+
+
+@pytest.mark.slow
+def test_the_reference_engines_warm_verb_runs_each_kind_of_request_and_exits(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "QUALIFY_HOME": str(tmp_path / "home")}
+    argv = [sys.executable, "-m", "qualify.engine", "warm", "--preset", "tiny", "--num-spec", "2"]
+    done = subprocess.run(argv + ["--device", "cpu"], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])["warm"]
+    assert "eager b=1 n=6" in out["ran"] and "speculative b=8 n=128" in out["ran"]
+    assert out["captured"]["captured"] is False  # no CUDA: nothing captured, and why
+    assert out["captured"]["reason"]
