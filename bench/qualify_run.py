@@ -3,13 +3,17 @@ time, every check condition with its source and (with --spec) the acceptance his
 read back from the stored receipt, are written to --out with the run's provenance; --show-out keeps the
 human `qualify receipts show` of that receipt. --monitor-cost runs it a second time with the harness's CUDA
 activity monitor switched off (QUALIFY_MONITOR=off; that run cannot qualify on a GPU) and reports both wall
-times and every check's seconds side by side: the monitor's cost."""
+times and every check's seconds side by side: the monitor's cost. --again runs it a second time as it was
+(the harness's caches, the seeded weights and the warm step's kernels, kept from the first): the next build
+qualified on a host that has qualified one, reported beside the first. --logs-out copies the run dirs' logs
+(the engine's, the warm step's) into a folder."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +34,8 @@ def main() -> None:
     ap.add_argument("--spec", default="none", help="none | mtp:N, passed to qualify run")
     ap.add_argument("--show-out", help="write `qualify receipts show` of the receipt here")
     ap.add_argument("--monitor-cost", action="store_true", help="a second run without the CUDA monitor")
+    ap.add_argument("--again", action="store_true", help="a second run on the caches the first kept")
+    ap.add_argument("--logs-out", help="copy each run dir's *.log files into this folder")
     args = ap.parse_args()
     cli = [*CLI, "--spec", args.spec]
     r, wall, report = _run([sys.executable, *cli], args.timeout, {})
@@ -42,6 +48,19 @@ def main() -> None:
         "run": report,
         **receipt,
     }
+    _logs(report, args.logs_out, "first")
+    if args.again:
+        r2, wall2, second = _run([sys.executable, *cli], args.timeout, {})
+        _logs(second, args.logs_out, "again")
+        receipt2 = _receipt(second.get("receipt_id"), None)
+        keys = ("verdict", "boot_phases", "check_seconds", "check_details", "check_waits", "kernel_cache")
+        result["again"] = {
+            "exit_code": r2.returncode,
+            "wall_s": round(wall2, 2),
+            "note": "the same command run right after the first on the same host: the harness's caches "
+            "(seeded weights, the warm step's kernel cache) are the first run's",
+            **{k: receipt2.get(k) for k in keys},
+        }
     if args.monitor_cost:
         r_off, wall_off, off = _run([sys.executable, *cli], args.timeout, {"QUALIFY_MONITOR": "off"})
         receipt_off = _receipt(off.get("receipt_id"), None)
@@ -78,6 +97,19 @@ def _run(
     return r, wall, report
 
 
+def _logs(report: dict, folder: str | None, name: str) -> None:
+    """Every *.log below the run dir (the engine's, the warm step's, a reference's) into folder/name."""
+    run_dir = report.get("run_dir")
+    if not folder or not run_dir or not os.path.isdir(run_dir):
+        return
+    for base, _, files in os.walk(run_dir):
+        for f in files:
+            if f.endswith(".log"):
+                rel = os.path.relpath(os.path.join(base, f), run_dir)
+                os.makedirs(os.path.dirname(os.path.join(folder, name, rel)), exist_ok=True)
+                shutil.copyfile(os.path.join(base, f), os.path.join(folder, name, rel))
+
+
 def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
     """Conditions (holds, source) per check and the generation check's acceptance histograms, read back
     from the stored receipt by `qualify receipts show`, never from the run's own summary."""
@@ -110,6 +142,8 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         # them: what a faster qualification starts from.
         "boot_phases": (boot.get("evidence") or {}).get("phases"),
         "check_seconds": {c.get("name"): c.get("seconds") for c in checks},
+        # The compiled kernels each engine process was given (qualify/launch/kernels.py).
+        "kernel_cache": ((predicate.get("engine") or {}).get("sandbox") or {}).get("kernel_cache"),
         "check_details": _details(checks),
         # The harness's wait on the engine under test per endpoint inside each check (the rest of a
         # check's seconds is the harness's own work and other engines it booted).

@@ -369,7 +369,12 @@ class LocalLauncher(Launcher):
             why = describe_exit(rc) or f"timed out after {WARM_STEP_TIMEOUT_S:g} s"
             tail = _last_line((self.run_dir / "warm-step.log").read_text(errors="replace"))
             return None, f"{why}: {tail}", {}
-        return scratch / "home" / CACHE_SUBDIR, None, facts
+        # What else the step's process left in its home (other compile caches would show here), in words.
+        home = scratch / "home"
+        facts = {**facts, "step_home": sorted(
+            str(p.relative_to(home)) for p in home.glob("*/*") if not p.is_symlink()
+        )[:50]}  # fmt: skip
+        return home / CACHE_SUBDIR, None, facts
 
     def _warm_cleanup(self) -> None:
         shutil.rmtree(self.run_dir / "warm-step", ignore_errors=True)
