@@ -8,7 +8,9 @@ After each exit the supervisor sweeps the shared-memory files a crashed engine c
 Every engine process runs in the launcher's Sandbox (qualify/launch/sandbox.py: bubblewrap) unless the
 operator asked for none (--no-sandbox); the launcher tracks the engine's host pid, not bwrap's. Before the
 first boot the harness seeds the configuration's weights once (the reference engine, sandboxed), keeps and
-hashes the file in its cache, and every engine gets exactly that file, read-only (`--weights`).
+hashes the file in its cache, and every engine gets exactly that file, read-only (`--weights`). On a GPU
+target the reference engine's warm step compiles its kernels beside the first boot; every later engine
+process gets a copy of the Triton cache it left (launch/kernels.py).
 """
 
 from __future__ import annotations
