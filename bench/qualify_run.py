@@ -53,7 +53,8 @@ def main() -> None:
         r2, wall2, second = _run([sys.executable, *cli], args.timeout, {})
         _logs(second, args.logs_out, "again")
         receipt2 = _receipt(second.get("receipt_id"), None)
-        keys = ("verdict", "boot_phases", "check_seconds", "check_details", "check_waits", "kernel_cache")
+        keys = ("verdict", "boot_phases", "check_seconds", "check_details", "check_waits", "kernel_cache",
+                "spec_drafts", "acceptance_histogram")  # fmt: skip
         result["again"] = {
             "exit_code": r2.returncode,
             "wall_s": round(wall2, 2),
@@ -136,6 +137,8 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
             for c in checks
         },
         "acceptance_histogram": spec.get("acceptance_histogram"),
+        # The harness's drafted runs per prompt tried: outcome, first divergence, claimed and expected counts.
+        "spec_drafts": _drafts(generation.get("evidence", {}).get("comparisons", {})),
         "mtp_acceptance_histogram": spec.get("mtp_acceptance_histogram"),
         "xid_watch": predicate.get("faults", {}).get("xid_watch"),
         # Where boot's time went (the boot check's evidence.phases) and the check times, as the receipt has
@@ -151,6 +154,24 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
             c.get("name"): (c.get("evidence") or {}).get("time_waited_on_engine") for c in checks
         },
     }
+
+
+def _drafts(comparisons: dict) -> list[list[dict]]:
+    prompts = [*comparisons.get("speculative_drafts_set_aside", []), comparisons.get("speculative_drafts")]
+    return [
+        [
+            {
+                "j": d.get("j"),
+                "outcome": d.get("outcome"),
+                "first_divergence": (d.get("coherence") or {}).get("first_divergence"),
+                "accepted_per_step": d.get("accepted_per_step"),
+                "expected_per_step": d.get("expected_per_step"),
+            }
+            for d in one
+        ]
+        for one in prompts
+        if one
+    ]
 
 
 def _details(checks: list[dict]) -> dict:

@@ -66,6 +66,7 @@ def run(ctx: Context) -> Outcome:
         conditions.update(spec_conditions)
         comparisons["speculative_vs_plain"] = speculation.pop("speculative_vs_plain")
         comparisons["speculative_drafts"] = speculation.pop("speculative_drafts")
+        comparisons["speculative_drafts_set_aside"] = speculation.pop("speculative_drafts_set_aside")
     else:
         comparisons["speculative_vs_plain"] = {"not_applicable": "--spec none"}
     evidence = {

@@ -20,6 +20,9 @@ from qualify.checks.base import (
 from qualify.checks.timing import SPEC_REPEATS, SPEC_TIMED_TOKENS, spec_rule
 from qualify.protocol import Choice, CompletionResponse, Counters
 
+# Prompts tried for the harness's drafts, at most (each costs N + 2 requests of a batch of one).
+SPEC_DRAFT_PROMPTS = 3
+
 
 def alter(token: int) -> int:
     """Another byte token: never the one the verifier will pick at that position."""
@@ -75,6 +78,51 @@ def claims_refusal(
     return None
 
 
+def _predictable(
+    ref: Choice, j: int, drafts: list[list[int]], resp: CompletionResponse, M: int, N: int
+) -> bool:
+    """Whether the run has a step the harness can predict (its drafts inside the reference, before any
+    divergence, found here without teacher forcing): what an attempt needs for each j."""
+    if not well_formed(resp, 1):
+        return True  # a malformed answer is judged as it is, not retried
+    cmp = compare_choices(ref, choices(resp)[0], None, max_tokens=M)
+    diverged = None if cmp["outcome"] == "identical" else cmp["first_divergence"]
+    return any(w is not None for w in expected_counts(ref.token_ids, j, N, len(drafts), diverged))
+
+
+def _judge(
+    ref: Choice, runs: list[tuple[int, list[list[int]], CompletionResponse]], reask: Any, M: int, N: int
+) -> list[dict[str, Any]]:
+    """Each drafted run of one prompt against its plain reference: coherence (with teacher forcing), the
+    per-step counts the harness expects where it can, and whether the claims fit the output."""
+    out = []
+    for j, drafts, resp in runs:
+        cand = choices(resp)[0] if well_formed(resp, 1) else None
+        cmp = compare_choices(ref, cand, reask, max_tokens=M) if cand else None
+        claimed = cand.accepted_per_step if cand else None
+        diverged = None if cmp is None or cmp["outcome"] == "identical" else cmp["first_divergence"]
+        want = expected_counts(ref.token_ids, j, N, len(drafts), diverged)
+        ok_counts = claimed is not None and all(
+            w is None or (s < len(claimed) and claimed[s] == w) for s, w in enumerate(want)
+        )
+        why = (
+            "no per-step report"
+            if claimed is None or cand is None
+            else claims_refusal(drafts, claimed, cand.token_ids, N)
+        )
+        out.append({
+            "j": j,
+            "drafts": drafts,
+            "outcome": cmp["outcome"] if cmp else "differs",
+            "coherence": {k: v for k, v in cmp.items() if k not in ("rule", "epsilon")} if cmp else None,
+            "accepted_per_step": claimed,
+            "expected_per_step": want,
+            "counts_as_expected": ok_counts,
+            "claims": why or "consistent with the output",
+        })  # fmt: skip
+    return out
+
+
 def _accepted(resp: CompletionResponse) -> list[list[int]] | None:
     per = [c.accepted_per_step for c in choices(resp)]
     return None if any(p is None for p in per) else per  # type: ignore[return-value]
@@ -94,63 +142,58 @@ def prove(
     before = ctx.client.describe().counters
     mtp = ctx.ask(prompts, speculative=True)
     mtp_batch = ctx.last_batch or mtp  # its fillers' verify steps move the counters too
-    drafted = ctx.fresh(1)  # drafts go with a batch of one (the protocol's rule): a prompt of its own
-    long = ctx.ask(drafted, max_tokens=M + N)
-    ref: Choice | None = choices(long)[0] if well_formed(long, 1) else None
-    runs: list[tuple[int, list[list[int]], CompletionResponse]] = []
     times: dict[str, list[float]] = {"first": [], "plain": [], "none": [], "every": []}
     gpu = ctx.target == "gpu"
-    if ref is not None:
-        if not gpu:
+    # Each attempt: a fresh prompt, its plain reference and the N + 1 drafted runs. A near tie or a stop
+    # token early in the reference leaves a drafted run's steps unpredictable (an honest engine may then
+    # accept any number): another prompt is tried, up to SPEC_DRAFT_PROMPTS, until every j has a step the
+    # harness can predict. Every attempt's runs are judged alike.
+    attempts: list[tuple[Choice | None, list[tuple[int, list[list[int]], CompletionResponse]]]] = []
+    for attempt in range(SPEC_DRAFT_PROMPTS):
+        drafted = ctx.fresh(1)  # drafts go with a batch of one (the protocol's rule): a prompt of its own
+        long = ctx.ask(drafted, max_tokens=M + N)
+        ref: Choice | None = choices(long)[0] if well_formed(long, 1) else None
+        runs: list[tuple[int, list[list[int]], CompletionResponse]] = []
+        attempts.append((ref, runs))
+        if ref is None:
+            break
+        if not gpu and attempt == 0:
             _time_plain(ctx, drafted, M, times)
         for j in range(N + 1):
             drafts = plan(ref.token_ids, M, j, N)
             t0 = ctx.clock()
             resp = ctx.generate(drafted, speculative=True, max_tokens=M, drafts=drafts)
-            if j in (0, N) and not gpu:
+            if j in (0, N) and not gpu and attempt == 0:
                 times["none" if j == 0 else "every"].append(ctx.clock() - t0)
             runs.append((j, drafts, resp))
+        if all(_predictable(ref, j, drafts, resp, M, N) for j, drafts, resp in runs):
+            break
     after = ctx.client.describe().counters
     timed = SPEC_TIMED_TOKENS if gpu else M
-    if ref is not None and gpu:  # timed rounds of longer sequences, each on a prompt of its own
+    if attempts[0][0] is not None and gpu:  # timed rounds of longer sequences, each on a prompt of its own
         for _ in range(SPEC_REPEATS):
             _time_drafted(ctx, ctx.fresh(1), timed, N, times)
     fast, timing = spec_rule(**times, max_tokens=timed, num_spec=N)
 
     reask = ctx.reask(speculative=True)
     vs_plain = coherence(plain, mtp, len(prompts), reask=reask)
-    per_j, reproduce, exact, consistent, counts = [], [], [], [], []
-    for j, drafts, resp in runs:
-        formed = well_formed(resp, 1)
-        cand = choices(resp)[0] if formed else None
-        cmp = compare_choices(ref, cand, reask, max_tokens=M) if cand else None  # type: ignore[arg-type]
-        claimed = cand.accepted_per_step if cand else None
-        agrees = bool(cmp and cmp["agrees"])
-        diverged = None if cmp is None or cmp["outcome"] == "identical" else cmp["first_divergence"]
-        want = expected_counts(ref.token_ids, j, N, len(drafts), diverged)  # type: ignore[union-attr]
-        ok_counts = claimed is not None and all(
-            w is None or (s < len(claimed) and claimed[s] == w) for s, w in enumerate(want)
-        )
-        why = (
-            "no per-step report"
-            if claimed is None or cand is None
-            else claims_refusal(drafts, claimed, cand.token_ids, N)
-        )
-        counts += claimed or []
-        reproduce.append(f"j={j}: " + (cmp["outcome"] if cmp else "no well-formed answer"))
-        if not agrees and cmp:
-            reproduce[-1] += f" ({cmp['reason']})"
-        exact.append(f"j={j}: reported {claimed}" if not ok_counts else "")
-        consistent.append(f"j={j}: {why}" if why else "")
-        per_j.append({
-            "j": j,
-            "drafts": drafts,
-            "outcome": cmp["outcome"] if cmp else "differs",
-            "coherence": {k: v for k, v in cmp.items() if k not in ("rule", "epsilon")} if cmp else None,
-            "accepted_per_step": claimed,
-            "expected_per_step": want,
-            "claims": why or "consistent with the output",
-        })  # fmt: skip
+    judged = [_judge(ref, runs, reask, M, N) for ref, runs in attempts if ref is not None]
+    per_j = [p for one in judged for p in one]
+    several = len(judged) > 1
+    reproduce, exact, consistent, counts = [], [], [], []
+    for k, one in enumerate(judged):
+        at = f"prompt {k + 1}: " if several else ""
+        for p in one:
+            claimed = p["accepted_per_step"]
+            counts += claimed or []
+            line = f"{at}j={p['j']}: {p['outcome']}"
+            if p["coherence"] and not p["coherence"]["agrees"]:
+                line += f" ({p['coherence'].get('reason')})"
+            reproduce.append(line)
+            exact.append(f"{at}j={p['j']}: reported {claimed}" if not p["counts_as_expected"] else "")
+            why = p["claims"]
+            consistent.append(f"{at}j={p['j']}: {why}" if why != "consistent with the output" else "")
+    runs = [r for _, one in attempts for r in one]
     histogram = _histogram(counts, N)
     covered = bool(runs) and all(histogram[str(k)] > 0 for k in range(N + 1))
     mtp_counts = _accepted(mtp_batch)
@@ -190,7 +233,10 @@ def prove(
         timing["condition"] = "recorded only: a cpu target's timings are not a condition"
     evidence = {
         "speculative_vs_plain": vs_plain,
-        "speculative_drafts": per_j,
+        # the last prompt's runs; the prompts set aside before it (a near tie or a stop left a j without a
+        # predictable step) in the order they were tried
+        "speculative_drafts": judged[-1] if judged else [],
+        "speculative_drafts_set_aside": judged[:-1],
         "acceptance_histogram": histogram,
         "mtp_acceptance_histogram": _histogram(mtp_flat, N),
         "spec_timing": timing,
