@@ -74,7 +74,15 @@ def device() -> dict[str, object]:
             d["driver"] = f"unknown: {e}"
         return d
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"name": platform.processor() or platform.machine(), "cpus": cpus}
+    out: dict[str, object] = {"name": platform.processor() or platform.machine(), "cpus": cpus}
+    try:  # a script that runs the GPU through other processes (qualify run) names it without torch
+        q = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+        gpus = subprocess.run(q, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        if gpus:
+            out["gpus"] = gpus
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return out
 
 
 def versions() -> dict[str, str]:
