@@ -145,7 +145,19 @@ def _oob_echo_refused(ctx: Context, group: str, nbytes: int) -> tuple[bool, str]
         return exc.status == 400, f"{exc.status} {exc.type}"
 
 
+PEERS_AHEAD = 3  # the layout check's peer and the intervention's two swaps (one rank)
+
+
+def prefetch(ctx: Context, boot_s: float) -> None:
+    """On a GPU target, start this check's peers once the engine is up (each imports torch, most of a
+    peer's start), beside the backend check; each then waits for its spec (launch/local.py)."""
+    start = getattr(ctx.launcher, "prepare_peers", None)
+    if ctx.target == "gpu" and start is not None:
+        start(PEERS_AHEAD)
+
+
 def run(ctx: Context) -> Outcome:
+    prefetch(ctx, 0.0)  # the ones not started yet (a --fail-fast run starts none ahead)
     d = ctx.client.describe()
     lay = d.layout
     want = ctx.request.layout
@@ -323,4 +335,4 @@ def run(ctx: Context) -> Outcome:
     return fail_unless(conditions, evidence)
 
 
-CHECK = Check("layout", run, timeout_s=150.0)
+CHECK = Check("layout", run, timeout_s=150.0, prepare=prefetch)

@@ -480,16 +480,34 @@ def acting_as(ids: str | None):
         os.setgroups(groups)
 
 
+MAX_ORDER_BYTES = 1 << 16  # the one line a waiting peer reads: {"spec": PATH, "out": PATH}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qualify.engine.peer")
-    p.add_argument("--spec", required=True, help="JSON: geometry, the engine's kv-handles, nonces")
+    p.add_argument("--spec", default=None, help="JSON: geometry, the engine's kv-handles, nonces")
     p.add_argument("--out", default=None, help="write the report here (default: stdout)")
+    p.add_argument(
+        "--wait", action="store_true",
+        help="start, import torch, then read one JSON line {spec, out} from stdin (a spare the harness "
+        "starts ahead of time); EOF before it: exit 0",
+    )  # fmt: skip
     p.add_argument(
         "--cuda-as", default=None, metavar="UID:GID",
         help="open the CUDA handles with this real and effective uid and gid (the sandboxed engine's), "
         "keeping the saved ones; the spec is read and the report written with the peer's own",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.wait:
+        import torch  # noqa: F401  (the slow part of a start, done before the spec is known)
+
+        line = sys.stdin.readline(MAX_ORDER_BYTES)
+        if not line.strip():
+            return 0  # not needed after all (the run ended, or the harness went away)
+        order = json.loads(line)
+        args.spec, args.out = str(order["spec"]), str(order["out"])
+    if args.spec is None:
+        p.error("--spec is required (or --wait)")
     try:
         with open(args.spec) as f:
             spec = json.load(f)

@@ -189,6 +189,9 @@ class LocalLauncher(Launcher):
         self._swept: list[str] = []
         # Non-inheritable by default: only the engines get the read end (pass_fds), nobody the write end.
         self._watch_r, self._watch_w = os.pipe()
+        # Peers started ahead of time (prepare_peers), each waiting for its spec on stdin: (process, log).
+        self._spare_peers: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self._spares_started = 0
         # The harness's CUDA activity monitor, started inside every boot of the engine (launch/monitor.py).
         self.monitor = EngineMonitor(run_dir, enabled=monitor_enabled(self.env))
 
@@ -618,6 +621,7 @@ class LocalLauncher(Launcher):
         if self._thread is not None:
             self._thread.join(timeout=grace_s + 5)
         self._close_watch()
+        self._drop_spare_peers()
         self.monitor.close()
         with self._lock:
             self._swept.extend(sweep_stale_shm())
@@ -765,29 +769,86 @@ class LocalLauncher(Launcher):
             return []
         return ["--cuda-as", f"{SANDBOX_UID}:{SANDBOX_GID}"]
 
+    def _peer_command(self, *args: str) -> list[str]:
+        cmd = [self.python, "-I", str(PEER_FILE), *args, *self.peer_identity()]
+        return self._into_engine_namespaces(cmd)
+
+    def prepare_peers(self, n: int) -> int:
+        """Start up to `n` peers ahead of time (`peer.py --wait`: each imports torch, the slow part of a
+        start, then waits for one spec on stdin), in the namespaces of the engine as it runs now; the
+        layout check's peers then start only their work. The number waiting."""
+        if self._pid is None:
+            return 0
+        with self._lock:
+            self._spare_peers = [(p, log) for p, log in self._spare_peers if p.poll() is None]
+            while len(self._spare_peers) < n:
+                log = self.run_dir / f"peer-spare-{self._spares_started}.log"
+                with log.open("w") as sink:
+                    proc = subprocess.Popen(
+                        self._peer_command("--wait"), stdout=sink, stderr=subprocess.STDOUT,
+                        stdin=subprocess.PIPE, env=peer_env(self.env), cwd="/", start_new_session=True,
+                    )  # fmt: skip
+                self._spare_peers.append((proc, log))
+                self._spares_started += 1
+            return len(self._spare_peers)
+
+    def _take_spare_peer(self) -> tuple[subprocess.Popen[bytes], Path] | None:
+        with self._lock:
+            while self._spare_peers:
+                proc, log = self._spare_peers.pop(0)
+                if proc.poll() is None and proc.stdin is not None:
+                    return proc, log
+        return None
+
+    def _drop_spare_peers(self) -> None:
+        with self._lock:
+            spares, self._spare_peers = self._spare_peers, []
+        for proc, _ in spares:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()  # EOF: a waiting peer exits 0
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                _terminate(proc, 1.0)
+
     def run_peer(self, spec_path: Path, timeout_s: float) -> PeerOutcome:
         """The peer as a sibling subprocess: `python -I .../qualify/engine/peer.py` from the harness's own
         installation (never the engine module under test), run as a file (it is self-contained: torch,
         numpy, stdlib), so it needs no installed qualify (a GPU host runs the checkout in place): -I drops
         PYTHONPATH, the user site, the working directory and the script's folder from its path, so
-        nothing the engine could write is imported. Its report is read from a file with a size limit."""
-        env = peer_env(self.env)
+        nothing the engine could write is imported. Its report is read from a file with a size limit. A
+        peer started ahead of time (prepare_peers) gets the spec on its stdin, else one starts now."""
         out = spec_path.with_name(spec_path.stem + ".report.json")
         log = spec_path.with_name(spec_path.stem + ".log")
         out.unlink(missing_ok=True)  # a report left by an earlier peer must not count for this one
-        cmd = [self.python, "-I", str(PEER_FILE), "--spec", str(spec_path), "--out", str(out)]
-        cmd = self._into_engine_namespaces([*cmd, *self.peer_identity()])
         t0 = time.monotonic()
-        with log.open("w") as sink:
-            proc = subprocess.Popen(
-                cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                cwd="/", start_new_session=True,
-            )  # fmt: skip
+        spare = self._take_spare_peer()
+        if spare is not None:
+            proc, spare_log = spare
+            cmd = [*self._peer_command("--wait"), f"(stdin: --spec {spec_path} --out {out})"]
             try:
-                code: int | None = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _terminate(proc, 1.0)
-                code = None
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps({"spec": str(spec_path), "out": str(out)}).encode() + b"\n")
+                proc.stdin.close()
+            except OSError:
+                spare = None
+        if spare is None:
+            cmd = self._peer_command("--spec", str(spec_path), "--out", str(out))
+            spare_log = log
+            with log.open("w") as sink:
+                proc = subprocess.Popen(
+                    cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=peer_env(self.env), cwd="/", start_new_session=True,
+                )  # fmt: skip
+        try:
+            code: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _terminate(proc, 1.0)
+            code = None
+        if spare_log != log:
+            with contextlib.suppress(OSError):
+                os.replace(spare_log, log)
         raw = None
         if out.is_file():
             with out.open("rb") as f:

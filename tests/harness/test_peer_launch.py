@@ -150,3 +150,33 @@ def test_the_recorded_h200_runs_are_why_the_peer_takes_the_engines_real_uid() ->
         "peer_echo_round_trip (observed): kda0: AcceleratorError: CUDA error: mapping of buffer object"
         in shown
     )
+
+
+def test_peers_started_ahead_take_their_spec_on_stdin_and_unused_ones_exit_at_stop(tmp_path: Path) -> None:
+    """prepare_peers starts peers that import torch and wait; run_peer hands one its spec through the pipe
+    (the real peer file: an empty spec is refused in its report), and stop ends those never used."""
+    launcher = _launcher(tmp_path, sys.executable)
+    launcher.run_dir.mkdir(parents=True)
+    assert launcher.prepare_peers(2) == 0  # no engine running: nothing to start beside
+    launcher._pid = os.getpid()  # an engine "running" (unsandboxed: the peers start as the harness's)
+    assert launcher.prepare_peers(2) == 2
+    spares = [p for p, _ in launcher._spare_peers]
+    spec = launcher.run_dir / "peer-spec.json"
+    spec.write_text("{}")
+    out = launcher.run_peer(spec, 60.0)
+    assert out.report is not None and "KeyError" in (out.report.get("error") or ""), out
+    assert out.exit_code == 1 and "--wait" in out.command and str(spec) in out.command[-1]
+    assert (launcher.run_dir / "peer-spec.log").is_file()  # the spare's log, under the spec's name
+    assert not (launcher.run_dir / "peer-spare-0.log").exists()
+    assert spares[0].poll() is not None and spares[1].poll() is None
+    assert launcher.prepare_peers(2) == 2  # topped up
+    launcher._drop_spare_peers()  # as stop() does
+    assert spares[1].poll() is not None and launcher._spare_peers == []
+    assert spares[1].returncode == 0  # EOF before a spec: it was not needed
+
+
+def test_a_waiting_peer_that_reads_eof_exits_quietly() -> None:
+    done = subprocess.run(
+        [sys.executable, "-I", str(PEER_FILE), "--wait"], input=b"", capture_output=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout == b""
