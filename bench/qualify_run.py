@@ -61,6 +61,7 @@ def main() -> None:
             "note": "the same command run right after the first on the same host: the harness's caches "
             "(seeded weights, the warm step's kernel cache) are the first run's",
             **{k: receipt2.get(k) for k in keys},
+            "checks": second.get("checks"),  # status and reason per check, from the run's JSON report
         }
     if args.monitor_cost:
         r_off, wall_off, off = _run([sys.executable, *cli], args.timeout, {"QUALIFY_MONITOR": "off"})
