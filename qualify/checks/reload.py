@@ -126,7 +126,10 @@ def prefetch(ctx: Context, boot_s: float) -> None:
     H200 instead (2026-12-03, 6c3e3e4; bench/results/qualify-run-h200-2026-12-03-early-fresh-engine.json),
     it had finished booting before the capture check, yet that run failed two capture conditions that runs
     without it pass (eager step times too noisy for the timing rule; one graph replay differed from eager),
-    for a cause not isolated, and it saved about 2 s: the reload check's time is in its reloads. `run`
+    for a cause not isolated, and it saved about 2 s: the reload check's time is in its reloads. (The same
+    two kinds of failure came later in runs without it, 2026-12-03 bench/results/*-peers-ahead.json and the
+    notes of stop 34: a top-1 flip whose larger gap was just above epsilon, and noisy eager step times on a
+    fresh host.) Since the kernel cache the fresh reference's start is its boot alone (4.6-5.8 s). `run`
     takes it; the pipeline closes it."""
     if ctx.target == "cpu" and "reload" not in ctx.prepared:
         ctx.prepared["reload"] = FreshReference(ctx, boot_s)

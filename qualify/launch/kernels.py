@@ -39,6 +39,7 @@ MANIFEST = "qualify-kernel-cache.json"
 MAX_FILES = 20_000
 MAX_BYTES = 4 << 30
 WARM_STEP_TIMEOUT_S = 600.0
+KEEP_ENTRIES = 8  # kept caches per folder (one per reference engine build and configuration), newest first
 ORIGIN = "compiled by the reference engine's warm step (python -m qualify.engine warm), cached by the harness"
 
 
@@ -117,6 +118,22 @@ def keep(step_cache: Path, cached: Path, facts: dict[str, Any]) -> dict[str, Any
         shutil.rmtree(tmp, ignore_errors=True)
         return read_manifest(cached)
     return manifest
+
+
+def prune(folder: Path, keep_entries: int = KEEP_ENTRIES) -> list[str]:
+    """Remove all but the `keep_entries` newest kept caches in `folder` (by their manifest's mtime): the
+    harness's cache stays bounded however many builds a host qualifies. The names removed."""
+    entries = []
+    for d in folder.iterdir() if folder.is_dir() else []:
+        m = d / MANIFEST
+        if d.is_dir() and not d.is_symlink() and m.is_file():
+            entries.append((m.stat().st_mtime, d))
+    entries.sort(reverse=True)
+    removed = []
+    for _, d in entries[keep_entries:]:
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d.name)
+    return removed
 
 
 def read_manifest(cached: Path) -> dict[str, Any]:
@@ -201,6 +218,7 @@ class KernelCache:
                     self.cached.parent.mkdir(parents=True, exist_ok=True)
                     self.manifest = keep(folder, self.cached, {**facts, "warm_step_s": self.warm_step_s})
                     self.filled_this_run = True
+                    prune(self.cached.parent)
             except Exception as exc:  # the run goes on without a cache; the receipt says why
                 self.reason = f"the warm step's kernel cache could not be kept: {exc}"
             finally:

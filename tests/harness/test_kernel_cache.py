@@ -180,3 +180,15 @@ def test_the_reference_engines_warm_verb_runs_each_kind_of_request_and_exits(tmp
     assert "eager b=1 n=6" in out["ran"] and "speculative b=8 n=128" in out["ran"]
     assert out["captured"]["captured"] is False  # no CUDA: nothing captured, and why
     assert out["captured"]["reason"]
+
+
+def test_the_harness_keeps_only_the_newest_caches(tmp_path: Path) -> None:
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    for i in range(5):
+        kept = folder / f"proxy-{i}"
+        keep(_step_cache(tmp_path / f"step{i}"), kept, {})
+        os.utime(kept / MANIFEST, (1000 + i, 1000 + i))
+    (folder / "not-a-cache").mkdir()  # no manifest: not the harness's to remove
+    assert sorted(kernels.prune(folder, keep_entries=2)) == ["proxy-0", "proxy-1", "proxy-2"]
+    assert sorted(p.name for p in folder.iterdir()) == ["not-a-cache", "proxy-3", "proxy-4"]
