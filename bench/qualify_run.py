@@ -54,7 +54,7 @@ def main() -> None:
         _logs(second, args.logs_out, "again")
         receipt2 = _receipt(second.get("receipt_id"), None)
         keys = ("verdict", "boot_phases", "check_seconds", "check_details", "check_waits", "kernel_cache",
-                "spec_drafts", "acceptance_histogram")  # fmt: skip
+                "spec_drafts", "acceptance_histogram", "monitor_window_costs_s")  # fmt: skip
         result["again"] = {
             "exit_code": r2.returncode,
             "wall_s": round(wall2, 2),
@@ -125,6 +125,10 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
     checks = predicate.get("checks", [])
     generation = next((c for c in checks if c.get("name") == "generation"), {})
     boot = next((c for c in checks if c.get("name") == "boot"), {})
+
+    def ev_of(name: str) -> dict:
+        return next((c for c in checks if c.get("name") == name), {}).get("evidence") or {}
+
     spec = generation.get("evidence", {}).get("speculation", generation.get("evidence", {}))
     if show_out:
         shown = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -146,6 +150,8 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         # them: what a faster qualification starts from.
         "boot_phases": (boot.get("evidence") or {}).get("phases"),
         "check_seconds": {c.get("name"): c.get("seconds") for c in checks},
+        # The CUDA activity monitor's own seconds per window phase, summed (checks/monitor.py).
+        "monitor_window_costs_s": ((ev_of("monitor").get("monitor") or {}).get("window_costs_s")),
         # The compiled kernels each engine process was given (qualify/launch/kernels.py).
         "kernel_cache": ((predicate.get("engine") or {}).get("sandbox") or {}).get("kernel_cache"),
         "check_details": _details(checks),

@@ -117,7 +117,22 @@ def run(ctx: Context) -> Outcome:
     weights_bytes = (ctx.facts.get("weights_file") or {}).get("bytes")
     found, evidence = cupti.evaluate(mon.windows, plans, backend, weights_bytes, mon.hello, mon.lost)
     conds = {name: monitored(holds, detail) for name, (holds, detail) in found.items()}
-    return fail_unless(conds, {"monitor": {**mon.status(), "file_sha256": monitor_file_digest()}, **evidence})
+    status = {**mon.status(), "file_sha256": monitor_file_digest()}
+    status["window_costs_s"] = window_costs(mon.windows)
+    return fail_unless(conds, {"monitor": status, **evidence})
+
+
+def window_costs(windows: list[Any]) -> dict[str, float]:
+    """The monitor's own seconds per phase of a window (arm, flushes, disarm, summarise), summed over the
+    windows whose report gives them: what the windows cost the run."""
+    out: dict[str, float] = {}
+    for w in windows:
+        costs = w.get("costs_s") if isinstance(w, dict) else None
+        if isinstance(costs, dict):
+            for k, v in costs.items():
+                if isinstance(v, int | float) and isinstance(k, str) and len(out) < 16:
+                    out[k] = round(out.get(k, 0.0) + float(v), 4)
+    return out
 
 
 CHECK = Check("monitor", run, timeout_s=300.0)

@@ -30,6 +30,7 @@ import runpy
 import socket
 import sys
 import threading
+import time
 
 PROTOCOL_VERSION = 1
 FD_ENV = "QUALIFY_MONITOR_FD"
@@ -63,6 +64,8 @@ class Monitor:
         self.error: str | None = None
         self.enabled: list[str] = []
         self.api_ids: dict[tuple[int, int], str] = {}  # (domain, cbid) -> name, only the graph calls
+        self.cbids: dict[int, list[int]] = {}  # domain -> the callback ids this CUPTI knows
+        self.costs: dict[str, float] = {}  # seconds of the open window's arm and flush
         self.driver_kind = -1
         self.arm_errors: list[str] = []
         self.api_mode = "none"  # selected: only the graph calls are recorded; all: every API call
@@ -82,6 +85,7 @@ class Monitor:
                     name = str(cupti.get_callback_name(domain, cbid))
                 except Exception:
                     continue
+                self.cbids.setdefault(domain, []).append(cbid)  # the ids this CUPTI knows
                 if any(w in name for w in API_WORDS):
                     self.api_ids[(domain, cbid)] = name
         self.arm_errors = self.arm()  # once at start: the hello says whether recording works...
@@ -126,7 +130,9 @@ class Monitor:
                     (1, cupti.activity_enable_driver_api),
                     (2, cupti.activity_enable_runtime_api),
                 ):
-                    for cbid in range(1, MAX_CBID):
+                    # Only the ids this CUPTI names (an unknown one would raise; a call the narrowing
+                    # missed is still dropped by the buffer callback, which keeps api_ids alone).
+                    for cbid in self.cbids.get(domain) or range(1, MAX_CBID):
                         with contextlib.suppress(Exception):  # ids this CUPTI does not know
                             fn(cbid, 1 if (domain, cbid) in self.api_ids else 0)
                 self.api_mode = "selected"
@@ -216,7 +222,9 @@ class Monitor:
 
     # ------------------------------------------------------------ windows
     def open(self, w: int) -> None:
+        t0 = time.perf_counter()
         errors = self.arm() if self.cupti is not None else []
+        t1 = time.perf_counter()
         self.flush()
         with self.lock:
             self.records = []
@@ -224,11 +232,15 @@ class Monitor:
             self.window = w
             self.t_open = self.now()
             self.arm_errors = errors
+            self.costs = {"arm": t1 - t0, "flush_open": time.perf_counter() - t1}
 
     def close(self, w: int) -> dict:
         t_close = self.now()
+        t0 = time.perf_counter()
         flush_error = self.flush()
+        t1 = time.perf_counter()
         self.disarm()
+        t2 = time.perf_counter()
         with self.lock:
             recs, self.records = self.records, []
             overflow, self.overflow = self.overflow, 0
@@ -236,6 +248,9 @@ class Monitor:
             self.window = None
             t_open = self.t_open
         report = summarise(recs, t_open, t_close)
+        # The monitor's own seconds in this window's open and close (what a window costs the run).
+        costs = {**self.costs, "flush_close": t1 - t0, "disarm": t2 - t1}
+        costs["summarise"] = time.perf_counter() - t2
         if overflow:
             report["truncated"] = True
         report.update(
@@ -249,6 +264,7 @@ class Monitor:
             dropped_outside=self.dropped,
             error=self.error or flush_error,
             arm_errors=self.arm_errors,
+            costs_s={k: round(v, 6) for k, v in costs.items()},
         )
         return report
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from qualify.checks.monitor import window_costs
 from qualify.launch.monitor import MONITOR_FILE, EngineMonitor, monitor_command
 from qualify.watch import cupti
 
@@ -73,6 +74,11 @@ def test_a_window_reports_the_kernels_graphs_calls_and_memory_recorded_between_o
     assert second.allocations == []  # the allocation happened before window one opened, and is not repeated
     assert [x["label"] for x in mon.windows] == ["one", "two"]
     assert (mon.run_dir / "monitor.jsonl").read_text().count("\n") == 2
+    # Each report says what its open and close cost the run, and the monitor check sums them.
+    costs = mon.windows[0]["costs_s"]
+    assert set(costs) == {"arm", "flush_open", "flush_close", "disarm", "summarise"}
+    assert all(isinstance(v, float) and v >= 0 for v in costs.values())
+    assert set(window_costs(mon.windows)) == set(costs)
 
 
 def test_a_report_is_bounded_and_says_when_it_was_truncated(tmp_path: Path) -> None:
