@@ -43,6 +43,38 @@ KEEP_ENTRIES = 8  # kept caches per folder (one per reference engine build and c
 ORIGIN = "compiled by the reference engine's warm step (python -m qualify.engine warm), cached by the harness"
 
 
+# The warm step loads the weights beside the engine under test: it runs only where the smallest GPU holds
+# this many times the weights (both engines' weights, their caches and workspaces), else it is skipped.
+WARM_MEMORY_FACTOR = 4
+
+
+def no_room(weights_bytes: int) -> str | None:
+    """Why the warm step may not share the GPU with the engine under test (None: it may): the smallest
+    GPU NVML sees holds less than WARM_MEMORY_FACTOR x the weights. Without NVML nothing is known: it may."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        totals = [
+            int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
+            for i in range(pynvml.nvmlDeviceGetCount())
+        ]
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    if totals and min(totals) < WARM_MEMORY_FACTOR * weights_bytes:
+        return (
+            f"no warm step: the weights ({weights_bytes / 2**30:.1f} GiB) leave no room for a second engine "
+            f"beside the engine under test on a {min(totals) / 2**30:.0f} GiB GPU"
+        )
+    return None
+
+
 class KernelCacheError(RuntimeError):
     """A tree that cannot be kept or given (too large, unreadable, not what its manifest says)."""
 

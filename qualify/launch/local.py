@@ -46,7 +46,7 @@ from qualify.launch.base import (
     RefusalOutcome,
     describe_exit,
 )
-from qualify.launch.kernels import CACHE_SUBDIR, WARM_STEP_TIMEOUT_S, KernelCache
+from qualify.launch.kernels import CACHE_SUBDIR, WARM_STEP_TIMEOUT_S, KernelCache, no_room
 from qualify.launch.monitor import EngineMonitor, monitor_command, monitor_enabled
 from qualify.launch.sandbox import (
     SANDBOX_GID,
@@ -341,6 +341,10 @@ class LocalLauncher(Launcher):
         key_src = json.dumps([self.options.serve_args(), launch, code, versions, self.weights.digest])
         key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
         kernels = KernelCache(cache_dir() / "kernels" / f"{self.options.preset}-{key}")
+        if not kernels.ready:  # a step to run: only where the GPU holds a second engine beside this one
+            crowded = no_room(self.weights.bytes)
+            if crowded is not None:
+                return KernelCache(None, crowded)
         facts = {"reference_code": code, "versions": versions}
         kernels.start(lambda: self._warm_step(facts), cleanup=self._warm_cleanup)
         return kernels
@@ -831,7 +835,8 @@ class LocalLauncher(Launcher):
                 assert proc.stdin is not None
                 proc.stdin.write(json.dumps({"spec": str(spec_path), "out": str(out)}).encode() + b"\n")
                 proc.stdin.close()
-            except OSError:
+            except OSError:  # it died waiting: a peer of its own instead
+                _terminate(proc, 1.0)
                 spare = None
         if spare is None:
             cmd = self._peer_command("--spec", str(spec_path), "--out", str(out))

@@ -192,3 +192,36 @@ def test_the_harness_keeps_only_the_newest_caches(tmp_path: Path) -> None:
     (folder / "not-a-cache").mkdir()  # no manifest: not the harness's to remove
     assert sorted(kernels.prune(folder, keep_entries=2)) == ["proxy-0", "proxy-1", "proxy-2"]
     assert sorted(p.name for p in folder.iterdir()) == ["not-a-cache", "proxy-3", "proxy-4"]
+
+
+def test_no_warm_step_runs_where_the_gpu_holds_no_second_engine(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("QUALIFY_CACHE_DIR", str(tmp_path / "harness-cache"))
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"w")
+    handed = HandedWeights(weights, "sha256:w", 40 << 30, "/w", "test")
+    launcher = LocalLauncher(
+        EngineOptions("tiny", "torch"), tmp_path / "run", env={}, sandbox=_FakeSandbox(), weights=handed
+    )
+    monkeypatch.setattr(launcher, "_popen", lambda *a, **k: pytest.fail("a warm step was started"))
+    import qualify.launch.local as local
+
+    monkeypatch.setattr(local, "no_room", lambda n: f"no warm step: {n >> 30} GiB")
+    ev = launcher.prepare_kernels().evidence()
+    assert ev["reason"] == "no warm step: 40 GiB" and ev["origin"] is None
+
+
+def test_the_room_rule_compares_the_weights_with_the_smallest_gpu(monkeypatch) -> None:
+    import sys as _sys
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=(80 << 30) if h else (140 << 30)),
+    )
+    monkeypatch.setitem(_sys.modules, "pynvml", fake)
+    assert kernels.no_room(15 << 30) is None  # 4 x 15 GiB fits the 80 GiB GPU
+    why = kernels.no_room(30 << 30)
+    assert why is not None and "30.0 GiB" in why and "80 GiB GPU" in why
