@@ -186,7 +186,7 @@ def prove(
         for p in one:
             claimed = p["accepted_per_step"]
             counts += claimed or []
-            line = f"{at}j={p['j']}: {p['outcome']}"
+            line = f"{at}j={p['j']}: " + (p["outcome"] if p["coherence"] else "no well-formed answer")
             if p["coherence"] and not p["coherence"]["agrees"]:
                 line += f" ({p['coherence'].get('reason')})"
             reproduce.append(line)

@@ -140,7 +140,11 @@ def keep(step_cache: Path, cached: Path, facts: dict[str, Any]) -> dict[str, Any
     files = _walk(step_cache) if step_cache.is_dir() else []
     tmp = cached.with_name(f".{cached.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    digest, nbytes = _copy(files, tmp, None)
+    try:
+        digest, nbytes = _copy(files, tmp, None)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     manifest = {"digest": digest, "files": len(files), "bytes": nbytes, "origin": ORIGIN, **facts}
     (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True))
     os.chmod(tmp, 0o700)
