@@ -123,13 +123,12 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         return {"receipt": f"receipts show exited {r.returncode}: {r.stderr.strip()[-300:]}"}
     predicate = json.loads(r.stdout).get("predicate", {})
     checks = predicate.get("checks", [])
-    generation = next((c for c in checks if c.get("name") == "generation"), {})
-    boot = next((c for c in checks if c.get("name") == "boot"), {})
 
     def ev_of(name: str) -> dict:
         return next((c for c in checks if c.get("name") == name), {}).get("evidence") or {}
 
-    spec = generation.get("evidence", {}).get("speculation", generation.get("evidence", {}))
+    generation = ev_of("generation")
+    spec = generation.get("speculation", generation)
     if show_out:
         shown = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=ROOT)
         with open(show_out, "w") as f:
@@ -143,12 +142,12 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         },
         "acceptance_histogram": spec.get("acceptance_histogram"),
         # The harness's drafted runs per prompt tried: outcome, first divergence, claimed and expected counts.
-        "spec_drafts": _drafts(generation.get("evidence", {}).get("comparisons", {})),
+        "spec_drafts": _drafts(generation.get("comparisons", {})),
         "mtp_acceptance_histogram": spec.get("mtp_acceptance_histogram"),
         "xid_watch": predicate.get("faults", {}).get("xid_watch"),
         # Where boot's time went (the boot check's evidence.phases) and the check times, as the receipt has
         # them: what a faster qualification starts from.
-        "boot_phases": (boot.get("evidence") or {}).get("phases"),
+        "boot_phases": ev_of("boot").get("phases"),
         "check_seconds": {c.get("name"): c.get("seconds") for c in checks},
         # The CUDA activity monitor's own seconds per window phase, summed (checks/monitor.py).
         "monitor_window_costs_s": ((ev_of("monitor").get("monitor") or {}).get("window_costs_s")),

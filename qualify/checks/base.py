@@ -201,6 +201,9 @@ class Check:
     # Called once boot passed, with the run's time left: start work that may overlap the checks before
     # this one, kept in ctx.prepared[name] (it must have close()).
     prepare: Callable[[Context, float], None] | None = None
+    # True: the check times the engine's steps, so nothing the harness started beside the engine (a warm
+    # step compiling, launch/kernels.py) may share the GPU with it: the pipeline waits for that first.
+    times_engine: bool = False
 
 
 def fail_unless(conditions: dict[str, Cond], evidence: dict[str, Any]) -> Outcome:

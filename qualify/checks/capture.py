@@ -127,4 +127,4 @@ def run(ctx: Context) -> Outcome:
     return fail_unless(conditions, evidence)
 
 
-CHECK = Check("capture", run, timeout_s=300.0)
+CHECK = Check("capture", run, timeout_s=300.0, times_engine=True)

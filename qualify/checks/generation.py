@@ -80,4 +80,4 @@ def run(ctx: Context) -> Outcome:
     return fail_unless(conditions, evidence)
 
 
-CHECK = Check("generation", run, timeout_s=240.0)
+CHECK = Check("generation", run, timeout_s=240.0, times_engine=True)

@@ -288,16 +288,7 @@ class LocalLauncher(Launcher):
             # the checkout in place (a GPU host), that path is what holds qualify and its wheels.
             sub_env = self.sandbox.engine_env(env)
         t0 = time.monotonic()
-        with (self.run_dir / "weights-step.log").open("w") as log:
-            proc, _ = self._popen(
-                argv, scratch, sub_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )  # fmt: skip
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _terminate(proc, 1.0)
-                rc = None
+        rc = self._run_step(argv, scratch, sub_env, self.run_dir / "weights-step.log", timeout_s)
         self.weights_phases["seeding_step"] = round(time.monotonic() - t0, 3)
         if rc == EXIT_REFUSED:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -363,20 +354,12 @@ class LocalLauncher(Launcher):
             args = ["warm", *self.options.serve_args()[1:], "--weights", self.weights.engine_path]
         argv = [self.python, "-m", DEFAULT_ENGINE_MODULE, *args]
         env = {k: v for k, v in self.env.items() if k not in (FAULT_ENV, ENGINE_MODULE_ENV)}
-        with (self.run_dir / "warm-step.log").open("w") as log:
-            proc, _ = self._popen(
-                argv, scratch, self.sandbox.engine_env(env), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
-            try:
-                rc = proc.wait(timeout=WARM_STEP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                _terminate(proc, 1.0)
-                rc = None
+        log = self.run_dir / "warm-step.log"
+        rc = self._run_step(argv, scratch, self.sandbox.engine_env(env), log, WARM_STEP_TIMEOUT_S)
         rc = rc if rc is None else _exit_status(rc, True)
         if rc != 0:
             why = describe_exit(rc) or f"timed out after {WARM_STEP_TIMEOUT_S:g} s"
-            tail = _last_line((self.run_dir / "warm-step.log").read_text(errors="replace"))
+            tail = _last_line(log.read_text(errors="replace"))
             return None, f"{why}: {tail}", {}
         # What else the step's process left in its home (other compile caches would show here), in words.
         home = scratch / "home"
@@ -404,8 +387,24 @@ class LocalLauncher(Launcher):
         t0 = time.monotonic()
         self.kernels.wait(timeout_s)
         waited = round(time.monotonic() - t0, 3)
-        self.kernels.settled_s = waited
+        self.kernels.settled_s = round((self.kernels.settled_s or 0.0) + waited, 3)
         return waited
+
+    def _run_step(
+        self, argv: list[str], scratch: Path, env: dict[str, str], log_path: Path, timeout_s: float
+    ) -> int | None:
+        """One of the reference engine's steps (seeding the weights, warming the kernels) in this
+        launcher's sandbox, its output in `log_path`: its exit code, None when it ran past `timeout_s`."""
+        with log_path.open("w") as log:
+            proc, _ = self._popen(
+                argv, scratch, env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                return proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _terminate(proc, 1.0)
+                return None
 
     def _launch_file(self, kda_backend: str | None = None) -> str | None:
         """Write the launch document (the refusal probe's beside it) into the run dir, and in a sandbox into

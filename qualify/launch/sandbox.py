@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.launch.base import FAULT_ENV, HARNESS_FD_ENV, LaunchError
+from qualify.launch.kernels import CACHE_SUBDIR
 
 BWRAP_ENV = "QUALIFY_BWRAP"  # a bwrap binary to use (a carried copy: its libraries in the same folder)
 # Extra code folders the operator gives the engine on purpose (colon-separated; e.g. wheels unpacked with
@@ -646,7 +647,7 @@ class Sandbox:
             if k in harness_env:
                 env[k] = harness_env[k]
         if self.gpu:  # Triton's cache: the copy the harness gives each process (launch/kernels.py)
-            env["TRITON_CACHE_DIR"] = f"{SCRATCH}/home/.triton/cache"
+            env["TRITON_CACHE_DIR"] = f"{SCRATCH}/home/{CACHE_SUBDIR}"
         if self.gpu and "TRITON_LIBCUDA_PATH" not in env:
             found = libcuda_dir()
             if found is not None:  # Triton finds libcuda through `ldconfig -p`, which fails in the sandbox

@@ -298,9 +298,9 @@ class Pipeline:
             ctx.deadline = min(run_deadline, now + check.timeout_s)
             ctx.client.deadline = ctx.deadline
             settle = getattr(self.launcher, "settle", None)
-            if check.name == "capture" and settle is not None:
-                # The first check that times the engine: a warm step still compiling beside it (launch/
-                # kernels.py) would share the GPU with the steps it times. The wait is in the receipt.
+            if check.times_engine and settle is not None:
+                # A warm step still compiling beside the engine (launch/kernels.py) would share the GPU
+                # with the steps this check times. The wait is in the receipt.
                 settle(max(0.0, ctx.deadline - time.monotonic()) / 4)
             ctx.client.take_waited()
             outcome, seconds, trouble = self._one(check, ctx)
