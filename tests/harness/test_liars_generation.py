@@ -96,3 +96,16 @@ def test_stale_graphs_behind_zero_gaps_are_rejected_on_a_gpu(home: Home) -> None
     # comparison differs, whatever gaps and runner-ups the engine reports.
     reload = {k: v for k, v in check(p, "reload").items() if k != "evidence"}
     assert failed.get("other_weights_replay_equals_eager", "").startswith("differs"), reload
+
+
+def test_an_engine_whose_every_reference_stops_at_once_earns_no_acceptance_length(home: Home) -> None:
+    # Nothing a drafted step must accept can be predicted on any prompt: the harness tries three, then
+    # refuses to credit the acceptance lengths it never saw, whatever the engine says it accepted.
+    s, p = _run(home, "always_stops", "--spec", "mtp:3")
+    assert s["verdict"] == "rejected"
+    failed = _failed(p, "generation")
+    assert "acceptance histogram" in failed["spec_accepts_exactly_j"]
+    comparisons = check(p, "generation")["evidence"]["comparisons"]
+    assert len(comparisons["speculative_drafts_set_aside"]) == 2  # three prompts tried in all
+    for one in [*comparisons["speculative_drafts_set_aside"], comparisons["speculative_drafts"]]:
+        assert all(w is None for d in one for w in d["expected_per_step"])
