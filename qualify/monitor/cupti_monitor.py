@@ -66,6 +66,7 @@ class Monitor:
         self.api_ids: dict[tuple[int, int], str] = {}  # (domain, cbid) -> name, only the graph calls
         self.cbids: dict[int, list[int]] = {}  # domain -> the callback ids this CUPTI knows
         self.costs: dict[str, float] = {}  # seconds of the open window's arm and flush
+        self.delivered = [0, 0, 0.0]  # since the window opened: buffers, records, seconds in the callback
         self.driver_kind = -1
         self.arm_errors: list[str] = []
         self.api_mode = "none"  # selected: only the graph calls are recorded; all: every API call
@@ -160,6 +161,7 @@ class Monitor:
         return BUFFER_BYTES, 0
 
     def _buffer_completed(self, activities) -> None:
+        t0 = time.perf_counter()
         out = []
         for r in activities:
             name = type(r).__name__
@@ -204,6 +206,10 @@ class Monitor:
                 self.overflow += len(out)
             else:
                 self.records.extend(out)
+            d = self.delivered
+            d[0] += 1
+            d[1] += len(out)
+            d[2] += time.perf_counter() - t0
 
     def flush(self) -> str | None:
         if self.cupti is None:
@@ -233,6 +239,7 @@ class Monitor:
             self.t_open = self.now()
             self.arm_errors = errors
             self.costs = {"arm": t1 - t0, "flush_open": time.perf_counter() - t1}
+            self.delivered = [0, 0, 0.0]
 
     def close(self, w: int) -> dict:
         t_close = self.now()
@@ -247,14 +254,20 @@ class Monitor:
             same = self.window == w
             self.window = None
             t_open = self.t_open
+            buffers, delivered, callback_s = self.delivered
+            self.delivered = [0, 0, 0.0]
         report = summarise(recs, t_open, t_close)
         # The monitor's own seconds in this window's open and close (what a window costs the run).
-        costs = {**self.costs, "flush_close": t1 - t0, "disarm": t2 - t1}
+        # flush_close includes the buffer callback's own seconds (`callback`, summed over the buffers CUPTI
+        # delivered while the window was open, on its own thread or inside the flush).
+        costs = {**self.costs, "flush_close": t1 - t0, "disarm": t2 - t1, "callback": callback_s}
         costs["summarise"] = time.perf_counter() - t2
         if overflow:
             report["truncated"] = True
         report.update(
             records_over_limit=overflow,
+            buffers_delivered=buffers,
+            records_delivered=delivered,
             t="window",
             w=w,
             opened=same,

@@ -76,7 +76,7 @@ def test_a_window_reports_the_kernels_graphs_calls_and_memory_recorded_between_o
     assert (mon.run_dir / "monitor.jsonl").read_text().count("\n") == 2
     # Each report says what its open and close cost the run, and the monitor check sums them.
     costs = mon.windows[0]["costs_s"]
-    assert set(costs) == {"arm", "flush_open", "flush_close", "disarm", "summarise"}
+    assert set(costs) == {"arm", "flush_open", "flush_close", "disarm", "summarise", "callback"}
     assert all(isinstance(v, float) and v >= 0 for v in costs.values())
     assert set(window_costs(mon.windows)) == set(costs)
 
