@@ -5,9 +5,10 @@ graph of tiny kernels (or the same kernels launched eagerly).
 For each configuration a window is opened, the work runs, and the window is closed; the close's flush, the
 buffer callback's own seconds, the buffers CUPTI delivered and the kernel records the report holds are
 kept, the median over --repeats windows. Configurations vary one thing at a time against the monitor as it
-ships: the flush flag (forced / plain), the activity buffer size, a device sync before the close, CUPTI's
-periodic flush, and whether the kinds are disabled between windows. A configuration whose report misses
-kernel records is marked (`complete: false`): a faster flush that loses records is no option.
+ships: the path that reads CUPTI's buffers (raw through libcupti, or cupti-python's objects), the flush
+flag (forced / plain), the activity buffer size, a device sync before the close, CUPTI's periodic flush,
+and whether the kinds are disabled between windows. A configuration whose report misses kernel records is
+marked (`complete: false`): a faster flush that loses records is no option.
 
     python bench/monitor_flush.py --out bench/results/monitor-flush-h200-DATE.json
 """
@@ -133,17 +134,22 @@ def main(argv: list[str] | None = None) -> None:
     base = {"flag": 1, "sync": True, "keep_armed": False, "disable_first": False}
     rows = []
 
+    raw = mon.raw
+    names: dict[str, set] = {}
+
     def row(
         label: str,
         work: str,
         k: int,
         buffer_bytes: int = cm.BUFFER_BYTES,
         period_ms: int | None = None,
+        path: str = "raw",
         **over,
     ):
         cfg = {**base, **over}
         saved = cm.BUFFER_BYTES
         cm.BUFFER_BYTES = buffer_bytes
+        mon.raw = raw if path == "raw" else None
         if period_ms is not None:
             mon.cupti.activity_flush_period(period_ms)
         try:
@@ -151,19 +157,22 @@ def main(argv: list[str] | None = None) -> None:
             mon.open(1)  # warm this configuration's buffers once
             run()
             torch.cuda.synchronize()
-            mon.close(1)
+            rep = mon.close(1)
+            names[f"{mon.buffers} {work} {k}"] = sorted({(x["name"], x["graph"] > 0) for x in rep["kernels"]})
             if cfg["keep_armed"]:
                 mon.arm()
             r = _measure(mon, run, k * KERNELS, args.repeats, torch=torch, **cfg)
             if cfg["keep_armed"]:
                 mon.disarm()
         finally:
+            mon.raw = raw
             cm.BUFFER_BYTES = saved
             if period_ms is not None:
                 mon.cupti.activity_flush_period(0)
         rows.append(
             {
                 "config": label,
+                "buffers": mon.buffers,
                 "work": work,
                 "rounds": k,
                 "buffer_bytes": buffer_bytes,
@@ -174,9 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(rows[-1], file=sys.stderr, flush=True)
 
-    for k in (0, 1, 6, 60):
-        row("as shipped", "graph", k)
-    row("as shipped", "eager", 6)
+    for path in ("raw", "cupti-python"):
+        for k in (0, 1, 6, 60):
+            row("as shipped", "graph", k, path=path)
+        row("as shipped", "eager", 6, path=path)
     row("plain flush (flag 0)", "graph", 6, flag=0)
     row("no sync before close", "graph", 6, sync=False)
     for size in (1 << 20, 128 << 10):
@@ -190,6 +200,14 @@ def main(argv: list[str] | None = None) -> None:
             "what": "seconds of one monitor window's close (CUPTI flush and the buffer callback), median of "
             f"{args.repeats} windows per configuration, {KERNELS} kernels per graph replay or eager round",
             "cupti_api_mode": mon.api_mode,
+            "raw_buffers": {"library": getattr(raw, "path", None), "error": mon.raw_error},
+            # The kernel names (and whether inside a graph) each path's first window of a row reported:
+            # the raw path reads the same records as cupti-python's objects.
+            "same_kernels_both_paths": all(
+                names.get(f"raw {w} {k}") == names.get(f"cupti-python {w} {k}")
+                for w, k in (("graph", 1), ("graph", 6), ("graph", 60), ("eager", 6))
+            ),
+            "kernel_names": names,
             "rows": rows,
         },
         args.out,

@@ -24,10 +24,12 @@ hello says why and every window comes back empty with that error: the harness de
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import runpy
 import socket
+import struct
 import sys
 import threading
 import time
@@ -70,6 +72,9 @@ class Monitor:
         self.driver_kind = -1
         self.arm_errors: list[str] = []
         self.api_mode = "none"  # selected: only the graph calls are recorded; all: every API call
+        self.raw: RawBuffers | None = None  # CUPTI's buffers read through libcupti directly (see RawBuffers)
+        self.buffers = "none"  # raw | cupti-python: which path hands the records to _keep
+        self.raw_error: str | None = None  # why the raw path is not used, where it is not
 
     # ------------------------------------------------------------ CUPTI
     def start_cupti(self) -> None:
@@ -89,6 +94,10 @@ class Monitor:
                 self.cbids.setdefault(domain, []).append(cbid)  # the ids this CUPTI knows
                 if any(w in name for w in API_WORDS):
                     self.api_ids[(domain, cbid)] = name
+        try:
+            self.raw = RawBuffers(cupti, self)
+        except Exception as exc:  # no libcupti mapped, a layout unknown: cupti-python's objects instead
+            self.raw_error = f"{type(exc).__name__}: {exc}"[:300]
         self.arm_errors = self.arm()  # once at start: the hello says whether recording works...
         self.disarm()  # ...and nothing is recorded (nor costs the engine anything) outside windows
 
@@ -100,10 +109,19 @@ class Monitor:
         if cupti is None:
             return [self.error or "no CUPTI"]
         errors = []
-        try:
-            cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
-        except Exception as exc:
-            errors.append(f"register callbacks: {exc}"[:200])
+        self.buffers = "none"
+        if self.raw is not None:
+            err = self.raw.register()
+            if err is None:
+                self.buffers = "raw"
+            else:
+                errors.append(f"register raw buffer callbacks: {err}"[:200])
+        if self.buffers == "none":
+            try:
+                cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+                self.buffers = "cupti-python"
+            except Exception as exc:
+                errors.append(f"register callbacks: {exc}"[:200])
         enabled = []
         for k in KINDS:
             try:
@@ -199,6 +217,11 @@ class Monitor:
                     )
             except Exception:  # a record of a layout this version does not know: counted, not fatal
                 out.append(("x", 0, name))
+        self._keep(out, t0)
+
+    def _keep(self, out: list[tuple], t0: float) -> None:
+        """One delivered buffer's records (in summarise's tuples), from either path, kept for the open
+        window; `t0` is when the buffer's callback began."""
         with self.lock:
             if self.window is None:
                 self.dropped += len(out)
@@ -274,6 +297,7 @@ class Monitor:
             t_open=t_open,
             t_close=t_close,
             enabled=list(self.enabled),
+            buffers=self.buffers,
             dropped_outside=self.dropped,
             error=self.error or flush_error,
             arm_errors=self.arm_errors,
@@ -319,6 +343,210 @@ class Monitor:
             self.send({"t": "opened", "w": w})
         elif cmd.get("t") == "close":
             self.send(self.close(w))
+
+
+# The record layouts the raw path reads, as cupti-python's numpy dtypes name them for the libcupti it binds
+# (dtype name, the fields in the order they are kept). The tuples it builds are summarise's, as the
+# cupti-python path builds them from its objects.
+RAW_LAYOUTS = {
+    "kernel": (
+        "activity_kernel10_dtype",
+        (
+            "start",
+            "name",
+            "grid_x",
+            "grid_y",
+            "grid_z",
+            "block_x",
+            "block_y",
+            "block_z",
+            "stream_id",
+            "graph_id",
+            "graph_node_id",
+        ),
+    ),
+    "api": ("activity_api_dtype", ("start", "cbid", "correlation_id", "return_value")),
+    "memory": (
+        "activity_memory4_dtype",
+        ("timestamp", "memory_operation_type", "bytes", "address", "memory_kind"),
+    ),
+    "graph": ("activity_graph_trace2_dtype", ("start", "graph_id")),
+}
+RAW_KINDS = {  # record kind -> layout
+    "KERNEL": "kernel",
+    "CONCURRENT_KERNEL": "kernel",
+    "DRIVER": "api",
+    "RUNTIME": "api",
+    "MEMORY2": "memory",
+    "GRAPH_TRACE": "graph",
+}
+_STRUCT_CODES = {
+    ("u", 1): "B",
+    ("i", 1): "b",
+    ("u", 2): "H",
+    ("i", 2): "h",
+    ("u", 4): "I",
+    ("i", 4): "i",
+    ("u", 8): "Q",
+    ("i", 8): "q",
+    ("V", 8): "Q",
+}
+
+
+def layout_struct(fields: dict, names: tuple[str, ...]) -> struct.Struct:
+    """A little-endian struct reading `names` (in that order) at their offsets; `fields` maps a name to
+    (kind letter, size, offset), as numpy's dtype.fields gives them."""
+    order = sorted(names, key=lambda n: fields[n][2])
+    fmt, at = "<", 0
+    for n in order:
+        kind, size, off = fields[n]
+        if off < at:
+            raise ValueError(f"field {n} overlaps the one before it")
+        fmt += "x" * (off - at) + _STRUCT_CODES[(kind, size)]
+        at = off + size
+    st = struct.Struct(fmt)
+    perm = tuple(order.index(n) for n in names)
+    return st if perm == tuple(range(len(names))) else _Reordered(st, perm)
+
+
+class _Reordered:
+    """A struct whose fields lie in another order than they are asked for."""
+
+    def __init__(self, st: struct.Struct, perm: tuple[int, ...]) -> None:
+        self.st, self.perm, self.size = st, perm, st.size
+
+    def unpack_from(self, buf, off: int = 0) -> tuple:
+        v = self.st.unpack_from(buf, off)
+        return tuple(v[i] for i in self.perm)
+
+
+def raw_records(view, offsets, kinds: dict, structs: dict, api_ids: dict, driver_kind: int, name_of) -> list:
+    """summarise's tuples from the records at `offsets` of one buffer (`view`, any bytes-like): the record
+    kind is the first u32 of a record; kinds this monitor did not ask for are skipped, as on the other path;
+    `name_of(pointer)` reads a kernel's name (a C string CUPTI owns)."""
+    out = []
+    kind_at = struct.Struct("<I").unpack_from
+    for off in offsets:
+        try:
+            (kind,) = kind_at(view, off)
+            what = kinds.get(kind)
+            if what is None:
+                continue
+            v = structs[what].unpack_from(view, off)
+            if what == "kernel":
+                out.append(("k", v[0], name_of(v[1])[:MAX_NAME], v[2:5], v[5:8], v[8], v[9], v[10]))
+            elif what == "api":
+                api = api_ids.get((1 if kind == driver_kind else 2, v[1]))
+                if api is not None:
+                    out.append(("a", v[0], api, v[2], v[3]))
+            elif what == "memory":
+                out.append(("m", v[0], v[1], v[2], v[3], v[4]))
+            else:
+                out.append(("g", v[0], v[1]))
+        except Exception:  # a record this monitor cannot read: counted, not fatal
+            out.append(("x", 0, f"kind {kind_at(view, off)[0] if len(view) >= off + 4 else '?'}"))
+    return out
+
+
+class RawBuffers:
+    """CUPTI's activity buffers handed to and read from libcupti through ctypes, without cupti-python's
+    per-record objects (numpy-backed: on the H200 about 85 us a kernel record between them and the reads of
+    their fields, most of a window's close). The library is the one cupti-python loaded (found in this
+    process's maps, never a second copy); the record layouts are cupti-python's own dtypes for it; records
+    are walked with cuptiActivityGetNextRecord. Raises where any of that is missing."""
+
+    REQ = ctypes.CFUNCTYPE(
+        None,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.POINTER(ctypes.c_size_t),
+    )
+    DONE = ctypes.CFUNCTYPE(
+        None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t
+    )
+
+    def __init__(self, cupti, mon: Monitor) -> None:
+        self.mon = mon
+        path = self._loaded_library()
+        lib = ctypes.CDLL(path)
+        self.lib = lib
+        lib.cuptiActivityRegisterCallbacks.argtypes = [self.REQ, self.DONE]
+        lib.cuptiActivityRegisterCallbacks.restype = ctypes.c_int
+        lib.cuptiActivityGetNextRecord.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_void_p),
+        ]
+        lib.cuptiActivityGetNextRecord.restype = ctypes.c_int
+        self.structs = {}
+        for what, (dtype_name, names) in RAW_LAYOUTS.items():
+            dt = getattr(cupti, dtype_name)
+            fields = {n: (dt.fields[n][0].kind, dt.fields[n][0].itemsize, dt.fields[n][1]) for n in names}
+            self.structs[what] = layout_struct(fields, names)
+        self.kinds = {int(getattr(cupti.ActivityKind, k)): w for k, w in RAW_KINDS.items()}
+        self.live: dict[int, ctypes.Array] = {}  # buffers CUPTI holds, kept alive here
+        self.pool: list[ctypes.Array] = []  # buffers handed back, reused
+        self.lock = threading.Lock()
+        self._req, self._done = (
+            self.REQ(self._requested),
+            self.DONE(self._completed),
+        )  # referenced: never freed
+        self.path = path
+
+    @staticmethod
+    def _loaded_library() -> str:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if "/libcupti.so" in path:
+                    return path
+        raise RuntimeError("libcupti is not mapped in this process")
+
+    def register(self) -> str | None:
+        rc = self.lib.cuptiActivityRegisterCallbacks(self._req, self._done)
+        return None if rc == 0 else f"cuptiActivityRegisterCallbacks returned {rc}"
+
+    def _requested(self, buffer, size, max_records) -> None:
+        with self.lock:
+            buf = self.pool.pop() if self.pool else None
+        if buf is None or len(buf) != BUFFER_BYTES + 8:
+            buf = (ctypes.c_uint8 * (BUFFER_BYTES + 8))()
+        base = ctypes.addressof(buf)
+        aligned = (base + 7) & ~7  # CUPTI's ACTIVITY_RECORD_ALIGNMENT
+        with self.lock:
+            self.live[aligned] = buf
+        buffer[0] = aligned
+        size[0] = BUFFER_BYTES
+        max_records[0] = 0
+
+    def _completed(self, ctx, stream, buffer, size, valid) -> None:
+        t0 = time.perf_counter()
+        with self.lock:
+            buf = self.live.pop(buffer, None)
+        if buf is None:
+            return
+        try:
+            shift = buffer - ctypes.addressof(buf)
+            offsets = []
+            rec = ctypes.c_void_p(None)
+            nxt = self.lib.cuptiActivityGetNextRecord
+            while len(offsets) < MAX_RECORDS and nxt(buffer, valid, ctypes.byref(rec)) == 0:
+                offsets.append(rec.value - buffer + shift)
+            mon = self.mon
+            out = raw_records(
+                memoryview(buf), offsets, self.kinds, self.structs, mon.api_ids, mon.driver_kind, _c_string
+            )
+        except Exception as exc:  # never raise into CUPTI's thread
+            out = [("x", 0, f"raw buffer: {exc}"[:200])]
+        finally:
+            with self.lock:
+                if len(self.pool) < 4:
+                    self.pool.append(buf)
+        self.mon._keep(out, t0)
+
+
+def _c_string(ptr: int) -> str:
+    return ctypes.string_at(ptr).decode("utf-8", "replace") if ptr else ""
 
 
 def summarise(recs: list[tuple], t_open: int, t_close: int) -> dict:
@@ -425,6 +653,8 @@ def start() -> Monitor | None:
             "error": mon.error,
             "kinds": mon.enabled,
             "api_mode": mon.api_mode,
+            "buffers": mon.buffers,
+            "raw_error": mon.raw_error,
             "arm_errors": mon.arm_errors,
             "api_calls": sorted(set(mon.api_ids.values()))[:64],
             "torch_imported_before": "torch" in sys.modules,

@@ -63,6 +63,9 @@ def test_a_window_reports_the_kernels_graphs_calls_and_memory_recorded_between_o
     w = _window(mon, "one")
     assert mon.hello is not None and mon.hello["error"] is None, mon.hello
     assert "CONCURRENT_KERNEL" in mon.hello["kinds"] and not mon.hello["torch_imported_before"]
+    # No libcupti is mapped into the fake engine: its records come through cupti-python's objects, and the
+    # hello says why the raw path is not used.
+    assert mon.hello["buffers"] == "cupti-python" and "libcupti" in mon.hello["raw_error"], mon.hello
     assert w.reported and not w.truncated, w
     assert w.graph_ids == {42}
     assert w.names(in_graph=True) == {"_kda_decode_kernel", "rmsnorm", "linear_small"}
