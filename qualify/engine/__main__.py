@@ -361,7 +361,18 @@ def serve(args: argparse.Namespace) -> None:
         signal.raise_signal(stopped[0])
 
 
+def _since_process_start() -> float | None:
+    """Seconds since this process was started (its start time in /proc against the boot clock), or None."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def _serve(args: argparse.Namespace) -> None:
+    started = _since_process_start()
     # CUDA IPC export of the KV allocations needs plain (non-expandable) segments.
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments:True" in alloc_conf:
@@ -378,7 +389,9 @@ def _serve(args: argparse.Namespace) -> None:
         from .dcp import DcpGroup
 
         group = DcpGroup(0, cfg.dcp_ranks)
+    before_engine = _since_process_start()
     engine = _build_engine(args, cfg, group)
+    after_engine = _since_process_start()
     if group is not None:
         # Rank 0 built its engine first (the seeded weights file exists), then starts the other ranks with
         # its own arguments and joins them; a rank lost at any time ends this engine, naming the rank.
@@ -419,6 +432,15 @@ def _serve(args: argparse.Namespace) -> None:
     def announce() -> None:
         while not server.started:
             time.sleep(0.01)
+        ready = _since_process_start()
+        # Where this boot's seconds went (the log only: the harness times the boot itself).
+        phases = {"at_serve": started, "at_engine_build": before_engine, **getattr(engine, "boot_phases", {})}
+        phases.update(engine=engine.boot_seconds, at_engine_built=after_engine, at_ready=ready)
+        print(
+            f"# engine startup (s): {json.dumps({k: v and round(v, 3) for k, v in phases.items()})}",
+            file=sys.stderr,
+            flush=True,
+        )
         url = f"http://{args.host}:{port}"
         info = {"url": url, "pid": os.getpid(), "port": port, "boot_seconds": engine.boot_seconds}
         if args.ready_file:

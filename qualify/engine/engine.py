@@ -96,13 +96,26 @@ class Engine:
         self.boot_seconds = time.perf_counter() - t0
 
     def _build(self, cfg: EngineConfig) -> None:
+        # Seconds per step of construction (the engine's log names them: where a boot's time goes).
+        self.boot_phases: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            self.boot_phases[name] = round(now - t, 4)
+            t = now
+
         for g in self.layout.groups:
             self.allocations.append(allocate_group(g, cfg, self.device))
+        phase("kv_allocations")
         self.arena = build_arena(cfg, self.device)
+        phase("arena")
         self.model = HybridModel(cfg, self.device)
         # The decode step's glue (norms, activation, conv, RoPE + K/V write, attention) runs as Triton
         # kernels on CUDA (kernels/fused.py); CPU engines keep the torch reference ops.
         self.model.set_fused(self.device.type == "cuda")
+        phase("model")
         self.kda_rt = KdaRuntime.build(self.backend, cfg, self.arena, self.device)
         self.attn_rt = AttentionRuntime(cfg, self.device, self.dcp)
         for alloc in self.allocations:
@@ -112,10 +125,14 @@ class Engine:
                     mixer.attach(self.kda_rt, alloc.views[(layer, "state")], alloc.views[(layer, "conv")])
                 else:
                     mixer.attach(self.attn_rt, alloc.views[(layer, "k")], alloc.views[(layer, "v")])
+        phase("runtimes")
         self.weights_path = ensure_weights(self.model, cfg)
+        phase("weights")
         self.weights_digest = snapshot(self.model).digest
+        phase("weights_digest")
         self.counters = Counters()
         self.runner = Runner(cfg, self.model, self.arena, self.device, self.counters)
+        phase("runner")
 
     # ------------------------------------------------------------------ verbs
 
