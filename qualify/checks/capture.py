@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from qualify.checks.base import Check, Context, Outcome, coherence, engine_says, fail_unless, observed
-from qualify.checks.timing import TIMING_REPEATS, graph_rule, per_step
+from qualify.checks.timing import graph_decision, per_step
 
 SHORT_TOKENS, LONG_TOKENS = 2, 18  # per-step time by difference: 16 decode steps apart
 
@@ -19,11 +19,12 @@ def timed_sizes(ctx: Context, sizes: list[int], tokens_per_request: int) -> list
     return sorted({counts[0], counts[-1]}) if counts else []
 
 
-def step_times(ctx: Context, n: int) -> dict[str, list[float]]:
-    """Per-step seconds of eager and of graph steps for batches of n fresh prompts, interleaved, timed by
-    the harness (same prompts for the short and the long request of a pair: prefill cancels)."""
+def step_times(ctx: Context, n: int, repeats: int) -> dict[str, list[float]]:
+    """Per-step seconds of eager and of graph steps for batches of n fresh prompts, `repeats` interleaved
+    rounds, timed by the harness (same prompts for the short and the long request of a pair: prefill
+    cancels)."""
     out: dict[str, list[float]] = {"eager": [], "graph": []}
-    for _ in range(TIMING_REPEATS):
+    for _ in range(repeats):
         for mode in ("eager", "graph"):
             prompts = ctx.fresh(n)
             times = []
@@ -107,7 +108,7 @@ def run(ctx: Context) -> Outcome:
         timings: dict[str, Any] = {}
         fast = True
         for n in timed_sizes(ctx, want, 1 + before.capacity.num_spec):
-            holds, facts = graph_rule(**step_times(ctx, n))
+            holds, facts = graph_decision(lambda repeats, n=n: step_times(ctx, n, repeats))
             timings[str(n)] = facts
             fast = fast and holds
         evidence["step_timing"] = timings
