@@ -79,13 +79,21 @@ class Engine:
             self.device = torch.device("cuda", dcp.rank)  # rank r drives the r-th visible GPU
         elif self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        t_device = time.perf_counter()
         try:
             self.resolution = resolve_backend(
                 cfg.kda_decode_backend, speculative=cfg.num_spec > 0, device=self.device
             )
         except (BackendUnavailable, ValueError) as e:
             raise EngineConfigError(str(e)) from e
+        t_resolved = time.perf_counter()
         self.backend = get_backend(self.resolution.name)
+        t_backend = time.perf_counter()
+        self.boot_phases = {
+            "device": round(t_device - t0, 4),
+            "resolve_backend": round(t_resolved - t_device, 4),
+            "backend_import": round(t_backend - t_resolved, 4),
+        }
         self.layout = plan_layout(cfg.layer_pattern, cfg.group_size, cfg.block_size, cfg.dcp_size)
         self.allocations = []
         try:
@@ -97,7 +105,7 @@ class Engine:
 
     def _build(self, cfg: EngineConfig) -> None:
         # Seconds per step of construction (the engine's log names them: where a boot's time goes).
-        self.boot_phases: dict[str, float] = {}
+        self.boot_phases = getattr(self, "boot_phases", {})
         t = time.perf_counter()
 
         def phase(name: str) -> None:
