@@ -607,9 +607,10 @@ def coherence_rule_text(epsilon: float) -> str:
     return (
         "two greedy runs agree when their tokens are identical (identical), or when they differ once at a "
         "near tie (near_tie): at the first differing position both runs report the same two top tokens, "
-        f"swapped, each with a top-2 logit gap below epsilon={epsilon:g}, and the candidate, fed the "
-        "reference's tokens through that position (teacher forcing), continues exactly as the reference did; "
-        "anything else differs"
+        f"swapped, the reference's top-2 logit gap below epsilon={epsilon:g} and the two gaps summing below "
+        "2 x epsilon (top-2 logits within epsilon of each other's explain the swap), and the candidate, fed "
+        "the reference's tokens through that position (teacher forcing), continues exactly as the reference "
+        "did; anything else differs"
     )
 
 
@@ -640,8 +641,16 @@ def _near_tie_refusal(
             f"token {d}: top-2 ids {list(ref_pair)} (reference) and {list(cand_pair)} (candidate) are not "
             f"the swapped pair [{ref_tok}, {cand_tok}] / [{cand_tok}, {ref_tok}]"
         )
-    if not (_gap_ok(ref_gap, epsilon) and _gap_ok(cand_gap, epsilon)):
-        return f"token {d}: gaps {ref_gap} (reference) and {cand_gap} (candidate) are not both below epsilon"
+    if not _gap_ok(ref_gap, epsilon):
+        return f"token {d}: the reference's gap {ref_gap} is not below epsilon"
+    # A swap needs the two runs' top-2 logits to differ by (ref_gap + cand_gap) / 2 on average: within
+    # epsilon, it is what numerics of bf16 logits explain (the H200's b12x replay vs eager once swapped a
+    # pair at gaps 0.0017 / 0.084).
+    if not (_gap_ok(cand_gap, 2 * epsilon) and ref_gap + cand_gap < 2 * epsilon):
+        return (
+            f"token {d}: gaps {ref_gap} (reference) and {cand_gap} (candidate) do not sum below "
+            f"2 x epsilon, so numerics within epsilon do not explain the swap"
+        )
     return None
 
 

@@ -118,6 +118,32 @@ def test_gap_equal_to_epsilon_is_not_a_near_tie():
     assert not r.agrees and "below epsilon" in r.reason
 
 
+@pytest.mark.parametrize(
+    ("ref_gap", "cand_gap", "agrees"),
+    [
+        (0.0017, 0.084, True),  # the H200's b12x replay vs eager: numerics within epsilon explain it
+        (0.00135, 0.0567, True),  # a b12x fresh reference against the engine (tests/data/monitor)
+        (0.04, 0.04, True),
+        (0.03, 0.08, False),  # the sum is 2 x epsilon or more
+        (0.0, 0.1, False),  # the candidate's gap alone at 2 x epsilon
+        (0.06, 0.0, False),  # the reference is no near tie, whatever the candidate reports
+    ],
+)
+def test_a_swap_agrees_when_the_gaps_sum_below_twice_epsilon(ref_gap, cand_gap, agrees):
+    r = compare_greedy(
+        [1, 2],
+        [ref_gap, 1.0],
+        [2, 2],
+        epsilon=0.05,
+        reference_top2=[[1, 2], [2, 0]],
+        candidate_gaps=[cand_gap, 1.0],
+        candidate_top2=[[2, 1], [2, 0]],
+        forced_continuation=[2],
+    )
+    assert r.agrees is agrees, r.reason
+    assert agrees or "epsilon" in r.reason
+
+
 def test_length_mismatch_is_a_divergence_without_a_gap():
     r = compare_greedy([1, 2], [1.0, 1.0], [1, 2, 3], epsilon=10.0)
     assert not r.agrees and r.outcome == "differs" and r.first_divergence == 2 and r.gap is None

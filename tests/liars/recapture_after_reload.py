@@ -17,6 +17,9 @@ def lying_reload(self, path=None, seed=None):
     out = _reload(self, path, seed)
     g = self.runner.graphs
     if g is not None and g.captured:
+        # A seeded reload writes its weights file on a thread of its own, and a copy there fails while a
+        # stream is capturing: the lie waits for it (its lie is the recapture, not a broken reload).
+        self._saved()
         captures = self.counters.graph_captures
         g.graphs.clear()
         g.report = None
