@@ -85,7 +85,7 @@ def _measure(
         "flush_close_s": round(statistics.median(flush_s), 6),
         "flush_close_max_s": round(max(flush_s), 6),
         "callback_s": round(statistics.median(callback_s), 6),
-        "buffers": statistics.median(buffers),
+        "buffers_delivered": statistics.median(buffers),
         "kernel_records": min(found),
         "expected": expect,
         "complete": min(found) >= expect,
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(
             {
                 "config": label,
-                "buffers": mon.buffers,
+                "path": mon.buffers,
                 "work": work,
                 "rounds": k,
                 "buffer_bytes": buffer_bytes,
