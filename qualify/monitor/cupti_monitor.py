@@ -450,7 +450,7 @@ def raw_records(view, offsets, kinds: dict, structs: dict, api_ids: dict, driver
 
 class RawBuffers:
     """CUPTI's activity buffers handed to and read from libcupti through ctypes, without cupti-python's
-    per-record objects (numpy-backed: on the H200 about 85 us a kernel record between them and the reads of
+    per-record objects (numpy-backed: on the H200 85-135 us a kernel record between them and the reads of
     their fields, most of a window's close). The library is the one cupti-python loaded (found in this
     process's maps, never a second copy); the record layouts are cupti-python's own dtypes for it; records
     are walked with cuptiActivityGetNextRecord. Raises where any of that is missing."""
