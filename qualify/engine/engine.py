@@ -72,6 +72,9 @@ class Engine:
     def __init__(self, cfg: EngineConfig, dcp=None):
         """dcp: this process's DcpGroup when the DCP shards run one per rank (qualify/engine/dcp.py)."""
         t0 = time.perf_counter()
+        # Seconds per step of construction, each since the one before (the engine's log names them).
+        self.boot_phases: dict[str, float] = {}
+        self._phase_at = t0
         self.cfg = cfg
         self.dcp = dcp
         self.device = torch.device(cfg.device)
@@ -79,21 +82,16 @@ class Engine:
             self.device = torch.device("cuda", dcp.rank)  # rank r drives the r-th visible GPU
         elif self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        t_device = time.perf_counter()
+        self._phase("device")
         try:
             self.resolution = resolve_backend(
                 cfg.kda_decode_backend, speculative=cfg.num_spec > 0, device=self.device
             )
         except (BackendUnavailable, ValueError) as e:
             raise EngineConfigError(str(e)) from e
-        t_resolved = time.perf_counter()
+        self._phase("resolve_backend")
         self.backend = get_backend(self.resolution.name)
-        t_backend = time.perf_counter()
-        self.boot_phases = {
-            "device": round(t_device - t0, 4),
-            "resolve_backend": round(t_resolved - t_device, 4),
-            "backend_import": round(t_backend - t_resolved, 4),
-        }
+        self._phase("backend_import")
         self.layout = plan_layout(cfg.layer_pattern, cfg.group_size, cfg.block_size, cfg.dcp_size)
         self.allocations = []
         try:
@@ -103,27 +101,23 @@ class Engine:
             raise
         self.boot_seconds = time.perf_counter() - t0
 
+    def _phase(self, name: str) -> None:
+        """Record the seconds since the previous step of construction under `name`."""
+        now = time.perf_counter()
+        self.boot_phases[name] = round(now - self._phase_at, 4)
+        self._phase_at = now
+
     def _build(self, cfg: EngineConfig) -> None:
-        # Seconds per step of construction (the engine's log names them: where a boot's time goes).
-        self.boot_phases = getattr(self, "boot_phases", {})
-        t = time.perf_counter()
-
-        def phase(name: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            self.boot_phases[name] = round(now - t, 4)
-            t = now
-
         for g in self.layout.groups:
             self.allocations.append(allocate_group(g, cfg, self.device))
-        phase("kv_allocations")
+        self._phase("kv_allocations")
         self.arena = build_arena(cfg, self.device)
-        phase("arena")
+        self._phase("arena")
         self.model = HybridModel(cfg, self.device)
         # The decode step's glue (norms, activation, conv, RoPE + K/V write, attention) runs as Triton
         # kernels on CUDA (kernels/fused.py); CPU engines keep the torch reference ops.
         self.model.set_fused(self.device.type == "cuda")
-        phase("model")
+        self._phase("model")
         self.kda_rt = KdaRuntime.build(self.backend, cfg, self.arena, self.device)
         self.attn_rt = AttentionRuntime(cfg, self.device, self.dcp)
         for alloc in self.allocations:
@@ -133,14 +127,14 @@ class Engine:
                     mixer.attach(self.kda_rt, alloc.views[(layer, "state")], alloc.views[(layer, "conv")])
                 else:
                     mixer.attach(self.attn_rt, alloc.views[(layer, "k")], alloc.views[(layer, "v")])
-        phase("runtimes")
+        self._phase("runtimes")
         self.weights_path = ensure_weights(self.model, cfg)
-        phase("weights")
+        self._phase("weights")
         self.weights_digest = snapshot(self.model).digest
-        phase("weights_digest")
+        self._phase("weights_digest")
         self.counters = Counters()
         self.runner = Runner(cfg, self.model, self.arena, self.device, self.counters)
-        phase("runner")
+        self._phase("runner")
 
     # ------------------------------------------------------------------ verbs
 

@@ -278,7 +278,6 @@ class Monitor:
             self.window = None
             t_open = self.t_open
             buffers, delivered, callback_s = self.delivered
-            self.delivered = [0, 0, 0.0]
         report = summarise(recs, t_open, t_close)
         # The monitor's own seconds in this window's open and close (what a window costs the run).
         # flush_close includes the buffer callback's own seconds (`callback`, summed over the buffers CUPTI
@@ -427,6 +426,7 @@ def raw_records(view, offsets, kinds: dict, structs: dict, api_ids: dict, driver
     out = []
     kind_at = struct.Struct("<I").unpack_from
     for off in offsets:
+        kind = "?"
         try:
             (kind,) = kind_at(view, off)
             what = kinds.get(kind)
@@ -444,7 +444,7 @@ def raw_records(view, offsets, kinds: dict, structs: dict, api_ids: dict, driver
             else:
                 out.append(("g", v[0], v[1]))
         except Exception:  # a record this monitor cannot read: counted, not fatal
-            out.append(("x", 0, f"kind {kind_at(view, off)[0] if len(view) >= off + 4 else '?'}"))
+            out.append(("x", 0, f"kind {kind}"))
     return out
 
 
@@ -526,12 +526,12 @@ class RawBuffers:
         if buf is None:
             return
         try:
-            shift = buffer - ctypes.addressof(buf)
+            base = ctypes.addressof(buf)  # offsets into buf (the buffer CUPTI got is aligned within it)
             offsets = []
             rec = ctypes.c_void_p(None)
             nxt = self.lib.cuptiActivityGetNextRecord
             while len(offsets) < MAX_RECORDS and nxt(buffer, valid, ctypes.byref(rec)) == 0:
-                offsets.append(rec.value - buffer + shift)
+                offsets.append(rec.value - base)
             mon = self.mon
             out = raw_records(
                 memoryview(buf), offsets, self.kinds, self.structs, mon.api_ids, mon.driver_kind, _c_string
