@@ -162,14 +162,16 @@ OUT_TOL = {"atol": 4e-2, "rtol": 3e-2}
 STATE_TOL = {"atol": 2e-2, "rtol": 2e-2}
 
 
-def test_prefill_matches_recurrence_across_chunk_boundaries_with_mixed_initial_states() -> None:
-    lens, slots, has_init = [5, 19, 33, 1], [4, 1, 3, 2], [True, False, True, False]
-    out, o_ref, pool, pool0, states = _run_prefill(lens, slots, has_init)
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_prefill_matches_recurrence_across_chunk_boundaries_with_mixed_initial_states(chunk: int) -> None:
+    # One sub-chunk per chunk (16) and two (32); 64 is below, with four.
+    lens, slots, has_init = [5, 19, 33, 1, 70], [4, 1, 3, 2, 5], [True, False, True, False, True]
+    out, o_ref, pool, pool0, states = _run_prefill(lens, slots, has_init, chunk=chunk)
     torch.testing.assert_close(out.float(), o_ref.float(), **OUT_TOL)
     for slot, st in states.items():
         torch.testing.assert_close(pool[slot], st, **STATE_TOL)
     # Only the sequences' slots are written: the rest of the pool is byte-identical.
-    for untouched in (0, 5):
+    for untouched in (0,):
         assert torch.equal(pool[untouched], pool0[untouched])
 
 
