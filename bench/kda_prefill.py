@@ -52,8 +52,7 @@ ROUNDS = 10
 VARIANTS: dict[str, dict[str, object]] = {
     "ours_diag_warps_4": {"_DIAG_WARPS": 4},
     "ours_inter_warps_4": {"_INTER_WARPS": 4},
-    "ours_inter_warps_8": {"_INTER_WARPS": 8},
-    "ours_wu_bn_128": {"_WU_BN": 128},
+    "ours_wu_warps_4": {"_WU_WARPS": 4},
     "ours_state_bv_32": {"_STATE_BV": 32},
     "ours_state_bv_64": {"_STATE_BV": 64},
     "ours_state_vb_last": {"_STATE_VB_FIRST": False},

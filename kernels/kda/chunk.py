@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import diag_kernel, inter_solve_kernel
+from kernels.kda.chunk_intra import _chunk_bounds, diag_kernel, inter_solve_kernel, wu_kernel
 from kernels.kda.chunk_ref import chunk_reference
 
 __all__ = ["build_chunk_metadata", "chunk_reference", "prefill", "prefill_scratch_specs"]
@@ -20,30 +20,34 @@ _SUB = 16  # sub-chunk: the span over which one exp factor may grow (≤ e^{5·8
 # Launch shapes and operand types, measured best on an H200 (module constants so a tuning run can
 # override them): bf16 operands for the A/P and W/U products (fp32 accumulation; fp32 A/P operands run as
 # tf32 and made the prefill 1.5x slower). The interpreter uses fp32.
-_STATE_WARPS = 4
-_WU_DT, _AP_DT = tl.bfloat16, tl.bfloat16
+_GATE_BK, _GATE_WARPS, _STATE_WARPS = 32, 4, 4
+# W/U at 8 warps: 0.90 / 0.99 / 3.52 ms against 0.92 / 1.01 / 3.61 at 4 (H200, 2026-12-01, the shapes below).
+_WU_WARPS, _WU_DT, _AP_DT = 8, tl.bfloat16, tl.bfloat16
 # The state pass's V-block: None picks 32 when (sequences x heads x V/32) programs fit on the SMs at once,
-# else 64. Each V-block program rereads the chunk's W, Q̃, K̄ and P, and the chunk loop's pipelined
-# shared memory leaves room for one program per SM, so a second wave costs a whole pass: on the H200
-# (2026-12-03, the shapes of bench/kda_prefill.py) 64 ran 8x1024 in 0.85 ms against 0.98 at 32 and
-# 1x8192 at H = 64 in 1.60 against 1.82, and 32 ran 1x8192 (H = 32) in 0.88 against 0.92. An int forces
-# that width.
+# else 64. Each V-block program rereads the chunk's W, Q̃, K̄ and P, and the chunk loop's pipelined loads
+# leave shared memory for one program per SM, so a second wave costs a whole pass: on the H200
+# (2026-12-03, bench/kda_prefill.py's shapes) 64 ran 8x1024 in 0.85 ms against 0.98 at 32 and 1x8192 at
+# H = 64 in 1.60 against 1.82, and 32 ran 1x8192 (H = 32) in 0.88 against 0.92. An int forces that width.
 _STATE_BV: int | None = None
 _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop; None: Triton's default
-# The state pass's grid order: True launches the V-blocks of one (sequence, head) next to each other, so
-# the programs that read the same chunk's W, Q̃, K̄ and P run at the same time and share them through L2.
+# The state pass's grid order: True launches the V-blocks of one (sequence, head) side by side, so the
+# programs that read the same chunk's W, Q̃, K̄ and P run at the same time (1-2% faster at 8x1024 and at
+# H = 64 than the sequence-first order on the H200, 2026-12-04).
 _STATE_VB_FIRST = True
 # The intra-chunk factors in two launches (kernels/kda/chunk_intra.py): a diagonal pass per 16-row
-# sub-chunk that also computes the gate and Γ, then, per chunk, the off-diagonal blocks and the merged
-# inverse in INTER_BK-wide K slices, applied in the same program as W and U (WU_BN-wide column slices).
-# Before the gate and W/U were folded in, they were launches of their own, and on the H200 (2026-12-01,
-# graph-timed, H=32, K=V=128, 1x8192 / 8x1024 / 1x32768) the prefill ran 0.89 / 0.88 / 3.53 ms against
-# 1.17 / 1.14 / 4.57 with the earlier one-program-per-(chunk, head) kernel (255 registers and a 648-byte
-# stack per thread on sm_90). At 4 warps instead of 2 the diagonal pass cost 0.03 ms more at 1x8192, the
-# off-diagonal 0.06 more; 32- and 128-wide slices ran within 2% of 64.
+# sub-chunk, then the off-diagonal blocks and the merged inverse per chunk in INTER_BK-wide K slices. On
+# the H200 (2026-12-01, graph-timed, H=32, K=V=128, 1x8192 / 8x1024 / 1x32768) the prefill ran 0.89 /
+# 0.88 / 3.53 ms this way against 1.17 / 1.14 / 4.57 with the earlier one-program-per-(chunk, head)
+# kernel (255 registers and a 648-byte stack per thread on sm_90). At 4 warps instead of 2 the diagonal
+# pass cost 0.03 ms more at 1x8192, the off-diagonal 0.06 more; 32- and 128-wide slices ran within 2% of 64.
 # A state-only sequential pass followed by a parallel output pass (fla's chunk_fwd_h / chunk_fwd_o split)
 # ran 1.00 / 1.00 / 3.96 ms in the same run and was removed.
-_WU_BN = 64
+# Folding the gate into the diagonal pass (each sub-chunk's program computing the chunk's gate for its
+# offsets) and W/U into the off-diagonal pass (X applied from its 16x16 blocks) was measured and removed:
+# on the H200 (2026-12-04, d5705b1, bench/results/kda-prefill-h200-2026-12-04-rejected-fused-gate-wu.json)
+# the two passes took 693 and 549 µs at 1x8192 against 74 + 216 and 199 + 122 for the four launches here;
+# the diagonal pass computed every gate four times (twice the transcendental instructions) and the
+# off-diagonal one spilled (2.9 KB per thread at 4 warps, ptxas).
 _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 
 
@@ -97,9 +101,46 @@ def prefill_scratch_specs(
         "w": ((max_tokens, H, K), torch.bfloat16),  # T·K̃
         "u": ((max_tokens, H, V), torch.bfloat16),  # T·V
         "p": ((max_tokens, H, chunk_size), torch.bfloat16),  # row r of P for the chunk holding r
-        "x": ((max_tokens, H, _SUB), torch.float32),  # row r of its sub-chunk's (I + A_ii)^{-1}
+        "x": ((max_tokens, H, chunk_size), torch.float32),  # row r of (I + A)^{-1} for its chunk
         "rn": ((max_tokens, H, 2), torch.float32),  # inverse L2 norms of k and q (q's times the scale)
     }
+
+
+@triton.jit
+def _gate_kernel(
+    a,
+    A_log,
+    dt_bias,
+    gcum,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    lower_bound,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+):
+    """Per (chunk, head, K-block): bounded gate and Γ = its within-chunk cumsum (channels are independent)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kb = tl.program_id(2)
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
+    if n <= 0:
+        return
+    r = tl.arange(0, BT)
+    d = kb * BK + tl.arange(0, BK)
+    m = (r < n)[:, None]
+    off = ((t0 + r) * H + h)[:, None] * K + d[None, :]
+    x = (
+        tl.load(a + off, mask=m, other=0.0).to(tl.float32)
+        + tl.load(dt_bias + h * K + d).to(tl.float32)[None, :]
+    )
+    g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * x)
+    g = tl.where(m, g, 0.0)
+    tl.store(gcum + off, tl.cumsum(g, axis=0), mask=m)
 
 
 @triton.jit
@@ -339,14 +380,26 @@ def prefill(
         has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     )
     if grid_chunks > 0:
+        BK = min(K, _GATE_BK)
+        _gate_kernel[(grid_chunks, H, K // BK)](
+            a,
+            A_log,
+            dt_bias,
+            scratch["gcum"],
+            *chunks,
+            lower_bound,
+            H=H,
+            K=K,
+            BK=BK,
+            BT=BT,
+            DEVICE_COUNT=dev,
+            num_warps=_GATE_WARPS,
+        )
         ap_dt = tl.float32 if _INTERPRET else _AP_DT
         diag_kernel[(grid_chunks, BT // _SUB, H)](
             q,
             k,
-            a,
             b,
-            A_log,
-            dt_bias,
             scratch["gcum"],
             scratch["q_tilde"],
             scratch["k_bar"],
@@ -355,7 +408,6 @@ def prefill(
             scratch["rn"],
             *chunks,
             scale,
-            lower_bound,
             H=H,
             K=K,
             BT=BT,
@@ -367,10 +419,26 @@ def prefill(
         inter_solve_kernel[(grid_chunks, H)](
             q,
             k,
-            v,
             b,
             scratch["gcum"],
             scratch["p"],
+            scratch["x"],
+            scratch["rn"],
+            *chunks,
+            H=H,
+            K=K,
+            BT=BT,
+            BC=_SUB,
+            BK=min(K, _INTER_BK),
+            DEVICE_COUNT=dev,
+            DT=ap_dt,
+            num_warps=_INTER_WARPS,
+        )
+        wu_kernel[(grid_chunks, H)](
+            k,
+            v,
+            b,
+            scratch["gcum"],
             scratch["x"],
             scratch["rn"],
             scratch["w"],
@@ -380,13 +448,9 @@ def prefill(
             K=K,
             V=V,
             BT=BT,
-            BC=_SUB,
-            BK=min(K, _INTER_BK),
-            BN=min(K, V, _WU_BN),
             DEVICE_COUNT=dev,
-            DT=ap_dt,
-            WU_DT=tl.float32 if _INTERPRET else _WU_DT,
-            num_warps=_INTER_WARPS,
+            DT=tl.float32 if _INTERPRET else _WU_DT,
+            num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or _state_bv(N, H, V, q.device))
     if N > 0:
