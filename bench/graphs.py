@@ -29,6 +29,7 @@ from bench._common import write_result  # noqa: E402
 from bench._gpu import copy_bandwidth, events_us, kernel_breakdown, launch_totals, warm_up_clocks  # noqa: E402
 
 NUM_SPEC = 3
+WIDE = 32  # the wide step's batch (requests)
 GEN_TOKENS = 64
 EPSILON = 0.05  # the harness's coherence epsilon for bf16 logits
 
@@ -88,10 +89,11 @@ def step_latency(engine, batch: int, steps: int) -> dict:
             r.release(q)
 
 
-def step_bytes(engine, context_tokens: int) -> dict[str, int]:
-    """The fewest bytes one decode step of one request must read from device memory: every weight the
-    step multiplies by (the embedding's one row; the MTP head is not used by a plain step), each KDA
-    layer's fp32 state, and the attention layers' KV cache over `context_tokens` tokens."""
+def step_bytes(engine, context_tokens: int, batch: int = 1) -> dict[str, int]:
+    """The fewest bytes one decode step of `batch` requests must read from device memory: every weight the
+    step multiplies by, once (the embedding's rows; the MTP head is not used by a plain step), each KDA
+    layer's fp32 state per request, and the attention layers' KV cache over `context_tokens` tokens per
+    request."""
     m, cfg = engine.model, engine.cfg
     shape = m.shape
 
@@ -99,23 +101,24 @@ def step_bytes(engine, context_tokens: int) -> dict[str, int]:
         return sum(p.numel() * p.element_size() for p in mod.parameters())
 
     emb = m.embed.weight
-    weights = nbytes(m) - nbytes(m.mtp) - nbytes(m.embed) + emb.shape[1] * emb.element_size()
-    kda = cfg.layer_pattern.count("K") * shape.kda_heads * shape.kda_head_dim**2 * 4
+    weights = nbytes(m) - nbytes(m.mtp) - nbytes(m.embed) + batch * emb.shape[1] * emb.element_size()
+    kda = batch * cfg.layer_pattern.count("K") * shape.kda_heads * shape.kda_head_dim**2 * 4
     kv_row = 2 * shape.attn_kv_heads * shape.attn_head_dim * emb.element_size()
-    kv = cfg.layer_pattern.count("A") * context_tokens * kv_row
+    kv = batch * cfg.layer_pattern.count("A") * context_tokens * kv_row
     return {"weights": weights, "kda_state": kda, "kv": kv, "total": weights + kda + kv}
 
 
-def roofline(engine, copy: dict, steps: int) -> dict:
-    """Batch 1: the replayed step's time against the bytes it must read at the measured copy bandwidth,
-    and the profiler's per-kernel split of one replayed step."""
+def roofline(engine, copy: dict, steps: int, batch: int = 1) -> dict:
+    """The replayed step of `batch` requests: its time against the bytes it must read at the measured copy
+    bandwidth, and the profiler's per-kernel split of one replayed step."""
     r, g = engine.runner, engine.runner.graphs
-    prompt = _prompts(1)[0]
-    reqs = [r.admit(prompt, 8)]
+    prompts = _prompts(batch)
+    reqs = [r.admit(p, 8) for p in prompts]
     try:
         toks, gaps = r.pick(r.prefill(reqs))
-        r._append(reqs[0], toks[0], gaps[0])
-        n_pad = g.padded_size(1, 1)
+        for q, t, gap in zip(reqs, toks, gaps, strict=True):
+            r._append(q, t, gap)
+        n_pad = g.padded_size(batch, 1)
         r.stage_decode(reqs, n_pad)
 
         def replay() -> None:
@@ -125,10 +128,12 @@ def roofline(engine, copy: dict, steps: int) -> dict:
             replay()
         torch.cuda.synchronize()
         step_us = events_us(replay, steps)
-        need = step_bytes(engine, len(prompt) + 1)
+        need = step_bytes(engine, max(len(p) for p in prompts) + 1, batch)
         kernels = kernel_breakdown(replay, calls=5, top=None)
         ceiling = copy["max"]
         return {
+            "batch": batch,
+            "padded_to": n_pad,
             "glue": engine.model.glue,
             "bytes": need,
             "replay_us": round(step_us, 2),
@@ -213,6 +218,15 @@ def main() -> None:
             result["roofline_batch_1_torch_glue"] = {"unavailable": unfused_cap["reason"]}
     finally:
         unfused.close()
+    # A wider step beside it: an engine whose largest captured batch is WIDE requests, its full batch.
+    wide, wide_cap = _engine(args.preset, max_num_seqs=WIDE)
+    try:
+        if wide_cap["captured"]:
+            result[f"roofline_batch_{WIDE}"] = roofline(wide, result["copy_TBps"], args.steps, batch=WIDE)
+        else:
+            result[f"roofline_batch_{WIDE}"] = {"unavailable": wide_cap["reason"]}
+    finally:
+        wide.close()
 
     spec, spec_cap = _engine(args.preset, num_spec=NUM_SPEC)
     result["spec_backend"] = spec.resolution.name

@@ -2,7 +2,10 @@
 
 One program owns (request, head, V-block): it loads the entering state tile once, runs the request's T tokens
 in registers and stores every post-token state to its slot. With the whole V row in one program the gated
-RMSNorm is applied in-kernel; with a split V row a second small kernel normalizes the output in place.
+RMSNorm is applied in-kernel. With a split V row each program stores its slice of the core output (bf16)
+and counts itself done on a per-(request, head) counter; the program that finds every other slice done
+(the last to arrive) reads the whole row back and normalizes it in place, then zeroes the counter for the
+next call. Without a counter buffer a second small kernel normalizes instead; both give the same bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def _kda_decode_kernel(
     num_accepted,
     num_live,
     out,
+    counters,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -57,6 +61,7 @@ def _kda_decode_kernel(
     T: tl.constexpr,
     BV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
+    LAST_NORM: tl.constexpr,
 ):
     NV: tl.constexpr = V // BV
     pid = tl.program_id(0)
@@ -111,6 +116,22 @@ def _kda_decode_kernel(
         dst = tl.load(state_indices + r64 * stride_idx_r + t * stride_idx_c).to(tl.int64)
         if dst != 0:
             tl.store(state + dst * stride_slot + head_tile, S)
+    if LAST_NORM:
+        # Every slice of this (request, head)'s T rows is stored before the count (the barrier, then the
+        # release); the program that takes the count to NV acquires the others' slices and normalizes.
+        tl.debug_barrier()
+        cnt = counters + r64 * H + h64
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == NV - 1:
+            o_e = tl.arange(0, V)
+            w = tl.load(norm_weight + o_e).to(tl.float32)
+            for t in tl.static_range(T):
+                row = r64 * T + t
+                p_o = out + row * stride_ot + h64 * stride_oh + o_e
+                o = tl.load(p_o, cache_modifier=".cg").to(tl.float32)
+                b_z = tl.load(z + row * stride_zt + h64 * stride_zh + o_e).to(tl.float32)
+                o = o * tl.rsqrt(tl.sum(o * o, 0) / V + norm_eps) * w * tl.sigmoid(b_z)
+                tl.store(p_o, o.to(out.dtype.element_ty))
+            tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
 @triton.jit
@@ -152,15 +173,18 @@ def default_launch(num_rows: int, num_heads: int, head_v_dim: int, tokens: int =
     return min(8, head_v_dim), 1
 
 
-def describe_launch(block_v: int, num_warps: int, head_v_dim: int) -> str:
-    """Which decode path a (block_v, num_warps) choice takes, in words (recorded in the plan)."""
+def describe_launch(block_v: int, num_warps: int, head_v_dim: int, counters: bool = True) -> str:
+    """Which decode path a (block_v, num_warps) choice takes, in words (recorded in the plan); counters:
+    whether the split path has its norm counters (the backend binds them)."""
     if block_v == head_v_dim:
         return f"fused: one program per (request, head) over the whole V row, {num_warps} warp(s), norm fused"
     tiles = head_v_dim // block_v
-    return (
-        f"split: {tiles} programs of {block_v} V rows per (request, head), {num_warps} warp(s), "
-        "then the gated-norm kernel (2 launches)"
+    norm = (
+        "the last of them to finish a row applies the gated norm (1 launch)"
+        if counters
+        else "then the gated-norm kernel (2 launches)"
     )
+    return f"split: {tiles} programs of {block_v} V rows per (request, head), {num_warps} warp(s); {norm}"
 
 
 def check_decode_args(
@@ -257,22 +281,28 @@ def launch_decode(
     scale: float | None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    counters: Tensor | None = None,
 ) -> None:
-    """Launch without validation (the caller has run check_decode_args). Allocates nothing."""
+    """Launch without validation (the caller has run check_decode_args). Allocates nothing.
+
+    counters: int32 [≥ n·H], zero on entry (and left zero), for the split path's in-kernel norm (one launch;
+    see check_counters); None keeps the split path's second launch."""
     n, T = state_indices.shape
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     bv, nw = default_launch(n, H, V, T)
     bv, nw = block_v or bv, num_warps or nw
     fuse = bv == V
+    last = not fuse and counters is not None
     _kda_decode_kernel[(n * H * (V // bv),)](
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out,
+        counters if last else num_live,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), z.stride(0), z.stride(1),
         out.stride(0), out.stride(1), state.stride(0), state_indices.stride(0), state_indices.stride(1),
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
-        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, num_warps=nw,
+        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, LAST_NORM=last, num_warps=nw,
     )  # fmt: skip
-    if not fuse:
+    if not fuse and not last:
         _gated_rmsnorm_kernel[(n * T * H,)](
             out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
             H=H, V=V, num_warps=1,
@@ -298,12 +328,34 @@ def decode(
     lower_bound: float = -5.0,
     norm_eps: float = 1e-5,
     scale: float | None = None,
+    counters: Tensor | None = None,
 ) -> None:
     """KDA decode/verify (KDA.md §3) into `out`, updating `state` in place. See module docstring."""
-    check_decode_args(
+    n, _, H, _, _ = check_decode_args(
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out
     )
+    if counters is not None:
+        check_counters(counters, n, H, q.device)
     launch_decode(
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out,
-        lower_bound=lower_bound, norm_eps=norm_eps, scale=scale,
+        lower_bound=lower_bound, norm_eps=norm_eps, scale=scale, counters=counters,
     )  # fmt: skip
+
+
+def counters_spec(n: int, H: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of the split path's norm counters: one int32 per (request, head)."""
+    return (n * H,), torch.int32
+
+
+def check_counters(counters: Tensor, n: int, H: int, device: torch.device) -> None:
+    """The counters must be a contiguous int32 buffer of n·H entries on the decode's device, all zero: a
+    nonzero count would let a program normalize a row whose other slices are not yet written. Reads the
+    buffer on the host once (call it when binding, outside capture)."""
+    shape, dtype = counters_spec(n, H)
+    if counters.dtype != dtype or tuple(counters.shape) != shape or not counters.is_contiguous():
+        got = f"{counters.dtype} {tuple(counters.shape)}"
+        raise ValueError(f"counters must be contiguous {dtype} {shape}, got {got}")
+    if counters.device != device:
+        raise ValueError(f"counters is on {counters.device} but q is on {device}")
+    if bool(counters.ne(0).any()):
+        raise ValueError("counters must start zeroed (allocate them with torch.zeros)")
