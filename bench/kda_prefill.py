@@ -53,9 +53,10 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ours_diag_warps_4": {"_DIAG_WARPS": 4},
     "ours_inter_warps_4": {"_INTER_WARPS": 4},
     "ours_wu_warps_4": {"_WU_WARPS": 4},
-    "ours_state_bv_32": {"_STATE_BV": 32},
-    "ours_state_bv_64": {"_STATE_BV": 64},
-    "ours_state_vb_last": {"_STATE_VB_FIRST": False},
+    # The off-diagonal pass spills 3 KB per thread at 2 warps and 64-wide K slices (bench/sm90.py); none at
+    # 16-wide slices (2 warps) or 32-wide ones at 4 warps.
+    "ours_inter_bk_16": {"_INTER_BK": 16},
+    "ours_inter_warps_4_bk_32": {"_INTER_WARPS": 4, "_INTER_BK": 32},
 }
 
 

@@ -123,14 +123,14 @@ def _kda_decode_kernel(
         cnt = counters + r64 * H + h64
         if tl.atomic_add(cnt, 1, sem="acq_rel") == NV - 1:
             o_e = tl.arange(0, V)
-            w = tl.load(norm_weight + o_e).to(tl.float32)
+            w_e = tl.load(norm_weight + o_e).to(tl.float32)
             for t in tl.static_range(T):
-                row = r64 * T + t
-                p_o = out + row * stride_ot + h64 * stride_oh + o_e
-                o = tl.load(p_o, cache_modifier=".cg").to(tl.float32)
-                b_z = tl.load(z + row * stride_zt + h64 * stride_zh + o_e).to(tl.float32)
-                o = o * tl.rsqrt(tl.sum(o * o, 0) / V + norm_eps) * w * tl.sigmoid(b_z)
-                tl.store(p_o, o.to(out.dtype.element_ty))
+                row_t = r64 * T + t
+                p_o = out + row_t * stride_ot + h64 * stride_oh + o_e
+                o_t = tl.load(p_o, cache_modifier=".cg").to(tl.float32)
+                z_t = tl.load(z + row_t * stride_zt + h64 * stride_zh + o_e).to(tl.float32)
+                o_t = o_t * tl.rsqrt(tl.sum(o_t * o_t, 0) / V + norm_eps) * w_e * tl.sigmoid(z_t)
+                tl.store(p_o, o_t.to(out.dtype.element_ty))
             tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
