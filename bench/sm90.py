@@ -105,7 +105,8 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)
     yield "prefill off-diagonal pass", ci.inter_solve_kernel, inter, c, ch._INTER_WARPS
-    wu = {"k": BF16, "v": BF16, "b": BF16, "gcum": F32, "x_inv": F32, "rn": F32, "w": BF16, "u": BF16, **chunks}
+    wu = {"k": BF16, "v": BF16, "b": BF16, "gcum": F32, "x_inv": F32, "rn": F32, "w": BF16, "u": BF16}
+    wu.update(chunks)
     c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT)
     yield "prefill W/U", ci.wu_kernel, wu, c, ch._WU_WARPS
     state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
