@@ -58,28 +58,16 @@ def make_inputs(n: int, T: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def ours(
-    t: dict[str, torch.Tensor],
-    *,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    one_launch: bool = True,
+    t: dict[str, torch.Tensor], *, block_v: int | None = None, num_warps: int | None = None
 ) -> Callable[[], None]:
-    """Our decode as the engine's backend binds it: the split path normalizes in-kernel through its zeroed
-    counters (one launch); one_launch=False gives it the separate norm kernel instead (two launches)."""
     from kernels.kda.backend import DECODE_TENSORS
-    from kernels.kda.decode import check_counters, check_decode_args, counters_spec, launch_decode
+    from kernels.kda.decode import check_decode_args, launch_decode
 
     args = [t[name] for name in DECODE_TENSORS]
-    n, _, heads, _, _ = check_decode_args(*args)
-    counters = None
-    if one_launch:
-        shape, dtype = counters_spec(n, heads)
-        counters = torch.zeros(shape, dtype=dtype, device="cuda")
-        check_counters(counters, n, heads, counters.device)
+    check_decode_args(*args)
     return lambda: launch_decode(
-        *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps,
-        counters=counters,
-    )  # fmt: skip
+        *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps
+    )
 
 
 def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:
@@ -172,10 +160,7 @@ def bench_decode(batches: tuple[int, ...], T: int, *, peers: bool = True, sweep:
     rows = []
     for n in batches:
         t = make_inputs(n, T)
-        builders: dict[str, Callable[[], Callable[[], None]]] = {
-            "ours": lambda t=t: ours(t),
-            "ours_two_launches": lambda t=t: ours(t, one_launch=False),
-        }
+        builders: dict[str, Callable[[], Callable[[], None]]] = {"ours": lambda t=t: ours(t)}
         if sweep:
             for bv, nw in SWEEP:
                 builders[f"ours_bv{bv}_w{nw}"] = lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw)
@@ -238,17 +223,6 @@ def check_agreement(n: int = 8, T: int = VERIFY_T) -> dict[str, float]:
         g()
         out["out_max_abs_diff_vs_fla+norm"] = (a["out"].float() - b["out"].float()).abs().max().item()
         out["state_max_abs_diff_vs_fla"] = (a["state"] - b["state"]).abs().max().item()
-        # The one-launch split path (the norm applied by each row's last V-block) against the two-launch
-        # one, at every decode batch here: the same bytes, or a slice was read before it was written.
-        same = []
-        for m in DECODE_BATCHES:
-            c, d = make_inputs(m, 1, seed=2), make_inputs(m, 1, seed=2)
-            for _ in range(3):
-                ours(c)()
-                ours(d, one_launch=False)()
-            same.append(torch.equal(c["out"], d["out"]) and torch.equal(c["state"], d["state"]))
-        key = "one_launch_equals_two_launches_at_batches"
-        out[key] = dict(zip(map(str, DECODE_BATCHES), same, strict=True))
     except Exception as e:
         out["unavailable"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     return out
@@ -272,9 +246,6 @@ def main() -> None:
         "shape": {"H": H, "K": K, "V": V},
         "state_TBps_definition": "batch*H*K*V*4 bytes*(1 read + T writes) / time",
         "timing": TIMING.format(rounds=20, streamed=10),
-        "ours": "the engine's path: V split in 8-row one-warp tiles, the gated norm applied in-kernel by "
-        "the last tile of each (request, head) to finish (one launch); ours_two_launches: the same kernel "
-        "with the norm as a second kernel, as before 2026-12-04",
         "peers": "fla: fused_recurrent_kda_fwd (no gated norm); fla+norm: it plus our gated RMSNorm kernel; "
         + B12X_ADAPTER,
         "copy_TBps": copy_bandwidth(),

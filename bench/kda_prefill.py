@@ -49,10 +49,9 @@ SHAPES = ((1, 8192, 32), (8, 1024, 32), (1, 32768, 32), (1, 8192, 64))
 INPUTS = ("q", "k", "v", "a", "b", "z", "A_log", "dt_bias", "w", "h0")
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
+# (The warp counts of the diagonal, off-diagonal and W/U passes were timed as variants on 2026-12-03,
+# bench/results/kda-prefill-h200-2026-12-03.json; the module's constants are the winners.)
 VARIANTS: dict[str, dict[str, object]] = {
-    "ours_diag_warps_4": {"_DIAG_WARPS": 4},
-    "ours_inter_warps_4": {"_INTER_WARPS": 4},
-    "ours_wu_warps_4": {"_WU_WARPS": 4},
     # The off-diagonal pass spills 3 KB per thread at 2 warps and 64-wide K slices (bench/sm90.py); none at
     # 16-wide slices (2 warps) or 32-wide ones at 4 warps.
     "ours_inter_bk_16": {"_INTER_BK": 16},
@@ -252,10 +251,7 @@ def main() -> None:
         why = "fla-core chunk_kda, with our gated RMSNorm kernel on its output (fla+norm)"
     warm_up_clocks()
     copy = copy_bandwidth()
-    rows = []
-    for n, s, h in SHAPES:
-        rows.append(bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"]))
-        print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
+    rows: list[dict] = []
     result = {
         "bench": "kda_prefill",
         "shape": {"H": sorted({h for _, _, h in SHAPES}), "K": K, "V": V, "chunk": 64},
@@ -269,7 +265,12 @@ def main() -> None:
         "timing": TIMING.format(rounds=ROUNDS, streamed=5).replace("us", "ms") + "; figures in ms",
         "prefill": rows,
     }
-    write_result(result, args.out, indent=1)
+    for n, s, h in SHAPES:
+        rows.append(bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"]))
+        print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
+        # Written after every shape, so a run cut short by its caller's time limit keeps what it measured
+        # (`complete` says whether every shape is in).
+        write_result({**result, "complete": len(rows) == len(SHAPES)}, args.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -71,9 +71,9 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
 
     names = [
         "q", "k", "v", "a", "b", "A_log", "dt_bias", "z", "norm_weight", "state", "state_indices",
-        "num_accepted", "num_live", "out", "counters",
+        "num_accepted", "num_live", "out",
     ]  # fmt: skip
-    types = [BF16] * 5 + [F32, F32, BF16, F32, F32, I32, I32, I32, BF16, I32]
+    types = [BF16] * 5 + [F32, F32, BF16, F32, F32, I32, I32, I32, BF16]
     sig = dict(zip(names, types, strict=True))
     for s in ("qt", "qh", "kt", "kh", "vt", "vh", "at", "ah", "bt", "bh", "zt", "zh", "ot", "oh"):
         sig[f"stride_{s}"] = "i32"
@@ -81,11 +81,15 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     sig.update(scale="fp32", lower_bound="fp32", norm_eps="fp32")
     bv, warps = dm.default_launch(1, H, V)
     for T in (1, 4):
-        for label, block, nw, last in (("one launch", bv, warps, True), ("two launches", bv, warps, False)):
-            c = dict(H=H, K=K, V=V, T=T, BV=block, FUSE_NORM=block == V, LAST_NORM=last)
-            yield f"decode T={T} split, {label}", dm._kda_decode_kernel, sig, c, nw
-        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, LAST_NORM=False)
+        c = dict(H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=bv == V)
+        yield f"decode T={T} split", dm._kda_decode_kernel, sig, c, warps
+        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True)
         yield f"decode T={T} fused row", dm._kda_decode_kernel, sig, c, 4
+    yield "decode gated norm", dm._gated_rmsnorm_kernel, _NORM_SIG, dict(H=H, V=V), 1
+
+
+_NORM_SIG = {"out": BF16, "z": BF16, "norm_weight": F32, "stride_ot": "i32", "stride_oh": "i32"}
+_NORM_SIG.update(stride_zt="i32", stride_zh="i32", norm_eps="fp32")
 
 
 def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:

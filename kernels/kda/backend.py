@@ -11,14 +11,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .decode import (
-    DEFAULT_LAUNCH_WHY,
-    check_decode_args,
-    counters_spec,
-    default_launch,
-    describe_launch,
-    launch_decode,
-)
+from .decode import DEFAULT_LAUNCH_WHY, check_decode_args, default_launch, describe_launch, launch_decode
 from .naive import bounded_gate, gated_rmsnorm, naive_recurrent
 
 BACKENDS = ("auto", "b12x", "triton", "torch")
@@ -46,11 +39,8 @@ class Caps:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A scratch buffer the caller owns; `zeroed`: it must hold zeros when bound (the backend keeps it so)."""
-
     shape: tuple[int, ...]
     dtype: torch.dtype
-    zeroed: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,8 +134,6 @@ def check_binding(
             )
         if not s.is_contiguous():
             raise ValueError(f"bind: scratch {name!r} must be contiguous")
-        if spec.zeroed and bool(s.ne(0).any()):
-            raise ValueError(f"bind: scratch {name!r} must start zeroed (allocate it with torch.zeros)")
 
 
 def _prefill_reference(
@@ -274,23 +262,10 @@ def decode_reference(
                 state[idx[r][j]] = S[0]
 
 
-class TritonBackend:
+class TritonBackend(_NoScratch):
     """Our Triton decode/verify (kernels.kda.decode) and chunked prefill (kernels.kda.chunk)."""
 
     name = "triton"
-
-    def scratch_specs(self, plan: DecodePlan) -> dict[str, TensorSpec]:
-        """The split-V path's norm counters (one int32 per (request, head), zero between calls); none for the
-        fused path."""
-        c = plan.caps
-        if plan.block_v == c.head_v_dim:
-            return {}
-        shape, dtype = counters_spec(c.max_requests, c.num_heads)
-        return {"norm_counters": TensorSpec(shape, dtype, zeroed=True)}
-
-    def bind(self, plan: DecodePlan, *, scratch: dict[str, Tensor], **tensors: Tensor) -> Binding:
-        check_binding(plan, scratch, self.scratch_specs(plan), **tensors)
-        return Binding(plan=plan, tensors=dict(tensors), scratch=dict(scratch))
 
     def plan(self, caps: Caps) -> DecodePlan:
         check_caps(caps)
@@ -309,7 +284,7 @@ class TritonBackend:
         launch_decode(
             *(t[name] for name in DECODE_TENSORS),
             lower_bound=p.caps.lower_bound, norm_eps=p.caps.norm_eps, scale=None,
-            block_v=p.block_v, num_warps=p.num_warps, counters=binding.scratch.get("norm_counters"),
+            block_v=p.block_v, num_warps=p.num_warps,
         )  # fmt: skip
 
     def prefill(self, **kwargs) -> None:

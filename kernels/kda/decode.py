@@ -2,10 +2,7 @@
 
 One program owns (request, head, V-block): it loads the entering state tile once, runs the request's T tokens
 in registers and stores every post-token state to its slot. With the whole V row in one program the gated
-RMSNorm is applied in-kernel. With a split V row each program stores its slice of the core output (bf16)
-and counts itself done on a per-(request, head) counter; the program that finds every other slice done
-(the last to arrive) reads the whole row back and normalizes it in place, then zeroes the counter for the
-next call. Without a counter buffer a second small kernel normalizes instead; both give the same bytes.
+RMSNorm is applied in-kernel; with a split V row a second small kernel normalizes the output in place.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ def _kda_decode_kernel(
     num_accepted,
     num_live,
     out,
-    counters,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -61,7 +57,6 @@ def _kda_decode_kernel(
     T: tl.constexpr,
     BV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
-    LAST_NORM: tl.constexpr,
 ):
     NV: tl.constexpr = V // BV
     pid = tl.program_id(0)
@@ -75,9 +70,14 @@ def _kda_decode_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
 
     live = tl.load(num_live)
-    # Clamp the read column so a dead row's stale num_accepted never indexes outside its row.
-    col = tl.minimum(tl.maximum(tl.load(num_accepted + r64) - 1, 0), T - 1)
-    src = tl.load(state_indices + r64 * stride_idx_r + col.to(tl.int64) * stride_idx_c).to(tl.int64)
+    if T == 1:
+        # A decode step reads column 0 whatever num_accepted says (the clamp below gives 0): one dependent
+        # load fewer before the state tile's, which at batch 1 is most of the kernel's time.
+        src = tl.load(state_indices + r64 * stride_idx_r).to(tl.int64)
+    else:
+        # Clamp the read column so a dead row's stale num_accepted never indexes outside its row.
+        col = tl.minimum(tl.maximum(tl.load(num_accepted + r64) - 1, 0), T - 1)
+        src = tl.load(state_indices + r64 * stride_idx_r + col.to(tl.int64) * stride_idx_c).to(tl.int64)
     if (r >= live) | (src == 0):
         # Padding row or null slot: output zero, no state read or written.
         for t in tl.static_range(T):
@@ -116,22 +116,6 @@ def _kda_decode_kernel(
         dst = tl.load(state_indices + r64 * stride_idx_r + t * stride_idx_c).to(tl.int64)
         if dst != 0:
             tl.store(state + dst * stride_slot + head_tile, S)
-    if LAST_NORM:
-        # Every slice of this (request, head)'s T rows is stored before the count (the barrier, then the
-        # release); the program that takes the count to NV acquires the others' slices and normalizes.
-        tl.debug_barrier()
-        cnt = counters + r64 * H + h64
-        if tl.atomic_add(cnt, 1, sem="acq_rel") == NV - 1:
-            o_e = tl.arange(0, V)
-            w_e = tl.load(norm_weight + o_e).to(tl.float32)
-            for t in tl.static_range(T):
-                row_t = r64 * T + t
-                p_o = out + row_t * stride_ot + h64 * stride_oh + o_e
-                o_t = tl.load(p_o, cache_modifier=".cg").to(tl.float32)
-                z_t = tl.load(z + row_t * stride_zt + h64 * stride_zh + o_e).to(tl.float32)
-                o_t = o_t * tl.rsqrt(tl.sum(o_t * o_t, 0) / V + norm_eps) * w_e * tl.sigmoid(z_t)
-                tl.store(p_o, o_t.to(out.dtype.element_ty))
-            tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
 @triton.jit
@@ -173,18 +157,15 @@ def default_launch(num_rows: int, num_heads: int, head_v_dim: int, tokens: int =
     return min(8, head_v_dim), 1
 
 
-def describe_launch(block_v: int, num_warps: int, head_v_dim: int, counters: bool = True) -> str:
-    """Which decode path a (block_v, num_warps) choice takes, in words (recorded in the plan); counters:
-    whether the split path has its norm counters (the backend binds them)."""
+def describe_launch(block_v: int, num_warps: int, head_v_dim: int) -> str:
+    """Which decode path a (block_v, num_warps) choice takes, in words (recorded in the plan)."""
     if block_v == head_v_dim:
         return f"fused: one program per (request, head) over the whole V row, {num_warps} warp(s), norm fused"
     tiles = head_v_dim // block_v
-    norm = (
-        "the last of them to finish a row applies the gated norm (1 launch)"
-        if counters
-        else "then the gated-norm kernel (2 launches)"
+    return (
+        f"split: {tiles} programs of {block_v} V rows per (request, head), {num_warps} warp(s), "
+        "then the gated-norm kernel (2 launches)"
     )
-    return f"split: {tiles} programs of {block_v} V rows per (request, head), {num_warps} warp(s); {norm}"
 
 
 def check_decode_args(
@@ -281,28 +262,22 @@ def launch_decode(
     scale: float | None,
     block_v: int | None = None,
     num_warps: int | None = None,
-    counters: Tensor | None = None,
 ) -> None:
-    """Launch without validation (the caller has run check_decode_args). Allocates nothing.
-
-    counters: int32 [≥ n·H], zero on entry (and left zero), for the split path's in-kernel norm (one launch;
-    see check_counters); None keeps the split path's second launch."""
+    """Launch without validation (the caller has run check_decode_args). Allocates nothing."""
     n, T = state_indices.shape
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     bv, nw = default_launch(n, H, V, T)
     bv, nw = block_v or bv, num_warps or nw
     fuse = bv == V
-    last = not fuse and counters is not None
     _kda_decode_kernel[(n * H * (V // bv),)](
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out,
-        counters if last else num_live,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), z.stride(0), z.stride(1),
         out.stride(0), out.stride(1), state.stride(0), state_indices.stride(0), state_indices.stride(1),
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
-        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, LAST_NORM=last, num_warps=nw,
+        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, num_warps=nw,
     )  # fmt: skip
-    if not fuse and not last:
+    if not fuse:
         _gated_rmsnorm_kernel[(n * T * H,)](
             out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
             H=H, V=V, num_warps=1,
@@ -328,34 +303,12 @@ def decode(
     lower_bound: float = -5.0,
     norm_eps: float = 1e-5,
     scale: float | None = None,
-    counters: Tensor | None = None,
 ) -> None:
     """KDA decode/verify (KDA.md §3) into `out`, updating `state` in place. See module docstring."""
-    n, _, H, _, _ = check_decode_args(
+    check_decode_args(
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out
     )
-    if counters is not None:
-        check_counters(counters, n, H, q.device)
     launch_decode(
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out,
-        lower_bound=lower_bound, norm_eps=norm_eps, scale=scale, counters=counters,
+        lower_bound=lower_bound, norm_eps=norm_eps, scale=scale,
     )  # fmt: skip
-
-
-def counters_spec(n: int, H: int) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of the split path's norm counters: one int32 per (request, head)."""
-    return (n * H,), torch.int32
-
-
-def check_counters(counters: Tensor, n: int, H: int, device: torch.device) -> None:
-    """The counters must be a contiguous int32 buffer of n·H entries on the decode's device, all zero: a
-    nonzero count would let a program normalize a row whose other slices are not yet written. Reads the
-    buffer on the host once (call it when binding, outside capture)."""
-    shape, dtype = counters_spec(n, H)
-    if counters.dtype != dtype or tuple(counters.shape) != shape or not counters.is_contiguous():
-        got = f"{counters.dtype} {tuple(counters.shape)}"
-        raise ValueError(f"counters must be contiguous {dtype} {shape}, got {got}")
-    if counters.device != device:
-        raise ValueError(f"counters is on {counters.device} but q is on {device}")
-    if bool(counters.ne(0).any()):
-        raise ValueError("counters must start zeroed (allocate them with torch.zeros)")

@@ -30,8 +30,7 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_serving_path_does_not_spi
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["kernels"]}
-    assert len(rows) == 13 and all(r["registers"] > 0 for r in rows.values())
+    assert len(rows) == 12 and all(r["registers"] > 0 for r in rows.values())
     for T in (1, 4):
-        for path in ("one launch", "two launches"):
-            split = rows[f"decode T={T} split, {path}"]
-            assert split["spill_stores"] == 0 and split["spill_loads"] == 0, split
+        split = rows[f"decode T={T} split"]  # the serving path at every batch (kernels/kda/decode.py)
+        assert split["spill_stores"] == 0 and split["spill_loads"] == 0, split

@@ -79,7 +79,7 @@ class KdaRuntime:
             plan = self.backend.plan(caps)
             if (n, T) not in self._scratch:  # allocated once per shape, reused by every layer
                 self._scratch[(n, T)] = {
-                    name: torch.zeros(sp.shape, dtype=sp.dtype, device=self.device)
+                    name: torch.empty(sp.shape, dtype=sp.dtype, device=self.device)
                     for name, sp in self.backend.scratch_specs(plan).items()
                 }
             rows, H, K = n * T, self.heads, self.head_dim
