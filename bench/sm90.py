@@ -11,7 +11,6 @@ modules use; ptxas is the one Triton ships.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -22,6 +21,8 @@ from collections.abc import Iterator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from bench._common import write_result  # noqa: E402
 
 H, K, V, BT, BC = 32, 128, 128, 64, 16
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
@@ -147,11 +148,9 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("bench/sm90.py compiles kernels: run it without TRITON_INTERPRET")
     rows = report(tuple(args.groups or CASES))
-    text = json.dumps({"target": "sm_90 (H200)", "kernels": rows}, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    target = {"arch": "sm_90a (H200)", "compiled_on": "the machine in provenance.device; no GPU needed"}
+    shapes = {"H": H, "K": K, "V": V, "chunk": BT, "sub_chunk": BC}
+    write_result({"bench": "sm90", "target": target, "shapes": shapes, "kernels": rows}, args.out, indent=1)
 
 
 if __name__ == "__main__":
