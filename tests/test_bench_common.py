@@ -92,5 +92,10 @@ def test_a_decode_step_must_read_every_used_weight_once_one_embedding_row_the_st
         kv_row = 2 * s.attn_kv_heads * s.attn_head_dim * m.embed.weight.element_size()  # K and V, model dtype
         assert need["kv"] == e.cfg.layer_pattern.count("A") * 10 * kv_row
         assert need["total"] == need["weights"] + need["kda_state"] + need["kv"]
+        # A step of 32 requests reads the weights once, but 32 embedding rows, states and KV histories.
+        wide = step_bytes(e, context_tokens=10, batch=32)
+        assert wide["weights"] == used + 32 * s.hidden * m.embed.weight.element_size()
+        assert wide["kda_state"] == 32 * need["kda_state"] and wide["kv"] == 32 * need["kv"]
+        assert wide["total"] == wide["weights"] + wide["kda_state"] + wide["kv"]
     finally:
         e.close()

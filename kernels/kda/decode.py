@@ -72,7 +72,8 @@ def _kda_decode_kernel(
     live = tl.load(num_live)
     if T == 1:
         # A decode step reads column 0 whatever num_accepted says (the clamp below gives 0): one dependent
-        # load fewer before the state tile's, which at batch 1 is most of the kernel's time.
+        # load fewer before the state tile's (batch 1 on the H200, 2026-12-04: 5.60 µs streamed against
+        # 5.65 the run before, within run-to-run noise).
         src = tl.load(state_indices + r64 * stride_idx_r).to(tl.int64)
     else:
         # Clamp the read column so a dead row's stale num_accepted never indexes outside its row.
@@ -144,6 +145,11 @@ def _gated_rmsnorm_kernel(
     tl.store(p_o, o.to(out.dtype.element_ty))
 
 
+# Tried and removed (H200, 2026-12-04, bench/results/kda-h200-2026-12-04-rejected-one-launch-norm.json):
+# the split path applying the gated norm in-kernel, by the last V-block of each (request, head) to count
+# itself done on an acq_rel counter, in one launch instead of two. It gave the same bytes at every batch,
+# but ran 5.57 µs streamed at batch 1 against 5.65 for two launches, and 1115.7 against 1072.4 at 1024
+# (the count and its barrier cost more than the second launch saves).
 DEFAULT_LAUNCH_WHY = (
     "one size for every batch: in the H200 sweep of 2026-11-30 (bench/kda.py --sweep, contenders timed "
     "in interleaved rounds) 8-row one-warp V tiles were fastest or within 1% at every "
