@@ -52,8 +52,7 @@ ROUNDS = 10
 # (The warp counts of the diagonal, off-diagonal and W/U passes were timed as variants on 2026-12-03,
 # bench/results/kda-prefill-h200-2026-12-03.json; the module's constants are the winners.)
 VARIANTS: dict[str, dict[str, object]] = {
-    # The off-diagonal pass spills 3 KB per thread at 2 warps and 64-wide K slices (bench/sm90.py); none at
-    # 16-wide slices (2 warps) or 32-wide ones at 4 warps.
+    # The off-diagonal pass in narrower K slices, and at 4 warps (slower on 2026-12-04: 8% and 14%).
     "ours_inter_bk_16": {"_INTER_BK": 16},
     "ours_inter_warps_4_bk_32": {"_INTER_WARPS": 4, "_INTER_BK": 32},
 }
