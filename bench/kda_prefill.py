@@ -55,6 +55,10 @@ VARIANTS: dict[str, dict[str, object]] = {
     # The off-diagonal pass in narrower K slices, and at 4 warps (slower on 2026-12-04: 8% and 14%).
     "ours_inter_bk_16": {"_INTER_BK": 16},
     "ours_inter_warps_4_bk_32": {"_INTER_WARPS": 4, "_INTER_BK": 32},
+    # The state pass's software pipeline holds 188 KB of shared memory at 3 stages (one program per SM);
+    # 2 stages hold 128 KB, 1 stage 36 KB (bench/sm90.py), room for more programs per SM, unpipelined.
+    "ours_state_stages_2": {"_STATE_STAGES": 2},
+    "ours_state_stages_1": {"_STATE_STAGES": 1},
 }
 
 

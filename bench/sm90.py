@@ -1,5 +1,6 @@
 """Compile our Triton kernels for an H200 (sm_90) on a machine without a GPU, and report what ptxas says
-about each: registers per thread, spill stores and loads, stack. Prints JSON; --out writes it too.
+about each: registers per thread, spill stores and loads, stack, and shared memory per program. Prints
+JSON; --out writes it too.
 
 The interpreter (TRITON_INTERPRET=1) runs a kernel's Python, not its compilation: a kernel that the
 interpreter runs can still fail to compile (a variable redefined with another shape inside an `if`), and a
@@ -38,8 +39,9 @@ def _ptxas() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], num_warps: int) -> str:
-    """The PTX of `fn` compiled for sm_90 (Triton's own pipeline through ptxas; raises on any error).
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], num_warps: int):
+    """`fn` compiled for sm_90 (Triton's own pipeline through ptxas; raises on any error): the compiled
+    kernel, whose .asm["ptx"] is its PTX and .metadata.shared its shared memory per program.
 
     Specialized as a launch would be: every pointer 16-byte aligned (torch's allocations and the views the
     callers pass are), and each integer argument named in ALIGNED_INTS divisible by 16, so the loads
@@ -54,7 +56,7 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], n
     aligned = [n for n, t in signature.items() if t.startswith("*") or n in ALIGNED_INTS]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def ptxas_report(ptx: str) -> dict[str, int]:
@@ -143,8 +145,9 @@ def report(which: tuple[str, ...] = tuple(CASES)) -> list[dict]:
     rows = []
     for group in which:
         for label, fn, sig, consts, warps in CASES[group]():
-            ptx = compile_sm90(fn, sig, consts, warps)
-            rows.append({"kernel": label, "num_warps": warps, **ptxas_report(ptx)})
+            k = compile_sm90(fn, sig, consts, warps)
+            row = {"kernel": label, "num_warps": warps, **ptxas_report(k.asm["ptx"])}
+            rows.append({**row, "shared_bytes": int(k.metadata.shared)})
     return rows
 
 

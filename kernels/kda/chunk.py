@@ -25,14 +25,15 @@ _GATE_BK, _GATE_WARPS, _STATE_WARPS = 32, 4, 4
 _WU_WARPS, _WU_DT, _AP_DT = 8, tl.bfloat16, tl.bfloat16
 # The state pass's V-block: None picks 32 when (sequences x heads x V/32) programs fit on the SMs at once,
 # else 64. Each V-block program rereads the chunk's W, Q̃, K̄ and P, and the chunk loop's pipelined loads
-# leave shared memory for one program per SM, so a second wave costs a whole pass: on the H200
-# (2026-12-03, bench/kda_prefill.py's shapes) 64 ran 8x1024 in 0.85 ms against 0.98 at 32 and 1x8192 at
-# H = 64 in 1.60 against 1.82, and 32 ran 1x8192 (H = 32) in 0.88 against 0.92. An int forces that width.
+# leave shared memory for one program per SM (188 KB at 32, 208 KB at 64: bench/sm90.py), so a second
+# wave costs a whole pass: on the H200 (2026-12-03, bench/kda_prefill.py's shapes) 64 ran 8x1024 in
+# 0.85 ms against 0.98 at 32 and 1x8192 at H = 64 in 1.60 against 1.82, and 32 ran 1x8192 (H = 32) in
+# 0.88 against 0.92. An int forces that width.
 _STATE_BV: int | None = None
 _STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop; None: Triton's default
 # The state pass's grid order: True launches the V-blocks of one (sequence, head) side by side, so the
 # programs that read the same chunk's W, Q̃, K̄ and P run at the same time (1-2% faster at 8x1024 and at
-# H = 64 than the sequence-first order on the H200, 2026-12-04).
+# H = 64 than the sequence-first order on the H200, 2026-12-04, in d5705b1's run).
 _STATE_VB_FIRST = True
 # The intra-chunk factors in two launches (kernels/kda/chunk_intra.py): a diagonal pass per 16-row
 # sub-chunk, then the off-diagonal blocks and the merged inverse per chunk in INTER_BK-wide K slices. On
