@@ -47,7 +47,7 @@ _STATE_VB_FIRST = True
 # offsets) and W/U into the off-diagonal pass (X applied from its 16x16 blocks) was measured and removed:
 # on the H200 (2026-12-04, d5705b1, bench/results/kda-prefill-h200-2026-12-04-rejected-fused-gate-wu.json)
 # the two passes took 693 and 549 µs at 1x8192 against 74 + 216 and 199 + 122 for the four launches here;
-# the diagonal pass computed every gate four times (twice the transcendental instructions) and the
+# the diagonal pass computed every gate four times (2.7 times the MUFU instructions) and the
 # off-diagonal one spilled (740 bytes per thread at 2 warps, ptxas through bench/sm90.py). In 16-wide K
 # slices, or at 4 warps in 32-wide ones, the prefill ran 8% and 14% slower at 1x8192 (2026-12-04, 8a7ccd3).
 _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
