@@ -59,6 +59,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     # 2 stages hold 128 KB, 1 stage 36 KB (bench/sm90.py), room for more programs per SM, unpipelined.
     "ours_state_stages_2": {"_STATE_STAGES": 2},
     "ours_state_stages_1": {"_STATE_STAGES": 1},
+    # Unpipelined 32-wide blocks fit two programs per SM (36 KB of shared memory, 139 registers): at H = 64
+    # that is 256 programs in one wave.
+    "ours_state_stages_1_bv_32": {"_STATE_STAGES": 1, "_STATE_BV": 32},
 }
 
 
