@@ -49,12 +49,10 @@ SHAPES = ((1, 8192, 32), (8, 1024, 32), (1, 32768, 32), (1, 8192, 64))
 INPUTS = ("q", "k", "v", "a", "b", "z", "A_log", "dt_bias", "w", "h0")
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
-# (The warp counts of the diagonal, off-diagonal and W/U passes were timed as variants on 2026-12-03,
-# bench/results/kda-prefill-h200-2026-12-03.json; the module's constants are the winners.)
+# (Timed before and beaten by the module's constants: the warp counts of the diagonal, off-diagonal and
+# W/U passes on 2026-12-03, bench/results/kda-prefill-h200-2026-12-03.json; the off-diagonal pass in 16-wide
+# K slices, and at 4 warps in 32-wide ones, on 2026-12-04, bench/results/kda-prefill-h200-2026-12-04.json.)
 VARIANTS: dict[str, dict[str, object]] = {
-    # The off-diagonal pass in narrower K slices, and at 4 warps (slower on 2026-12-04: 8% and 14%).
-    "ours_inter_bk_16": {"_INTER_BK": 16},
-    "ours_inter_warps_4_bk_32": {"_INTER_WARPS": 4, "_INTER_BK": 32},
     # The state pass's software pipeline holds 188 KB of shared memory at 3 stages (one program per SM);
     # 2 stages hold 128 KB, 1 stage 36 KB (bench/sm90.py), room for more programs per SM, unpipelined.
     "ours_state_stages_2": {"_STATE_STAGES": 2},
