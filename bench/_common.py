@@ -111,10 +111,12 @@ def provenance(argv: list[str] | None = None) -> dict[str, object]:
     }
 
 
-def write_result(result: dict, out: str | None, *, indent: int = 2) -> None:
-    """Print `result`, headed by its provenance, as JSON; with `out`, write the same text there."""
+def write_result(result: dict, out: str | None, *, indent: int = 2, echo: bool = True) -> None:
+    """Print `result`, headed by its provenance, as JSON; with `out`, write the same text there. echo=False
+    writes `out` only (a partial result rewritten as a run goes, printed once at its end)."""
     text = json.dumps({"provenance": provenance(), **result}, indent=indent, default=str)
-    print(text)
+    if echo:
+        print(text)
     if out:
         folder = os.path.dirname(out)
         if folder:

@@ -273,8 +273,9 @@ def main() -> None:
         rows.append(bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"]))
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
         # Written after every shape, so a run cut short by its caller's time limit keeps what it measured
-        # (`complete` says whether every shape is in).
-        write_result({**result, "complete": len(rows) == len(SHAPES)}, args.out, indent=1)
+        # (`complete` says whether every shape is in); printed once, at the end.
+        done = len(rows) == len(SHAPES)
+        write_result({**result, "complete": done}, args.out, indent=1, echo=done)
 
 
 if __name__ == "__main__":

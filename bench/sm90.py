@@ -99,11 +99,9 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         yield f"decode T={T} split", dm._kda_decode_kernel, sig, c, warps
         c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True)
         yield f"decode T={T} fused row", dm._kda_decode_kernel, sig, c, 4
-    yield "decode gated norm", dm._gated_rmsnorm_kernel, _NORM_SIG, dict(H=H, V=V), 1
-
-
-_NORM_SIG = {"out": BF16, "z": BF16, "norm_weight": F32, "stride_ot": "i32", "stride_oh": "i32"}
-_NORM_SIG.update(stride_zt="i32", stride_zh="i32", norm_eps="fp32")
+    norm = {"out": BF16, "z": BF16, "norm_weight": F32, "stride_ot": "i32", "stride_oh": "i32"}
+    norm.update(stride_zt="i32", stride_zh="i32", norm_eps="fp32")
+    yield "decode gated norm", dm._gated_rmsnorm_kernel, norm, dict(H=H, V=V), 1
 
 
 def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:

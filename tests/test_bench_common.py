@@ -57,6 +57,15 @@ def test_a_written_result_is_headed_by_its_provenance(tmp_path: Path, monkeypatc
     assert set(prov["versions"]) == {"python", "torch", "triton", "fla", "b12x"}
 
 
+def test_a_partial_result_is_written_without_being_printed(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "r.json"
+    write_result({"x": 1, "complete": False}, str(out), echo=False)
+    assert capsys.readouterr().out == ""
+    assert json.loads(out.read_text())["complete"] is False
+    write_result({"x": 1, "complete": True}, str(out))
+    assert json.loads(capsys.readouterr().out)["complete"] is True
+
+
 def test_provenance_takes_the_commit_from_bench_commit_before_any_enclosing_checkout(monkeypatch) -> None:
     # On the GPU machine the tree is a copy inside another checkout, whose HEAD is not this code's.
     monkeypatch.setattr(

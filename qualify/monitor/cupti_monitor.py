@@ -491,7 +491,6 @@ class RawBuffers:
             self.REQ(self._requested),
             self.DONE(self._completed),
         )  # referenced: never freed
-        self.path = path
 
     @staticmethod
     def _loaded_library() -> str:
