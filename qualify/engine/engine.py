@@ -69,8 +69,10 @@ def code_digest() -> str:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, dcp=None):
-        """dcp: this process's DcpGroup when the DCP shards run one per rank (qualify/engine/dcp.py)."""
+    def __init__(self, cfg: EngineConfig, dcp=None, weights: bool = True):
+        """dcp: this process's DcpGroup when the DCP shards run one per rank (qualify/engine/dcp.py).
+        weights False: the parameters are left as allocated, never loaded or hashed (the warm step's
+        recording pass, which needs their shapes and addresses, not their values: precompile.py)."""
         t0 = time.perf_counter()
         # Seconds per step of construction, each since the one before (the engine's log names them).
         self.boot_phases: dict[str, float] = {}
@@ -94,6 +96,7 @@ class Engine:
         self._phase("backend_import")
         self.layout = plan_layout(cfg.layer_pattern, cfg.group_size, cfg.block_size, cfg.dcp_size)
         self.allocations = []
+        self._load_weights = weights
         try:
             self._build(cfg)
         except BaseException:
@@ -128,10 +131,13 @@ class Engine:
                 else:
                     mixer.attach(self.attn_rt, alloc.views[(layer, "k")], alloc.views[(layer, "v")])
         self._phase("runtimes")
-        self.weights_path = ensure_weights(self.model, cfg)
-        self._phase("weights")
-        self.weights_digest = snapshot(self.model).digest
-        self._phase("weights_digest")
+        self.weights_path: Path | None = None
+        self.weights_digest: str | None = None
+        if self._load_weights:
+            self.weights_path = ensure_weights(self.model, cfg)
+            self._phase("weights")
+            self.weights_digest = snapshot(self.model).digest
+            self._phase("weights_digest")
         self.counters = Counters()
         self.runner = Runner(cfg, self.model, self.arena, self.device, self.counters)
         self._phase("runner")
