@@ -332,6 +332,18 @@ def _config(args: argparse.Namespace):
         _fail(f"cannot read --config: {e}")
 
 
+def _cpu_threads(cfg) -> None:
+    """A CPU engine process computes with one intra-op thread unless its environment sets OMP_NUM_THREADS:
+    the CPU presets' ops are far too small for threads to pay for themselves (one tiny-preset completion
+    of 6 prompts x 12 tokens: 2.0 s with torch's 2 threads, 0.44 s with 1, on the 2-core machine with
+    other work beside it), and the harness runs several engine processes side by side."""
+    if cfg.device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _build_engine(args: argparse.Namespace, cfg, group=None, weights: bool = True):
     """The Engine of `cfg` (refused with one line, exit 2), checked against the launch document."""
     from .engine import Engine, EngineConfigError
@@ -397,6 +409,7 @@ def _serve(args: argparse.Namespace) -> None:
     except ValueError as e:
         _fail(str(e))
     cfg = _config(args)
+    _cpu_threads(cfg)
     group = followers = lockstep = None
     if cfg.dcp_ranks > 1:
         from .dcp import DcpGroup
@@ -502,6 +515,7 @@ def follow_rank(args: argparse.Namespace) -> None:
     from .server import VERBS
 
     cfg = EngineConfig(**_config_fields(args))
+    _cpu_threads(cfg)
     group = DcpGroup(args.dcp_rank, cfg.dcp_ranks)
     engine = Engine(cfg, dcp=group)
     done = threading.Event()
@@ -536,7 +550,7 @@ def room_reason(param_bytes: int, totals: list[int], factor: float) -> str | Non
     visible GPU holds less than `factor` x the weights (both engines, their caches and workspaces)."""
     if totals and min(totals) < factor * param_bytes:
         return (
-            f"no warm step: the weights ({param_bytes / 2**30:.1f} GiB) leave no room for a second engine "
+            f"no room: the weights ({param_bytes / 2**30:.1f} GiB) leave no room for a second engine "
             f"beside the engine under test on a {min(totals) / 2**30:.0f} GiB GPU"
         )
     return None

@@ -125,14 +125,20 @@ def seeded_layout(
     for name in order:
         shape, dtype = params[name]
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)
     return len(text).to_bytes(8, "little") + text, order
 
 
-def write_seeded(model: nn.Module, seed: int, out: BinaryIO, device: torch.device, metadata: dict[str, str]) -> int:
+def write_seeded(
+    model: nn.Module, seed: int, out: BinaryIO, device: torch.device, metadata: dict[str, str]
+) -> int:
     """Write the seeded weights file of `model`'s parameters (shapes and dtypes only: it may live on the
     meta device) to `out` as it is generated, one parameter at a time on `device`: the bytes `save` writes
     for `generate(model, seed)` on `device`, without holding the file in memory or writing it twice
