@@ -184,6 +184,7 @@ def _fresh_host(phases: dict, kc: dict) -> dict:
             "compiled_itself_kernels": (given.get("compiled_itself") or {}).get("kernels"),
         }
     return {
+        "harness_before_boot_s": phases.get("harness_before_boot"),
         "weights_seeding_step_s": phases.get("prepare_weights_seeding_step_s"),
         "weights_kept_after_step_s": phases.get("prepare_weights_kept_after_step_s"),
         "prepare_s": phases.get("prepare"),

@@ -371,6 +371,12 @@ def run(ctx: Context) -> Outcome:
     # Where boot's time went (cumulative marks of prepare_launch, then each step's own seconds): what a
     # faster qualification starts from (bench/qualify_run.py reports them).
     evidence["phases"] = {
+        # the harness's seconds from its process's start to this check (imports, the run dir, watchers)
+        **(
+            {"harness_before_boot": ctx.facts["before_first_check_s"]}
+            if "before_first_check_s" in ctx.facts
+            else {}
+        ),
         **{f"prepare_{k}_at": v for k, v in (ctx.facts.get("boot_phases") or {}).items()},
         # durations inside the weights mark: the sandboxed seeding step, the harness's copy and hash
         **{f"prepare_weights_{k}_s": v for k, v in getattr(ctx.launcher, "weights_phases", {}).items()},
