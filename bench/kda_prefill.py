@@ -49,16 +49,19 @@ SHAPES = ((1, 8192, 32), (8, 1024, 32), (1, 32768, 32), (1, 8192, 64))
 INPUTS = ("q", "k", "v", "a", "b", "z", "A_log", "dt_bias", "w", "h0")
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
-# (Timed before and beaten by the module's constants: the warp counts of the diagonal, off-diagonal and
-# W/U passes on 2026-12-03, bench/results/kda-prefill-h200-2026-12-03.json; the off-diagonal pass in 16-wide
-# K slices, and at 4 warps in 32-wide ones, on 2026-12-04, bench/results/kda-prefill-h200-2026-12-04.json.)
+# (Timed before and beaten by the module's constants of their day: the warp counts of the diagonal,
+# off-diagonal and W/U passes on 2026-12-03, bench/results/kda-prefill-h200-2026-12-03.json; the
+# off-diagonal pass in 16-wide K slices, and at 4 warps in 32-wide ones, on 2026-12-04,
+# bench/results/kda-prefill-h200-2026-12-04.json. Those launches were replaced by the one intra-chunk launch.)
 VARIANTS: dict[str, dict[str, object]] = {
-    # The state pass's software pipeline holds 188 KB of shared memory at 3 stages (one program per SM);
-    # 2 stages hold 128 KB, 1 stage 36 KB (bench/sm90.py), room for more programs per SM, unpipelined.
+    # The intra-chunk launch's K slice and warps (bench/sm90.py: 254 registers at 32-wide slices and 4
+    # warps, 234 at 16; 211 and 172 at 8 warps; none spills).
+    "ours_intra_bk16": {"_INTRA_BK": 16},
+    "ours_intra_w8": {"_INTRA_WARPS": 8},
+    "ours_intra_bk16_w8": {"_INTRA_BK": 16, "_INTRA_WARPS": 8},
+    # The state pass's software pipeline at 2 stages for both widths (147 KB at 32-wide blocks, against
+    # 225 KB at the default 3), and unpipelined 32-wide blocks (37 KB: several programs per SM).
     "ours_state_stages_2": {"_STATE_STAGES": 2},
-    "ours_state_stages_1": {"_STATE_STAGES": 1},
-    # Unpipelined 32-wide blocks fit two programs per SM (36 KB of shared memory, 139 registers): at H = 64
-    # that is 256 programs in one wave.
     "ours_state_stages_1_bv_32": {"_STATE_STAGES": 1, "_STATE_BV": 32},
 }
 
@@ -139,7 +142,8 @@ def _inputs(nseq: int, seqlen: int, H: int) -> dict[str, torch.Tensor]:
 def _ours(x: dict[str, torch.Tensor]) -> Callable[[], None]:
     tot, H = x["q"].shape[0], x["q"].shape[1]
     scratch = {
-        m: torch.empty(s, dtype=d, device="cuda") for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
+        m: torch.empty(s, dtype=d, device="cuda")
+        for m, (s, d) in prefill_scratch_specs(tot, H, K, V, max_chunks=x["idx"].shape[0]).items()
     }
     names = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "z", "w", "pool", "cu", "slots", "has", "idx")
     args = [x[n] for n in names] + [x["offs"], x["nc"], x["out"]]
