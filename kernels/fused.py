@@ -208,6 +208,7 @@ def _linear_body(
     tile = pid // SPLIT
     ks = pid % SPLIT
     KS: tl.constexpr = (K + SPLIT * BK - 1) // (SPLIT * BK) * BK  # columns per split, whole BK steps
+    PBK: tl.constexpr = 16384 // BM if 16384 // BM < K else BK  # the head's first pass: columns per chunk
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
@@ -222,9 +223,10 @@ def _linear_body(
     sq = tl.zeros([BM], dtype=tl.float32)
     write_s = tile == 0
     rstd = tl.zeros([BM], dtype=tl.float32)
-    if PRO == 4:  # a first pass over the whole row (L2-resident) for its 1/rms
-        for kb in range(0, K, BK):
-            k = kb + kk
+    if PRO == 4:  # a first pass over the whole row (L2-resident) for its 1/rms, in wide chunks: a loop
+        # without a dot is not software-pipelined, so each chunk is a round trip
+        for kb in range(0, K, PBK):
+            k = kb + tl.arange(0, PBK)
             xmask = (m[:, None] < M) & (k[None, :] < K)
             sx = tl.load(x + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
             sr = tl.load(res + m[:, None] * stride_r + k[None, :], mask=xmask, other=0.0).to(tl.float32)

@@ -156,10 +156,12 @@ def test_split_k_sums_its_partials_in_order_and_leaves_the_counters_zero(K, spli
     assert not fused_mod._COUNTERS[x.device].any()
 
 
-@pytest.mark.parametrize("dtype,M", [(torch.float32, 1), (torch.float32, 20), (_F16, 3)])
-def test_norm_head_equals_the_add_the_norm_and_the_fp32_head(dtype, M):
+@pytest.mark.parametrize("dtype,M,K", [(torch.float32, 1, 256), (torch.float32, 20, 2048), (_F16, 3, 1536)])
+def test_norm_head_equals_the_add_the_norm_and_the_fp32_head(dtype, M, K):
+    # K 2048 and 1536: the first pass over the row in more than one chunk (1024 columns at a 16-row tile,
+    # 512 at 32), the last one partly past K
     gen = torch.Generator().manual_seed(M)
-    V, K = 40, 256
+    V = 40
     x, r = (torch.randn(M, K, generator=gen).to(dtype) for _ in range(2))
     g = (torch.rand(K, generator=gen) + 0.5).to(dtype)
     w = torch.randn(V, K, generator=gen).to(dtype)
