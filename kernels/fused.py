@@ -1,7 +1,10 @@
 """Triton kernels for the decoder's glue around the GEMMs and the KDA core, one launch where eager torch
-launches many (docs/KDA.md, "Decode step"): RMSNorm with the residual add, SiLU-and-multiply, the KDA
-short convolution of a decode step, RoPE with the paged K/V write, the selector's key pooling and top-k
-group selection, the selected-rows attention, and a projection kernel for decode-sized inputs.
+launches many (docs/KDA.md, "Decode step"): a projection kernel for decode-sized inputs, alone or with
+the RMSNorm (and residual add) or the SiLU-and-multiply that feeds it folded into its prologue, and the
+step's end (last add, final norm, fp32 LM head) as one such launch; RMSNorm with the residual add and
+SiLU-and-multiply alone; the KDA short convolution of a decode step with the two gate projections; RoPE
+with the paged K/V write; the selector's key pooling and top-k group selection; the selected-rows
+attention. On sm_90 they launch with programmatic dependent launch.
 
 Each kernel has a torch reference: the `*_reference` functions here are the ops an engine without the
 fused glue runs (qualify/engine/model calls them), the others are checked against the model's own torch
@@ -89,7 +92,7 @@ SMALL_SHAPES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (4096, 8192): (32, 256, 4, 4, 1),  # 1.13x / 1.10x cuBLAS at 1 / 32 rows (MLP down)
     (4096, 4096): (32, 256, 4, 3, 1),  # 1.29x / 1.09x (KDA out_proj, attention o_proj)
     (12576, 4096): (32, 128, 4, 4, 1),  # 1.06x / 1.03x (KDA in_proj)
-    (16384, 4096): (32, 128, 4, 4, 1),  # 0.98x / 0.97x, with the norm folded in (MLP gate_up)
+    (16384, 4096): (32, 128, 4, 4, 1),  # 0.98x / 0.97x alone; served for the fold (MLP gate_up)
 }
 _BN, _BK, _WARPS, _STAGES, _SPLIT = 32, 256, 4, 4, 1  # any other shape asked for directly (tests, sweeps)
 # Split-K's per-tile arrival counters: one int32 per column tile, zero between launches (the last program
