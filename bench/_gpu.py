@@ -59,10 +59,13 @@ def time_contenders(
             graphs[label] = capture(fn)
         except Exception as e:  # a peer that cannot run or capture is reported, not dropped
             failed[label] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-    for g in graphs.values():
-        for _ in range(3):
-            g.replay()
-    torch.cuda.synchronize()
+    for label, g in graphs.items():
+        try:
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+        except Exception as e:  # a fault poisons the context: say which contender's graph it was
+            raise RuntimeError(f"contender {label!r} faulted on graph replay: {e}") from e
 
     def measure(label: str) -> dict[str, list[float]]:
         g = graphs[label]

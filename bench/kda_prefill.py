@@ -194,7 +194,16 @@ def _io_floor(nseq: int, seqlen: int, H: int, copy_TBps: float | None) -> dict:
     return floor
 
 
-def bench_shape(nseq: int, seqlen: int, H: int, fla, *, breakdown: bool, copy_TBps: float | None) -> dict:
+def bench_shape(
+    nseq: int,
+    seqlen: int,
+    H: int,
+    fla,
+    *,
+    breakdown: bool,
+    copy_TBps: float | None,
+    exclude: frozenset[str] = frozenset(),
+) -> dict:
     x = _inputs(nseq, seqlen, H)
     saved = {n: x[n].clone() for n in INPUTS}
     ours = _ours(x)
@@ -205,6 +214,7 @@ def bench_shape(nseq: int, seqlen: int, H: int, fla, *, breakdown: bool, copy_TB
         calls["fla+norm"] = _fla_call(fla, x, norm=True, use_graph=False)
         calls["fla+norm(use_graph)"] = _fla_call(fla, x, norm=True, use_graph=True)
         calls["fla"] = _fla_call(fla, x, norm=False, use_graph=False)
+    calls = {k: fn for k, fn in calls.items() if k not in exclude}
     modified: dict[str, list[str]] = {}
     for label in ("ours", "fla+norm", "fla+norm(use_graph)", "fla"):
         if label in calls:
@@ -248,7 +258,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's per-kernel split")
+    ap.add_argument("--exclude", default="", help="comma-separated contenders not to run (recorded)")
     args = ap.parse_args()
+    exclude = frozenset(x for x in args.exclude.split(",") if x)
     if not torch.cuda.is_available():
         sys.exit("bench/kda_prefill.py needs a CUDA device")
     try:
@@ -269,12 +281,15 @@ def main() -> None:
         "work": "ours: gate, beta sigmoid, L2 norm, chunked recurrence and gated RMSNorm into a pool slot; "
         "fla+norm: the same in chunk_kda plus our gated RMSNorm kernel; fla: chunk_kda alone",
         "variants": {k: {n: str(v) for n, v in s.items()} for k, s in VARIANTS.items()},
+        "excluded": sorted(exclude),
         "peer": why,
         "timing": TIMING.format(rounds=ROUNDS, streamed=5).replace("us", "ms") + "; figures in ms",
         "prefill": rows,
     }
     for n, s, h in SHAPES:
-        rows.append(bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"]))
+        rows.append(
+            bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"], exclude=exclude)
+        )
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
         # Written after every shape, so a run cut short by its caller's time limit keeps what it measured
         # (`complete` says whether every shape is in); printed once, at the end.
