@@ -45,8 +45,11 @@ from kernels.kda.chunk import prefill_scratch_specs  # noqa: E402
 K, V = 128, 128
 # (sequences, tokens per sequence, heads)
 SHAPES = ((1, 8192, 32), (8, 1024, 32), (1, 32768, 32), (1, 8192, 64))
-# The tensors a prefill reads (checked for in-place writes by every contender).
+# The tensors a prefill reads (checked for in-place writes by every contender): the data, and the sequence
+# and chunk metadata (ours: idx, offs, nc, cu, slots, has; fla: cu_long), which a contender writing past its
+# own buffers could also change under another's feet.
 INPUTS = ("q", "k", "v", "a", "b", "z", "A_log", "dt_bias", "w", "h0")
+INPUTS += ("idx", "offs", "nc", "cu", "cu_long", "slots", "has")
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
 # (Timed before and beaten by the module's constants of their day: the warp counts of the diagonal,

@@ -44,16 +44,14 @@ def compile_sm90(
     signature: dict[str, str],
     constexprs: dict[str, object],
     num_warps: int,
-    num_stages: int = 3,
-    aligned_ints: tuple[str, ...] = (),
+    num_stages: int | None = None,
 ):
     """`fn` compiled for sm_90 (Triton's own pipeline through ptxas; raises on any error): the compiled
     kernel, whose .asm["ptx"] is its PTX and .metadata.shared its shared memory per program.
 
     Specialized as a launch would be: every pointer 16-byte aligned (torch's allocations and the views the
-    callers pass are), and each integer argument named in ALIGNED_INTS or aligned_ints divisible by 16,
-    so the loads vectorize, and the loops pipeline, as they do on the device (a projection's weight loads
-    are software-pipelined only when its strides are known multiples of 16)."""
+    callers pass are), and each integer argument named in ALIGNED_INTS divisible by 16, so the loads
+    vectorize as they do on the device."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -61,11 +59,10 @@ def compile_sm90(
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
     names = fn.arg_names
-    ints = ALIGNED_INTS | set(aligned_ints)
-    aligned = [n for n, t in signature.items() if t.startswith("*") or n in ints]
+    aligned = [n for n, t in signature.items() if t.startswith("*") or n in ALIGNED_INTS]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
+    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -133,110 +130,25 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     for bv in (32, 64):
         c = dict(H=H, K=K, V=V, BT=BT, BV=bv, WHILE_LOOP=False, DT=tl.bfloat16, VB_FIRST=ch._STATE_VB_FIRST)
         stages = ch._STATE_STAGES or ch._STATE_STAGES_BY_BV.get(bv, 2)
-        yield f"prefill state pass BV={bv}", ch._state_kernel, state, c, ch._STATE_WARPS, (stages, ())
+        yield f"prefill state pass BV={bv}", ch._state_kernel, state, c, (ch._STATE_WARPS, stages)
     norm = {"out": BF16, "z": BF16, "weight": F32, "cu_seqlens": I32, "n_seqs": "i32", "eps": "fp32"}
     norm["rows_cap"] = "i32"
     yield "prefill gated norm", ch._gated_norm_kernel, norm, dict(H=H, V=V, ROWS=16), 4
 
 
-def _sig(fn, constexprs: dict, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> dict[str, str]:
-    """fn's runtime arguments: the named pointers, fp32 for `floats`, i32 for every other one."""
-    return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in constexprs}
-
-
-def _fused_cases() -> Iterator[tuple]:
-    """kernels/fused.py at the proxy preset's shapes (hidden 4096, MLP 8192, KDA 32 x 128, GQA 32/4 x 128,
-    a 2304-token block over 4 DCP shards, 64-token selector groups, top 16), each projection with the
-    launch shape the module's table gives it, at a 1-request (16-row tile) and a 32-row step, PDL on."""
-    from kernels import fused as fu
-
-    hid, mlp, hk, vocab = 4096, 8192, H * K, 260
-    lin_ptrs = {n: BF16 for n in ("x", "w", "y", "res", "g", "s_out")} | {"part": F32, "counters": I32}
-    strides = ("N", "stride_x", "stride_w", "stride_y", "stride_r", "stride_s")
-    projections = [
-        ("in_proj, norm and add", 3 * hk + H + 2 * K, hid, fu._NORM_ADD, None),
-        ("in_proj, norm", 3 * hk + H + 2 * K, hid, fu._NORM, None),
-        ("gate_up, norm and add", 2 * mlp, hid, fu._NORM_ADD, None),
-        ("down, silu_mul", hid, mlp, fu._SILU_MUL, None),
-        ("out_proj / o_proj", hid, hk, fu._PLAIN, None),
-        ("out_proj / o_proj, split 4", hid, hk, fu._PLAIN, (32, 256, 4, 3, 4)),
-        ("LM head, add and norm", vocab, hid, fu._NORM_ADD_EXACT, fu.HEAD_SHAPE),
-    ]
-    kernels = {fu._PLAIN: fu._linear_small_kernel, fu._SILU_MUL: fu._silu_mul_linear_kernel}
-    kernels |= {fu._NORM: fu._rmsnorm_linear_kernel, fu._NORM_ADD: fu._rmsnorm_linear_kernel}
-    kernels[fu._NORM_ADD_EXACT] = fu._norm_head_kernel
-    for label, N, Kd, pro, config in projections:
-        fn = kernels[pro]
-        BN, BK, warps, stages, split = fu.launch_shape(N, Kd, config)
-        for BM in (16, 32):
-            c = dict(K=Kd, BM=BM, BN=BN, BK=BK, EVEN=N % BN == 0 and Kd % (split * BK) == 0, PRO=pro)
-            c.update(SPLIT=split, PDL=True, PF=fu.prefetch_lines(BK))
-            sig = _sig(fn, c, lin_ptrs, ("eps",))
-            if pro == fu._NORM_ADD_EXACT:
-                sig["y"] = F32  # fp32 logits; a 260-column row is no multiple of 16
-            aligned = tuple(n for n in strides if pro != fu._NORM_ADD_EXACT or n not in ("N", "stride_y"))
-            yield f"linear {label} BM={BM}", fn, sig, c, warps, (stages, aligned)
-    c = dict(HAS_RES=True, BD=hid, PDL=True)
-    sig = _sig(fu._rmsnorm_kernel, c, dict.fromkeys(("x", "res", "w", "y", "s"), BF16), ("eps",))
-    yield (
-        "rmsnorm + add",
-        fu._rmsnorm_kernel,
-        sig,
-        c,
-        8,
-        (1, ("stride_x", "stride_r", "stride_y", "stride_s", "D")),
-    )
-    c = dict(BLOCK=1024, PDL=True)
-    sig = _sig(fu._silu_mul_kernel, c, {"gu": BF16, "out": BF16})
-    yield "silu_mul", fu._silu_mul_kernel, sig, c, 4, (1, ("stride_g", "stride_o", "inner"))
-    conv_ptrs = dict.fromkeys(
-        ("x", "conv_state", "weight", "out", "b_out", "f_b", "g_b", "a_out", "z_out"), BF16
-    )
-    conv_ptrs |= {"slots": I32, "num_accepted": I32}
-    for T in (1, 4):
-        c = dict(T=T, W=4, BC=128, BWIN=fu._next_pow2(3 + T), BH=H, GATES=True, GK=K, BG=64, BMG=16)
-        c.update(FP32=False, PDL=True)
-        aligned = ("stride_x", "stride_s0", "stride_o", "stride_b", "stride_a", "stride_z", "C", "HK")
-        sig = _sig(fu._conv_gates_decode_kernel, c, conv_ptrs)
-        yield f"conv + gates T={T}", fu._conv_gates_decode_kernel, sig, c, 4, (1, aligned)
-    paged = ("span", "block_size")
-    c = dict(D=128, PDL=True)
-    ptrs = {"qkv": BF16, "positions": I32, "cos": F32, "sin": F32, "block_tables": I32, "k_cache": BF16}
-    ptrs |= {"v_cache": BF16, "q_out": BF16}
-    sig = _sig(fu._rope_kv_kernel, c, ptrs)
-    yield "rope + paged K/V write", fu._rope_kv_kernel, sig, c, 1, (1, ("stride_t", "HQ", *paged))
-    c = dict(D=128, BP=64, PDL=True)
-    ptrs = {"k_cache": BF16, "block_tables": I32, "seq_lens": I32, "pooled": F32}
-    sig = _sig(fu._pool_kernel, c, ptrs)
-    yield "selector key pooling", fu._pool_kernel, sig, c, 4, (1, ("G", "max_len", "pool", *paged))
-    c = dict(KVH=4, TOPK=16, K=16, GQ=8, D=128, BGR=64, BT=16, RANK=True, PDL=True)
-    sig = _sig(fu._select_kernel, c, {"q": BF16, "positions": I32, "pooled": F32, "rows": I32}, ("scale",))
-    yield "selector top-k by rank", fu._select_kernel, sig, c, 4, (1, ("stride_rows", "HQ", "G", "pool"))
-    c = dict(GQ=8, BG=16, D=128, BL=64, BT=16, FP32=False, PDL=True)
-    ptrs = {"q": BF16, "positions": I32, "k_cache": BF16, "v_cache": BF16, "block_tables": I32}
-    ptrs |= {"seq_lens": I32, "rows": I32, "out": BF16}
-    sig = _sig(fu._attn_decode_kernel, c, ptrs, ("scale",))
-    yield (
-        "selected-rows attention",
-        fu._attn_decode_kernel,
-        sig,
-        c,
-        4,
-        (1, ("HQ", "G", "max_len", "pool", *paged)),
-    )
-
-
-CASES = {"decode": _decode_cases, "prefill": _prefill_cases, "fused": _fused_cases}
+CASES = {"decode": _decode_cases, "prefill": _prefill_cases}
 
 
 def report(which: tuple[str, ...] = tuple(CASES)) -> list[dict]:
     rows = []
     for group in which:
-        for label, fn, sig, consts, warps, *launch in CASES[group]():
-            stages, aligned = launch[0] if launch else (3, ())  # the fused and state-pass cases name both
-            k = compile_sm90(fn, sig, consts, warps, stages, aligned)
-            row = {"kernel": label, "group": group, "num_warps": warps, "num_stages": stages}
-            rows.append({**row, **ptxas_report(k.asm["ptx"]), "shared_bytes": int(k.metadata.shared)})
+        for label, fn, sig, consts, launch in CASES[group]():
+            warps, stages = launch if isinstance(launch, tuple) else (launch, None)
+            k = compile_sm90(fn, sig, consts, warps, stages)
+            row = {"kernel": label, "num_warps": warps, **ptxas_report(k.asm["ptx"])}
+            if stages is not None:
+                row["num_stages"] = stages
+            rows.append({**row, "shared_bytes": int(k.metadata.shared)})
     return rows
 
 

@@ -1,10 +1,7 @@
 """Triton kernels for the decoder's glue around the GEMMs and the KDA core, one launch where eager torch
-launches many (docs/KDA.md, "Decode step"): a projection kernel for decode-sized inputs, alone or with
-the RMSNorm (and residual add) or the SiLU-and-multiply that feeds it folded into its prologue, and the
-step's end (last add, final norm, fp32 LM head) as one such launch; RMSNorm with the residual add and
-SiLU-and-multiply alone; the KDA short convolution of a decode step with the two gate projections; RoPE
-with the paged K/V write; the selector's key pooling and top-k group selection; the selected-rows
-attention. On sm_90 they launch with programmatic dependent launch.
+launches many (docs/KDA.md, "Decode step"): RMSNorm with the residual add, SiLU-and-multiply, the KDA
+short convolution of a decode step, RoPE with the paged K/V write, the selector's key pooling and top-k
+group selection, the selected-rows attention, and a projection kernel for decode-sized inputs.
 
 Each kernel has a torch reference: the `*_reference` functions here are the ops an engine without the
 fused glue runs (qualify/engine/model calls them), the others are checked against the model's own torch
@@ -21,468 +18,99 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-# ------------------------------------------------------------------ programmatic dependent launch
-
-# On sm_90 and later the kernels here launch with programmatic dependent launch (PDL): a kernel's programs
-# may be scheduled while the kernel before it in the stream is finishing, and each one waits
-# (griddepcontrol.wait) for that kernel's completion and memory before it reads or writes anything a step
-# produces. Only weights, which no kernel of a step writes, are touched before the wait: a projection pulls
-# its first weight lines into L2 there. Each kernel lets the next one launch
-# (griddepcontrol.launch_dependents) once past its own wait: after the main loop in a projection, at the
-# start elsewhere. A kernel launched without the attribute, or after one that never signals, waits for its
-# predecessor's end as before, so the kernels of other libraries in between keep the stream's order.
-# Captured CUDA graphs keep the attribute as a programmatic edge. A module switch, not an environment
-# variable: bench/graphs.py times the step with and without it in one process.
-PDL = True
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
-def pdl_enabled(t: Tensor) -> bool:
-    """Whether a launch on t's device uses PDL: the switch is on and the device is sm_90 or later."""
-    if not (PDL and t.is_cuda):
-        return False
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    cap = _CAPABILITY.get(idx)
-    if cap is None:
-        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return cap[0] >= 9
-
-
-def _pdl_launch(pdl: bool) -> dict:
-    return {"launch_pdl": True} if pdl else {}
-
-
-@triton.jit
-def _pdl_enter(PDL: tl.constexpr, RELEASE: tl.constexpr):
-    """Wait for the previous kernel (a no-op without PDL); with RELEASE, let the next one launch."""
-    if PDL:
-        gdc_wait()
-        if RELEASE:
-            gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Pull the 128-byte lines at ptrs into L2: no register is written and no fault is raised."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
 # ------------------------------------------------------------------ skinny linear (decode-sized M)
 
 # Rows up to which linear_small may serve a projection (a decode or verify step's tokens); larger M goes
-# to cuBLAS. Which weight shapes it serves, and with which launch shape (BN, BK, warps, stages, split),
-# comes from bench/linear.py's sweep on the H200 (bench/results/linear-h200-2026-12-01.json): the shapes
-# where it beat cuBLAS at both 1 and 32 rows, and MLP gate_up, where it read the weights at 0.97-0.98x
-# cuBLAS's rate but serving it folds the block's post-attention RMSNorm and residual add into the
-# projection (one launch of about 2 us fewer per layer; bench/linear.py times the pair against the fused
-# launch). qkv's 5120 rows make 1.2 waves of 32-row tiles on 132 SMs (0.81x) and stay with cuBLAS until a
-# split launch shape is measured faster. Fixed constants, not an autotuner, so that a process's numerics
-# never depend on which config won a timing race.
+# to cuBLAS. Which weight shapes it serves, and with which launch shape (BN, BK, warps, stages), comes from
+# bench/linear.py's sweep on the H200 (bench/results/linear-h200-2026-12-01.json): only the shapes where
+# it beat cuBLAS at both 1 and 32 rows. Elsewhere cuBLAS is faster (qkv's 5120 rows make 1.2 waves of
+# 32-row tiles on 132 SMs: 0.81x; gate_up: 0.97x), so those stay with cuBLAS. Fixed constants, not an
+# autotuner, so that a process's numerics never depend on which config won a timing race.
 SMALL_M = 32
-SMALL_SHAPES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (4096, 8192): (32, 256, 4, 4, 1),  # 1.13x / 1.10x cuBLAS at 1 / 32 rows (MLP down)
-    (4096, 4096): (32, 256, 4, 3, 1),  # 1.29x / 1.09x (KDA out_proj, attention o_proj)
-    (12576, 4096): (32, 128, 4, 4, 1),  # 1.06x / 1.03x (KDA in_proj)
-    (16384, 4096): (32, 128, 4, 4, 1),  # 0.98x / 0.97x alone; served for the fold (MLP gate_up)
+SMALL_SHAPES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (4096, 8192): (32, 256, 4, 4),  # 1.13x / 1.10x cuBLAS at 1 / 32 rows (MLP down)
+    (4096, 4096): (32, 256, 4, 3),  # 1.29x / 1.09x (KDA out_proj, attention o_proj)
+    (12576, 4096): (32, 128, 4, 4),  # 1.06x / 1.03x (KDA in_proj)
 }
-_BN, _BK, _WARPS, _STAGES, _SPLIT = 32, 256, 4, 4, 1  # any other shape asked for directly (tests, sweeps)
-# Split-K's per-tile arrival counters: one int32 per column tile, zero between launches (the last program
-# of a tile resets its own), allocated once per device and never moved (captured graphs hold the address).
-_COUNTER_SLOTS = 4096
-_COUNTERS: dict[torch.device, Tensor] = {}
-
-# The LM head's launch shape (any vocabulary, K = hidden): 16-column tiles, K split in 4, so that a
-# 260-row head reads its weights with 68 programs rather than 17.
-HEAD_SHAPE = (16, 256, 4, 3, 4)
-# prologues: what the x operand is before the dot (PRO 4: the head's norm, rstd computed first)
-_PLAIN, _NORM, _NORM_ADD, _SILU_MUL, _NORM_ADD_EXACT = 0, 1, 2, 3, 4
-
-
-def serves_small(weight: Tensor, rows: int) -> bool:
-    """Whether the module's table gives this weight a linear_small launch shape for `rows` rows."""
-    return tuple(weight.shape) in SMALL_SHAPES and rows <= SMALL_M and weight.element_size() == 2
-
-
-def serves_head(weight: Tensor, rows: int) -> bool:
-    """Whether norm_head serves an LM head of this weight for `rows` rows."""
-    return rows <= SMALL_M and weight.element_size() == 2 and weight.stride(1) == 1
-
-
-def launch_shape(N: int, K: int, config=None) -> tuple[int, int, int, int, int]:
-    """(BN, BK, warps, stages, split) for an N x K weight: `config` (4 entries: split 1), else the table's."""
-    c = tuple(config or SMALL_SHAPES.get((N, K), (_BN, _BK, _WARPS, _STAGES, _SPLIT)))
-    return c if len(c) == 5 else (*c, 1)  # type: ignore[return-value]
-
-
-def prefetch_lines(BK: int) -> int:
-    """128-byte lines of each weight row a projection's program pulls into L2 before its PDL wait: its
-    first two BK-column tiles (16-bit weights)."""
-    return _next_pow2(max(1, 2 * BK // 64))
-
-
-def _split_counters(device: torch.device) -> Tensor:
-    c = _COUNTERS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "linear_small's split-K counters are allocated on first use: run a split launch once "
-                "before capturing a CUDA graph"
-            )
-        c = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return c
+_BN, _BK, _WARPS, _STAGES = 32, 256, 4, 4  # any other shape asked for directly (tests, the sweep's default)
 
 
 @triton.jit
-def _x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, mask, write_s, K: tl.constexpr,
-            BM: tl.constexpr, PRO: tl.constexpr):  # fmt: skip
-    """Rows m, columns k of the dot's x operand after the prologue, and the rows' sums of squares of the
-    normed input over these columns (zeros unless the prologue is a deferred norm, PRO 1 or 2)."""
-    dt = x.dtype.element_ty
-    ptr = x + m[:, None] * stride_x + k[None, :]
-    sq = tl.zeros([BM], dtype=tl.float32)
-    if PRO == 3:  # SiLU-and-multiply: x is [gate | up], K columns each; F.silu rounds its output
-        gate = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptr + K, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        xv = (act * up).to(dt)
-    elif PRO == 1 or PRO == 2 or PRO == 4:  # RMSNorm (PRO 2, 4: of x + residual)
-        s = tl.load(ptr, mask=mask, other=0.0)
-        if PRO != 1:  # the residual add, rounded to the activation dtype as torch's add is
-            r = tl.load(res + m[:, None] * stride_r + k[None, :], mask=mask, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(dt)
-            tl.store(s_out + m[:, None] * stride_s + k[None, :], s, mask=mask & write_s)
-        sf = s.to(tl.float32)
-        gv = tl.load(g + k, mask=k < K, other=0.0).to(tl.float32)
-        if PRO == 4:  # rstd known: the normed row rounded as the norm's kernel rounds it
-            xv = (sf * rstd[:, None] * gv[None, :]).to(dt)
-        else:  # the weight here, rstd (a per-row scalar) on the accumulator once the row is summed
-            sq = tl.sum(sf * sf, axis=1)
-            xv = (sf * gv[None, :]).to(dt)
-    else:
-        xv = tl.load(ptr, mask=mask, other=0.0)
-    return xv, sq
-
-
-@triton.jit
-def _linear_store(acc, sq, y, stride_y, m, n, mask, eps, K: tl.constexpr, PRO: tl.constexpr):
-    if PRO == 1 or PRO == 2:
-        acc = acc * (1.0 / tl.sqrt(sq / K + eps))[:, None]
-    tl.store(y + m[:, None] * stride_y + n[None, :], acc.to(y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _linear_body(
+def _linear_small_kernel(
     x,
     w,
     y,
-    res,  # PRO 2: the residual added to x
-    g,  # PRO 1, 2: the norm's weight [K]
-    s_out,  # PRO 2: x + residual, written by the programs of column tile 0
-    part,  # SPLIT > 1: fp32 partials [SPLIT, M, N] then the partial sums of squares [SPLIT, M]
-    counters,  # SPLIT > 1: one arrival count per column tile, zero on entry and on exit
     M,
     N,
     stride_x,
     stride_w,
     stride_y,
-    stride_r,
-    stride_s,
-    eps,
     K: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     EVEN: tl.constexpr,
-    PRO: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
-    PF: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tile = pid // SPLIT
-    ks = pid % SPLIT
-    KS: tl.constexpr = (K + SPLIT * BK - 1) // (SPLIT * BK) * BK  # columns per split, whole BK steps
-    PBK: tl.constexpr = 16384 // BM if 16384 // BM < K else BK  # the head's first pass: columns per chunk
-    n = tile * BN + tl.arange(0, BN)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
-    k_lo = ks * KS
-    w_row = w + n[:, None].to(tl.int64) * stride_w
-    if PDL:
-        # weights are never written by a step: this program's first lines go to L2 before the wait
-        rows = tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w
-        _prefetch_l2(w + rows + tl.minimum(k_lo + tl.arange(0, PF)[None, :] * 64, K - 1))
-    _pdl_enter(PDL, False)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    sq = tl.zeros([BM], dtype=tl.float32)
-    write_s = tile == 0
-    rstd = tl.zeros([BM], dtype=tl.float32)
-    if PRO == 4:  # a first pass over the whole row (L2-resident) for its 1/rms, in wide chunks: a loop
-        # without a dot is not software-pipelined, so each chunk is a round trip
-        for kb in range(0, K, PBK):
-            k = kb + tl.arange(0, PBK)
-            xmask = (m[:, None] < M) & (k[None, :] < K)
-            sx = tl.load(x + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            sr = tl.load(res + m[:, None] * stride_r + k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            sf = (sx + sr).to(x.dtype.element_ty).to(tl.float32)
-            sq += tl.sum(sf * sf, axis=1)
-        rstd = 1.0 / tl.sqrt(sq / K + eps)
-    for kb in range(0, KS, BK):  # a constant trip count (the interpreter cannot bound a range by a tensor)
-        k = k_lo + kb + kk
-        xmask = (m[:, None] < M) & (k[None, :] < K)
-        if EVEN:  # N % BN == 0 and K % (SPLIT * BK) == 0: only the rows of x past M are masked
-            wv = tl.load(w_row + k[None, :])
+    x_ptr = x + m[:, None] * stride_x + kk[None, :]
+    w_ptr = w + n[:, None].to(tl.int64) * stride_w + kk[None, :]
+    for k0 in range(0, K, BK):
+        if EVEN:  # N % BN == 0 and K % BK == 0: only the rows of x past M are masked
+            xv = tl.load(x_ptr + k0, mask=m[:, None] < M, other=0.0)
+            wv = tl.load(w_ptr + k0)
         else:
-            wv = tl.load(w_row + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        xv, s2 = _x_tile(
-            x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, xmask, write_s, K, BM, PRO
-        )
-        if PRO == 1 or PRO == 2:
-            sq += s2
+            kin = (k0 + kk) < K
+            xv = tl.load(x_ptr + k0, mask=(m[:, None] < M) & kin[None, :], other=0.0)
+            wv = tl.load(w_ptr + k0, mask=(n[:, None] < N) & kin[None, :], other=0.0)
         acc += tl.dot(xv, tl.trans(wv), out_dtype=tl.float32)
-    if PDL:
-        gdc_launch_dependents()
-    out_mask = (m[:, None] < M) & (n[None, :] < N)
-    if SPLIT == 1:
-        _linear_store(acc, sq, y, stride_y, m, n, out_mask, eps, K, PRO)
-    else:
-        # Each split stores its partial; the tile's last program to arrive (an acq_rel count after a barrier
-        # that orders every thread's stores before it) sums the partials in split order, so the result does
-        # not depend on the arrival order, and resets the count for the next launch.
-        tl.store(part + (ks * M + m[:, None]) * N + n[None, :], acc, mask=out_mask)
-        sq_part = part + SPLIT * M * N
-        if PRO == 1 or PRO == 2:
-            tl.store(sq_part + ks * M + m, sq, mask=m < M)
-        tl.debug_barrier()
-        if tl.atomic_add(counters + tile, 1, sem="acq_rel") == SPLIT - 1:
-            tot = tl.zeros([BM, BN], dtype=tl.float32)
-            tsq = tl.zeros([BM], dtype=tl.float32)
-            for j in tl.static_range(SPLIT):
-                p = part + (j * M + m[:, None]) * N + n[None, :]
-                tot += tl.load(p, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if PRO == 1 or PRO == 2:
-                    tsq += tl.load(sq_part + j * M + m, mask=m < M, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(counters + tile, 0, sem="relaxed")
-            _linear_store(tot, tsq, y, stride_y, m, n, out_mask, eps, K, PRO)
+    tl.store(
+        y + m[:, None] * stride_y + n[None, :],
+        acc.to(y.dtype.element_ty),
+        mask=(m[:, None] < M) & (n[None, :] < N),
+    )
 
 
-# One kernel per prologue, each the same body, so that a profile of the step names what each launch does.
+def linear_small(x: Tensor, weight: Tensor, config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """y = x @ weight.T for a few rows (M <= SMALL_M): every weight byte read once, one program per BN
+    output columns sweeping all of K, fp32 accumulation on the tensor cores; 16-bit dtypes.
 
-
-@triton.jit
-def _linear_small_kernel(
-    x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-    PRO: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
-):  # fmt: skip
-    """linear_small: plain x."""
-    _linear_body(
-        x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-        K, BM, BN, BK, EVEN, PRO, SPLIT, PDL, PF,
-    )  # fmt: skip
-
-
-@triton.jit
-def _rmsnorm_linear_kernel(
-    x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-    PRO: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
-):  # fmt: skip
-    """linear_small: RMSNorm of x (and the residual add) folded in."""
-    _linear_body(
-        x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-        K, BM, BN, BK, EVEN, PRO, SPLIT, PDL, PF,
-    )  # fmt: skip
-
-
-@triton.jit
-def _silu_mul_linear_kernel(
-    x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-    PRO: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
-):  # fmt: skip
-    """linear_small: SiLU-and-multiply folded in."""
-    _linear_body(
-        x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-        K, BM, BN, BK, EVEN, PRO, SPLIT, PDL, PF,
-    )  # fmt: skip
-
-
-@triton.jit
-def _norm_head_kernel(
-    x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-    PRO: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
-):  # fmt: skip
-    """linear_small: the LM head's add and norm folded in, fp32 logits."""
-    _linear_body(
-        x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-        K, BM, BN, BK, EVEN, PRO, SPLIT, PDL, PF,
-    )  # fmt: skip
-
-
-def _rows(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _linear_launch(
-    x2: Tensor,
-    weight: Tensor,
-    pro: int,
-    config,
-    *,
-    res: Tensor | None = None,
-    g: Tensor | None = None,
-    s_out: Tensor | None = None,
-    eps: float = 0.0,
-    out: Tensor | None = None,
-) -> Tensor:
-    M = x2.shape[0]
-    N, K = weight.shape
-    assert M <= SMALL_M and weight.stride(1) == 1 and x2.shape[1] == (2 * K if pro == _SILU_MUL else K)
-    BN, BK, warps, stages, split = launch_shape(N, K, config)
+    x [M, K] (rows may be strided); weight [N, K] contiguous. config: (BN, BK, warps, stages) to
+    override the module's launch shape (the sweep)."""
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    M, K = x2.shape
+    N = weight.shape[0]
+    assert M <= SMALL_M and weight.stride(1) == 1 and weight.shape[1] == K
+    BN, BK, warps, stages = config or SMALL_SHAPES.get((N, K), (_BN, _BK, _WARPS, _STAGES))
     BK = min(BK, max(16, _next_pow2(K)))
     BM = 16 if M <= 16 else 32
-    tiles = triton.cdiv(N, BN)
-    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
-    assert y.shape == (M, N) and y.stride(1) == 1
-    if split > 1:
-        assert tiles <= _COUNTER_SLOTS
-        part = torch.empty(split * M * (N + 1), dtype=torch.float32, device=x2.device)
-        counters = _split_counters(x2.device)
-    else:
-        part = counters = y  # not read
-    pdl = pdl_enabled(x2)
-    kernel = (_linear_small_kernel, _rmsnorm_linear_kernel, _rmsnorm_linear_kernel, _silu_mul_linear_kernel,
-              _norm_head_kernel)[pro]  # fmt: skip
-    kernel[(tiles * split,)](
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _linear_small_kernel[(triton.cdiv(N, BN),)](
         x2,
         weight,
         y,
-        x2 if res is None else res,
-        x2 if g is None else g,
-        y if s_out is None else s_out,
-        part,
-        counters,
         M,
         N,
         x2.stride(0),
         weight.stride(0),
-        y.stride(0),
-        0 if res is None else res.stride(0),
-        0 if s_out is None else s_out.stride(0),
-        eps,
+        N,
         K,
         BM,
         BN,
         BK,
-        N % BN == 0 and K % (split * BK) == 0,
-        pro,
-        split,
-        pdl,
-        prefetch_lines(BK),
+        N % BN == 0 and K % BK == 0,
         num_warps=warps,
         num_stages=stages,
-        **_pdl_launch(pdl),
     )
-    return y
-
-
-def linear_small(x: Tensor, weight: Tensor, config=None) -> Tensor:
-    """y = x @ weight.T for a few rows (M <= SMALL_M): every weight byte read once, one program per BN
-    output columns (and per K slice with split-K) sweeping K, fp32 accumulation on the tensor cores;
-    16-bit dtypes.
-
-    x [M, K] (rows may be strided); weight [N, K] contiguous. config: (BN, BK, warps, stages[, split]) to
-    override the module's launch shape (the sweep)."""
-    x2 = _rows(x.reshape(-1, x.shape[-1]))
-    y = _linear_launch(x2, weight, _PLAIN, config)
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def rmsnorm_linear(
-    x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, residual: Tensor | None = None, config=None
-):
-    """RMSNorm(x) * norm_weight @ weight.T in one launch, or with `residual`: (s, RMSNorm(s) * norm_weight
-    @ weight.T) where s = x + residual (rounded to x's dtype, as torch's add is, and written by the
-    programs of the first column tile). Every program reads the whole row it needs anyway: it applies the
-    norm's weight to x's columns before the dot and the row's 1/rms (fp32, from the same columns) to the
-    fp32 accumulator after it, so the normed row is rounded once where the two-kernel path rounds it twice
-    (the norm's output, then the product). x, residual [M, K] (rows may be strided); M <= SMALL_M."""
-    x2 = _rows(x.reshape(-1, x.shape[-1]))
-    N = weight.shape[0]
-    if residual is None:
-        y = _linear_launch(x2, weight, _NORM, config, g=norm_weight, eps=eps)
-        return y.view(*x.shape[:-1], N)
-    r2 = _rows(residual.reshape(-1, x2.shape[1]))
-    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    y = _linear_launch(x2, weight, _NORM_ADD, config, res=r2, g=norm_weight, s_out=s, eps=eps)
-    return s.view(x.shape), y.view(*x.shape[:-1], N)
-
-
-def rmsnorm_linear_reference(
-    x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, residual: Tensor | None = None
-):
-    """The norm (and the add) then the projection, as two launches or torch ops compute them."""
-    if residual is None:
-        return F.linear(rmsnorm_reference(x, norm_weight, eps), weight)
-    s, h = rmsnorm_reference(x, norm_weight, eps, residual)
-    return s, F.linear(h, weight)
-
-
-def norm_head(
-    x: Tensor,
-    residual: Tensor,
-    norm_weight: Tensor,
-    eps: float,
-    weight: Tensor,
-    hidden_out: Tensor,
-    logits_out: Tensor,
-    config=None,
-) -> None:
-    """The end of a decode step in one launch: hidden_out = x + residual (rounded to x's dtype, as torch's
-    add is) and logits_out (fp32) = RMSNorm(hidden) * norm_weight @ weight.T. The normed row is rounded to
-    x's dtype exactly as the norm's kernel rounds it (its 1/rms from a first pass over the row), and the
-    16-bit products of the dot are exact in its fp32 accumulator: the torch path's fp32 product of the
-    upcast operands, up to the order of the sums. x, residual [M, K] with M <= SMALL_M; weight [V, K]
-    16-bit; hidden_out [M, K] and logits_out [M, V] fp32 with unit column stride."""
-    x2 = _rows(x.reshape(-1, x.shape[-1]))
-    r2 = _rows(residual.reshape(-1, x2.shape[1]))
-    assert hidden_out.stride(1) == 1 and logits_out.dtype == torch.float32
-    _linear_launch(
-        x2, weight, _NORM_ADD_EXACT, config or HEAD_SHAPE, res=r2, g=norm_weight, s_out=hidden_out, eps=eps,
-        out=logits_out,
-    )  # fmt: skip
-
-
-def norm_head_reference(
-    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, hidden_out, logits_out
-) -> None:
-    """The torch path: the add, the norm, the fp32 head (HybridModel.logits), copied into the outputs."""
-    s = x + residual
-    hidden_out.copy_(s)
-    logits_out.copy_(F.linear(rmsnorm_reference(s, norm_weight, eps).float(), weight.float()))
-
-
-def silu_mul_linear(gate_up: Tensor, weight: Tensor, config=None) -> Tensor:
-    """silu(gate) * up @ weight.T in one launch for gate_up [M, 2I] = [gate | up] and weight [N, I]: the
-    SwiGLU's activation computed in the down projection's prologue, rounded as silu_mul rounds it."""
-    g2 = _rows(gate_up.reshape(-1, gate_up.shape[-1]))
-    y = _linear_launch(g2, weight, _SILU_MUL, config)
-    return y.view(*gate_up.shape[:-1], weight.shape[0])
-
-
-def silu_mul_linear_reference(gate_up: Tensor, weight: Tensor) -> Tensor:
-    return F.linear(silu_mul_reference(gate_up), weight)
+    return y.view(*x.shape[:-1], N)
 
 
 # ------------------------------------------------------------------ RMSNorm (+ residual add)
@@ -490,11 +118,9 @@ def silu_mul_linear_reference(gate_up: Tensor, weight: Tensor) -> Tensor:
 
 @triton.jit
 def _rmsnorm_kernel(
-    x, res, w, y, s, stride_x, stride_r, stride_y, stride_s, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
+    x, res, w, y, s, stride_x, stride_r, stride_y, stride_s, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
-    _pdl_enter(PDL, True)
     cols = tl.arange(0, BD)
     m = cols < D
     xv = tl.load(x + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
@@ -508,6 +134,10 @@ def _rmsnorm_kernel(
     tl.store(y + row * stride_y + cols, (xv * rstd * wv).to(y.dtype.element_ty), mask=m)
 
 
+def _rows(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     """y = RMSNorm(x) * weight, or with `residual`: (s, RMSNorm(s) * weight) where s = x + residual.
 
@@ -518,19 +148,14 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
     BD = _next_pow2(D)
     warps = 8 if BD >= 4096 else 4
-    pdl = pdl_enabled(x2)
     if residual is None:
-        _rmsnorm_kernel[(N,)](
-            x2, x2, weight, y, y, x2.stride(0), 0, D, D, D, eps, False, BD, pdl, num_warps=warps,
-            **_pdl_launch(pdl),
-        )  # fmt: skip
+        _rmsnorm_kernel[(N,)](x2, x2, weight, y, y, x2.stride(0), 0, D, D, D, eps, False, BD, num_warps=warps)
         return y.view(x.shape)
     r2 = _rows(residual.reshape(-1, D))
     s = torch.empty_like(y)
     _rmsnorm_kernel[(N,)](
-        x2, r2, weight, y, s, x2.stride(0), r2.stride(0), D, D, D, eps, True, BD, pdl, num_warps=warps,
-        **_pdl_launch(pdl),
-    )  # fmt: skip
+        x2, r2, weight, y, s, x2.stride(0), r2.stride(0), D, D, D, eps, True, BD, num_warps=warps
+    )
     return s.view(x.shape), y.view(x.shape)
 
 
@@ -551,9 +176,8 @@ def rmsnorm_reference(x: Tensor, weight: Tensor, eps: float, residual: Tensor | 
 
 
 @triton.jit
-def _silu_mul_kernel(gu, out, stride_g, stride_o, inner, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(gu, out, stride_g, stride_o, inner, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    _pdl_enter(PDL, True)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inner
     g = tl.load(gu + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
@@ -569,10 +193,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     inner = two_i // 2
     out = torch.empty(N, inner, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    pdl = pdl_enabled(g2)
-    _silu_mul_kernel[(N, triton.cdiv(inner, BLOCK))](
-        g2, out, g2.stride(0), inner, inner, BLOCK, pdl, num_warps=4, **_pdl_launch(pdl)
-    )
+    _silu_mul_kernel[(N, triton.cdiv(inner, BLOCK))](g2, out, g2.stride(0), inner, inner, BLOCK, num_warps=4)
     return out
 
 
@@ -586,12 +207,32 @@ def silu_mul_reference(gate_up: Tensor) -> Tensor:
 
 
 @triton.jit
-def _conv_program(
-    r, cb, x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
-    num_accepted, out, stride_o, b_out, stride_b, C, H,
-    T: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BWIN: tl.constexpr, BH: tl.constexpr,
-):  # fmt: skip
-    """Request r's conv channels cb*BC ..: the window, SiLU(conv) per token, the per-position states."""
+def _conv_decode_kernel(
+    x,  # [n*T, >= C + H] rows: q k v channels (C), then b (H)
+    stride_x,
+    conv_state,  # [slots, C, W-1]
+    stride_s0,
+    stride_s1,
+    stride_s2,
+    weight,  # [C, W]
+    stride_w,
+    slots,  # [n, T]
+    stride_slots,
+    num_accepted,  # [n]
+    out,  # [n*T, C]: SiLU(conv)
+    stride_o,
+    b_out,  # [n*T, H]
+    stride_b,
+    C,
+    H,
+    T: tl.constexpr,
+    W: tl.constexpr,
+    BC: tl.constexpr,
+    BWIN: tl.constexpr,
+    BH: tl.constexpr,
+):
+    r = tl.program_id(0)
+    cb = tl.program_id(1)
     c = cb * BC + tl.arange(0, BC)
     cm = c < C
     j = tl.arange(0, BWIN)  # window column: W-1 state columns, then the T new tokens
@@ -625,189 +266,6 @@ def _conv_program(
             tl.store(b_out + (r * T + t) * stride_b + h, bv, mask=h < H)
 
 
-@triton.jit
-def _gates_program(
-    j, x, stride_x, col0, f_b, g_b, a_out, z_out, stride_a, stride_z, rows, HK, GB,
-    GK: tl.constexpr, BG: tl.constexpr, BMG: tl.constexpr, FP32: tl.constexpr,
-):  # fmt: skip
-    """Output columns of one gate projection for every row: j < GB: a = f_a @ f_b.T, else z = g_a @ g_b.T
-    (f_a, g_a: GK columns of x from col0); fp32 accumulation, one rounding."""
-    which = j // GB
-    o = (j % GB) * BG + tl.arange(0, BG)
-    om = o < HK
-    kk = tl.arange(0, GK)
-    w_off = o[:, None].to(tl.int64) * GK + kk[None, :]
-    if which == 0:
-        wv = tl.load(f_b + w_off, mask=om[:, None], other=0.0)
-    else:
-        wv = tl.load(g_b + w_off, mask=om[:, None], other=0.0)
-    col = col0 + which * GK
-    m = tl.arange(0, BMG)
-    mb = 0
-    while mb < rows:  # a while loop: the interpreter cannot bound a range by an argument tensor
-        rm = mb + m
-        xv = tl.load(x + rm[:, None].to(tl.int64) * stride_x + col + kk[None, :], mask=rm[:, None] < rows)
-        if FP32:
-            acc = tl.dot(xv, tl.trans(wv), input_precision="ieee")
-        else:
-            acc = tl.dot(xv, tl.trans(wv), out_dtype=tl.float32)
-        msk = (rm[:, None] < rows) & om[None, :]
-        if which == 0:
-            tl.store(a_out + rm[:, None] * stride_a + o[None, :], acc.to(a_out.dtype.element_ty), mask=msk)
-        else:
-            tl.store(z_out + rm[:, None] * stride_z + o[None, :], acc.to(z_out.dtype.element_ty), mask=msk)
-        mb += BMG
-
-
-@triton.jit
-def _conv_body(
-    x,  # [n*T, >= C + H (+ 2 GK)] rows: q k v channels (C), then b (H), then f_a, g_a (GK each)
-    stride_x,
-    conv_state,  # [slots, C, W-1]
-    stride_s0,
-    stride_s1,
-    stride_s2,
-    weight,  # [C, W]
-    stride_w,
-    slots,  # [n, T]
-    stride_slots,
-    num_accepted,  # [n]
-    out,  # [n*T, C]: SiLU(conv)
-    stride_o,
-    b_out,  # [n*T, H]
-    stride_b,
-    f_b,  # GATES: [HK, GK] each
-    g_b,
-    a_out,  # GATES: [n*T, HK] each
-    z_out,
-    stride_a,
-    stride_z,
-    C,
-    H,
-    CB,  # conv programs per request
-    n_conv,  # n * CB
-    HK,
-    GB,  # programs per gate projection
-    T: tl.constexpr,
-    W: tl.constexpr,
-    BC: tl.constexpr,
-    BWIN: tl.constexpr,
-    BH: tl.constexpr,
-    GATES: tl.constexpr,
-    GK: tl.constexpr,
-    BG: tl.constexpr,
-    BMG: tl.constexpr,
-    FP32: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    _pdl_enter(PDL, True)
-    if pid < n_conv:
-        _conv_program(
-            pid // CB, pid % CB, x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w,
-            slots, stride_slots, num_accepted, out, stride_o, b_out, stride_b, C, H, T, W, BC, BWIN, BH,
-        )  # fmt: skip
-    elif GATES:
-        _gates_program(
-            pid - n_conv, x, stride_x, C + H, f_b, g_b, a_out, z_out, stride_a, stride_z, n_conv // CB * T,
-            HK, GB, GK, BG, BMG, FP32,
-        )  # fmt: skip
-
-
-@triton.jit
-def _conv_decode_kernel(
-    x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
-    num_accepted, out, stride_o, b_out, stride_b, f_b, g_b, a_out, z_out, stride_a, stride_z, C, H, CB,
-    n_conv, HK, GB, T: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BWIN: tl.constexpr,
-    BH: tl.constexpr, GATES: tl.constexpr, GK: tl.constexpr, BG: tl.constexpr, BMG: tl.constexpr,
-    FP32: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """The decode conv alone."""
-    _conv_body(
-        x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
-        num_accepted, out, stride_o, b_out, stride_b, f_b, g_b, a_out, z_out, stride_a, stride_z, C, H, CB,
-        n_conv, HK, GB, T, W, BC, BWIN, BH, GATES, GK, BG, BMG, FP32, PDL,
-    )  # fmt: skip
-
-
-@triton.jit
-def _conv_gates_decode_kernel(
-    x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
-    num_accepted, out, stride_o, b_out, stride_b, f_b, g_b, a_out, z_out, stride_a, stride_z, C, H, CB,
-    n_conv, HK, GB, T: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BWIN: tl.constexpr,
-    BH: tl.constexpr, GATES: tl.constexpr, GK: tl.constexpr, BG: tl.constexpr, BMG: tl.constexpr,
-    FP32: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """The decode conv and the two gate projections (conv_gates_decode)."""
-    _conv_body(
-        x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
-        num_accepted, out, stride_o, b_out, stride_b, f_b, g_b, a_out, z_out, stride_a, stride_z, C, H, CB,
-        n_conv, HK, GB, T, W, BC, BWIN, BH, GATES, GK, BG, BMG, FP32, PDL,
-    )  # fmt: skip
-
-
-def _conv_launch(x, conv_state, weight, slots, num_accepted, out, b_out, T, gates) -> None:
-    rows, C, W = x.shape[0], conv_state.shape[1], weight.shape[1]
-    n, H = rows // T, b_out.shape[1]
-    assert x.stride(1) == 1 and out.stride(1) == 1 and b_out.stride(1) == 1 and weight.stride(1) == 1
-    assert slots.stride(1) == 1 and slots.shape[1] >= T
-    BC = 128
-    CB = triton.cdiv(C, BC)
-    if gates is None:
-        f_b = g_b = a_out = z_out = weight  # not read
-        HK, GK, GB, BG = 0, 16, 0, 16
-    else:
-        f_b, g_b, a_out, z_out = gates
-        HK, GK = f_b.shape
-        assert g_b.shape == f_b.shape and f_b.is_contiguous() and g_b.is_contiguous()
-        assert a_out.shape == z_out.shape == (rows, HK) and a_out.stride(1) == 1 and z_out.stride(1) == 1
-        assert x.shape[1] >= C + H + 2 * GK and _next_pow2(GK) == GK and GK >= 16
-        BG = 64
-        GB = triton.cdiv(HK, BG)
-    pdl = pdl_enabled(x)
-    kernel = _conv_decode_kernel if gates is None else _conv_gates_decode_kernel
-    kernel[(n * CB + 2 * GB,)](
-        x,
-        x.stride(0),
-        conv_state,
-        *conv_state.stride(),
-        weight,
-        weight.stride(0),
-        slots,
-        slots.stride(0),
-        num_accepted,
-        out,
-        out.stride(0),
-        b_out,
-        b_out.stride(0),
-        f_b,
-        g_b,
-        a_out,
-        z_out,
-        a_out.stride(0),
-        z_out.stride(0),
-        C,
-        H,
-        CB,
-        n * CB,
-        HK,
-        GB,
-        T,
-        W,
-        BC,
-        _next_pow2(W - 1 + T),
-        _next_pow2(H),
-        gates is not None,
-        GK,
-        BG,
-        16,
-        x.dtype == torch.float32,
-        pdl,
-        num_warps=4,
-        **_pdl_launch(pdl),
-    )
-
-
 def conv_decode(
     x: Tensor,
     conv_state: Tensor,
@@ -824,51 +282,34 @@ def conv_decode(
     β logits (the in-projection's leading columns); conv_state [slots, C, W-1]; weight [C, W]; slots
     [n, T]; num_accepted [n]. Writes SiLU(conv) to out [n*T, C] and the β logits to b_out [n*T, H]; reads
     the conv state of column num_accepted-1 and stores the state after token t in slot slots[:, t]."""
-    _conv_launch(x, conv_state, weight, slots, num_accepted, out, b_out, T, None)
-
-
-def conv_gates_decode(
-    x: Tensor,
-    conv_state: Tensor,
-    weight: Tensor,
-    slots: Tensor,
-    num_accepted: Tensor,
-    out: Tensor,
-    b_out: Tensor,
-    T: int,
-    f_b: Tensor,
-    g_b: Tensor,
-    a_out: Tensor,
-    z_out: Tensor,
-) -> None:
-    """conv_decode and the KDA layer's two low-rank gate projections in one launch: a_out = f_a @ f_b.T
-    and z_out = g_a @ g_b.T, where f_a and g_a are the GK = f_b.shape[1] columns of x after the C conv
-    channels and the H β logits (fp32 accumulation, rounded once to a_out's dtype). Their programs run
-    beside the conv's, each reading one BG-row block of f_b or g_b once for every row of x.
-    f_b, g_b [HK, GK] contiguous; a_out, z_out [n*T, HK] with unit column stride."""
-    _conv_launch(x, conv_state, weight, slots, num_accepted, out, b_out, T, (f_b, g_b, a_out, z_out))
-
-
-def conv_gates_decode_reference(
-    x: Tensor,
-    conv_state: Tensor,
-    weight: Tensor,
-    slots: Tensor,
-    num_accepted: Tensor,
-    out: Tensor,
-    b_out: Tensor,
-    T: int,
-    f_b: Tensor,
-    g_b: Tensor,
-    a_out: Tensor,
-    z_out: Tensor,
-) -> None:
-    """The conv's torch reference and the two gate projections as torch matmuls (the unfused engine)."""
-    conv_decode_reference(x, conv_state, weight, slots, num_accepted, out, b_out, T)
-    lo = conv_state.shape[1] + b_out.shape[1]
-    GK = f_b.shape[1]
-    torch.mm(x[:, lo : lo + GK], f_b.t(), out=a_out)
-    torch.mm(x[:, lo + GK : lo + 2 * GK], g_b.t(), out=z_out)
+    rows, C, W = x.shape[0], conv_state.shape[1], weight.shape[1]
+    n, H = rows // T, b_out.shape[1]
+    assert x.stride(1) == 1 and out.stride(1) == 1 and b_out.stride(1) == 1 and weight.stride(1) == 1
+    assert slots.stride(1) == 1 and slots.shape[1] >= T
+    BC = 128
+    _conv_decode_kernel[(n, triton.cdiv(C, BC))](
+        x,
+        x.stride(0),
+        conv_state,
+        *conv_state.stride(),
+        weight,
+        weight.stride(0),
+        slots,
+        slots.stride(0),
+        num_accepted,
+        out,
+        out.stride(0),
+        b_out,
+        b_out.stride(0),
+        C,
+        H,
+        T,
+        W,
+        BC,
+        _next_pow2(W - 1 + T),
+        _next_pow2(H),
+        num_warps=4,
+    )
 
 
 def conv_decode_reference(
@@ -931,11 +372,9 @@ def _rope_kv_kernel(
     shards,
     block_size,
     D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
     h = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+KVH-1: a key/value head
-    _pdl_enter(PDL, True)
     HALF: tl.constexpr = D // 2
     i = tl.arange(0, HALF)
     p = tl.load(positions + tok).to(tl.int64)
@@ -986,7 +425,6 @@ def rope_write_kv(
     N = qkv.shape[0]
     kvh, D = k_cache.shape[-2], k_cache.shape[-1]
     q = torch.empty(N, hq, D, dtype=qkv.dtype, device=qkv.device)
-    pdl = pdl_enabled(qkv)
     _rope_kv_kernel[(N, hq + kvh)](
         qkv,
         qkv.stride(0),
@@ -1006,9 +444,7 @@ def rope_write_kv(
         geometry.dcp,
         geometry.block_size,
         D,
-        pdl,
         num_warps=1,
-        **_pdl_launch(pdl),
     )
     return q
 
@@ -1033,12 +469,10 @@ def _pool_kernel(
     block_size,
     D: tl.constexpr,
     BP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     r = tl.program_id(0)
     g = tl.program_id(1)
     kh = tl.program_id(2)
-    _pdl_enter(PDL, True)
     d = tl.arange(0, D)
     n = tl.minimum(tl.load(seq_lens + r).to(tl.int64), max_len)
     lo = g.to(tl.int64) * pool
@@ -1066,7 +500,6 @@ def pool_keys_paged(k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, geo
     kvh, D = k_cache.shape[-2], k_cache.shape[-1]
     pooled = torch.empty(R, G, kvh, D, dtype=torch.float32, device=k_cache.device)
     BP = min(64, _next_pow2(pool))
-    pdl = pdl_enabled(k_cache)
     _pool_kernel[(R, G, kvh)](
         k_cache,
         block_tables,
@@ -1083,9 +516,7 @@ def pool_keys_paged(k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, geo
         geometry.block_size,
         D,
         BP,
-        pdl,
         num_warps=4,
-        **_pdl_launch(pdl),
     )
     return pooled
 
@@ -1108,12 +539,8 @@ def _select_kernel(
     GQ: tl.constexpr,
     D: tl.constexpr,
     BGR: tl.constexpr,
-    BT: tl.constexpr,  # next_pow2(TOPK)
-    RANK: tl.constexpr,  # top-k by rank ([BGR, BGR] comparisons) rather than K rounds of arg-max
-    PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
-    _pdl_enter(PDL, True)
     r = tok // Tq
     d = tl.arange(0, D)
     gi = tl.arange(0, BGR)
@@ -1132,34 +559,14 @@ def _select_kernel(
     score = tl.where(gi < own, score, float("-inf"))
     score = tl.where(gi == own, float("inf"), score)
     score = tl.where(gm, score, float("-inf"))
-    if RANK:
-        # top-k by rank, no loop: a group's place is the number of groups ahead of it in the order (larger
-        # score first, ties to the lower group); the groups placed before K are stored at their place, and
-        # the places past the groups with a score (> -inf) hold -1, as the repeated arg-max below writes.
-        other, mine = score[None, :], score[:, None]
-        ahead = (other > mine) | ((other == mine) & (gi[None, :] < gi[:, None]))
-        place = tl.sum(ahead.to(tl.int32), axis=1)
-        real = score > float("-inf")
-        tl.store(rows + tok * stride_rows + place, gi.to(rows.dtype.element_ty), mask=real & (place < K))
-        filled = tl.minimum(tl.sum(real.to(tl.int32), axis=0), K)
-        p = tl.arange(0, BT)
-        none = tl.full([BT], -1, rows.dtype.element_ty)
-        tl.store(rows + tok * stride_rows + p, none, mask=(p >= filled) & (p < TOPK))
-    else:
-        for i in tl.static_range(K):  # top-k by repeated arg-max, largest first (ties: the lower group)
-            best = tl.max(score, axis=0)
-            idx = tl.min(tl.where(score == best, gi, BGR), axis=0)
-            pick = tl.where(best > float("-inf"), idx, -1)
-            tl.store(rows + tok * stride_rows + i, pick.to(rows.dtype.element_ty))
-            score = tl.where(gi == idx, float("-inf"), score)
-        for i in tl.static_range(K, TOPK):
-            tl.store(rows + tok * stride_rows + i, tl.full([], -1, rows.dtype.element_ty))
-
-
-# Groups up to which select_groups ranks every group against every other in one step (a [G, G] compare
-# and one reduction: 4096 pairs for the proxy preset's 64 groups) instead of K rounds of arg-max, each
-# two reductions across the program's warps (16 rounds: about 7.7 us a launch on the H200, 2026-12-04).
-SELECT_RANK_MAX = 128
+    for i in tl.static_range(K):  # top-k by repeated arg-max, largest first (ties: the lower group)
+        best = tl.max(score, axis=0)
+        idx = tl.min(tl.where(score == best, gi, BGR), axis=0)
+        pick = tl.where(best > float("-inf"), idx, -1)
+        tl.store(rows + tok * stride_rows + i, pick.to(rows.dtype.element_ty))
+        score = tl.where(gi == idx, float("-inf"), score)
+    for i in tl.static_range(K, TOPK):
+        tl.store(rows + tok * stride_rows + i, tl.full([], -1, rows.dtype.element_ty))
 
 
 def select_groups(q: Tensor, positions: Tensor, pooled: Tensor, pool: int, out_rows: Tensor) -> None:
@@ -1169,8 +576,6 @@ def select_groups(q: Tensor, positions: Tensor, pooled: Tensor, pool: int, out_r
     R, G, kvh = pooled.shape[:3]
     topk = out_rows.shape[1]
     assert out_rows.stride(1) == 1
-    BGR = _next_pow2(G)
-    pdl = pdl_enabled(q)
     _select_kernel[(N,)](
         q.contiguous(),
         positions,
@@ -1187,12 +592,8 @@ def select_groups(q: Tensor, positions: Tensor, pooled: Tensor, pool: int, out_r
         min(topk, G),
         HQ // kvh,
         D,
-        BGR,
-        _next_pow2(topk),
-        BGR <= SELECT_RANK_MAX,
-        pdl,
+        _next_pow2(G),
         num_warps=4,
-        **_pdl_launch(pdl),
     )
 
 
@@ -1225,11 +626,9 @@ def _attn_decode_kernel(
     BL: tl.constexpr,
     BT: tl.constexpr,
     FP32: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
     kh = tl.program_id(1)
-    _pdl_enter(PDL, True)
     r = tok // Tq
     d = tl.arange(0, D)
     gq = tl.arange(0, BG)
@@ -1303,7 +702,6 @@ def attention_decode(
     TOPK = rows.shape[1]
     out = torch.empty_like(q)
     gq = HQ // kvh
-    pdl = pdl_enabled(q)
     _attn_decode_kernel[(N, kvh)](
         q.contiguous(),
         positions,
@@ -1332,8 +730,6 @@ def attention_decode(
         64,
         _next_pow2(TOPK),
         q.dtype == torch.float32,
-        pdl,
         num_warps=4,
-        **_pdl_launch(pdl),
     )
     return out

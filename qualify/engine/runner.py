@@ -273,8 +273,9 @@ class Runner:
         static logits [n_pad*T, vocab] and hidden states, and returns the logits view."""
         rows = n_pad * T
         ctx = self.decode_context(n_pad, T)
-        ids = self.arena.view("input_ids", rows)
-        self.model.decode_into(ids, ctx, self.static.hidden[:rows], self.static.logits[:rows])
+        hidden = self.model.forward_hidden(self.arena.view("input_ids", rows), ctx, decode=True)
+        self.static.hidden[:rows].copy_(hidden)
+        self.static.logits[:rows].copy_(self.model.logits(hidden))
         return self.static.logits[:rows]
 
     def decode_step(self, reqs: list[Request], mode: str = "auto") -> tuple[Tensor, str]:

@@ -7,28 +7,18 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from kernels import fused as fused_mod
 from kernels.fused import (
     attention_decode,
     conv_decode,
     conv_decode_reference,
-    conv_gates_decode,
-    conv_gates_decode_reference,
     linear_small,
-    norm_head,
-    norm_head_reference,
     pool_keys_paged,
     rmsnorm,
-    rmsnorm_linear,
-    rmsnorm_linear_reference,
     rmsnorm_reference,
     rope_write_kv,
     select_groups,
     silu_mul,
-    silu_mul_linear,
-    silu_mul_linear_reference,
     silu_mul_reference,
 )
 from qualify.engine.model.attention import DcpGeometry, folded_attention
@@ -88,127 +78,6 @@ def test_linear_small_equals_the_fp32_product_rounded_once(M, N, K):
     assert not torch.allclose(linear_small(x, w[:, torch.randperm(K, generator=gen)]).float(), ref, atol=0.05)
 
 
-# fp16 for the projections here, as above: the interpreter's tl.dot misreads bf16 operands
-_F16 = torch.float16
-
-
-def _exact_norm(s: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    sf = s.float()
-    return sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps) * g.float()
-
-
-@pytest.mark.parametrize(
-    "M,N,K,config",
-    [(1, 48, 256, (16, 64, 4, 2)), (3, 40, 100, (16, 32, 4, 2, 3)), (20, 32, 512, (32, 64, 4, 2, 4))],
-)
-def test_rmsnorm_linear_equals_the_norm_then_the_projection(M, N, K, config):
-    gen = torch.Generator().manual_seed(M + K)
-    w = torch.randn(N, K, generator=gen).to(_F16)
-    x = torch.randn(M, K + 8, generator=gen).to(_F16)[:, 8:]  # strided rows
-    res = torch.randn(M, K, generator=gen).to(_F16)
-    g = (torch.rand(K, generator=gen) + 0.5).to(_F16)
-    s, y = rmsnorm_linear(x, g, 1e-5, w, res, config)
-    s_ref, y_ref = rmsnorm_linear_reference(x, g, 1e-5, w, res)
-    assert torch.equal(s, s_ref)  # the residual stream: x + res rounded as torch's add rounds it
-    exact = F.linear(_exact_norm(s_ref, g, 1e-5), w.float())
-    # the normed row is rounded once here (twice on the two-launch path): both within a step of exact
-    for got in (y, y_ref):
-        torch.testing.assert_close(got.float(), exact, atol=0.05, rtol=2**-7)
-    torch.testing.assert_close(y, y_ref, atol=0.1, rtol=2**-6)
-    y1 = rmsnorm_linear(x, g, 1e-5, w, None, config)  # the first layer's norm: no residual
-    torch.testing.assert_close(
-        y1.float(), F.linear(_exact_norm(x, g, 1e-5), w.float()), atol=0.05, rtol=2**-7
-    )
-    # what a wrong prologue would give is far from it: the residual or the norm's weight ignored
-    assert not torch.allclose(y1.float(), y.float(), atol=0.5)
-    y_no_g = rmsnorm_linear(x, torch.ones_like(g), 1e-5, w, res, config)[1]
-    assert not torch.allclose(y_no_g.float(), y.float(), atol=0.5)
-
-
-@pytest.mark.parametrize("M,config", [(1, (16, 64, 4, 2)), (17, (16, 32, 4, 2, 2))])
-def test_silu_mul_linear_equals_the_activation_then_the_projection(M, config):
-    gen = torch.Generator().manual_seed(M)
-    N, inner = 40, 96
-    w = torch.randn(N, inner, generator=gen).to(_F16)
-    gu = torch.randn(M, 2 * inner, generator=gen).to(_F16)
-    y = silu_mul_linear(gu, w, config)
-    torch.testing.assert_close(y.float(), silu_mul_linear_reference(gu, w).float(), atol=0.02, rtol=2**-8)
-    swapped = torch.cat(gu.chunk(2, -1)[::-1], -1)  # gate and up are not interchangeable
-    assert not torch.allclose(y.float(), silu_mul_linear_reference(swapped, w).float(), atol=0.5)
-
-
-@pytest.mark.parametrize("K,split", [(256, 2), (256, 4), (100, 3), (512, 5)])
-def test_split_k_sums_its_partials_in_order_and_leaves_the_counters_zero(K, split):
-    gen = torch.Generator().manual_seed(K + split)
-    M, N = 5, 72  # 72 = 4.5 tiles of 16 columns: a masked last tile
-    w = torch.randn(N, K, generator=gen).to(_F16)
-    x = torch.randn(M, K, generator=gen).to(_F16)
-    ref = F.linear(x.float(), w.float())
-    got = linear_small(x, w, (16, 32, 4, 2, split))
-    torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=2**-7)
-    assert torch.equal(linear_small(x, w, (16, 32, 4, 2, split)), got)  # the same bytes every time
-    assert not fused_mod._COUNTERS[x.device].any()  # each tile's last program reset its count
-    res = torch.randn(M, K, generator=gen).to(_F16)
-    g = (torch.rand(K, generator=gen) + 0.5).to(_F16)
-    s, y = rmsnorm_linear(x, g, 1e-5, w, res, (16, 32, 4, 2, split))  # the partial sums of squares too
-    assert torch.equal(s, x + res)
-    torch.testing.assert_close(y.float(), F.linear(_exact_norm(s, g, 1e-5), w.float()), atol=0.05, rtol=2**-7)
-    assert not fused_mod._COUNTERS[x.device].any()
-
-
-@pytest.mark.parametrize("dtype,M,K", [(torch.float32, 1, 256), (torch.float32, 20, 2048), (_F16, 3, 1536)])
-def test_norm_head_equals_the_add_the_norm_and_the_fp32_head(dtype, M, K):
-    # K 2048 and 1536: the first pass over the row in more than one chunk (1024 columns at a 16-row tile,
-    # 512 at 32), the last one partly past K
-    gen = torch.Generator().manual_seed(M)
-    V = 40
-    x, r = (torch.randn(M, K, generator=gen).to(dtype) for _ in range(2))
-    g = (torch.rand(K, generator=gen) + 0.5).to(dtype)
-    w = torch.randn(V, K, generator=gen).to(dtype)
-    outs = []
-    for fn in (norm_head, norm_head_reference):
-        hidden, logits = torch.full((M, K), 7.0, dtype=dtype), torch.full((M, V), 7.0)
-        fn(x, r, g, 1e-5, w, hidden, logits)
-        outs.append((hidden, logits))
-    (h, lg), (h_ref, lg_ref) = outs
-    assert torch.equal(h, h_ref)
-    # fp32: the same normed row, so the same logits up to the order of the sums; fp16: a normed entry may
-    # round one step apart where the two 1/rms differ in their last bit (the sums are ordered differently)
-    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-4)
-    torch.testing.assert_close(lg, lg_ref, **tol)
-    hidden, wrong = torch.empty(M, K, dtype=dtype), torch.empty(M, V)
-    norm_head(x, r, torch.ones_like(g), 1e-5, w, hidden, wrong)  # the norm's weight matters
-    assert not torch.allclose(wrong, lg_ref, atol=0.5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, _F16])
-@pytest.mark.parametrize("T", [1, 3])
-def test_conv_gates_decode_equals_the_conv_and_the_two_gate_projections(T, dtype):
-    gen = torch.Generator().manual_seed(T)
-    n, C, H, W, slots_total, GK, HK = 3, 40, 5, 4, 12, 16, 80  # 80 = 1.25 blocks of 64 gate columns
-    x = torch.randn(n * T, C + H + 2 * GK, generator=gen).to(dtype)
-    weight = torch.randn(C, W, generator=gen).to(dtype)
-    state = torch.randn(slots_total, C, W - 1, generator=gen).to(dtype)
-    state[0].zero_()
-    slots = torch.tensor([[2, 3, 4], [5, 6, 7], [0, 0, 0]], dtype=torch.int32)[:, :T].contiguous()
-    num_accepted = torch.tensor([1, T, 1], dtype=torch.int32)
-    f_b, g_b = (torch.randn(HK, GK, generator=gen).to(dtype) for _ in range(2))
-    outs = []
-    for fn in (conv_gates_decode, conv_gates_decode_reference):
-        st = state.clone()
-        out, b = torch.empty(n * T, C, dtype=dtype), torch.empty(n * T, H, dtype=dtype)
-        a, z = torch.full((n * T, HK), 7.0, dtype=dtype), torch.full((n * T, HK), 7.0, dtype=dtype)
-        fn(x, st, weight, slots, num_accepted, out, b, T, f_b, g_b, a, z)
-        outs.append((out, b, st, a, z))
-    (o, b, st, a, z), (o_ref, b_ref, st_ref, a_ref, z_ref) = outs
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2**-9)
-    torch.testing.assert_close(o, o_ref, **tol)
-    assert torch.equal(b, b_ref) and torch.equal(st, st_ref)
-    torch.testing.assert_close(a, a_ref, **tol)
-    torch.testing.assert_close(z, z_ref, **tol)
-    assert not torch.allclose(a.float(), z_ref.float(), atol=0.5)  # f and g are not interchangeable
-
-
 @pytest.mark.parametrize("T", [1, 3])
 def test_conv_decode_equals_the_eager_conv_and_state_update(T):
     gen = torch.Generator().manual_seed(T)
@@ -262,12 +131,8 @@ def test_rope_write_kv_rotates_and_stores_at_the_paged_slot():
     assert torch.equal(v_got, v_ref)
 
 
-@pytest.mark.parametrize("rank", [True, False])
 @pytest.mark.parametrize("block,dcp,interleave", [(4, 2, 1), (6, 3, 2), (8, 1, 1)])
-def test_pooling_and_attention_equal_the_gathered_torch_path(block, dcp, interleave, rank, monkeypatch):
-    # the top-k by rank (the groups of every preset) and by repeated arg-max (more groups than
-    # SELECT_RANK_MAX) select the same rows
-    monkeypatch.setattr(fused_mod, "SELECT_RANK_MAX", 1 << 20 if rank else 0)
+def test_pooling_and_attention_equal_the_gathered_torch_path(block, dcp, interleave):
     geo, kc, vc, gen = _geometry_and_cache(seed=block, block=block, dcp=dcp, interleave=interleave)
     hq, kvh, D, pool, topk = 4, 2, 16, 5, 3
     G = -(-geo.max_model_len // pool)
@@ -336,77 +201,3 @@ def test_the_glue_label_names_what_runs(tiny_engine):
     finally:
         geo.rank = None
         m.set_fused(False)
-
-
-# The tiny preset's projections given launch shapes as the proxy's are in kernels.fused.SMALL_SHAPES:
-# every one but attention qkv [64, 64], which stays a torch projection (as the proxy's qkv stays cuBLAS), so
-# both a folded norm and a norm kernel before its projection run.
-_TINY_SHAPES = {
-    (130, 64): (16, 32, 4, 1),  # KDA in_proj
-    (64, 32): (16, 32, 4, 1, 2),  # KDA out_proj, attention o_proj (split in 2)
-    (256, 64): (32, 64, 4, 1),  # MLP gate_up
-    (64, 128): (16, 32, 4, 1, 2),  # MLP down
-}
-
-
-def _decode_step(e, prompt, calls: dict):
-    """Prefill one prompt, then one decode step: its logits; `calls` counts the step's calls alone."""
-    r = e.runner
-    req = r.admit(prompt, 8)
-    try:
-        toks, gaps = r.pick(r.prefill([req]))
-        r._append(req, toks[0], gaps[0])
-        r.stage_decode([req], 1)
-        calls.clear()
-        return r.forward_decode_static(1).clone()
-    finally:
-        r.release(req)
-
-
-def test_a_fused_decode_step_folds_each_norm_the_activation_and_the_head_into_one_launch(monkeypatch):
-    import qualify.engine.model as model_mod
-    import qualify.engine.model.kda_layer as kda_mod
-    import qualify.engine.model.norm as norm_mod
-
-    for shape, config in _TINY_SHAPES.items():
-        monkeypatch.setitem(fused_mod.SMALL_SHAPES, shape, config)
-    calls: dict[str, int] = {}
-
-    def counted(mod, name):
-        fn = getattr(mod, name)
-
-        def wrapper(*a, **k):
-            calls[name] = calls.get(name, 0) + 1
-            return fn(*a, **k)
-
-        monkeypatch.setattr(mod, name, wrapper)
-
-    for name in ("rmsnorm", "rmsnorm_linear", "linear_small", "silu_mul", "silu_mul_linear"):
-        counted(norm_mod, name)
-    counted(model_mod, "norm_head")
-    counted(kda_mod, "conv_gates_decode")
-    prompt = [256, *b"one launch"]
-    e = make_engine(dtype="float16", kda_decode_backend="torch")  # 16-bit: linear_small's dtypes
-    try:
-        ref = _decode_step(e, prompt, calls)
-        assert not calls  # the torch glue
-        ref_tokens = e.generate([prompt], 3, "eager")[0][0].token_ids
-        e.model.set_fused(True)
-        got = _decode_step(e, prompt, calls)
-        step = dict(calls)
-        tokens = e.generate([prompt], 3, "eager")[0][0].token_ids
-    finally:
-        e.close()
-    # KKKAKKKA: both norms of every block computed in the projection that reads them but the attention
-    # blocks' input norms (qkv is no linear_small shape here), the SiLU in every down projection, the conv
-    # and both gates in one launch per KDA block, and the last add, the final norm and the head in one
-    assert step == {
-        "rmsnorm_linear": 6 + 8,
-        "rmsnorm": 2,
-        "linear_small": 6 + 2,
-        "silu_mul_linear": 8,
-        "conv_gates_decode": 6,
-        "norm_head": 1,
-    }, step
-    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
-    assert tokens == ref_tokens

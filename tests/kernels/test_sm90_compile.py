@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for the H200 (sm_90) on this CPU machine, through Triton's own ptxas
 (bench/sm90.py): the interpreter runs a kernel's Python but never compiles it, so a kernel the interpreter
 tests pass can still fail to build on the GPU (it did, 2026-12-04: a name redefined with another shape
-inside an `if`). The decode step's fused glue (kernels/fused.py) is held to no spills as well."""
+inside an `if`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_path: Path) -> None:
+def test_every_kernel_compiles_for_sm90_and_the_decode_serving_path_does_not_spill(tmp_path: Path) -> None:
     out = tmp_path / "sm90.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # jit must build, not interpret
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
@@ -30,9 +30,7 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_p
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["kernels"]}
-    assert all(r["registers"] > 0 for r in rows.values())
-    groups = {g: [r for r in rows.values() if r["group"] == g] for g in ("decode", "prefill", "fused")}
-    assert [len(v) for v in groups.values()] == [5, 7, 22], {g: len(v) for g, v in groups.items()}
+    assert len(rows) == 12 and all(r["registers"] > 0 for r in rows.values())
     for T in (1, 4):
         split = rows[f"decode T={T} split"]  # the serving path at every batch (kernels/kda/decode.py)
         assert split["spill_stores"] == 0 and split["spill_loads"] == 0, split
@@ -45,6 +43,3 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_p
     for name in serving:
         assert rows[name]["spill_stores"] == 0 and rows[name]["spill_loads"] == 0, rows[name]
         assert rows[name]["shared_bytes"] <= 227 * 1024, rows[name]
-    # kernels/fused.py: every glue kernel and projection prologue of the decode step, at 1 and 32 rows
-    spilled = [r["kernel"] for r in groups["fused"] if r["spill_stores"] or r["spill_loads"]]
-    assert not spilled, spilled

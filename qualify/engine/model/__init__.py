@@ -6,13 +6,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kernels.fused import norm_head, serves_head
-
 from .attention import AttentionLayer
 from .context import DecodeContext, PrefillContext
 from .kda_layer import KdaLayer
 from .mlp import SwiGLU
-from .norm import Embedding, Linear, Prenormed, RMSNorm
+from .norm import Embedding, Linear, RMSNorm
 
 __all__ = ["DecodeContext", "DecoderLayer", "HybridModel", "MtpHead", "PrefillContext"]
 
@@ -35,17 +33,11 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x: Tensor, pending: Tensor | None, ctx, decode: bool) -> tuple[Tensor, Tensor]:
         """The same block with each residual add inside the next norm's kernel: takes the residual stream
         x and the previous block's MLP output still to be added (None: nothing), returns the pair for the
-        next block (the caller adds the last one). In a decode step each norm, with its add, is handed on
-        unevaluated (Prenormed) to the projection that reads it, which computes it in its own launch where
-        kernels.fused.linear_small serves that projection: the mixer's first one, then MLP gate_up."""
-        inp = Prenormed(x, pending, self.input_norm)
-        if decode:
-            h = self.mixer.forward_decode(inp, ctx)
-        else:
-            h = self.mixer.forward_prefill(inp.materialize(), ctx)
-        post = Prenormed(inp.total, h, self.post_norm)
-        out = self.mlp(post)
-        return post.total, out
+        next block (the caller adds the last one)."""
+        x, h = (x, self.input_norm(x)) if pending is None else self.input_norm.add(x, pending)
+        h = self.mixer.forward_decode(h, ctx) if decode else self.mixer.forward_prefill(h, ctx)
+        x, h = self.post_norm.add(x, h)
+        return x, self.mlp(h)
 
 
 class MtpHead(nn.Module):
@@ -85,32 +77,14 @@ class HybridModel(nn.Module):
     def forward_hidden(self, input_ids: Tensor, ctx, decode: bool) -> Tensor:
         """Last hidden state (before the final norm) of every token."""
         x = self.embed(input_ids)
-        if self.norm.fused and self.layers:
-            x, pending = self._fused_layers(x, ctx, decode)
+        if self.norm.fused:
+            pending = None
+            for layer in self.layers:
+                x, pending = layer.forward_fused(x, pending, ctx, decode)
             return x + pending
         for layer in self.layers:
             x = layer(x, ctx, decode)
         return x
-
-    def _fused_layers(self, x: Tensor, ctx, decode: bool) -> tuple[Tensor, Tensor]:
-        pending = None
-        for layer in self.layers:
-            x, pending = layer.forward_fused(x, pending, ctx, decode)
-        return x, pending
-
-    def decode_into(self, input_ids: Tensor, ctx, hidden_out: Tensor, logits_out: Tensor) -> None:
-        """A decode or verify step: every token's last hidden state and its logits, written into the
-        caller's (static) buffers. With the fused glue the last residual add, the final norm and the fp32
-        head are one launch (kernels.fused.norm_head) where the rows are decode-sized."""
-        rows = input_ids.numel()
-        if self.norm.fused and self.layers and serves_head(self.lm_head.weight, rows):
-            x, pending = self._fused_layers(self.embed(input_ids), ctx, True)
-            n = self.norm
-            norm_head(x, pending, n.weight, n.eps, self.lm_head.weight, hidden_out, logits_out)
-            return
-        hidden = self.forward_hidden(input_ids, ctx, decode=True)
-        hidden_out.copy_(hidden)
-        logits_out.copy_(self.logits(hidden))
 
     def logits(self, hidden: Tensor) -> Tensor:
         # fp32 head: bf16 logits are quantized to 1/16-1/8 at their magnitude, coarser than the coherence

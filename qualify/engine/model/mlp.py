@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .norm import Linear, Prenormed
+from kernels.fused import silu_mul, silu_mul_reference
+
+from .norm import Linear
 
 
 class SwiGLU(nn.Module):
@@ -13,9 +15,8 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up = Linear(hidden, 2 * inner, dtype=dtype, device=device)
         self.down = Linear(inner, hidden, dtype=dtype, device=device)
+        self.fused = False  # kernels.fused.silu_mul, else its torch reference (HybridModel.set_fused)
 
-    def forward(self, x: Tensor | Prenormed) -> Tensor:
-        """x may be a Prenormed input (fused engines): gate_up then computes the norm in its own launch
-        where it can. The activation is computed in the down projection's launch where linear_small serves
-        it, else by kernels.fused.silu_mul (fused engines) or its torch reference."""
-        return self.down.silu_mul(self.gate_up(x))
+    def forward(self, x: Tensor) -> Tensor:
+        act = silu_mul if self.fused else silu_mul_reference
+        return self.down(act(self.gate_up(x)))

@@ -4,22 +4,11 @@ Linear, Embedding, RMSNorm, and the rotary position tables (derived from the con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.fused import (
-    linear_small,
-    rmsnorm,
-    rmsnorm_linear,
-    rmsnorm_reference,
-    serves_small,
-    silu_mul,
-    silu_mul_linear,
-    silu_mul_reference,
-)
+from kernels.fused import SMALL_M, SMALL_SHAPES, linear_small, rmsnorm, rmsnorm_reference
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -33,26 +22,16 @@ class Linear(nn.Module):
         # decode-sized inputs through kernels.fused.linear_small where it beats cuBLAS (set_fused)
         self.fused = False
 
-    def small(self, rows: int) -> bool:
-        """Whether `rows` rows go through kernels.fused's decode-sized projection (fused engines only)."""
-        return self.fused and serves_small(self.weight, rows)
-
-    def forward(self, x: Tensor | Prenormed) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         w = self.weight
-        if isinstance(x, Prenormed):
-            if not self.small(x.rows):
-                return F.linear(x.materialize(), w)
-            return x.project(w)
-        if self.small(x.numel() // w.shape[1]):
+        if (
+            self.fused
+            and tuple(w.shape) in SMALL_SHAPES
+            and x.numel() <= SMALL_M * w.shape[1]
+            and w.element_size() == 2
+        ):
             return linear_small(x, w)
         return F.linear(x, w)
-
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        """This projection of silu(gate) * up, gate_up = [gate | up]: in one launch where linear_small
-        serves the rows (the activation in its prologue), else silu_mul's kernel (fused) or torch ops."""
-        if self.small(gate_up.numel() // gate_up.shape[-1]):
-            return silu_mul_linear(gate_up, self.weight)
-        return F.linear((silu_mul if self.fused else silu_mul_reference)(gate_up), self.weight)
 
 
 class Embedding(nn.Module):
@@ -77,40 +56,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return (rmsnorm if self.fused else rmsnorm_reference)(x, self.weight, self.eps)
-
-
-@dataclass
-class Prenormed:
-    """RMSNorm(x + residual) * norm.weight, not computed yet (fused engines). The projection that consumes
-    it folds the norm and the add into its own launch where linear_small serves it (Linear.forward), else
-    the norm's kernel runs first (`materialize`). Either way `total` is then x + residual, rounded as
-    torch's add rounds it (x itself without a residual): the block's residual stream."""
-
-    x: Tensor
-    residual: Tensor | None
-    norm: RMSNorm
-    total: Tensor | None = None
-
-    @property
-    def rows(self) -> int:
-        return self.x.numel() // self.x.shape[-1]
-
-    def materialize(self) -> Tensor:
-        """The normed input, by the norm's kernel (with the add where there is a residual)."""
-        if self.residual is None:
-            self.total = self.x
-            return self.norm(self.x)
-        self.total, h = self.norm.add(self.x, self.residual)
-        return h
-
-    def project(self, weight: Tensor) -> Tensor:
-        """The normed input @ weight.T in one launch (kernels.fused.rmsnorm_linear)."""
-        n = self.norm
-        if self.residual is None:
-            self.total = self.x
-            return rmsnorm_linear(self.x, n.weight, n.eps, weight)
-        self.total, y = rmsnorm_linear(self.x, n.weight, n.eps, weight, self.residual)
-        return y
 
 
 def rope_tables(
