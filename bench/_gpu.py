@@ -66,6 +66,8 @@ def time_contenders(
     for label, fn in calls.items():
         try:
             graphs[label] = capture(fn)
+        except torch.AcceleratorError as e:  # a device fault is sticky: nothing after it can run
+            raise RuntimeError(f"contender {label!r} faulted while running or capturing: {e}") from e
         except Exception as e:  # a peer that cannot run or capture is reported, not dropped
             failed[label] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             continue
