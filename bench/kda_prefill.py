@@ -52,20 +52,18 @@ INPUTS = ("q", "k", "v", "a", "b", "z", "A_log", "dt_bias", "w", "h0")
 INPUTS += ("idx", "offs", "nc", "cu", "cu_long", "slots", "has")
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
-# (Timed before and beaten by the module's constants of their day: the warp counts of the diagonal,
-# off-diagonal and W/U passes on 2026-12-03, bench/results/kda-prefill-h200-2026-12-03.json; the
-# off-diagonal pass in 16-wide K slices, and at 4 warps in 32-wide ones, on 2026-12-04,
-# bench/results/kda-prefill-h200-2026-12-04.json. Those launches were replaced by the one intra-chunk launch.)
+# (Timed before and beaten by the module's constants: the warp counts of the diagonal, off-diagonal and
+# W/U passes on 2026-12-03, bench/results/kda-prefill-h200-2026-12-03.json; the off-diagonal pass in 16-wide
+# K slices, and at 4 warps in 32-wide ones, on 2026-12-04, bench/results/kda-prefill-h200-2026-12-04.json.
+# One intra-chunk launch per (chunk, head) in place of the gate, diagonal, off-diagonal and W/U launches, with
+# the state pass applying X itself, ran 0.93-1.03x fla+norm on 2026-12-04:
+# bench/results/kda-prefill-h200-2026-12-04-rejected-fused-intra.json.)
 VARIANTS: dict[str, dict[str, object]] = {
-    # The intra-chunk launch's K slice and warps (bench/sm90.py: 254 registers at 32-wide slices and 4
-    # warps, 234 at 16; 211 and 172 at 8 warps; none spills).
-    "ours_intra_bk16": {"_INTRA_BK": 16},
-    "ours_intra_w8": {"_INTRA_WARPS": 8},
-    "ours_intra_bk16_w8": {"_INTRA_BK": 16, "_INTRA_WARPS": 8},
-    # The state pass's software pipeline at 2 stages for both widths (147 KB at 32-wide blocks, against
-    # 225 KB at the default 3). (Unpipelined 32-wide blocks, 1 stage, were queued too: on the H200 on
-    # 2026-12-04 a run with them faulted during the contenders' captures, and none of the other launches
-    # has faulted in the GPU tests; removed rather than run blind.)
+    # The state pass's software pipeline holds 188 KB of shared memory at 3 stages (one program per SM);
+    # 2 stages hold 128 KB (bench/sm90.py). (Unpipelined variants were queued too. On the H200 on 2026-12-04,
+    # with the rejected layout's state pass, three runs that had the unpipelined 32-wide variant among the
+    # contenders hit an illegal address during the captures and the run without it completed; the GPU
+    # tests never ran an unpipelined launch. Left out until a GPU test covers one.)
     "ours_state_stages_2": {"_STATE_STAGES": 2},
 }
 
@@ -146,8 +144,7 @@ def _inputs(nseq: int, seqlen: int, H: int) -> dict[str, torch.Tensor]:
 def _ours(x: dict[str, torch.Tensor]) -> Callable[[], None]:
     tot, H = x["q"].shape[0], x["q"].shape[1]
     scratch = {
-        m: torch.empty(s, dtype=d, device="cuda")
-        for m, (s, d) in prefill_scratch_specs(tot, H, K, V, max_chunks=x["idx"].shape[0]).items()
+        m: torch.empty(s, dtype=d, device="cuda") for m, (s, d) in prefill_scratch_specs(tot, H, K, V).items()
     }
     names = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "z", "w", "pool", "cu", "slots", "has", "idx")
     args = [x[n] for n in names] + [x["offs"], x["nc"], x["out"]]

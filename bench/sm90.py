@@ -39,13 +39,7 @@ def _ptxas() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_sm90(
-    fn,
-    signature: dict[str, str],
-    constexprs: dict[str, object],
-    num_warps: int,
-    num_stages: int | None = None,
-):
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], num_warps: int):
     """`fn` compiled for sm_90 (Triton's own pipeline through ptxas; raises on any error): the compiled
     kernel, whose .asm["ptx"] is its PTX and .metadata.shared its shared memory per program.
 
@@ -62,8 +56,7 @@ def compile_sm90(
     aligned = [n for n, t in signature.items() if t.startswith("*") or n in ALIGNED_INTS]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def ptxas_report(ptx: str) -> dict[str, int]:
@@ -118,19 +111,26 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     from kernels.kda import chunk_intra as ci
 
     chunks = {"cu_seqlens": I32, "chunk_indices": I32, "n_chunks_ptr": I32, "n_chunks": "i32"}
-    intra = {"q": BF16, "k": BF16, "a": BF16, "b": BF16, "A_log": F32, "dt_bias": F32}
-    intra.update({n: BF16 for n in ("q_tilde", "k_bar", "kt", "p")})
-    intra.update({"x": F32, "glast": F32, **chunks, "scale": "fp32", "lower_bound": "fp32"})
-    for bk, warps in sorted({(ch._INTRA_BK, ch._INTRA_WARPS), (16, 4), (32, 4), (16, 8), (32, 8)}):
-        c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, bk), DEVICE_COUNT=True, DT=tl.bfloat16)
-        yield f"prefill intra-chunk BK={bk} warps={warps}", ci.intra_kernel, intra, c, warps
-    state = {n: BF16 for n in ("q_tilde", "k_bar", "kt", "x", "v", "b", "p")}
-    state.update({"x": F32, "glast": F32, "out": BF16, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32})
-    state.update({"slots": I32, "has_initial": "*u8"})
+    gate = {"a": BF16, "A_log": F32, "dt_bias": F32, "gcum": F32, **chunks, "lower_bound": "fp32"}
+    c = dict(H=H, K=K, BK=min(K, ch._GATE_BK), BT=BT, DEVICE_COUNT=True)
+    yield "prefill gate", ch._gate_kernel, gate, c, ch._GATE_WARPS
+    diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
+    diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})
+    c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16)
+    yield "prefill diagonal pass", ci.diag_kernel, diag, c, ch._DIAG_WARPS
+    inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
+    c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)
+    yield "prefill off-diagonal pass", ci.inter_solve_kernel, inter, c, ch._INTER_WARPS
+    wu = {"k": BF16, "v": BF16, "b": BF16, "gcum": F32, "x_inv": F32, "rn": F32, "w": BF16, "u": BF16}
+    wu.update(chunks)
+    c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT)
+    yield "prefill W/U", ci.wu_kernel, wu, c, ch._WU_WARPS
+    state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
+    state = {"gcum": F32, **state, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32, "slots": I32}
+    state["has_initial"] = "*u8"
     for bv in (32, 64):
         c = dict(H=H, K=K, V=V, BT=BT, BV=bv, WHILE_LOOP=False, DT=tl.bfloat16, VB_FIRST=ch._STATE_VB_FIRST)
-        stages = ch._STATE_STAGES or ch._STATE_STAGES_BY_BV.get(bv, 2)
-        yield f"prefill state pass BV={bv}", ch._state_kernel, state, c, (ch._STATE_WARPS, stages)
+        yield f"prefill state pass BV={bv}", ch._state_kernel, state, c, ch._STATE_WARPS
     norm = {"out": BF16, "z": BF16, "weight": F32, "cu_seqlens": I32, "n_seqs": "i32", "eps": "fp32"}
     norm["rows_cap"] = "i32"
     yield "prefill gated norm", ch._gated_norm_kernel, norm, dict(H=H, V=V, ROWS=16), 4
@@ -142,12 +142,9 @@ CASES = {"decode": _decode_cases, "prefill": _prefill_cases}
 def report(which: tuple[str, ...] = tuple(CASES)) -> list[dict]:
     rows = []
     for group in which:
-        for label, fn, sig, consts, launch in CASES[group]():
-            warps, stages = launch if isinstance(launch, tuple) else (launch, None)
-            k = compile_sm90(fn, sig, consts, warps, stages)
+        for label, fn, sig, consts, warps in CASES[group]():
+            k = compile_sm90(fn, sig, consts, warps)
             row = {"kernel": label, "num_warps": warps, **ptxas_report(k.asm["ptx"])}
-            if stages is not None:
-                row["num_stages"] = stages
             rows.append({**row, "shared_bytes": int(k.metadata.shared)})
     return rows
 

@@ -1,5 +1,5 @@
-"""Varlen chunked KDA prefill in Triton (docs/KDA.md, chunked prefill): the intra-chunk launch of
-chunk_intra.py, the sequential state pass with the output, the gated norm; the host-side chunk metadata."""
+"""Varlen chunked KDA prefill in Triton (docs/KDA.md, chunked prefill): the gate, the intra-chunk launches of
+chunk_intra.py, the sequential state pass with the output and the gated norm; the host-side chunk metadata."""
 
 from __future__ import annotations
 
@@ -10,43 +10,47 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import intra_kernel
+from kernels.kda.chunk_intra import _chunk_bounds, diag_kernel, inter_solve_kernel, wu_kernel
 from kernels.kda.chunk_ref import chunk_reference
 
 __all__ = ["build_chunk_metadata", "chunk_reference", "prefill", "prefill_scratch_specs"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _SUB = 16  # sub-chunk: the span over which one exp factor may grow (≤ e^{5·8} with the middle reference)
-# Launch shapes and operand types (module constants so a tuning run can override them): bf16 operands for
-# the A/P products and the sequential pass's products (fp32 accumulation; fp32 A/P operands run as tf32
-# and made the prefill 1.5x slower on the H200, 2026-12-01). The interpreter uses fp32.
-_AP_DT = tl.bfloat16
-# The intra-chunk launch (chunk_intra.py): one program per (chunk, head), K in _INTRA_BK-wide slices.
-_INTRA_WARPS, _INTRA_BK = 4, 32
-_STATE_WARPS = 4
+# Launch shapes and operand types, measured best on an H200 (module constants so a tuning run can
+# override them): bf16 operands for the A/P and W/U products (fp32 accumulation; fp32 A/P operands run as
+# tf32 and made the prefill 1.5x slower). The interpreter uses fp32.
+_GATE_BK, _GATE_WARPS, _STATE_WARPS = 32, 4, 4
+# W/U at 8 warps: 0.90 / 0.99 / 3.52 ms against 0.92 / 1.01 / 3.61 at 4 (H200, 2026-12-01, the shapes below).
+_WU_WARPS, _WU_DT, _AP_DT = 8, tl.bfloat16, tl.bfloat16
 # The state pass's V-block: None picks 32 when (sequences x heads x V/32) programs fit on the SMs at once,
-# else 64. Each V-block program rereads the chunk's β·K̃, X, Q̃, K̄ and P, and the chunk loop's pipelined
-# loads leave shared memory for one program per SM (bench/sm90.py), so a second wave costs a whole pass: on
-# the H200 (2026-12-03, bench/kda_prefill.py's shapes) 64 ran 8x1024 in 0.85 ms against 0.98 at 32 and
-# 1x8192 at H = 64 in 1.60 against 1.82, and 32 ran 1x8192 (H = 32) in 0.88 against 0.92. An int forces
-# that width.
+# else 64. Each V-block program rereads the chunk's W, Q̃, K̄ and P, and the chunk loop's pipelined loads
+# leave shared memory for one program per SM (188 KB at 32, 208 KB at 64: bench/sm90.py), so a second
+# wave costs a whole pass: on the H200 (2026-12-03, bench/kda_prefill.py's shapes) 64 ran 8x1024 in
+# 0.85 ms against 0.98 at 32 and 1x8192 at H = 64 in 1.60 against 1.82, and 32 ran 1x8192 (H = 32) in
+# 0.88 against 0.92. An int forces that width.
 _STATE_BV: int | None = None
-# The software-pipelining depth of the state pass's chunk loop, by V-block width: the shared memory of its
-# pipelined loads (bench/sm90.py) is 225 KB at 32-wide blocks and 3 stages, 246 KB at 64-wide (over the
-# 227 KB a program may hold) and 164 KB at 2 stages. An int forces one depth for both.
-_STATE_STAGES: int | None = None
-_STATE_STAGES_BY_BV = {32: 3, 64: 2}
+_STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop; None: Triton's default
 # The state pass's grid order: True launches the V-blocks of one (sequence, head) side by side, so the
-# programs that read the same chunk's operands run at the same time (1-2% faster at 8x1024 and at H = 64
-# than the sequence-first order on the H200, 2026-12-04, in d5705b1's run).
+# programs that read the same chunk's W, Q̃, K̄ and P run at the same time (1-2% faster at 8x1024 and at
+# H = 64 than the sequence-first order on the H200, 2026-12-04, in d5705b1's run).
 _STATE_VB_FIRST = True
-# History of the layout, each step measured on the H200 in one run (docs/KDA.md has the figures): one
-# program per (chunk, head) for the whole intra-chunk work with full-K tiles spilled (255 registers); fla's
-# split into a gate launch, a diagonal pass per sub-chunk, an off-diagonal pass per chunk and a W/U launch
-# (six launches in all, 0.877 ms at 1x8192 on 2026-12-04) wrote Γ in fp32 and W, U in bf16 between them;
-# folding the gate into the per-sub-chunk diagonal pass computed every gate four times and was slower.
-# Here the intra-chunk work is one launch again, in K slices (no K-wide tile is held), and W and U are
-# never formed: the sequential pass applies X to (β·V − β·K̃·S) itself.
+# The intra-chunk factors in two launches (kernels/kda/chunk_intra.py): a diagonal pass per 16-row
+# sub-chunk, then the off-diagonal blocks and the merged inverse per chunk in INTER_BK-wide K slices. On
+# the H200 (2026-12-01, graph-timed, H=32, K=V=128, 1x8192 / 8x1024 / 1x32768) the prefill ran 0.89 /
+# 0.88 / 3.53 ms this way against 1.17 / 1.14 / 4.57 with the earlier one-program-per-(chunk, head)
+# kernel (255 registers and a 648-byte stack per thread on sm_90). At 4 warps instead of 2 the diagonal
+# pass cost 0.03 ms more at 1x8192, the off-diagonal 0.06 more; 32- and 128-wide slices ran within 2% of 64.
+# A state-only sequential pass followed by a parallel output pass (fla's chunk_fwd_h / chunk_fwd_o split)
+# ran 1.00 / 1.00 / 3.96 ms in the same run and was removed.
+# Folding the gate into the diagonal pass (each sub-chunk's program computing the chunk's gate for its
+# offsets) and W/U into the off-diagonal pass (X applied from its 16x16 blocks) was measured and removed:
+# on the H200 (2026-12-04, d5705b1, bench/results/kda-prefill-h200-2026-12-04-rejected-fused-gate-wu.json)
+# the two passes took 693 and 549 µs at 1x8192 against 74 + 216 and 199 + 122 for the four launches here;
+# the diagonal pass computed every gate four times (2.7 times the MUFU instructions) and the
+# off-diagonal one spilled (740 bytes per thread at 2 warps, ptxas through bench/sm90.py). In 16-wide K
+# slices, or at 4 warps in 32-wide ones, the prefill ran 8% and 14% slower at 1x8192 (2026-12-04, 8a7ccd3).
+_DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 
 
 def build_chunk_metadata(
@@ -86,44 +90,77 @@ def build_chunk_metadata(
 
 
 def prefill_scratch_specs(
-    max_tokens: int, H: int, K: int, V: int, chunk_size: int = 64, max_chunks: int | None = None
+    max_tokens: int, H: int, K: int, V: int, chunk_size: int = 64
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Scratch the prefill needs for up to `max_tokens` packed tokens in up to `max_chunks` chunks (default:
-    `max_tokens`, the most any split can make): name -> (shape, dtype).
+    """Scratch the prefill needs for up to `max_tokens` packed tokens: name -> (shape, dtype).
 
-    The token-row entries serve any varlen split of the same token capacity; `glast` is indexed by the
-    chunk's place in the chunk list. V is accepted for the call's symmetry; nothing here depends on it.
+    Every entry is indexed by token row, so it serves any varlen split of the same token capacity.
     """
-    chunks = max_tokens if max_chunks is None else max_chunks
     return {
+        "gcum": ((max_tokens, H, K), torch.float32),  # Γ, within-chunk cumulative log decay
         "q_tilde": ((max_tokens, H, K), torch.bfloat16),  # q̂·exp(Γ)
         "k_bar": ((max_tokens, H, K), torch.bfloat16),  # k̂·exp(Γ_C − Γ)
-        "kt": ((max_tokens, H, K), torch.bfloat16),  # β·k̂·exp(Γ), so that W = X·kt
+        "w": ((max_tokens, H, K), torch.bfloat16),  # T·K̃
+        "u": ((max_tokens, H, V), torch.bfloat16),  # T·V
         "p": ((max_tokens, H, chunk_size), torch.bfloat16),  # row r of P for the chunk holding r
         "x": ((max_tokens, H, chunk_size), torch.float32),  # row r of (I + A)^{-1} for its chunk
-        "glast": ((chunks, H, K), torch.float32),  # Γ_C, the chunk's total log decay per channel
+        "rn": ((max_tokens, H, 2), torch.float32),  # inverse L2 norms of k and q (q's times the scale)
     }
+
+
+@triton.jit
+def _gate_kernel(
+    a,
+    A_log,
+    dt_bias,
+    gcum,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    lower_bound,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+):
+    """Per (chunk, head, K-block): bounded gate and Γ = its within-chunk cumsum (channels are independent)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kb = tl.program_id(2)
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
+    if n <= 0:
+        return
+    r = tl.arange(0, BT)
+    d = kb * BK + tl.arange(0, BK)
+    m = (r < n)[:, None]
+    off = ((t0 + r) * H + h)[:, None] * K + d[None, :]
+    x = (
+        tl.load(a + off, mask=m, other=0.0).to(tl.float32)
+        + tl.load(dt_bias + h * K + d).to(tl.float32)[None, :]
+    )
+    g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * x)
+    g = tl.where(m, g, 0.0)
+    tl.store(gcum + off, tl.cumsum(g, axis=0), mask=m)
 
 
 @triton.jit
 def _chunk_step(
     S,
     cc,
-    c0,
     bos,
     eos,
     h,
     d,
     e,
     r,
+    gcum,
     q_tilde,
     k_bar,
-    kt,
-    x,
-    v,
-    b,
+    w,
+    u,
     p,
-    glast,
     out,
     H: tl.constexpr,
     K: tl.constexpr,
@@ -131,7 +168,6 @@ def _chunk_step(
     BT: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """One chunk: Δ = X·(β·V − β·K̃·S) (= U − W·S), O = Q̃·S + P·Δ, S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ."""
     t0 = bos + cc * BT
     n = tl.minimum(BT, eos - t0)
     mr = (r < n)[:, None]
@@ -139,16 +175,14 @@ def _chunk_step(
     offk = rows[:, None] * K + d[None, :]
     offv = rows[:, None] * V + e[None, :]
     Sb = S.to(DT)
-    ktc = tl.load(kt + offk, mask=mr, other=0.0).to(DT)
-    beta = tl.sigmoid(tl.load(b + rows, mask=r < n, other=0.0).to(tl.float32))
-    rhs = tl.load(v + offv, mask=mr, other=0.0).to(tl.float32) * beta[:, None] - tl.dot(ktc, Sb)
-    xc = tl.load(x + rows[:, None] * BT + r[None, :], mask=mr, other=0.0).to(DT)
-    db = tl.dot(xc, rhs.to(DT)).to(DT)
+    wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
+    delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
+    db = delta.to(DT)
     qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
     pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0).to(DT)
     o = tl.dot(qc, Sb) + tl.dot(pc, db)
     tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr)
-    g_last = tl.load(glast + ((c0 + cc) * H + h) * K + d)
+    g_last = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
     kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
     S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
     return S
@@ -156,14 +190,12 @@ def _chunk_step(
 
 @triton.jit
 def _state_kernel(
+    gcum,
     q_tilde,
     k_bar,
-    kt,
-    x,
-    v,
-    b,
+    w,
+    u,
     p,
-    glast,
     out,
     state,
     cu_seqlens,
@@ -179,8 +211,8 @@ def _state_kernel(
     DT: tl.constexpr,
     VB_FIRST: tl.constexpr,
 ):
-    """Per (sequence, head, V-block), chunk after chunk (_chunk_step); the state is read from and written
-    back to the pool slot."""
+    """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
+    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot."""
     if VB_FIRST:
         vb, h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
@@ -214,15 +246,11 @@ def _state_kernel(
         # The interpreter cannot index a range by a loaded scalar; compiled code keeps the for loop.
         cc = 0
         while cc < nc:
-            S = _chunk_step(
-                S, cc, c0, bos, eos, h, d, e, r, q_tilde, k_bar, kt, x, v, b, p, glast, out, H, K, V, BT, DT
-            )
+            S = _chunk_step(S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT)
             cc += 1
     else:
         for cc in range(nc):
-            S = _chunk_step(
-                S, cc, c0, bos, eos, h, d, e, r, q_tilde, k_bar, kt, x, v, b, p, glast, out, H, K, V, BT, DT
-            )
+            S = _chunk_step(S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT)
     tl.store(s_ptr, S)
 
 
@@ -341,57 +369,101 @@ def prefill(
     else:
         grid_chunks, n_ptr, n_host, dev = int(num_chunks), cu_seqlens, int(num_chunks), False
     chunks = (cu_seqlens, chunk_indices, n_ptr, n_host)  # which chunk each program of a chunk grid serves
-    specs = prefill_scratch_specs(total, H, K, V, BT, max_chunks=max(grid_chunks, 1))
+    specs = prefill_scratch_specs(total, H, K, V, BT)
     if scratch is None:
         scratch = {n: torch.empty(s, dtype=dt, device=q.device) for n, (s, dt) in specs.items()}
     for n, (s, dt) in specs.items():
         t = scratch[n]
         _check(
-            t.dtype == dt and t.shape[1:] == s[1:] and t.shape[0] >= s[0] and t.is_contiguous(),
-            f"scratch[{n!r}] must be contiguous {dt} [≥{s[0]}, {', '.join(map(str, s[1:]))}]",
+            t.dtype == dt and t.shape[1:] == s[1:] and t.shape[0] >= total and t.is_contiguous(),
+            f"scratch[{n!r}] must be contiguous {dt} [≥{total}, {', '.join(map(str, s[1:]))}]",
         )
     has_init = (
         has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     )
-    dt = tl.float32 if _INTERPRET else _AP_DT
     if grid_chunks > 0:
-        intra_kernel[(grid_chunks, H)](
-            q,
-            k,
+        BK = min(K, _GATE_BK)
+        _gate_kernel[(grid_chunks, H, K // BK)](
             a,
-            b,
             A_log,
             dt_bias,
+            scratch["gcum"],
+            *chunks,
+            lower_bound,
+            H=H,
+            K=K,
+            BK=BK,
+            BT=BT,
+            DEVICE_COUNT=dev,
+            num_warps=_GATE_WARPS,
+        )
+        ap_dt = tl.float32 if _INTERPRET else _AP_DT
+        diag_kernel[(grid_chunks, BT // _SUB, H)](
+            q,
+            k,
+            b,
+            scratch["gcum"],
             scratch["q_tilde"],
             scratch["k_bar"],
-            scratch["kt"],
             scratch["p"],
             scratch["x"],
-            scratch["glast"],
+            scratch["rn"],
             *chunks,
             scale,
-            lower_bound,
             H=H,
             K=K,
             BT=BT,
             BC=_SUB,
-            BK=min(K, _INTRA_BK),
             DEVICE_COUNT=dev,
-            DT=dt,
-            num_warps=_INTRA_WARPS,
+            DT=ap_dt,
+            num_warps=_DIAG_WARPS,
+        )
+        inter_solve_kernel[(grid_chunks, H)](
+            q,
+            k,
+            b,
+            scratch["gcum"],
+            scratch["p"],
+            scratch["x"],
+            scratch["rn"],
+            *chunks,
+            H=H,
+            K=K,
+            BT=BT,
+            BC=_SUB,
+            BK=min(K, _INTER_BK),
+            DEVICE_COUNT=dev,
+            DT=ap_dt,
+            num_warps=_INTER_WARPS,
+        )
+        wu_kernel[(grid_chunks, H)](
+            k,
+            v,
+            b,
+            scratch["gcum"],
+            scratch["x"],
+            scratch["rn"],
+            scratch["w"],
+            scratch["u"],
+            *chunks,
+            H=H,
+            K=K,
+            V=V,
+            BT=BT,
+            DEVICE_COUNT=dev,
+            DT=tl.float32 if _INTERPRET else _WU_DT,
+            num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or _state_bv(N, H, V, q.device))
     if N > 0:
         grid = (V // BV, H, N) if _STATE_VB_FIRST else (N, H, V // BV)
         _state_kernel[grid](
+            scratch["gcum"],
             scratch["q_tilde"],
             scratch["k_bar"],
-            scratch["kt"],
-            scratch["x"],
-            v,
-            b,
+            scratch["w"],
+            scratch["u"],
             scratch["p"],
-            scratch["glast"],
             out,
             state,
             cu_seqlens,
@@ -404,10 +476,10 @@ def prefill(
             BT=BT,
             BV=BV,
             WHILE_LOOP=_INTERPRET,
-            DT=dt,
+            DT=tl.float32 if _INTERPRET else tl.bfloat16,
             VB_FIRST=_STATE_VB_FIRST,
             num_warps=_STATE_WARPS,
-            num_stages=_STATE_STAGES or _STATE_STAGES_BY_BV.get(BV, 2),
+            **({} if _STATE_STAGES is None else {"num_stages": _STATE_STAGES}),
         )
     rows = 16
     _gated_norm_kernel[(triton.cdiv(total * H, rows),)](

@@ -1,27 +1,17 @@
-"""The intra-chunk half of the KDA prefill (docs/KDA.md, chunked prefill) in one launch: one program per
-(chunk, head) computes the bounded gate and its within-chunk cumulative sum Γ, the normalised q̂ and k̂,
-Q̃ = q̂·e^Γ, K̄ = k̂·e^{Γ_C − Γ} and β·K̃ = β·k̂·e^Γ, the matrices A and P, and the inverse
-X = (I + A)^{-1}; it writes only what the sequential pass reads: Q̃, K̄, β·K̃, Γ_C (per chunk), P and X.
-Γ itself never leaves the program.
+"""The intra-chunk half of the KDA prefill (docs/KDA.md, chunked prefill) in two launches, the structure fla
+uses: a diagonal pass with one program per 16-row sub-chunk (its diagonal blocks of A and P, Q̃, K̄, the
+row norms, and the sub-chunk's own (I + A_ii)^{-1}), then one program per chunk for the off-diagonal
+blocks (K in BK-wide slices, so few registers) and the merged inverse X = (I + A)^{-1}; a third launch
+applies it, W = X·Diag(β)·K̃ and U = X·Diag(β)·V, as whole-chunk products.
 
-The whole chunk is one [BT, BK] tile per K slice (BK-wide slices of K, so no K-wide tile is held), and A
-and P are each one [BT, BT] accumulator: every product is a whole-chunk dot whose exponent is split at a
-point where neither factor overflows, and whose entries outside the blocks it is exact for are masked:
+Norms factor out of every product: A_rj = β_r·n_r·n_j·Σ_d k_r[d]·k_j[d]·e^{Γ_r[d]−Γ_j[d]} with n the
+inverse L2 norm of the raw key row, so the off-diagonal pass multiplies raw q and k and scales the 16×16
+results by the norms the diagonal pass stored; it never holds a K-wide normalised tile.
 
-- the pair dot: rows and columns of each 32-row pair of sub-chunks (16 rows each) against Γ at the pair's
-  middle boundary (each factor within e^{±|L|·16}); exact for the diagonal blocks and the block just below
-  each (blocks (0,0), (1,0), (1,1), (2,2), (3,2), (3,3) of a 64-token chunk);
-- the quadrant dot (64-token chunks): rows 32..63 against columns 0..31 at Γ of row 31, where both
-  factors are at most 1; exact for blocks (2,0), (2,1), (3,0), (3,1), and zero elsewhere by its operands.
-
-q and k are normalised before the slice loop (one pass over the rows for the norms), so every operand is
-bounded by its norm times its factor. After the loop, β goes on A's rows; A (fp32, strictly lower) is
-written to the program's rows of x, the diagonal inverses D_i = (I + A_ii)^{-1} are found by forward
-substitution over rows read back, and the blocks left of the diagonal X_ij = −D_i·Σ_{j≤m<i} A_im·X_mj
-(full fp32: errors there are amplified through the inverse) are written over A's.
-
-Scratch rows are token rows (the chunk's rows only); Γ_C is kept per chunk, at the chunk's index in the
-chunk list, which is where the sequential pass finds it (chunk_offsets[seq] + chunk within the sequence).
+Scratch rows are token rows (the chunk's rows only: rows past the chunk's end belong to the next one):
+p [total, H, BT] gets P (bf16, zeros right of the diagonal), x [total, H, BT] gets X (fp32, zeros right
+of the diagonal; wu_kernel applies it), rn [total, H, 2] the inverse norms of k and q (q's with the scale),
+which the later passes read instead of normalising again.
 """
 
 from __future__ import annotations
@@ -48,48 +38,89 @@ def _chunk_bounds(
 
 
 @triton.jit
-def _load(ptr, rows, m, dk, K: tl.constexpr):
-    return tl.load(ptr + rows[:, None] * K + dk[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+def _beta(b, rows, m):
+    """β = sigmoid(b) for the given token rows, zero where m is false."""
+    return tl.where(m, tl.sigmoid(tl.load(b + rows, mask=m, other=0.0).to(tl.float32)), 0.0)
 
 
 @triton.jit
-def _row_of(x, r, j):
-    """Row j of the [BT, BK] tile x (rows indexed by r), as a [BK] vector."""
-    return tl.sum(tl.where((r == j)[:, None], x, 0.0), axis=0)
-
-
-@triton.jit
-def _diag_inverse(x, t0, n, h, i: tl.constexpr, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """(I + A_ii)^{-1} for diagonal block i of the strictly lower A stored in x, by forward substitution:
-    with Y = (I + A_ii)^{-1} − I, row s is Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own)."""
+def diag_kernel(
+    q,
+    k,
+    b,
+    gcum,
+    q_tilde,
+    k_bar,
+    p,
+    x_inv,
+    rn,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
+    (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), zeros right
+    of the diagonal in p and x, then (I + A_ii)^{-1} by forward substitution over rows read back from x."""
+    c = tl.program_id(0)
+    i = tl.program_id(1)
+    h = tl.program_id(2)
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
+    if i * BC >= n:
+        return  # past the chunk's end, or past the chunk count
     ci = tl.arange(0, BC)
     rb = i * BC + ci
+    mb = rb < n
+    d = tl.arange(0, K)
     rows = (t0 + rb) * H + h
-    y = -tl.load(x + rows[:, None] * BT + rb[None, :], mask=(rb < n)[:, None], other=0.0)
-    for s in tl.static_range(2, BC):
-        a_s = tl.load(x + ((t0 + i * BC + s) * H + h) * BT + rb, mask=(ci < s) & (i * BC + s < n), other=0.0)
+    off = rows[:, None] * K + d[None, :]
+    kk = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32)
+    qq = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32)
+    gi = tl.load(gcum + off, mask=mb[:, None], other=0.0)
+    nk = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
+    nq = scale / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
+    tl.store(rn + rows * 2, nk, mask=mb)
+    tl.store(rn + rows * 2 + 1, nq, mask=mb)
+    kh = kk * nk[:, None]
+    qh = qq * nq[:, None]
+    g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
+    tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+    tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
+    beta = _beta(b, rows, mb)
+    g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
+    rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
+    cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
+    kc = (kh * cf).to(DT)
+    a = tl.dot((kh * rf).to(DT), tl.trans(kc))
+    pq = tl.dot((qh * rf).to(DT), tl.trans(kc))
+    a = tl.where(ci[None, :] < ci[:, None], a, 0.0) * beta[:, None]
+    pq = tl.where(ci[None, :] <= ci[:, None], pq, 0.0)
+    cols = tl.arange(0, BT)
+    right = mb[:, None] & (cols >= (i + 1) * BC)[None, :]
+    prow = p + rows[:, None] * BT
+    tl.store(prow + rb[None, :], pq.to(p.dtype.element_ty), mask=mb[:, None])
+    tl.store(prow + cols[None, :], tl.zeros([BC, BT], dtype=p.dtype.element_ty), mask=right)
+    xrow = x_inv + rows[:, None] * BT
+    tl.store(xrow + rb[None, :], a, mask=mb[:, None])
+    tl.store(xrow + cols[None, :], tl.zeros([BC, BT], dtype=tl.float32), mask=right)
+    tl.debug_barrier()
+    # Y = (I + A_ii)^{-1} − I, row by row: Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own).
+    y = -a
+    for s in range(2, BC):
+        row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
+        a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
         y_s = -a_s - tl.sum(a_s[:, None] * y, axis=0)
         y = tl.where((ci == s)[:, None], y_s[None, :], y)
-    return y + tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
-
-
-@triton.jit
-def _blk(x, t0, n, h, i: tl.constexpr, j: tl.constexpr, H: tl.constexpr, BT: tl.constexpr,
-         BC: tl.constexpr):  # fmt: skip
-    """Block (i, j) of the [BT, BT] matrix stored in x's rows."""
-    ci = tl.arange(0, BC)
-    rb = i * BC + ci
-    ptr = x + ((t0 + rb) * H + h)[:, None] * BT + (j * BC + ci)[None, :]
-    return tl.load(ptr, mask=(rb < n)[:, None], other=0.0)
-
-
-@triton.jit
-def _put(x, t0, n, h, i: tl.constexpr, j: tl.constexpr, blk, H: tl.constexpr, BT: tl.constexpr,
-         BC: tl.constexpr):  # fmt: skip
-    ci = tl.arange(0, BC)
-    rb = i * BC + ci
-    ptr = x + ((t0 + rb) * H + h)[:, None] * BT + (j * BC + ci)[None, :]
-    tl.store(ptr, blk, mask=(rb < n)[:, None])
+    tl.debug_barrier()
+    eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
+    tl.store(xrow + rb[None, :], y + eye, mask=mb[:, None])
 
 
 @triton.jit
@@ -99,25 +130,71 @@ def _mm(x, y):
 
 
 @triton.jit
-def intra_kernel(
+def _rows(t0, n, h, j: tl.constexpr, H: tl.constexpr, BC: tl.constexpr):
+    r = j * BC + tl.arange(0, BC)
+    return (t0 + r) * H + h, r < n
+
+
+@triton.jit
+def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
+    """Raw key rows of an earlier sub-chunk times e^{Γ_n − Γ_j} (≤ 1), transposed for the product."""
+    off = rows[:, None] * K + dk[None, :]
+    kj = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
+    gj = tl.load(gcum + off, mask=m[:, None], other=0.0)
+    return tl.trans((kj * tl.exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")))).to(DT))
+
+
+@triton.jit
+def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
+    """Raw query and key rows of sub-chunk i times e^{Γ_r − Γ_n} (≤ 1), n its first row."""
+    off = rows[:, None] * K + dk[None, :]
+    gi = tl.load(gcum + off, mask=m[:, None], other=0.0)
+    e = tl.exp(tl.where(m[:, None], gi - gn[None, :], float("-inf")))
+    qi = tl.load(q + off, mask=m[:, None], other=0.0).to(tl.float32) * e
+    ki = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32) * e
+    return qi.to(DT), ki.to(DT)
+
+
+@triton.jit
+def _cross(qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, K: tl.constexpr, DT: tl.constexpr):
+    """One K slice of A_ij and P_ij (unscaled) added to the accumulators a and p."""
+    kt = _ktile(k, gcum, rows_j, m_j, dk, gn, K, DT)
+    return tl.dot(ki, kt, a), tl.dot(qi, kt, p)
+
+
+@triton.jit
+def _store_blk(ptr, rows, m, col0: tl.constexpr, blk, BT: tl.constexpr, BC: tl.constexpr):
+    tl.store(ptr + rows[:, None] * BT + (col0 + tl.arange(0, BC))[None, :], blk.to(ptr.dtype.element_ty),
+             mask=m[:, None])  # fmt: skip
+
+
+@triton.jit
+def _load_diag(x_inv, rows, m, j: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    ptr = x_inv + rows[:, None] * BT + (j * BC + tl.arange(0, BC))[None, :]
+    return tl.load(ptr, mask=m[:, None], other=0.0)
+
+
+@triton.jit
+def _beta_nk(b, rn, rows, m):
+    """β·nk for the rows of a sub-chunk (zero past the chunk), and nk and nq."""
+    nk = tl.load(rn + rows * 2, mask=m, other=0.0)
+    nq = tl.load(rn + rows * 2 + 1, mask=m, other=0.0)
+    return _beta(b, rows, m) * nk, nk, nq
+
+
+@triton.jit
+def inter_solve_kernel(
     q,
     k,
-    a,
     b,
-    A_log,
-    dt_bias,
-    q_tilde,
-    k_bar,
-    kt,
+    gcum,
     p,
-    x,
-    glast,
+    x_inv,
+    rn,
     cu_seqlens,
     chunk_indices,
     n_chunks_ptr,
     n_chunks,
-    scale,
-    lower_bound,
     H: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
@@ -126,98 +203,120 @@ def intra_kernel(
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """Per (chunk, head): see the module docstring. BT is 16, 32 or 64 (one, two or four sub-chunks)."""
+    """Per (chunk, head): the off-diagonal blocks A_ij and P_ij (j < i), each row block split at Γ of its
+    own first row (both factors ≤ 1), accumulated over BK-wide slices of K; P_ij to p; then the blocks of
+    X left of the diagonal, X_ij = −D_i·Σ_{j≤m<i} A_im·X_mj, from the diagonal inverses D_i in x."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
+    NC: tl.constexpr = BT // BC
+    if n <= BC:
+        return  # one sub-chunk, or none (past the chunk count): nothing off the diagonal
+    r0, m0 = _rows(t0, n, h, 0, H, BC)
+    r1, m1 = _rows(t0, n, h, 1, H, BC)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    a10, p10 = z, z
+    a20, p20, a21, p21 = z, z, z, z
+    a30, p30, a31, p31, a32, p32 = z, z, z, z, z, z
+    if NC >= 3:
+        r2, m2 = _rows(t0, n, h, 2, H, BC)
+    if NC >= 4:
+        r3, m3 = _rows(t0, n, h, 3, H, BC)
+    for kb in range(K // BK):
+        dk = kb * BK + tl.arange(0, BK)
+        gn1 = tl.load(gcum + ((t0 + BC) * H + h) * K + dk)
+        q1, k1 = _qk_rows(q, k, gcum, r1, m1, dk, gn1, K, DT)
+        a10, p10 = _cross(q1, k1, k, gcum, r0, m0, dk, gn1, a10, p10, K, DT)
+        if NC >= 3:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if n > 2 * BC:
+                gn2 = tl.load(gcum + ((t0 + 2 * BC) * H + h) * K + dk)
+                q2, k2 = _qk_rows(q, k, gcum, r2, m2, dk, gn2, K, DT)
+                a20, p20 = _cross(q2, k2, k, gcum, r0, m0, dk, gn2, a20, p20, K, DT)
+                a21, p21 = _cross(q2, k2, k, gcum, r1, m1, dk, gn2, a21, p21, K, DT)
+        if NC >= 4:  # noqa: SIM102
+            if n > 3 * BC:
+                gn3 = tl.load(gcum + ((t0 + 3 * BC) * H + h) * K + dk)
+                q3, k3 = _qk_rows(q, k, gcum, r3, m3, dk, gn3, K, DT)
+                a30, p30 = _cross(q3, k3, k, gcum, r0, m0, dk, gn3, a30, p30, K, DT)
+                a31, p31 = _cross(q3, k3, k, gcum, r1, m1, dk, gn3, a31, p31, K, DT)
+                a32, p32 = _cross(q3, k3, k, gcum, r2, m2, dk, gn3, a32, p32, K, DT)
+    # Norms and β: A_ij ·= β_i·nk_i·nk_jᵀ, P_ij ·= nq_i·nk_jᵀ (nq carries the scale).
+    nk0 = tl.load(rn + r0 * 2, mask=m0, other=0.0)
+    bk1, nk1, nq1 = _beta_nk(b, rn, r1, m1)
+    a10 = a10 * bk1[:, None] * nk0[None, :]
+    _store_blk(p, r1, m1, 0, p10 * nq1[:, None] * nk0[None, :], BT, BC)
+    d0 = _load_diag(x_inv, r0, m0, 0, BT, BC)
+    d1 = _load_diag(x_inv, r1, m1, 1, BT, BC)
+    x10 = -_mm(d1, _mm(a10, d0))
+    _store_blk(x_inv, r1, m1, 0, x10, BT, BC)
+    if NC >= 3:  # noqa: SIM102
+        if n > 2 * BC:
+            bk2, nk2, nq2 = _beta_nk(b, rn, r2, m2)
+            a20 = a20 * bk2[:, None] * nk0[None, :]
+            a21 = a21 * bk2[:, None] * nk1[None, :]
+            _store_blk(p, r2, m2, 0, p20 * nq2[:, None] * nk0[None, :], BT, BC)
+            _store_blk(p, r2, m2, BC, p21 * nq2[:, None] * nk1[None, :], BT, BC)
+            d2 = _load_diag(x_inv, r2, m2, 2, BT, BC)
+            x21 = -_mm(d2, _mm(a21, d1))
+            x20 = -_mm(d2, _mm(a20, d0) + _mm(a21, x10))
+            _store_blk(x_inv, r2, m2, 0, x20, BT, BC)
+            _store_blk(x_inv, r2, m2, BC, x21, BT, BC)
+            if NC >= 4:  # noqa: SIM102
+                if n > 3 * BC:
+                    bk3, nk3, nq3 = _beta_nk(b, rn, r3, m3)
+                    a30 = a30 * bk3[:, None] * nk0[None, :]
+                    a31 = a31 * bk3[:, None] * nk1[None, :]
+                    a32 = a32 * bk3[:, None] * nk2[None, :]
+                    _store_blk(p, r3, m3, 0, p30 * nq3[:, None] * nk0[None, :], BT, BC)
+                    _store_blk(p, r3, m3, BC, p31 * nq3[:, None] * nk1[None, :], BT, BC)
+                    _store_blk(p, r3, m3, 2 * BC, p32 * nq3[:, None] * nk2[None, :], BT, BC)
+                    d3 = _load_diag(x_inv, r3, m3, 3, BT, BC)
+                    x32 = -_mm(d3, _mm(a32, d2))
+                    x31 = -_mm(d3, _mm(a31, d1) + _mm(a32, x21))
+                    x30 = -_mm(d3, _mm(a30, d0) + _mm(a31, x10) + _mm(a32, x20))
+                    _store_blk(x_inv, r3, m3, 0, x30, BT, BC)
+                    _store_blk(x_inv, r3, m3, BC, x31, BT, BC)
+                    _store_blk(x_inv, r3, m3, 2 * BC, x32, BT, BC)
+
+
+@triton.jit
+def wu_kernel(
+    k,
+    v,
+    b,
+    gcum,
+    x_inv,
+    rn,
+    w,
+    u,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products, k normalised by
+    the inverse norms the diagonal pass stored in rn."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
     if n <= 0:
         return
     r = tl.arange(0, BT)
-    m = r < n
+    mr = (r < n)[:, None]
     rows = (t0 + r) * H + h
-    # The norms first, over the same K slices as the main loop (so they come out in its layout).
-    sq = tl.zeros([BT], dtype=tl.float32)
-    sk = tl.zeros([BT], dtype=tl.float32)
-    for kb in range(K // BK):
-        dk = kb * BK + tl.arange(0, BK)
-        qq = _load(q, rows, m, dk, K)
-        kk = _load(k, rows, m, dk, K)
-        sq += tl.sum(qq * qq, axis=1)
-        sk += tl.sum(kk * kk, axis=1)
-    nq = scale / tl.sqrt(sq + 1e-6)
-    nk = 1.0 / tl.sqrt(sk + 1e-6)
-    beta = tl.where(m, tl.sigmoid(tl.load(b + rows, mask=m, other=0.0).to(tl.float32)), 0.0)
-    A = tl.exp(tl.load(A_log + h).to(tl.float32))
-    # Which entries each dot is exact for: the same 32-row pair (the pair dot); the quadrant dot's
-    # operands are zero outside rows ≥ 32 x columns < 32.
-    same_pair = (r[:, None] // (2 * BC)) == (r[None, :] // (2 * BC))
-    low, left = r >= 2 * BC, r < 2 * BC
-    acc_a = tl.zeros([BT, BT], dtype=tl.float32)
-    acc_p = tl.zeros([BT, BT], dtype=tl.float32)
-    for kb in range(K // BK):
-        dk = kb * BK + tl.arange(0, BK)
-        bias = tl.load(dt_bias + h * K + dk).to(tl.float32)
-        g = lower_bound * tl.sigmoid(A * (_load(a, rows, m, dk, K) + bias[None, :]))
-        G = tl.cumsum(tl.where(m[:, None], g, 0.0), axis=0)  # rows past the chunk decay nothing
-        g_c = _row_of(G, r, BT - 1)  # Γ_C
-        kh = _load(k, rows, m, dk, K) * nk[:, None]
-        qh = _load(q, rows, m, dk, K) * nq[:, None]
-        off = rows[:, None] * K + dk[None, :]
-        eg = tl.exp(G)
-        tl.store(q_tilde + off, (qh * eg).to(q_tilde.dtype.element_ty), mask=m[:, None])
-        tl.store(kt + off, (kh * (eg * beta[:, None])).to(kt.dtype.element_ty), mask=m[:, None])
-        tl.store(k_bar + off, (kh * tl.exp(g_c[None, :] - G)).to(k_bar.dtype.element_ty), mask=m[:, None])
-        tl.store(glast + (c * H + h) * K + dk, g_c)
-        # The pair dot.
-        ref_lo = _row_of(G, r, BC - 1)
-        if BT == 64:
-            ref_hi = _row_of(G, r, 3 * BC - 1)
-        else:
-            ref_hi = ref_lo
-        ref = tl.where((r < 2 * BC)[:, None], ref_lo[None, :], ref_hi[None, :])
-        rf = tl.exp(G - ref)
-        col = tl.trans((kh * tl.exp(ref - G)).to(DT))
-        acc_a += tl.where(same_pair, tl.dot((kh * rf).to(DT), col), 0.0)
-        acc_p += tl.where(same_pair, tl.dot((qh * rf).to(DT), col), 0.0)
-        if BT == 64:
-            # The quadrant dot: rows below row 31 against columns up to it, split at Γ of row 31.
-            mid = _row_of(G, r, 2 * BC - 1)[None, :]
-            f = tl.exp(tl.where(low[:, None], G - mid, mid - G))
-            col = tl.trans(tl.where(left[:, None], kh * f, 0.0).to(DT))
-            acc_a = tl.dot(tl.where(low[:, None], kh * f, 0.0).to(DT), col, acc_a)
-            acc_p = tl.dot(tl.where(low[:, None], qh * f, 0.0).to(DT), col, acc_p)
-    # P is done; A gets β on its rows and goes to x (fp32, strictly lower), where the inverse is assembled.
-    lower_eq = r[None, :] <= r[:, None]
-    tile = rows[:, None] * BT + r[None, :]
-    tl.store(p + tile, tl.where(lower_eq, acc_p, 0.0).to(p.dtype.element_ty), mask=m[:, None])
-    tl.store(x + tile, tl.where(r[None, :] < r[:, None], acc_a * beta[:, None], 0.0), mask=m[:, None])
-    tl.debug_barrier()
-    NC: tl.constexpr = BT // BC
-    d0 = _diag_inverse(x, t0, n, h, 0, H, BT, BC)
-    if NC >= 2:
-        d1 = _diag_inverse(x, t0, n, h, 1, H, BT, BC)
-        x10 = -_mm(d1, _mm(_blk(x, t0, n, h, 1, 0, H, BT, BC), d0))
-    if NC >= 4:
-        d2 = _diag_inverse(x, t0, n, h, 2, H, BT, BC)
-        d3 = _diag_inverse(x, t0, n, h, 3, H, BT, BC)
-        a21 = _blk(x, t0, n, h, 2, 1, H, BT, BC)
-        x21 = -_mm(d2, _mm(a21, d1))
-        x20 = -_mm(d2, _mm(_blk(x, t0, n, h, 2, 0, H, BT, BC), d0) + _mm(a21, x10))
-        a31 = _blk(x, t0, n, h, 3, 1, H, BT, BC)
-        a32 = _blk(x, t0, n, h, 3, 2, H, BT, BC)
-        x32 = -_mm(d3, _mm(a32, d2))
-        x31 = -_mm(d3, _mm(a31, d1) + _mm(a32, x21))
-        x30 = -_mm(d3, _mm(_blk(x, t0, n, h, 3, 0, H, BT, BC), d0) + _mm(a31, x10) + _mm(a32, x20))
-    tl.debug_barrier()  # every read of A is done before X is written over it
-    _put(x, t0, n, h, 0, 0, d0, H, BT, BC)
-    if NC >= 2:
-        _put(x, t0, n, h, 1, 0, x10, H, BT, BC)
-        _put(x, t0, n, h, 1, 1, d1, H, BT, BC)
-    if NC >= 4:
-        _put(x, t0, n, h, 2, 0, x20, H, BT, BC)
-        _put(x, t0, n, h, 2, 1, x21, H, BT, BC)
-        _put(x, t0, n, h, 2, 2, d2, H, BT, BC)
-        _put(x, t0, n, h, 3, 0, x30, H, BT, BC)
-        _put(x, t0, n, h, 3, 1, x31, H, BT, BC)
-        _put(x, t0, n, h, 3, 2, x32, H, BT, BC)
-        _put(x, t0, n, h, 3, 3, d3, H, BT, BC)
+    x = tl.load(x_inv + rows[:, None] * BT + r[None, :], mask=mr & (r < n)[None, :], other=0.0).to(DT)
+    beta = _beta(b, rows, r < n)
+    offk = rows[:, None] * K + tl.arange(0, K)[None, :]
+    nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
+    kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
+    kt = kk * tl.exp(tl.load(gcum + offk, mask=mr, other=0.0)) * beta[:, None]
+    tl.store(w + offk, tl.dot(x, kt.to(DT)).to(w.dtype.element_ty), mask=mr)
+    offv = rows[:, None] * V + tl.arange(0, V)[None, :]
+    vv = tl.load(v + offv, mask=mr, other=0.0).to(tl.float32) * beta[:, None]
+    tl.store(u + offv, tl.dot(x, vv.to(DT)).to(u.dtype.element_ty), mask=mr)

@@ -114,10 +114,9 @@ def test_prefill_matches_chunk_reference_at_production_shapes(lens: list[int], h
 
 VARIANTS = {
     "default": {},
-    "intra-k-slices-of-16": {"_INTRA_BK": 16},
-    "intra-eight-warps": {"_INTRA_WARPS": 8},
-    "intra-k-slices-of-16-eight-warps": {"_INTRA_BK": 16, "_INTRA_WARPS": 8},
-    "state-two-stages": {"_STATE_STAGES": 2},
+    "four-warps-intra": {"_DIAG_WARPS": 4, "_INTER_WARPS": 4},
+    "inter-k-slices-of-64": {"_INTER_BK": 64},
+    "inter-k-slices-of-128": {"_INTER_BK": 128},
     "state-v-blocks-of-64": {"_STATE_BV": 64},
     "state-v-blocks-of-32-launched-last": {"_STATE_BV": 32, "_STATE_VB_FIRST": False},
 }

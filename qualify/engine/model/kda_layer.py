@@ -63,9 +63,7 @@ class KdaRuntime:
         if backend.name != "torch":
             from kernels.kda.chunk import prefill_scratch_specs
 
-            # Γ_C is kept per chunk: as many rows as the arena's chunk list holds.
-            max_chunks = arena.buffers["chunk_indices"].shape[0]
-            specs = prefill_scratch_specs(cfg.max_num_batched_tokens, H, K, K, max_chunks=max_chunks)
+            specs = prefill_scratch_specs(cfg.max_num_batched_tokens, H, K, K)
             rt.prefill_scratch = {
                 n: torch.empty(sh, dtype=dt, device=device) for n, (sh, dt) in specs.items()
             }
