@@ -54,15 +54,26 @@ def time_contenders(
     """Capture every call, then time all of them in interleaved rounds: µs per call (see TIMING).
     Returns (timings, unavailable) where unavailable names the calls that failed to run or capture."""
     graphs, failed = {}, {}
+
+    def replay_checked(label: str, when: str) -> None:
+        try:
+            for _ in range(3):
+                graphs[label].replay()
+            torch.cuda.synchronize()
+        except Exception as e:  # a fault poisons the context: say which contender's graph it was, and when
+            raise RuntimeError(f"contender {label!r} faulted on graph replay {when}: {e}") from e
+
     for label, fn in calls.items():
         try:
             graphs[label] = capture(fn)
+        except torch.AcceleratorError as e:  # a device fault is sticky: nothing after it can run
+            raise RuntimeError(f"contender {label!r} faulted while running or capturing: {e}") from e
         except Exception as e:  # a peer that cannot run or capture is reported, not dropped
             failed[label] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-    for g in graphs.values():
-        for _ in range(3):
-            g.replay()
-    torch.cuda.synchronize()
+            continue
+        replay_checked(label, "right after its capture")
+    for label in graphs:
+        replay_checked(label, "after every contender was captured and warmed")
 
     def measure(label: str) -> dict[str, list[float]]:
         g = graphs[label]

@@ -153,15 +153,20 @@ def with_rates(t: dict[str, float], n: int, T: int) -> dict[str, float]:
 PEERS = ("fla+norm", "b12x", "b12x_kernel")  # like for like with ours (gated RMSNorm included)
 
 
-SWEEP = ((128, 8), (128, 4), (128, 2), (64, 2), (32, 1), (32, 2), (16, 1), (16, 2), (8, 1), (8, 2))
+SWEEP = (
+    (128, 16), (128, 8), (128, 4), (128, 2), (64, 2), (32, 1), (32, 2), (16, 1), (16, 2), (8, 1), (8, 2),
+)  # fmt: skip
 
 
-def bench_decode(batches: tuple[int, ...], T: int, *, peers: bool = True, sweep: bool = False) -> list[dict]:
+def bench_decode(
+    batches: tuple[int, ...], T: int, *, peers: bool = True, sweep: bool | tuple[int, ...] = False
+) -> list[dict]:
+    """sweep: True times every SWEEP launch at every batch; a tuple of batches, at those only."""
     rows = []
     for n in batches:
         t = make_inputs(n, T)
         builders: dict[str, Callable[[], Callable[[], None]]] = {"ours": lambda t=t: ours(t)}
-        if sweep:
+        if sweep is True or (isinstance(sweep, tuple) and n in sweep):
             for bv, nw in SWEEP:
                 builders[f"ours_bv{bv}_w{nw}"] = lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw)
         if peers:
@@ -235,7 +240,16 @@ def main() -> None:
     ap.add_argument(
         "--sweep", action="store_true", help="also time our kernel at several (block_v, num_warps)"
     )
+    ap.add_argument(
+        "--sweep-batches", help="comma-separated batches to sweep at (implies --sweep; default: every batch)"
+    )
     args = ap.parse_args()
+    sweep: bool | tuple[int, ...] = args.sweep
+    if args.sweep_batches:
+        try:
+            sweep = tuple(int(b) for b in args.sweep_batches.split(","))
+        except ValueError:
+            ap.error(f"--sweep-batches takes comma-separated integers, got {args.sweep_batches!r}")
     if not torch.cuda.is_available():
         sys.exit("bench/kda.py needs a CUDA device")
     decode_batches = (1, 64) if args.quick else DECODE_BATCHES
@@ -250,8 +264,9 @@ def main() -> None:
         + B12X_ADAPTER,
         "copy_TBps": copy_bandwidth(),
     }
-    result["decode"] = bench_decode(decode_batches, 1, sweep=args.sweep)
-    result["verify"] = bench_decode(verify_batches, VERIFY_T, sweep=args.sweep)
+    result["sweep"] = {"launches": [list(x) for x in SWEEP], "batches": "all" if sweep is True else sweep}
+    result["decode"] = bench_decode(decode_batches, 1, sweep=sweep)
+    result["verify"] = bench_decode(verify_batches, VERIFY_T, sweep=sweep)
     result["agreement"] = check_agreement()
     write_result(result, args.out, indent=1)
 

@@ -45,21 +45,26 @@ from kernels.kda.chunk import prefill_scratch_specs  # noqa: E402
 K, V = 128, 128
 # (sequences, tokens per sequence, heads)
 SHAPES = ((1, 8192, 32), (8, 1024, 32), (1, 32768, 32), (1, 8192, 64))
-# The tensors a prefill reads (checked for in-place writes by every contender).
+# The tensors a prefill reads (checked for in-place writes by every contender): the data, and the sequence
+# and chunk metadata (ours: idx, offs, nc, cu, slots, has; fla: cu_long), which a contender writing past its
+# own buffers could also change under another's feet.
 INPUTS = ("q", "k", "v", "a", "b", "z", "A_log", "dt_bias", "w", "h0")
+INPUTS += ("idx", "offs", "nc", "cu", "cu_long", "slots", "has")
 ROUNDS = 10
 # Our prefill's variants, selected by module constants of kernels.kda.chunk: name -> {constant: value}.
 # (Timed before and beaten by the module's constants: the warp counts of the diagonal, off-diagonal and
 # W/U passes on 2026-12-03, bench/results/kda-prefill-h200-2026-12-03.json; the off-diagonal pass in 16-wide
-# K slices, and at 4 warps in 32-wide ones, on 2026-12-04, bench/results/kda-prefill-h200-2026-12-04.json.)
+# K slices, and at 4 warps in 32-wide ones, on 2026-12-04, bench/results/kda-prefill-h200-2026-12-04.json.
+# One intra-chunk launch per (chunk, head) in place of the gate, diagonal, off-diagonal and W/U launches, with
+# the state pass applying X itself, ran 0.93-1.03x fla+norm on 2026-12-04:
+# bench/results/kda-prefill-h200-2026-12-04-rejected-fused-intra.json.)
 VARIANTS: dict[str, dict[str, object]] = {
     # The state pass's software pipeline holds 188 KB of shared memory at 3 stages (one program per SM);
-    # 2 stages hold 128 KB, 1 stage 36 KB (bench/sm90.py), room for more programs per SM, unpipelined.
+    # 2 stages hold 128 KB (bench/sm90.py). (Unpipelined variants were queued too. On the H200 on 2026-12-04,
+    # with the rejected layout's state pass, three runs that had the unpipelined 32-wide variant among the
+    # contenders hit an illegal address during the captures and the run without it completed; the GPU
+    # tests never ran an unpipelined launch. Left out until a GPU test covers one.)
     "ours_state_stages_2": {"_STATE_STAGES": 2},
-    "ours_state_stages_1": {"_STATE_STAGES": 1},
-    # Unpipelined 32-wide blocks fit two programs per SM (36 KB of shared memory, 139 registers): at H = 64
-    # that is 256 programs in one wave.
-    "ours_state_stages_1_bv_32": {"_STATE_STAGES": 1, "_STATE_BV": 32},
 }
 
 
@@ -190,7 +195,16 @@ def _io_floor(nseq: int, seqlen: int, H: int, copy_TBps: float | None) -> dict:
     return floor
 
 
-def bench_shape(nseq: int, seqlen: int, H: int, fla, *, breakdown: bool, copy_TBps: float | None) -> dict:
+def bench_shape(
+    nseq: int,
+    seqlen: int,
+    H: int,
+    fla,
+    *,
+    breakdown: bool,
+    copy_TBps: float | None,
+    exclude: frozenset[str] = frozenset(),
+) -> dict:
     x = _inputs(nseq, seqlen, H)
     saved = {n: x[n].clone() for n in INPUTS}
     ours = _ours(x)
@@ -201,6 +215,7 @@ def bench_shape(nseq: int, seqlen: int, H: int, fla, *, breakdown: bool, copy_TB
         calls["fla+norm"] = _fla_call(fla, x, norm=True, use_graph=False)
         calls["fla+norm(use_graph)"] = _fla_call(fla, x, norm=True, use_graph=True)
         calls["fla"] = _fla_call(fla, x, norm=False, use_graph=False)
+    calls = {k: fn for k, fn in calls.items() if k not in exclude}
     modified: dict[str, list[str]] = {}
     for label in ("ours", "fla+norm", "fla+norm(use_graph)", "fla"):
         if label in calls:
@@ -244,7 +259,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's per-kernel split")
+    ap.add_argument("--exclude", default="", help="comma-separated contenders not to run (recorded)")
     args = ap.parse_args()
+    exclude = frozenset(x for x in args.exclude.split(",") if x)
     if not torch.cuda.is_available():
         sys.exit("bench/kda_prefill.py needs a CUDA device")
     try:
@@ -265,12 +282,15 @@ def main() -> None:
         "work": "ours: gate, beta sigmoid, L2 norm, chunked recurrence and gated RMSNorm into a pool slot; "
         "fla+norm: the same in chunk_kda plus our gated RMSNorm kernel; fla: chunk_kda alone",
         "variants": {k: {n: str(v) for n, v in s.items()} for k, s in VARIANTS.items()},
+        "excluded": sorted(exclude),
         "peer": why,
         "timing": TIMING.format(rounds=ROUNDS, streamed=5).replace("us", "ms") + "; figures in ms",
         "prefill": rows,
     }
     for n, s, h in SHAPES:
-        rows.append(bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"]))
+        rows.append(
+            bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"], exclude=exclude)
+        )
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
         # Written after every shape, so a run cut short by its caller's time limit keeps what it measured
         # (`complete` says whether every shape is in); printed once, at the end.
