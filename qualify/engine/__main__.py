@@ -583,14 +583,14 @@ def warm(args: argparse.Namespace) -> None:
     cfg = _config(args)
     if cfg.dcp_ranks > 1:
         _fail("the warm step runs one process: DCP ranks run as processes of their own (--dcp-ranks 1)")
-    if args.room_factor is not None:
-        _check_room(cfg, args.room_factor)
     jobs = args.jobs
     if jobs is None:
         from .precompile import default_jobs
 
         jobs = default_jobs() if cfg.device.startswith("cuda") else 0
     if jobs <= 0:
+        if args.room_factor is not None:
+            _check_room(cfg, args.room_factor)
         engine = _build_engine(args, cfg)
         try:
             print(json.dumps({"warm": engine.warm(), "boot_seconds": engine.boot_seconds}), flush=True)
@@ -599,8 +599,12 @@ def warm(args: argparse.Namespace) -> None:
         return
     from .precompile import Precompiler
 
-    pre = Precompiler(jobs)  # the workers start (importing Triton and the kernels) while the engine builds
+    # The workers start first (each imports Triton and the kernels) while this process imports torch,
+    # weighs its GPU and builds the engine; a step with no room stops them again.
+    pre = Precompiler(jobs)
     try:
+        if args.room_factor is not None:
+            _check_room(cfg, args.room_factor)
         engine = _build_engine(args, cfg, weights=False)
         try:
             with pre.recording():
