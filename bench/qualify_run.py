@@ -195,7 +195,7 @@ def _fresh_host(phases: dict, kc: dict) -> dict:
         "precompile_workers": pre.get("jobs"),
         "precompile_specializations": pre.get("specializations"),
         "precompile_compiled": pre.get("compiled"),
-        "precompile_failed": len(pre.get("failed") or []),
+        "precompile_failed": pre.get("failed_count", len(pre.get("failed") or [])),
         "precompile_record_s": pre.get("record_s"),
         "precompile_wait_after_record_s": pre.get("wait_after_record_s"),
         "precompile_s": pre.get("seconds"),

@@ -118,6 +118,16 @@ def driver_utils() -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "seconds": round(time.perf_counter() - t0, 3)}
 
 
+def _outcome(future: Future) -> dict[str, Any] | None:
+    """A compile's outcome: its result, an error for a worker that died under it, None while unfinished."""
+    if not future.done() or future.cancelled():
+        return None
+    try:
+        return future.result()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def _worker_start(modules: tuple[str, ...]) -> None:
     for name in modules:
         with contextlib.suppress(Exception):
@@ -166,9 +176,13 @@ class Precompiler:
                 from triton.runtime.driver import driver
 
                 self._target = driver.active.get_current_target()
-            future = self.pool.submit(
-                compile_spec, record["module"], record["kernel"], data, self._target, self.launchers
-            )
+            try:
+                future = self.pool.submit(
+                    compile_spec, record["module"], record["kernel"], data, self._target, self.launchers
+                )
+            except Exception as exc:  # a broken pool (a worker died): this one is the engines' to compile
+                future = Future()
+                future.set_exception(exc)
             self._futures.append((record, future))
         return True  # compiled by a worker: nothing compiles or launches here
 
@@ -193,7 +207,7 @@ class Precompiler:
             futures = list(self._futures)
         pending = [f for _, f in futures] + ([self._utils] if self._utils is not None else [])
         _, not_done = wait(pending, timeout=timeout_s)
-        results = [f.result() if f.done() and not f.cancelled() else None for _, f in futures]
+        results = [_outcome(f) for _, f in futures]
         if not_done:
             self.close()
         else:
@@ -205,12 +219,13 @@ class Precompiler:
         ]
         done = [r for r in results if r is not None and "error" not in r]
         launcher_errors = sorted({r["launcher_error"] for r in done if "launcher_error" in r})
-        utils = self._utils.result() if self._utils is not None and self._utils.done() else None
+        utils = _outcome(self._utils) if self._utils is not None else None
         slowest = sorted(done, key=lambda r: -r["seconds"])[:5]
         return {
             "jobs": self.jobs,
             "specializations": len(futures),
             "compiled": len(done),
+            "failed_count": len(failed),
             "failed": failed[:20],
             "kernels": sorted({rec["kernel"] for rec, _ in futures}),
             "launchers_built": sum(1 for r in done if "launcher_s" in r),
