@@ -1,10 +1,11 @@
 """Decode-sized projections: kernels.fused.linear_small (every launch shape of a sweep) against cuBLAS
 (torch's F.linear, with its own heuristic and through TunableOp) at the proxy preset's weight shapes,
-bf16, for M = 1 and 32 rows; and each projection whose input the decode step produces in a kernel of its
-own (the RMSNorm with its residual add before in_proj, qkv and gate_up; SiLU-and-multiply before down; the
-add, the final norm and the fp32 head at the end) as that kernel then the projection, against the one
-launch that folds it in. Prints JSON and writes it to --out (rewritten after every case, `complete` saying
-whether all are in); `cublas_*` fields are the faster of the two cuBLAS contenders (named in `peer`).
+bf16, for M = 1 and 32 rows; and each projection the decode step folds glue into (kernels/fused.py: the
+residual add and the next norm but its 1/rms after out_proj / o_proj and down, the norm's 1/rms after
+in_proj and qkv, that and SiLU-and-multiply after gate_up; the add, the final norm and the fp32 head at
+the end) as the unfused kernels then the projection, against the one launch that folds them in. Prints
+JSON and writes it to --out (rewritten after every case, `complete` saying whether all are in); `cublas_*`
+fields are the faster of the two cuBLAS contenders (named in `peer`).
 
 Equal work: every contender computes y = x @ W.T with fp32 accumulation into bf16 from the same
 inputs; each call is captured in a CUDA graph and timed by GPU events in interleaved rounds
@@ -12,8 +13,8 @@ inputs; each call is captured in a CUDA graph and timed by GPU events in interle
 must move) against the measured copy ceiling, the peer's figure, the module's launch shape and the sweep's
 best. `suggested` picks, per weight shape, the launch shape with the least time at 1 row among those no
 slower than the module's at 32 rows, and says whether linear_small (with the fold, where the step folds
-one) beats the two-launch path with cuBLAS at both row counts: what kernels.fused.SMALL_SHAPES should
-hold. Launches here are PDL launches as in the engine, but a graph of one kernel has nothing to overlap:
+one) beats the unfused path with cuBLAS at both row counts: what kernels.fused.SMALL_SHAPES should hold.
+Launches here are PDL launches as in the engine, but a graph of one kernel has nothing to overlap:
 bench/graphs.py times PDL in the step.
 """
 
@@ -36,14 +37,17 @@ from bench._gpu import TIMING, copy_bandwidth, time_contenders, warm_up_clocks  
 from kernels import fused  # noqa: E402
 
 HIDDEN, MLP, VOCAB = 4096, 8192, 260
-# (name, N, K, what the step computes before it in a kernel of its own: "norm", "silu" or None) of the
-# proxy preset's decode projections (qualify/engine/config.py)
+# (name, N, K, the fold the step's launch of it does: "norm" (the deferred norm's 1/rms: the norm's
+# kernel before it unfused), "swiglu" (that and SiLU-and-multiply after it: the norm's kernel before and
+# silu_mul's after it unfused), "add_norm" (the residual add and the next norm but its 1/rms: the norm's
+# kernel with the add after it unfused, timed with the projection that reads it) or None) of the proxy
+# preset's decode projections (qualify/engine/config.py)
 SHAPES = (
     ("kda in_proj", 3 * 32 * 128 + 32 + 2 * 128, HIDDEN, "norm"),
-    ("mlp gate_up", 2 * MLP, HIDDEN, "norm"),
-    ("mlp down", HIDDEN, MLP, "silu"),
+    ("mlp gate_up", 2 * MLP, HIDDEN, "swiglu"),
+    ("mlp down", HIDDEN, MLP, "add_norm"),
     ("attention qkv", (32 + 2 * 4) * 128, HIDDEN, "norm"),
-    ("out_proj / o_proj", HIDDEN, 32 * 128, None),
+    ("out_proj / o_proj", HIDDEN, 32 * 128, "add_norm"),
 )
 ROWS = (1, 32)  # a plain decode step of up to 16 rows runs the BM=16 tile; a verify of 8 x 4, BM=32
 ROUNDS = 5
@@ -89,9 +93,9 @@ def _tuned_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         tunable.enable(was)
 
 
-def _checked(calls: dict, want: torch.Tensor) -> dict[str, str]:
-    """Run every call once; the ones that fail or are wrong (beyond a bf16 step of the fp32 result `want`)
-    are reported, not timed."""
+def _checked(calls: dict, want: torch.Tensor, wants: dict | None = None) -> dict[str, str]:
+    """Run every call once; the ones that fail or are wrong (beyond a bf16 step of the fp32 result `want`,
+    or of wants[name] where given) are reported, not timed."""
     errors = {}
     for name, fn in calls.items():
         try:
@@ -99,15 +103,16 @@ def _checked(calls: dict, want: torch.Tensor) -> dict[str, str]:
         except Exception as e:  # a launch shape that does not compile is reported, not dropped
             errors[name] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             continue
-        got = got[-1] if isinstance(got, tuple) else got
-        err = (got.float() - want).abs().max().item()
-        if err > 0.05 * want.abs().max().item():
+        got = got[0] if isinstance(got, tuple) else got
+        ref = (wants or {}).get(name, want)
+        err = (got.float() - ref).abs().max().item()
+        if err > 0.05 * ref.abs().max().item():
             errors[name] = f"wrong result: max error {err:.3g}"
     return errors
 
 
-def _time(calls: dict, want) -> tuple[dict, dict]:
-    errors = _checked(calls, want)
+def _time(calls: dict, want, wants: dict | None = None) -> tuple[dict, dict]:
+    errors = _checked(calls, want, wants)
     timings, failed = time_contenders(
         {k: v for k, v in calls.items() if k not in errors}, rounds=ROUNDS, eager=False
     )
@@ -161,44 +166,57 @@ def bench_case(name: str, N: int, K: int, M: int, ceiling: float) -> dict:
 
 
 def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: tuple[int, ...]) -> dict:
-    """The kernel before the projection then the projection (cuBLAS, or linear_small at the module's
-    launch shape) against the one launch that folds it in, at the module's launch shape and at the plain
-    sweep's best (`best`)."""
+    """The unfused path around the projection (the kernels a fold replaces, then the projection by cuBLAS
+    or by linear_small at the module's launch shape) against the one launch that folds them in, at the
+    module's launch shape and at the plain sweep's best (`best`). "norm": rmsnorm with the add, then the
+    projection, against norm_linear on the producer's (u, sq); "swiglu": the same then silu_mul, against
+    swiglu_linear; "add_norm": the plain projection (the add and the norm are the next projection's
+    unfused kernel, timed there) against linear_add_norm."""
     g = torch.Generator(device="cuda").manual_seed(N + K + M + 1)
     bf = torch.bfloat16
     w = torch.randn(N, K, generator=g, device="cuda").to(bf)
     module = fused.launch_shape(N, K)
     shapes = {"module": module, "best": tuple(best)}
-    if kind == "norm":
+    wants = {}
+    if kind == "add_norm":
+        a = torch.randn(M, K, generator=g, device="cuda").to(bf)
+        r = torch.randn(M, N, generator=g, device="cuda").to(bf)
+        nw = (torch.rand(N, generator=g, device="cuda") + 0.5).to(bf)
+        want = F.linear(a.float(), w.float())
+        calls = {"unfused_cublas": lambda: F.linear(a, w), "unfused_ours": lambda: fused.linear_small(a, w)}
+        for k, cfg in shapes.items():
+            calls[f"folded_{k}"] = lambda cfg=cfg: fused.linear_add_norm(a, w, r, nw, cfg)
+            wants[f"folded_{k}"] = want + r.float()  # s, the residual stream
+    else:
         x, r = (torch.randn(M, K, generator=g, device="cuda").to(bf) for _ in range(2))
         nw = (torch.rand(K, generator=g, device="cuda") + 0.5).to(bf)
-        want = F.linear(fused.rmsnorm_reference(x, nw, 1e-5, r)[1].float(), w.float())
+        s = x + r
+        u, sq = (s.float() * nw.float()).to(bf), s.float().pow(2).sum(-1)[None].contiguous()
+        h = fused.rmsnorm_reference(s, nw, 1e-5)
+        after = fused.silu_mul if kind == "swiglu" else (lambda t: t)
+        want = F.linear(h.float(), w.float())
+        if kind == "swiglu":
+            want = fused.silu_mul_reference(want.to(bf)).float()
         calls = {
-            "norm_then_cublas": lambda: F.linear(fused.rmsnorm(x, nw, 1e-5, r)[1], w),
-            "norm_then_ours": lambda: fused.linear_small(fused.rmsnorm(x, nw, 1e-5, r)[1], w, module),
+            "unfused_cublas": lambda: after(F.linear(fused.rmsnorm(x, nw, 1e-5, r)[1], w)),
+            "unfused_ours": lambda: after(fused.linear_small(fused.rmsnorm(x, nw, 1e-5, r)[1], w, module)),
         }
         for k, cfg in shapes.items():
-            calls[f"folded_{k}"] = lambda cfg=cfg: fused.rmsnorm_linear(x, nw, 1e-5, w, r, cfg)
-    else:
-        gu = torch.randn(M, 2 * K, generator=g, device="cuda").to(bf)
-        want = F.linear(fused.silu_mul_reference(gu).float(), w.float())
-        calls = {
-            "silu_then_cublas": lambda: F.linear(fused.silu_mul(gu), w),
-            "silu_then_ours": lambda: fused.linear_small(fused.silu_mul(gu), w, module),
-        }
-        for k, cfg in shapes.items():
-            calls[f"folded_{k}"] = lambda cfg=cfg: fused.silu_mul_linear(gu, w, cfg)
-    timings, failed = _time(calls, want)
+            if kind == "swiglu":
+                calls[f"folded_{k}"] = lambda cfg=cfg: fused.swiglu_linear(u, w, sq, 1e-5, cfg)
+            else:
+                calls[f"folded_{k}"] = lambda cfg=cfg: fused.norm_linear(u, sq, 1e-5, w, cfg)
+    timings, failed = _time(calls, want, wants)
     us = {k: v["us_streamed"] for k, v in timings.items()}
-    two = min((us[k] for k in us if "_then_" in k), default=None)
+    unfused = min((us[k] for k in us if k.startswith("unfused")), default=None)
     one = min((us[k] for k in us if k.startswith("folded")), default=None)
     return {
         "case": name,
         "M": M,
-        "before": kind,
+        "fold": kind,
         "launch_shapes": {k: list(v) for k, v in shapes.items()},
         "us_streamed": us,
-        "folded_vs_two_launches": None if two is None or one is None else round(two / one, 3),
+        "folded_vs_unfused": None if unfused is None or one is None else round(unfused / one, 3),
         "unavailable": failed,
     }
 
@@ -252,9 +270,9 @@ def suggest(cases: list[dict], folds: list[dict]) -> dict:
         serve = {}
         for M, case in by_m.items():
             fold = next((f for f in folds if f["case"] == name and f["M"] == M), None)
-            if fold is not None and fold["folded_vs_two_launches"] is not None:
+            if fold is not None and fold["folded_vs_unfused"] is not None:
                 us = fold["us_streamed"]
-                two = us.get("norm_then_cublas", us.get("silu_then_cublas"))
+                two = us.get("unfused_cublas")
                 serve[M] = two is not None and min(v for k, v in us.items() if k.startswith("folded")) < two
             else:
                 serve[M] = case["best_vs_cublas"] > 1.0

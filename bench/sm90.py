@@ -88,6 +88,49 @@ def ptxas_report(ptx: str) -> dict[str, int]:
     return {k: int(m.group(1)) if (m := re.search(p, err)) else 0 for k, p in num.items()}
 
 
+# SASS opcodes counted in a projection's weight loop: the async copies that feed it (LDGSTS), the tensor
+# core ops (HMMA), and what must not be there: synchronous global loads and stores (each one a round trip
+# the loop waits for, or a store beside the weight stream), special-function ops (MUFU: exp, reciprocal),
+# warp shuffles (reductions), shared-memory stores (layout conversions).
+LOOP_OPS = ("LDGSTS", "HMMA", "LDSM", "BAR", "LDG", "STG", "STS", "MUFU", "SHFL")
+
+
+def _sass(cubin: bytes) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run(
+            [tool, "-c", path], capture_output=True, text=True, timeout=300, check=True
+        ).stdout
+
+
+def weight_loop(cubin: bytes) -> dict[str, int]:
+    """The innermost loop with tensor-core ops in the SASS of `cubin` (a projection's loop over K): its
+    instruction count and the count of each of LOOP_OPS. Loops are found as backward branches."""
+    labels: dict[str, int] = {}
+    ops: list[str] = []
+    for line in _sass(cubin).splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(ops)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            ops.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
+    loops = []
+    for i, op in enumerate(ops):
+        m = re.match(r"BRA\b.*?(\.L_x_\d+)", op)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            body = [o.split()[0].split(".")[0] for o in ops[labels[m.group(1)] : i + 1]]
+            if "HMMA" in body:
+                loops.append(body)
+    if not loops:
+        return {"instructions": 0}
+    body = min(loops, key=len)
+    return {"instructions": len(body), **{op: body.count(op) for op in LOOP_OPS}}
+
+
 def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     import importlib
 
@@ -158,31 +201,48 @@ def _fused_cases() -> Iterator[tuple]:
     from kernels import fused as fu
 
     hid, mlp, hk, vocab = 4096, 8192, H * K, 260
-    lin_ptrs = {n: BF16 for n in ("x", "w", "y", "res", "g", "s_out")} | {"part": F32, "counters": I32}
-    strides = ("N", "stride_x", "stride_w", "stride_y", "stride_r", "stride_s")
-    projections = [
-        ("in_proj, norm and add", 3 * hk + H + 2 * K, hid, fu._NORM_ADD, None),
-        ("in_proj, norm", 3 * hk + H + 2 * K, hid, fu._NORM, None),
-        ("gate_up, norm and add", 2 * mlp, hid, fu._NORM_ADD, None),
-        ("down, silu_mul", hid, mlp, fu._SILU_MUL, None),
-        ("out_proj / o_proj", hid, hk, fu._PLAIN, None),
-        ("out_proj / o_proj, split 4", hid, hk, fu._PLAIN, (32, 256, 4, 3, 4)),
-        ("LM head, add and norm", vocab, hid, fu._NORM_ADD_EXACT, fu.HEAD_SHAPE),
+    lin_ptrs = {n: BF16 for n in ("x", "w", "y", "res", "g", "s_out", "u_out")}
+    lin_ptrs |= {"sq": F32, "part": F32, "counters": I32}
+    strides = ("N", "T", "stride_x", "stride_w", "stride_y", "stride_r", "stride_s")
+    in_proj = 3 * hk + H + 2 * K
+    projections = [  # (label, N, K, kind, config): kinds as kernels.fused._KERNELS names them
+        ("in_proj, deferred norm", in_proj, hid, "norm", None),
+        ("in_proj", in_proj, hid, "plain", None),  # the first block's, after the norm's kernel
+        ("gate_up, deferred norm and SwiGLU", 2 * mlp, hid, "swiglu", None),
+        ("gate_up", 2 * mlp, hid, "plain", None),
+        ("down, add and norm", hid, mlp, "add_norm", None),
+        ("down", hid, mlp, "plain", None),  # the last block's: the head's launch adds it
+        ("out_proj / o_proj, add and norm", hid, hk, "add_norm", None),
+        ("out_proj / o_proj", hid, hk, "plain", None),
+        ("out_proj / o_proj, split 4", hid, hk, "plain", (32, 256, 4, 3, 4)),
+        ("LM head, add and norm", vocab, hid, "head", fu.HEAD_SHAPE),
     ]
-    kernels = {fu._PLAIN: fu._linear_small_kernel, fu._SILU_MUL: fu._silu_mul_linear_kernel}
-    kernels |= {fu._NORM: fu._rmsnorm_linear_kernel, fu._NORM_ADD: fu._rmsnorm_linear_kernel}
-    kernels[fu._NORM_ADD_EXACT] = fu._norm_head_kernel
-    for label, N, Kd, pro, config in projections:
-        fn = kernels[pro]
+    for label, N, Kd, kind, config in projections:
+        fn = fu._KERNELS[kind]
         BN, BK, warps, stages, split = fu.launch_shape(N, Kd, config)
+        swiglu = kind == "swiglu"
+        even = ((N // 2) % (BN // 2) == 0 if swiglu else N % BN == 0) and Kd % (split * BK) == 0
+        T = (
+            hid // 32
+            if kind == "norm" or swiglu
+            else fu.column_tiles(N, Kd, config)
+            if kind == "add_norm"
+            else 0
+        )
         for BM in (16, 32):
-            c = dict(K=Kd, BM=BM, BN=BN, BK=BK, EVEN=N % BN == 0 and Kd % (split * BK) == 0, PRO=pro)
+            c = dict(
+                K=Kd, BM=BM, BN=BN, BK=BK, EVEN=even, TP=fu._next_pow2(max(T, 1)), PRO_HEAD=kind == "head"
+            )
+            c.update(RSTD=kind == "norm" or swiglu, SWIGLU=swiglu, ADD=kind == "add_norm")
             c.update(SPLIT=split, PDL=True, PF=fu.prefetch_lines(BK))
             sig = _sig(fn, c, lin_ptrs, ("eps",))
-            if pro == fu._NORM_ADD_EXACT:
+            if kind == "head":
                 sig["y"] = F32  # fp32 logits; a 260-column row is no multiple of 16
-            aligned = tuple(n for n in strides if pro != fu._NORM_ADD_EXACT or n not in ("N", "stride_y"))
-            yield f"linear {label} BM={BM}", fn, sig, c, warps, (stages, aligned)
+            aligned = tuple(n for n in strides if kind != "head" or n not in ("N", "stride_y"))
+            # what bench/sm90.py reports of a projection's weight loop is compared across kinds at one
+            # launch shape (tests/kernels/test_sm90_compile.py)
+            proj = {"kind": kind, "K": Kd, "BM": BM, "launch_shape": [BN, BK, warps, stages, split]}
+            yield f"linear {label} BM={BM}", fn, sig, c, warps, (stages, aligned), proj
     c = dict(HAS_RES=True, BD=hid, PDL=True)
     sig = _sig(fu._rmsnorm_kernel, c, dict.fromkeys(("x", "res", "w", "y", "s"), BF16), ("eps",))
     yield (
@@ -243,7 +303,10 @@ def report(which: tuple[str, ...] = tuple(CASES)) -> list[dict]:
             stages, aligned = launch[0] if launch else (3, ())  # the fused cases name both
             k = compile_sm90(fn, sig, consts, warps, stages, aligned)
             row = {"kernel": label, "group": group, "num_warps": warps, "num_stages": stages}
-            rows.append({**row, **ptxas_report(k.asm["ptx"]), "shared_bytes": int(k.metadata.shared)})
+            row |= {**ptxas_report(k.asm["ptx"]), "shared_bytes": int(k.metadata.shared)}
+            if len(launch) > 1:  # a projection: its kind, shape and weight loop
+                row |= {"projection": launch[1], "weight_loop": weight_loop(k.asm["cubin"])}
+            rows.append(row)
     return rows
 
 

@@ -1,8 +1,9 @@
 """Triton kernels for the decoder's glue around the GEMMs and the KDA core, one launch where eager torch
 launches many (docs/KDA.md, "Decode step"): a projection kernel for decode-sized inputs, alone or with
-the RMSNorm (and residual add) or the SiLU-and-multiply that feeds it folded into its prologue, and the
-step's end (last add, final norm, fp32 LM head) as one such launch; RMSNorm with the residual add and
-SiLU-and-multiply alone; the KDA short convolution of a decode step with the two gate projections; RoPE
+glue folded into its epilogue (the residual add and the next RMSNorm but its 1/rms after the projection
+that produces a residual branch; that 1/rms, and SiLU-and-multiply, after the one that reads the norm),
+and the step's end (last add, final norm, fp32 LM head) as one such launch; RMSNorm with the residual add
+and SiLU-and-multiply alone; the KDA short convolution of a decode step with the two gate projections; RoPE
 with the paged K/V write; the selector's key pooling and top-k group selection; the selected-rows
 attention. On sm_90 they launch with programmatic dependent launch.
 
@@ -82,17 +83,16 @@ def _prefetch_l2(ptrs):
 # to cuBLAS. Which weight shapes it serves, and with which launch shape (BN, BK, warps, stages, split),
 # comes from bench/linear.py's sweep on the H200 (bench/results/linear-h200-2026-12-01.json): the shapes
 # where it beat cuBLAS at both 1 and 32 rows, and MLP gate_up, where it read the weights at 0.97-0.98x
-# cuBLAS's rate but serving it folds the block's post-attention RMSNorm and residual add into the
-# projection (one launch of about 2 us fewer per layer; bench/linear.py times the pair against the fused
-# launch). qkv's 5120 rows make 1.2 waves of 32-row tiles on 132 SMs (0.81x) and stay with cuBLAS until a
-# split launch shape is measured faster. Fixed constants, not an autotuner, so that a process's numerics
-# never depend on which config won a timing race.
+# cuBLAS's rate but serving it computes the SwiGLU activation (and the post-attention norm's 1/rms) in
+# its epilogue, one launch of about 2 us fewer per layer. qkv's 5120 rows make 1.2 waves of 32-row tiles
+# on 132 SMs (0.81x) and stay with cuBLAS until a split launch shape is measured faster. Fixed constants,
+# not an autotuner, so that a process's numerics never depend on which config won a timing race.
 SMALL_M = 32
 SMALL_SHAPES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (4096, 8192): (32, 256, 4, 4, 1),  # 1.13x / 1.10x cuBLAS at 1 / 32 rows (MLP down)
     (4096, 4096): (32, 256, 4, 3, 1),  # 1.29x / 1.09x (KDA out_proj, attention o_proj)
     (12576, 4096): (32, 128, 4, 4, 1),  # 1.06x / 1.03x (KDA in_proj)
-    (16384, 4096): (32, 128, 4, 4, 1),  # 0.98x / 0.97x alone; served for the fold (MLP gate_up)
+    (16384, 4096): (32, 128, 4, 4, 1),  # 0.98x / 0.97x alone; served for its epilogue (MLP gate_up)
 }
 _BN, _BK, _WARPS, _STAGES, _SPLIT = 32, 256, 4, 4, 1  # any other shape asked for directly (tests, sweeps)
 # Split-K's per-tile arrival counters: one int32 per column tile, zero between launches (the last program
@@ -103,8 +103,22 @@ _COUNTERS: dict[torch.device, Tensor] = {}
 # The LM head's launch shape (any vocabulary, K = hidden): 16-column tiles, K split in 4, so that a
 # 260-row head reads its weights with 68 programs rather than 17.
 HEAD_SHAPE = (16, 256, 4, 3, 4)
-# prologues: what the x operand is before the dot (PRO 4: the head's norm, rstd computed first)
-_PLAIN, _NORM, _NORM_ADD, _SILU_MUL, _NORM_ADD_EXACT = 0, 1, 2, 3, 4
+
+# What a projection's launch computes besides x @ W.T. Its weight loop is the same for every kind: x and
+# the weight tiles pipelined through shared memory into the tensor cores, nothing else. Whatever is folded
+# in is computed once per output element, after the loop (the epilogue):
+#   linear_small        y = x @ W.T
+#   linear_add_norm     s = residual + x @ W.T (the residual stream), u = s * the next norm's weight, and
+#                       per column tile the rows' sums of s^2: the next RMSNorm, but for its 1/rms
+#   norm_linear         y = (u @ W.T) / rms(s), the 1/rms from those partial sums (the deferred norm)
+#   swiglu_linear       silu(gate) * up of [gate | up] = x @ W.T (MLP gate_up; with the 1/rms of
+#                       norm_linear first where x is a linear_add_norm's u), W's gate and up rows
+#                       interleaved in each program's tile so that both halves of an output are its own
+# The norm's elementwise work and SiLU are not put before the dot (in the loop): there every program would
+# redo them for the whole input row, each warp for its own copy of the x tile, in the loop that must keep
+# the weight stream busy (on the H200, 2026-12-04, such prologues read the weights at 0.7-1 TB/s against
+# linear_small's 3.5). norm_head keeps a prologue (PRO_HEAD): its normed row must round exactly as the
+# norm's kernel rounds it, and its 260-row head is 2 MB.
 
 
 def serves_small(weight: Tensor, rows: int) -> bool:
@@ -142,41 +156,58 @@ def _split_counters(device: torch.device) -> Tensor:
 
 
 @triton.jit
-def _x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, mask, write_s, K: tl.constexpr,
-            BM: tl.constexpr, PRO: tl.constexpr):  # fmt: skip
-    """Rows m, columns k of the dot's x operand after the prologue, and the rows' sums of squares of the
-    normed input over these columns (zeros unless the prologue is a deferred norm, PRO 1 or 2)."""
+def _head_x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, mask, write_s, K: tl.constexpr):
+    """norm_head's x operand, rows m, columns k: RMSNorm(x + residual) * g rounded as the norm's kernel
+    rounds it (rstd known); the programs of column tile 0 store the sum."""
     dt = x.dtype.element_ty
-    ptr = x + m[:, None] * stride_x + k[None, :]
-    sq = tl.zeros([BM], dtype=tl.float32)
-    if PRO == 3:  # SiLU-and-multiply: x is [gate | up], K columns each; F.silu rounds its output
-        gate = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptr + K, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        xv = (act * up).to(dt)
-    elif PRO == 1 or PRO == 2 or PRO == 4:  # RMSNorm (PRO 2, 4: of x + residual)
-        s = tl.load(ptr, mask=mask, other=0.0)
-        if PRO != 1:  # the residual add, rounded to the activation dtype as torch's add is
-            r = tl.load(res + m[:, None] * stride_r + k[None, :], mask=mask, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(dt)
-            tl.store(s_out + m[:, None] * stride_s + k[None, :], s, mask=mask & write_s)
-        sf = s.to(tl.float32)
-        gv = tl.load(g + k, mask=k < K, other=0.0).to(tl.float32)
-        if PRO == 4:  # rstd known: the normed row rounded as the norm's kernel rounds it
-            xv = (sf * rstd[:, None] * gv[None, :]).to(dt)
-        else:  # the weight here, rstd (a per-row scalar) on the accumulator once the row is summed
-            sq = tl.sum(sf * sf, axis=1)
-            xv = (sf * gv[None, :]).to(dt)
-    else:
-        xv = tl.load(ptr, mask=mask, other=0.0)
-    return xv, sq
+    s = tl.load(x + m[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
+    r = tl.load(res + m[:, None] * stride_r + k[None, :], mask=mask, other=0.0)
+    s = (s.to(tl.float32) + r.to(tl.float32)).to(dt)  # the residual add, rounded as torch's add is
+    tl.store(s_out + m[:, None] * stride_s + k[None, :], s, mask=mask & write_s)
+    gv = tl.load(g + k, mask=k < K, other=0.0).to(tl.float32)
+    return (s.to(tl.float32) * rstd[:, None] * gv[None, :]).to(dt)
 
 
 @triton.jit
-def _linear_store(acc, sq, y, stride_y, m, n, mask, eps, K: tl.constexpr, PRO: tl.constexpr):
-    if PRO == 1 or PRO == 2:
-        acc = acc * (1.0 / tl.sqrt(sq / K + eps))[:, None]
-    tl.store(y + m[:, None] * stride_y + n[None, :], acc.to(y.dtype.element_ty), mask=mask)
+def _epilogue(
+    acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
+    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TP: tl.constexpr, RSTD: tl.constexpr,
+    SWIGLU: tl.constexpr, ADD: tl.constexpr,
+):  # fmt: skip
+    """What a launch computes from its tile's fp32 x @ W.T (rows m, column tile `tile`), once per output."""
+    dt = x.dtype.element_ty
+    if RSTD:  # the deferred norm: 1/rms of each row from the T partial sums of squares sq [T, M]
+        TC: tl.constexpr = 64 if TP > 64 else TP
+        tot = tl.zeros([BM], dtype=tl.float32)
+        for t0 in tl.static_range(0, TP, TC):  # in a fixed order: the bytes never depend on the launch
+            t = t0 + tl.arange(0, TC)
+            p = tl.load(sq + t[:, None] * M + m[None, :], mask=(t[:, None] < T) & (m[None, :] < M), other=0.0)
+            tot += tl.sum(p, axis=0)
+        acc = acc * (1.0 / tl.sqrt(tot / K + eps))[:, None]
+    if SWIGLU:  # the tile's columns are (gate, up) pairs of BN // 2 outputs
+        BO: tl.constexpr = BN // 2
+        gate, up = tl.split(tl.reshape(acc, [BM, BO, 2]))
+        gate = gate.to(dt).to(tl.float32)  # gate_up's output, rounded as its store would round it
+        up = up.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # F.silu rounds its output
+        o = tile * BO + tl.arange(0, BO)
+        omask = (m[:, None] < M) & (o[None, :] < N // 2)
+        tl.store(y + m[:, None] * stride_y + o[None, :], (act * up).to(dt), mask=omask)
+    elif ADD:  # the residual add and the next norm but its 1/rms
+        n = tile * BN + tl.arange(0, BN)
+        omask = (m[:, None] < M) & (n[None, :] < N)
+        yv = acc.to(dt).to(tl.float32)  # the projection's output, rounded as linear_small's store rounds it
+        r = tl.load(res + m[:, None] * stride_r + n[None, :], mask=omask, other=0.0).to(tl.float32)
+        s = (yv + r).to(dt)  # the residual add, rounded as torch's add is
+        tl.store(s_out + m[:, None] * stride_s + n[None, :], s, mask=omask)
+        sf = s.to(tl.float32)
+        gv = tl.load(g + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(u_out + m[:, None] * stride_s + n[None, :], (sf * gv[None, :]).to(dt), mask=omask)
+        tl.store(sq + tile * M + m, tl.sum(sf * sf, axis=1), mask=m < M)  # this tile's columns only
+    else:
+        n = tile * BN + tl.arange(0, BN)
+        omask = (m[:, None] < M) & (n[None, :] < N)
+        tl.store(y + m[:, None] * stride_y + n[None, :], acc.to(y.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -184,13 +215,16 @@ def _linear_body(
     x,
     w,
     y,
-    res,  # PRO 2: the residual added to x
-    g,  # PRO 1, 2: the norm's weight [K]
-    s_out,  # PRO 2: x + residual, written by the programs of column tile 0
-    part,  # SPLIT > 1: fp32 partials [SPLIT, M, N] then the partial sums of squares [SPLIT, M]
+    res,  # ADD, PRO_HEAD: the residual added
+    g,  # ADD, PRO_HEAD: the norm's weight [N] (ADD) or [K] (PRO_HEAD)
+    s_out,  # ADD: x @ W.T + residual; PRO_HEAD: x + residual, written by the programs of column tile 0
+    u_out,  # ADD: s_out * g
+    sq,  # ADD: written, RSTD: read: [T, M] fp32 partial sums of squares of the normed rows
+    part,  # SPLIT > 1: fp32 partials [SPLIT, M, tiles * BN]
     counters,  # SPLIT > 1: one arrival count per column tile, zero on entry and on exit
     M,
-    N,
+    N,  # weight rows
+    T,  # RSTD: sq's partial sums per row
     stride_x,
     stride_w,
     stride_y,
@@ -202,7 +236,11 @@ def _linear_body(
     BN: tl.constexpr,
     BK: tl.constexpr,
     EVEN: tl.constexpr,
-    PRO: tl.constexpr,
+    TP: tl.constexpr,  # a power of two >= T
+    PRO_HEAD: tl.constexpr,
+    RSTD: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ADD: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
     PF: tl.constexpr,
@@ -212,7 +250,14 @@ def _linear_body(
     ks = pid % SPLIT
     KS: tl.constexpr = (K + SPLIT * BK - 1) // (SPLIT * BK) * BK  # columns per split, whole BK steps
     PBK: tl.constexpr = 16384 // BM if 16384 // BM < K else BK  # the head's first pass: columns per chunk
-    n = tile * BN + tl.arange(0, BN)
+    j = tl.arange(0, BN)
+    if SWIGLU:  # W = [gate; up], N // 2 rows each: the tile's rows alternate gate and up of one output
+        o = tile * (BN // 2) + j // 2
+        n = (j % 2) * (N // 2) + o
+        n_ok = o < N // 2
+    else:
+        n = tile * BN + j
+        n_ok = n < N
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
     k_lo = ks * KS
@@ -223,158 +268,209 @@ def _linear_body(
         _prefetch_l2(w + rows + tl.minimum(k_lo + tl.arange(0, PF)[None, :] * 64, K - 1))
     _pdl_enter(PDL, False)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    sq = tl.zeros([BM], dtype=tl.float32)
-    write_s = tile == 0
     rstd = tl.zeros([BM], dtype=tl.float32)
-    if PRO == 4:  # a first pass over the whole row (L2-resident) for its 1/rms, in wide chunks: a loop
+    if PRO_HEAD:  # a first pass over the whole row (L2-resident) for its 1/rms, in wide chunks: a loop
         # without a dot is not software-pipelined, so each chunk is a round trip
+        sq_h = tl.zeros([BM], dtype=tl.float32)
         for kb in range(0, K, PBK):
             k = kb + tl.arange(0, PBK)
             xmask = (m[:, None] < M) & (k[None, :] < K)
             sx = tl.load(x + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
             sr = tl.load(res + m[:, None] * stride_r + k[None, :], mask=xmask, other=0.0).to(tl.float32)
             sf = (sx + sr).to(x.dtype.element_ty).to(tl.float32)
-            sq += tl.sum(sf * sf, axis=1)
-        rstd = 1.0 / tl.sqrt(sq / K + eps)
+            sq_h += tl.sum(sf * sf, axis=1)
+        rstd = 1.0 / tl.sqrt(sq_h / K + eps)
     for kb in range(0, KS, BK):  # a constant trip count (the interpreter cannot bound a range by a tensor)
         k = k_lo + kb + kk
         xmask = (m[:, None] < M) & (k[None, :] < K)
-        if EVEN:  # N % BN == 0 and K % (SPLIT * BK) == 0: only the rows of x past M are masked
+        if EVEN:  # every tile's rows exist and K % (SPLIT * BK) == 0: only the rows of x past M are masked
             wv = tl.load(w_row + k[None, :])
         else:
-            wv = tl.load(w_row + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        xv, s2 = _x_tile(
-            x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, xmask, write_s, K, BM, PRO
-        )
-        if PRO == 1 or PRO == 2:
-            sq += s2
+            wv = tl.load(w_row + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+        if PRO_HEAD:
+            xv = _head_x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, xmask, tile == 0, K)
+        else:
+            xv = tl.load(x + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0)
         acc += tl.dot(xv, tl.trans(wv), out_dtype=tl.float32)
     if PDL:
         gdc_launch_dependents()
-    out_mask = (m[:, None] < M) & (n[None, :] < N)
     if SPLIT == 1:
-        _linear_store(acc, sq, y, stride_y, m, n, out_mask, eps, K, PRO)
+        _epilogue(
+            acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
+            K, BM, BN, TP, RSTD, SWIGLU, ADD,
+        )  # fmt: skip
     else:
         # Each split stores its partial; the tile's last program to arrive (an acq_rel count after a barrier
         # that orders every thread's stores before it) sums the partials in split order, so the result does
-        # not depend on the arrival order, and resets the count for the next launch.
-        tl.store(part + (ks * M + m[:, None]) * N + n[None, :], acc, mask=out_mask)
-        sq_part = part + SPLIT * M * N
-        if PRO == 1 or PRO == 2:
-            tl.store(sq_part + ks * M + m, sq, mask=m < M)
+        # not depend on the arrival order, runs the epilogue and resets the count for the next launch.
+        NP = tl.num_programs(0) // SPLIT * BN  # the partials' row: every tile's BN columns
+        pmask = (m[:, None] < M) & (j[None, :] < BN)
+        col = tile * BN + j
+        tl.store(part + (ks * M + m[:, None]) * NP + col[None, :], acc, mask=pmask)
         tl.debug_barrier()
         if tl.atomic_add(counters + tile, 1, sem="acq_rel") == SPLIT - 1:
             tot = tl.zeros([BM, BN], dtype=tl.float32)
-            tsq = tl.zeros([BM], dtype=tl.float32)
-            for j in tl.static_range(SPLIT):
-                p = part + (j * M + m[:, None]) * N + n[None, :]
-                tot += tl.load(p, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if PRO == 1 or PRO == 2:
-                    tsq += tl.load(sq_part + j * M + m, mask=m < M, other=0.0, cache_modifier=".cg")
+            for i in tl.static_range(SPLIT):
+                p = part + (i * M + m[:, None]) * NP + col[None, :]
+                tot += tl.load(p, mask=pmask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counters + tile, 0, sem="relaxed")
-            _linear_store(tot, tsq, y, stride_y, m, n, out_mask, eps, K, PRO)
+            _epilogue(
+                tot, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
+                K, BM, BN, TP, RSTD, SWIGLU, ADD,
+            )  # fmt: skip
 
 
-# One kernel per prologue, each the same body, so that a profile of the step names what each launch does.
+# One kernel per kind, each the same body, so that a profile of the step names what each launch does.
+# (Their argument lists are the body's.)
 
 
 @triton.jit
 def _linear_small_kernel(
-    x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-    PRO: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
-    """linear_small: plain x."""
+    """linear_small: y = x @ W.T."""
     _linear_body(
-        x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-        K, BM, BN, BK, EVEN, PRO, SPLIT, PDL, PF,
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
 
 
 @triton.jit
-def _rmsnorm_linear_kernel(
-    x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-    PRO: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+def _linear_add_norm_kernel(
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
-    """linear_small: RMSNorm of x (and the residual add) folded in."""
+    """linear_add_norm: the residual add and the next RMSNorm but its 1/rms in the epilogue."""
     _linear_body(
-        x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-        K, BM, BN, BK, EVEN, PRO, SPLIT, PDL, PF,
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
 
 
 @triton.jit
-def _silu_mul_linear_kernel(
-    x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-    PRO: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+def _norm_linear_kernel(
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
-    """linear_small: SiLU-and-multiply folded in."""
+    """norm_linear: the deferred norm's 1/rms on the accumulator."""
     _linear_body(
-        x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-        K, BM, BN, BK, EVEN, PRO, SPLIT, PDL, PF,
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+    )  # fmt: skip
+
+
+@triton.jit
+def _swiglu_linear_kernel(
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+):  # fmt: skip
+    """swiglu_linear: MLP gate_up with SiLU-and-multiply (and the deferred norm's 1/rms) in the epilogue."""
+    _linear_body(
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
 
 
 @triton.jit
 def _norm_head_kernel(
-    x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-    PRO: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
     """linear_small: the LM head's add and norm folded in, fp32 logits."""
     _linear_body(
-        x, w, y, res, g, s_out, part, counters, M, N, stride_x, stride_w, stride_y, stride_r, stride_s, eps,
-        K, BM, BN, BK, EVEN, PRO, SPLIT, PDL, PF,
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
+
+
+_KERNELS = {
+    "plain": _linear_small_kernel,
+    "add_norm": _linear_add_norm_kernel,
+    "norm": _norm_linear_kernel,
+    "swiglu": _swiglu_linear_kernel,
+    "head": _norm_head_kernel,
+}
 
 
 def _rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def column_tiles(N: int, K: int, config=None, swiglu: bool = False) -> int:
+    """Programs per K split of a projection of an N x K weight: one per BN weight rows (BN // 2 outputs of
+    a SwiGLU's interleaved gate and up rows)."""
+    BN = launch_shape(N, K, config)[0]
+    return triton.cdiv(N // 2, BN // 2) if swiglu else triton.cdiv(N, BN)
+
+
 def _linear_launch(
+    kind: str,
     x2: Tensor,
     weight: Tensor,
-    pro: int,
     config,
+    y: Tensor,
     *,
     res: Tensor | None = None,
     g: Tensor | None = None,
     s_out: Tensor | None = None,
+    u_out: Tensor | None = None,
+    sq: Tensor | None = None,
     eps: float = 0.0,
-    out: Tensor | None = None,
-) -> Tensor:
+) -> None:
     M = x2.shape[0]
     N, K = weight.shape
-    assert M <= SMALL_M and weight.stride(1) == 1 and x2.shape[1] == (2 * K if pro == _SILU_MUL else K)
+    assert M <= SMALL_M and weight.stride(1) == 1 and x2.shape[1] == K and x2.stride(1) == 1
     BN, BK, warps, stages, split = launch_shape(N, K, config)
     BK = min(BK, max(16, _next_pow2(K)))
     BM = 16 if M <= 16 else 32
-    tiles = triton.cdiv(N, BN)
-    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
-    assert y.shape == (M, N) and y.stride(1) == 1
+    swiglu = kind == "swiglu"
+    if swiglu:
+        assert N % 2 == 0 and BN % 2 == 0 and y.shape == (M, N // 2)
+    else:
+        assert y.shape == (M, N)
+    assert y.stride(1) == 1
+    tiles = column_tiles(N, K, config, swiglu)
+    even = (N // 2) % (BN // 2) == 0 if swiglu else N % BN == 0
     if split > 1:
         assert tiles <= _COUNTER_SLOTS
-        part = torch.empty(split * M * (N + 1), dtype=torch.float32, device=x2.device)
+        part = torch.empty(split * M * tiles * BN, dtype=torch.float32, device=x2.device)
         counters = _split_counters(x2.device)
     else:
         part = counters = y  # not read
+    rstd = sq is not None and kind != "add_norm"
+    assert rstd or kind != "norm", "norm_linear needs the producer's partial sums of squares"
+    if kind == "add_norm":
+        assert sq is not None and sq.shape == (tiles, M) and s_out is not None and u_out is not None
+        assert u_out.stride() == s_out.stride()
+    elif rstd:
+        assert sq is not None and sq.shape[1] == M and sq.dtype == torch.float32 and sq.is_contiguous()
+    T = 0 if sq is None else sq.shape[0]
     pdl = pdl_enabled(x2)
-    kernel = (_linear_small_kernel, _rmsnorm_linear_kernel, _rmsnorm_linear_kernel, _silu_mul_linear_kernel,
-              _norm_head_kernel)[pro]  # fmt: skip
-    kernel[(tiles * split,)](
+    _KERNELS[kind][(tiles * split,)](
         x2,
         weight,
         y,
         x2 if res is None else res,
         x2 if g is None else g,
         y if s_out is None else s_out,
+        y if u_out is None else u_out,
+        part if sq is None else sq,
         part,
         counters,
         M,
         N,
+        T,
         x2.stride(0),
         weight.stride(0),
         y.stride(0),
@@ -385,8 +481,12 @@ def _linear_launch(
         BM,
         BN,
         BK,
-        N % BN == 0 and K % (split * BK) == 0,
-        pro,
+        even and K % (split * BK) == 0,
+        _next_pow2(max(T, 1)),
+        kind == "head",
+        rstd,
+        swiglu,
+        kind == "add_norm",
         split,
         pdl,
         prefetch_lines(BK),
@@ -394,7 +494,6 @@ def _linear_launch(
         num_stages=stages,
         **_pdl_launch(pdl),
     )
-    return y
 
 
 def linear_small(x: Tensor, weight: Tensor, config=None) -> Tensor:
@@ -405,38 +504,80 @@ def linear_small(x: Tensor, weight: Tensor, config=None) -> Tensor:
     x [M, K] (rows may be strided); weight [N, K] contiguous. config: (BN, BK, warps, stages[, split]) to
     override the module's launch shape (the sweep)."""
     x2 = _rows(x.reshape(-1, x.shape[-1]))
-    y = _linear_launch(x2, weight, _PLAIN, config)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    N = weight.shape[0]
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    _linear_launch("plain", x2, weight, config, y)
+    return y.view(*x.shape[:-1], N)
 
 
-def rmsnorm_linear(
-    x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, residual: Tensor | None = None, config=None
-):
-    """RMSNorm(x) * norm_weight @ weight.T in one launch, or with `residual`: (s, RMSNorm(s) * norm_weight
-    @ weight.T) where s = x + residual (rounded to x's dtype, as torch's add is, and written by the
-    programs of the first column tile). Every program reads the whole row it needs anyway: it applies the
-    norm's weight to x's columns before the dot and the row's 1/rms (fp32, from the same columns) to the
-    fp32 accumulator after it, so the normed row is rounded once where the two-kernel path rounds it twice
-    (the norm's output, then the product). x, residual [M, K] (rows may be strided); M <= SMALL_M."""
+def linear_add_norm(
+    x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, config=None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A projection that feeds a residual add and the next RMSNorm, in one launch: returns (s, u, sq) with
+    s = residual + x @ weight.T (the product rounded to x's dtype as linear_small stores it, then the add
+    rounded as torch's add is: the residual stream), u = s * norm_weight rounded to x's dtype, and sq
+    [tiles, M] fp32, each column tile's sums of s^2 per row. (u, sq) are the norm's input but for its 1/rms,
+    which norm_linear or swiglu_linear apply to their fp32 accumulators. Each output is computed once, by
+    the program that owns its column; no program reads what another writes.
+
+    x [M, K] (rows may be strided), residual [M, N], norm_weight [N]; M <= SMALL_M."""
     x2 = _rows(x.reshape(-1, x.shape[-1]))
     N = weight.shape[0]
-    if residual is None:
-        y = _linear_launch(x2, weight, _NORM, config, g=norm_weight, eps=eps)
-        return y.view(*x.shape[:-1], N)
-    r2 = _rows(residual.reshape(-1, x2.shape[1]))
-    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    y = _linear_launch(x2, weight, _NORM_ADD, config, res=r2, g=norm_weight, s_out=s, eps=eps)
-    return s.view(x.shape), y.view(*x.shape[:-1], N)
+    r2 = _rows(residual.reshape(-1, N))
+    assert r2.shape[0] == x2.shape[0] and r2.dtype == x2.dtype and norm_weight.shape == (N,)
+    M = x2.shape[0]
+    s = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    u = torch.empty_like(s)
+    sq = torch.empty(column_tiles(N, x2.shape[1], config), M, dtype=torch.float32, device=x.device)
+    _linear_launch("add_norm", x2, weight, config, s, res=r2, g=norm_weight, s_out=s, u_out=u, sq=sq)
+    shape = (*x.shape[:-1], N)
+    return s.view(shape), u.view(shape), sq
 
 
-def rmsnorm_linear_reference(
-    x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, residual: Tensor | None = None
-):
-    """The norm (and the add) then the projection, as two launches or torch ops compute them."""
-    if residual is None:
-        return F.linear(rmsnorm_reference(x, norm_weight, eps), weight)
-    s, h = rmsnorm_reference(x, norm_weight, eps, residual)
-    return s, F.linear(h, weight)
+def linear_add_norm_reference(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor):
+    """The torch ops: (s, u, sq) with the whole row's sum of squares as its one partial, sq [1, M]."""
+    s = F.linear(x, weight) + residual
+    sf = s.float().reshape(-1, s.shape[-1])
+    return s, (s.float() * norm_weight.float()).to(s.dtype), sf.pow(2).sum(-1)[None]
+
+
+def rms_scale(sq: Tensor, eps: float, K: int) -> Tensor:
+    """1/rms [M, 1] of the rows whose partial sums of squares (over K columns) are sq [tiles, M]."""
+    return torch.rsqrt(sq.sum(0) / K + eps)[:, None]
+
+
+def norm_linear(u: Tensor, sq: Tensor, eps: float, weight: Tensor, config=None) -> Tensor:
+    """RMSNorm(s) * norm_weight @ weight.T from linear_add_norm's (u, sq): u @ weight.T on the tensor
+    cores, then the rows' 1/rms (fp32, from sq) on the fp32 accumulator, rounded once to u's dtype. The
+    normed row is rounded once (u), as the two-launch path rounds its own (the norm's output): the same
+    error from the exact value, not the same bits. u [M, K] with M <= SMALL_M."""
+    x2 = _rows(u.reshape(-1, u.shape[-1]))
+    N = weight.shape[0]
+    y = torch.empty(x2.shape[0], N, dtype=u.dtype, device=u.device)
+    _linear_launch("norm", x2, weight, config, y, sq=sq, eps=eps)
+    return y.view(*u.shape[:-1], N)
+
+
+def norm_linear_reference(total: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
+    """The norm's kernel then the projection, as two launches or torch ops compute them."""
+    return F.linear(rmsnorm_reference(total, norm_weight, eps), weight)
+
+
+def swiglu_linear(x: Tensor, weight: Tensor, sq: Tensor | None = None, eps: float = 0.0, config=None):
+    """silu(gate) * up where [gate | up] = x @ weight.T (MLP gate_up, weight [2I, K]: gate rows then up
+    rows), in one launch: gate and up rounded to x's dtype as gate_up's output is, then SiLU and the
+    product rounded as silu_mul rounds them. With sq (x a linear_add_norm's u), the deferred norm's 1/rms
+    is applied to both accumulators first, as in norm_linear. Returns [M, I]; M <= SMALL_M."""
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    inner = weight.shape[0] // 2
+    y = torch.empty(x2.shape[0], inner, dtype=x.dtype, device=x.device)
+    _linear_launch("swiglu", x2, weight, config, y, sq=sq, eps=eps)
+    return y.view(*x.shape[:-1], inner)
+
+
+def swiglu_linear_reference(x: Tensor, weight: Tensor) -> Tensor:
+    """gate_up's projection then silu_mul, as the two-launch path runs them."""
+    return silu_mul_reference(F.linear(x, weight))
 
 
 def norm_head(
@@ -459,8 +600,8 @@ def norm_head(
     r2 = _rows(residual.reshape(-1, x2.shape[1]))
     assert hidden_out.stride(1) == 1 and logits_out.dtype == torch.float32
     _linear_launch(
-        x2, weight, _NORM_ADD_EXACT, config or HEAD_SHAPE, res=r2, g=norm_weight, s_out=hidden_out, eps=eps,
-        out=logits_out,
+        "head", x2, weight, config or HEAD_SHAPE, logits_out, res=r2, g=norm_weight, s_out=hidden_out,
+        eps=eps,
     )  # fmt: skip
 
 
@@ -471,18 +612,6 @@ def norm_head_reference(
     s = x + residual
     hidden_out.copy_(s)
     logits_out.copy_(F.linear(rmsnorm_reference(s, norm_weight, eps).float(), weight.float()))
-
-
-def silu_mul_linear(gate_up: Tensor, weight: Tensor, config=None) -> Tensor:
-    """silu(gate) * up @ weight.T in one launch for gate_up [M, 2I] = [gate | up] and weight [N, I]: the
-    SwiGLU's activation computed in the down projection's prologue, rounded as silu_mul rounds it."""
-    g2 = _rows(gate_up.reshape(-1, gate_up.shape[-1]))
-    y = _linear_launch(g2, weight, _SILU_MUL, config)
-    return y.view(*gate_up.shape[:-1], weight.shape[0])
-
-
-def silu_mul_linear_reference(gate_up: Tensor, weight: Tensor) -> Tensor:
-    return F.linear(silu_mul_reference(gate_up), weight)
 
 
 # ------------------------------------------------------------------ RMSNorm (+ residual add)

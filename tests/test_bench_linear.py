@@ -1,6 +1,6 @@
 """bench/linear.py's choice of launch shape per weight shape, on synthetic timings: the least time at
 1 row among the shapes no slower than the module's at 32, and whether linear_small should serve the shape
-(the folded launch against the kernel before it plus cuBLAS where the step folds one); and its wrong-result
+(the folded launch against the unfused kernels plus cuBLAS where the step folds some); and its wrong-result
 guard."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 lb = pytest.importorskip("bench.linear")
 
-NAME, N, K, _ = lb.SHAPES[2]  # mlp down: the step folds SiLU-and-multiply into it
+NAME, N, K, _ = lb.SHAPES[2]  # mlp down: the step folds the residual add and the next norm into it
 A, B = lb.SWEEP[0], lb.SWEEP[1]
 
 
@@ -22,8 +22,8 @@ def _case(M: int, us: dict[str, float], cublas: float) -> dict:
 
 
 def _fold(M: int, folded: float, two: float) -> dict:
-    us = {"silu_then_cublas": two, "silu_then_ours": two + 1, "folded_module": folded, "folded_best": folded}
-    return {"case": NAME, "M": M, "us_streamed": us, "folded_vs_two_launches": two / folded}
+    us = {"unfused_cublas": two, "unfused_ours": two + 1, "folded_module": folded, "folded_best": folded}
+    return {"case": NAME, "M": M, "us_streamed": us, "folded_vs_unfused": two / folded}
 
 
 def test_the_fastest_shape_at_one_row_that_does_not_lose_at_32_rows_is_picked() -> None:
@@ -52,3 +52,6 @@ def test_a_wrong_or_failing_contender_is_reported_not_timed() -> None:
     errors = lb._checked({"right": lambda: want + 0.01, "wrong": lambda: want * 2, "fails": fails}, want)
     assert set(errors) == {"wrong", "fails"}
     assert errors["fails"] == "RuntimeError: no such launch shape"
+    # a contender with an output of its own (linear_add_norm's (s, u, sq): s is checked) is held to it
+    own = {"s": lambda: (want + 1, want, want), "t": lambda: (want, want + 1)}
+    assert set(lb._checked(own, want, {"s": want + 1, "t": want + 1})) == {"t"}

@@ -32,20 +32,26 @@ class DecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_norm(x))
 
-    def forward_fused(self, x: Tensor, pending: Tensor | None, ctx, decode: bool) -> tuple[Tensor, Tensor]:
-        """The same block with each residual add inside the next norm's kernel: takes the residual stream
-        x and the previous block's MLP output still to be added (None: nothing), returns the pair for the
-        next block (the caller adds the last one). In a decode step each norm, with its add, is handed on
-        unevaluated (Prenormed) to the projection that reads it, which computes it in its own launch where
-        kernels.fused.linear_small serves that projection: the mixer's first one, then MLP gate_up."""
-        inp = Prenormed(x, pending, self.input_norm)
+    def forward_fused(self, inp: Prenormed, ctx, decode: bool, next_norm: RMSNorm | None):
+        """The same block with each residual add and norm handed on unevaluated (Prenormed): takes this
+        block's input norm, returns the next block's (`next_norm`'s), or with next_norm None the pair
+        (residual stream, MLP output still to be added) for the caller. In a decode step the projection that
+        produces a residual branch (the mixer's output projection, MLP down) computes the add and the next
+        norm but its 1/rms in its own launch where kernels.fused.linear_small serves it, and the projection
+        that reads the norm (the mixer's first one, MLP gate_up) applies the 1/rms to its accumulator."""
+
+        def post_of(proj: Linear, h: Tensor) -> Prenormed:
+            return proj.add_norm(h, inp.total, self.post_norm)  # inp.total: set once the mixer read inp
+
         if decode:
-            h = self.mixer.forward_decode(inp, ctx)
+            post = self.mixer.forward_decode(inp, ctx, post_of)
         else:
             h = self.mixer.forward_prefill(inp.materialize(), ctx)
-        post = Prenormed(inp.total, h, self.post_norm)
-        out = self.mlp(post)
-        return post.total, out
+            post = Prenormed(inp.total, h, self.post_norm)
+        if next_norm is None:
+            out = self.mlp(post)
+            return post.total, out
+        return self.mlp(post, lambda proj, act: proj.add_norm(act, post.total, next_norm))
 
 
 class MtpHead(nn.Module):
@@ -93,10 +99,15 @@ class HybridModel(nn.Module):
         return x
 
     def _fused_layers(self, x: Tensor, ctx, decode: bool) -> tuple[Tensor, Tensor]:
-        pending = None
-        for layer in self.layers:
-            x, pending = layer.forward_fused(x, pending, ctx, decode)
-        return x, pending
+        """The blocks with the fused glue: (residual stream, last MLP output still to be added)."""
+        layers = list(self.layers)
+        inp = Prenormed(x, None, layers[0].input_norm)
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
+            out = layer.forward_fused(inp, ctx, decode, nxt)
+            if nxt is not None:
+                inp = out
+        return out
 
     def decode_into(self, input_ids: Tensor, ctx, hidden_out: Tensor, logits_out: Tensor) -> None:
         """A decode or verify step: every token's last hidden state and its logits, written into the

@@ -5,6 +5,7 @@ through the resolved backend (kernels.kda); out-projection. No KDA math here bey
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -144,7 +145,10 @@ class KdaLayer(nn.Module):
             self.conv_state[slot] = seq[:, -(W - 1) :].to(self.conv_state.dtype)
         return F.silu(out)
 
-    def forward_decode(self, x: Tensor | Prenormed, ctx) -> Tensor:
+    def forward_decode(self, x: Tensor | Prenormed, ctx, then: Callable | None = None):
+        """One decode step of the block's KDA mixer; `then(out_proj, o)`, where given, runs the output
+        projection instead of out_proj(o) (Linear.add_norm: the residual add and the next norm in its
+        launch)."""
         rt, H, K = self.rt, self.H, self.K
         rows = ctx.n * ctx.T
         ws = rt.ws
@@ -170,7 +174,8 @@ class KdaLayer(nn.Module):
         binding = rt.binding(self, ctx.n, ctx.T)
         with record_function(f"kda::{rt.backend.name}"):
             rt.backend.run(binding)
-        return self.out_proj(ws.out[:rows].reshape(rows, H * K))
+        o = ws.out[:rows].reshape(rows, H * K)
+        return self.out_proj(o) if then is None else then(self.out_proj, o)
 
     def forward_prefill(self, x: Tensor, ctx) -> Tensor:
         rt, H, K = self.rt, self.H, self.K

@@ -11,14 +11,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.fused import (
+    linear_add_norm,
     linear_small,
+    norm_linear,
     rmsnorm,
-    rmsnorm_linear,
     rmsnorm_reference,
     serves_small,
     silu_mul,
-    silu_mul_linear,
     silu_mul_reference,
+    swiglu_linear,
 )
 
 
@@ -47,12 +48,28 @@ class Linear(nn.Module):
             return linear_small(x, w)
         return F.linear(x, w)
 
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        """This projection of silu(gate) * up, gate_up = [gate | up]: in one launch where linear_small
-        serves the rows (the activation in its prologue), else silu_mul's kernel (fused) or torch ops."""
-        if self.small(gate_up.numel() // gate_up.shape[-1]):
-            return silu_mul_linear(gate_up, self.weight)
-        return F.linear((silu_mul if self.fused else silu_mul_reference)(gate_up), self.weight)
+    def swiglu(self, x: Tensor | Prenormed) -> Tensor:
+        """silu(gate) * up of this projection of x, [gate | up] (MLP gate_up): the activation in this
+        projection's launch where linear_small serves the rows (kernels.fused.swiglu_linear), else
+        silu_mul's kernel (fused engines) or its torch reference after it."""
+        w = self.weight
+        if isinstance(x, Prenormed):
+            if self.small(x.rows):
+                return x.project_swiglu(w)
+            x = x.materialize()
+        elif self.small(x.numel() // w.shape[1]):
+            return swiglu_linear(x, w)
+        return (silu_mul if self.fused else silu_mul_reference)(F.linear(x, w))
+
+    def add_norm(self, x: Tensor, residual: Tensor, norm: RMSNorm) -> Prenormed:
+        """residual + this projection of x, handed on unevaluated to `norm` (Prenormed). Where linear_small
+        serves the rows, this launch also writes the sum (the residual stream), the sum times the norm's
+        weight and its partial sums of squares (kernels.fused.linear_add_norm), and the projection that
+        reads the norm applies its 1/rms; else the add is left to the norm's kernel."""
+        if self.small(x.numel() // self.weight.shape[1]):
+            s, u, sq = linear_add_norm(x, self.weight, residual, norm.weight)
+            return Prenormed(s, None, norm, total=s, scaled=u, sq=sq)
+        return Prenormed(self(x), residual, norm)
 
 
 class Embedding(nn.Module):
@@ -81,22 +98,29 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class Prenormed:
-    """RMSNorm(x + residual) * norm.weight, not computed yet (fused engines). The projection that consumes
-    it folds the norm and the add into its own launch where linear_small serves it (Linear.forward), else
-    the norm's kernel runs first (`materialize`). Either way `total` is then x + residual, rounded as
-    torch's add rounds it (x itself without a residual): the block's residual stream."""
+    """RMSNorm(x + residual) * norm.weight, not computed yet (fused engines). Either the launch that
+    produced x did the add and all of the norm but its 1/rms (Linear.add_norm: `total` is then the sum,
+    `scaled` the sum times the norm's weight and `sq` its partial sums of squares), and the projection that
+    reads it applies the 1/rms to its fp32 accumulator (kernels.fused.norm_linear, swiglu_linear); or the
+    add is still to do (x and residual; no residual at the first block), and the norm's kernel computes it
+    first (`materialize`). Once consumed, `total` is x + residual, rounded as torch's add rounds it (x
+    itself without a residual): the block's residual stream."""
 
     x: Tensor
     residual: Tensor | None
     norm: RMSNorm
     total: Tensor | None = None
+    scaled: Tensor | None = None
+    sq: Tensor | None = None
 
     @property
     def rows(self) -> int:
         return self.x.numel() // self.x.shape[-1]
 
     def materialize(self) -> Tensor:
-        """The normed input, by the norm's kernel (with the add where there is a residual)."""
+        """The normed input, by the norm's kernel (with the add where it is still to do)."""
+        if self.scaled is not None:
+            return self.norm(self.total)
         if self.residual is None:
             self.total = self.x
             return self.norm(self.x)
@@ -104,13 +128,17 @@ class Prenormed:
         return h
 
     def project(self, weight: Tensor) -> Tensor:
-        """The normed input @ weight.T in one launch (kernels.fused.rmsnorm_linear)."""
-        n = self.norm
-        if self.residual is None:
-            self.total = self.x
-            return rmsnorm_linear(self.x, n.weight, n.eps, weight)
-        self.total, y = rmsnorm_linear(self.x, n.weight, n.eps, weight, self.residual)
-        return y
+        """The normed input @ weight.T, for a weight linear_small serves: one launch where the producer did
+        the add (kernels.fused.norm_linear), else the norm's kernel then linear_small."""
+        if self.scaled is None:
+            return linear_small(self.materialize(), weight)
+        return norm_linear(self.scaled, self.sq, self.norm.eps, weight)
+
+    def project_swiglu(self, weight: Tensor) -> Tensor:
+        """silu(gate) * up of the normed input @ weight.T (MLP gate_up), as `project`."""
+        if self.scaled is None:
+            return swiglu_linear(self.materialize(), weight)
+        return swiglu_linear(self.scaled, weight, self.sq, self.norm.eps)
 
 
 def rope_tables(
