@@ -185,6 +185,50 @@ def test_split_k_sums_its_partials_in_order_and_leaves_the_counters_zero(K, spli
     assert not fused_mod._COUNTERS[x.device].any()
 
 
+def _programs_reversed(monkeypatch) -> list[tuple[int, int, int]]:
+    """The interpreter runs a launch's programs one after another, first to last, where a GPU runs them
+    concurrently in any order: run them last to first instead (the i-th to run is handed program id
+    n-1-i). Returns the ids handed out, in the order they ran."""
+    from triton.runtime import interpreter
+
+    b = interpreter.interpreter_builder
+    forward = type(b).set_grid_idx
+    ran: list[tuple[int, int, int]] = []
+
+    def reversed_idx(x, y, z):
+        ran.append(tuple(d - 1 - i for d, i in zip(b.grid_dim, (x, y, z), strict=True)))
+        forward(b, *ran[-1])
+
+    monkeypatch.setattr(b, "set_grid_idx", reversed_idx)
+    return ran
+
+
+def test_the_folded_projections_do_not_depend_on_the_order_their_programs_run_in(monkeypatch):
+    """Each output of a folded projection is written by the one program that owns its column tile, and no
+    program reads what another of its launch writes but split-K's partials, summed in split order by
+    whichever program arrives last: the same bytes with the programs run last to first."""
+    x, w, res, g, gen = _add_norm_inputs(5, 72, 100, 7)
+    wg = (torch.randn(80, 72, generator=gen) * 0.2).to(_F16)
+    hidden, logits = torch.empty(5, 72, dtype=_F16), torch.empty(5, 40)
+    wh = torch.randn(40, 72, generator=gen).to(_F16)
+
+    def launches():
+        outs = []
+        for cfg in ((16, 32, 4, 2), (16, 32, 4, 2, 3)):
+            s, u, sq = linear_add_norm(x, w, res, g, cfg)
+            outs += [s, u, sq, norm_linear(u, sq, 1e-5, wg[:48], cfg), swiglu_linear(u, wg, sq, 1e-5, cfg)]
+            norm_head(s, u, g, 1e-5, wh, hidden, logits, (16, 32, 4, 2, 2))
+            outs += [hidden.clone(), logits.clone()]
+        return outs
+
+    first_to_last = launches()
+    ran = _programs_reversed(monkeypatch)
+    last_to_first = launches()
+    assert ran[0][0] > ran[1][0] > ran[2][0]  # the programs did run in reverse
+    for a, b in zip(first_to_last, last_to_first, strict=True):
+        assert torch.equal(a, b)
+
+
 def _tiled_linear(a: torch.Tensor, w: torch.Tensor, bk: int = 128) -> torch.Tensor:
     """a @ w.T in fp32 summed tile by tile over K, as the kernels' loop sums it (torch orders its sums
     otherwise: a rounded result may land a step apart, as on the GPU)."""
