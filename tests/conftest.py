@@ -47,12 +47,19 @@ DOCKER_FIXTURES = frozenset(
 )
 
 
+# Module-scoped set-up worth doing once, not once per worker: the tests using it run in one worker.
+ONE_WORKER_FIXTURES = frozenset({"c2spcheck"})  # a Go build with a cold GOCACHE
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        if item.get_closest_marker("docker") or DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("docker") or DOCKER_FIXTURES & fixtures:
             item.add_marker(pytest.mark.xdist_group("docker"))
+        elif ONE_WORKER_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
 
 
 @contextlib.contextmanager
