@@ -1,7 +1,10 @@
-"""Shared fixtures: a throwaway PostgreSQL cluster, and store URLs for both dialects."""
+"""Shared fixtures: a throwaway PostgreSQL cluster, and store URLs for both dialects; how the suite runs in
+parallel (pytest-xdist, `make test`): Docker tests in one worker, `serial` tests after the others."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import os
 import pwd
@@ -33,6 +36,43 @@ os.environ.pop("QUALIFY_DB_URL", None)
 # the user's, and kept across sessions: the first run hashes the interpreter and its site-packages (seconds),
 # later ones only stat them. tests/harness/conftest.py fills it before the first timed run.
 os.environ["QUALIFY_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"qualify-test-cache-{os.getuid()}")
+
+
+# Tests that share the Docker daemon's containers: one checks that it leaves no container of its label behind,
+# `qualify gc` and `qualify run --launcher docker` reap those whose harness is gone, and the engine image is
+# built once. Under pytest-xdist (`--dist loadgroup`) they all run in one worker, one after the other; the
+# other worker goes on with the rest meanwhile.
+DOCKER_FIXTURES = frozenset(
+    {"docker_available", "engine_image", "no_leftover_containers", "second_image", "pushed_image", "registry"}
+)
+
+
+# Module-scoped set-up worth doing once, not once per worker: the tests using it run in one worker.
+ONE_WORKER_FIXTURES = frozenset({"c2spcheck"})  # a Go build with a cold GOCACHE
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("docker") or DOCKER_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.xdist_group("docker"))
+        elif ONE_WORKER_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
+@contextlib.contextmanager
+def host_lock(name: str) -> Iterator[None]:
+    """One holder at a time on this host (pytest-xdist workers, or two checkouts' suites): for set-up that
+    fills a cache they share (the harness's file digests, sigstore-js, the engine image)."""
+    path = os.path.join(tempfile.gettempdir(), f"qualify-test-{name}-{os.getuid()}.lock")
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _need(what: str, why: str) -> None:

@@ -92,6 +92,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_dcp_ranks_generate_what_the_folded_engine_generates_and_leave_nothing(tmp_path, ranks):
     from qualify.engine.layout import SHM_PREFIX, _shm_dir

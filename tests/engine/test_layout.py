@@ -90,6 +90,7 @@ def test_stale_shm_files_of_dead_engines_are_swept_and_live_ones_kept(tmp_path):
     assert sweep_stale_shm(str(tmp_path)) == [live.name]  # its owner is gone now
 
 
+@pytest.mark.serial
 def test_an_engine_leaves_no_shm_files_after_close_or_a_failed_boot(_engine_home, tmp_path):
     from qualify.engine.weights import WeightsError
     from tests.engine.conftest import make_engine

@@ -259,6 +259,7 @@ def _shm_files(pid: int) -> set[str]:
     return {n for n in os.listdir(_shm_dir()) if n.startswith(f"{SHM_PREFIX}{pid}-")}
 
 
+@pytest.mark.serial
 def test_a_stopped_engine_leaves_no_shm_and_a_killed_ones_is_swept_by_the_next(tmp_path):
     from qualify.engine.layout import sweep_stale_shm
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import _need
+from tests.conftest import _need, host_lock
 from tests.store.conftest import cli, home  # noqa: F401 (the CLI as `qualify` runs it, in a private home)
 
 HERE = Path(__file__).parent
@@ -52,20 +52,21 @@ def sigstore_js() -> SigstoreJs:
     lock = (HERE / "npm" / "package-lock.json").read_bytes()
     target = CACHE / "npm" / f"sigstore-verify-{hashlib.sha256(lock).hexdigest()[:12]}"
     modules = target / "node_modules"
-    if not (modules / "@sigstore" / "verify" / "package.json").exists():
-        target.mkdir(parents=True, exist_ok=True)
-        for name in ("package.json", "package-lock.json"):
-            shutil.copyfile(HERE / "npm" / name, target / name)
-        done = subprocess.run(
-            [npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts", "--loglevel=error"],
-            cwd=target,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "npm_config_cache": str(CACHE / "npm" / "_cache")},
-        )
-        if done.returncode != 0:
-            _need("sigstore-js", f"npm ci failed: {done.stderr.strip()[-400:]}")
+    with host_lock("sigstore-js"):  # pytest-xdist workers: one installs, the other finds it installed
+        if not (modules / "@sigstore" / "verify" / "package.json").exists():
+            target.mkdir(parents=True, exist_ok=True)
+            for name in ("package.json", "package-lock.json"):
+                shutil.copyfile(HERE / "npm" / name, target / name)
+            done = subprocess.run(
+                [npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts", "--loglevel=error"],
+                cwd=target,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, "npm_config_cache": str(CACHE / "npm" / "_cache")},
+            )
+            if done.returncode != 0:
+                _need("sigstore-js", f"npm ci failed: {done.stderr.strip()[-400:]}")
     return SigstoreJs(node=node, node_path=modules)
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import host_lock
+
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_KMSG = ROOT / "tests" / "data" / "kmsg-xid-sample.txt"
 LAYOUT = "2304,2304,2304,9216"
@@ -147,9 +149,10 @@ def docker_available() -> None:
 @pytest.fixture(scope="session")
 def engine_image(docker_available: None) -> str:
     """The CPU engine image, built once per session (skipped when `docker image inspect` finds it)."""
-    r = subprocess.run(
-        ["bash", str(ROOT / "docker" / "build-cpu-image.sh")], capture_output=True, text=True, timeout=900
-    )
+    with host_lock("engine-image"):
+        r = subprocess.run(
+            ["bash", str(ROOT / "docker" / "build-cpu-image.sh")], capture_output=True, text=True, timeout=900
+        )
     if r.returncode != 0:
         pytest.fail(f"building the engine image failed: {r.stderr[-1500:]}")
     return r.stdout.strip().splitlines()[-1]
@@ -176,7 +179,9 @@ def no_leftover_containers(docker_available: None) -> Iterator[None]:
 @pytest.fixture(scope="session", autouse=True)
 def _code_digest_cache() -> None:
     """Fill the harness's file-digest cache once per session (the first tree digest of the interpreter and
-    its site-packages reads gigabytes), so runs with a short --timeout measure the run, not that."""
+    its site-packages reads gigabytes), so runs with a short --timeout measure the run, not that. One
+    process fills it at a time: a second pytest-xdist worker waits, then only stats the files."""
     from qualify.launch.sandbox import code_digest, engine_code
 
-    code_digest(engine_code("qualify.engine"))
+    with host_lock("code-digest"):
+        code_digest(engine_code("qualify.engine"))

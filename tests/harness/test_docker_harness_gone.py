@@ -77,6 +77,7 @@ def _stale_shm() -> set[str]:
     return out
 
 
+@pytest.mark.serial
 def test_sigkill_of_the_harness_stops_the_engine_container_within_a_bound(
     home: Home, engine_image: str
 ) -> None:

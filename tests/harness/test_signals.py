@@ -41,6 +41,8 @@ def _wait_gone(pid: int, within_s: float) -> bool:
 
 
 def _shm_files(pid: int) -> list[str]:
+    # A sandboxed engine's own pid is 2, so another run's engine names its files alike: the tests that look
+    # are `serial` (`make test` runs them when no other test runs an engine).
     return [n for n in os.listdir(shm_dir()) if n.startswith(f"{SHM_PREFIX}{pid}-")]
 
 
@@ -74,6 +76,7 @@ def _engine_ready(home: Home, within_s: float = 60) -> tuple[int, int]:
     raise AssertionError("the engine never became ready")
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
 def test_sighup_and_sigquit_store_an_aborted_receipt_and_stop_the_engine(home: Home, sig: int) -> None:
     proc = _start_run(home)
@@ -89,6 +92,7 @@ def test_sighup_and_sigquit_store_an_aborted_receipt_and_stop_the_engine(home: H
     assert home.verify_all().code == 0
 
 
+@pytest.mark.serial
 def test_a_sigkilled_harness_takes_its_engine_along_and_the_next_run_closes_its_run(home: Home) -> None:
     proc = _start_run(home)
     engine, own = _engine_ready(home)
@@ -138,6 +142,7 @@ def test_a_timeout_shorter_than_the_boot_aborts_and_does_not_reject(home: Home) 
     assert "run timeout" in s["reasons"][0] and "boot" in s["reasons"][0]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("kernel_says", [False, True])
 def test_a_sigkilled_engine_is_recorded_as_such_with_oom_only_from_the_kernels_record(
     home: Home, tmp_path: Path, kernel_says: bool
@@ -190,6 +195,7 @@ def test_a_harness_identity_lives_exactly_as_long_as_its_process() -> None:
     assert harness_alive({**harness_identity(), "host": "elsewhere"}) is None  # not ours to judge
 
 
+@pytest.mark.serial
 def test_a_crashed_engines_shared_memory_is_swept_by_its_supervisor(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_") or k == "QUALIFY_CACHE_DIR"}
     launcher = LocalLauncher(
