@@ -9,13 +9,13 @@ qualify: bootstrap
 	.venv/bin/qualify run --layout 2304,2304,2304,9216
 
 # Runs lint and the whole CPU test suite (PostgreSQL and Docker tests start their own services): in
-# PYTEST_WORKERS pytest-xdist workers (each with its own QUALIFY_HOME and PostgreSQL cluster; the Docker
-# tests in one of them), then the `serial` tests in one process. Exit 5 (nothing selected, e.g. by a -k in
+# PYTEST_WORKERS pytest-xdist workers (each with its own QUALIFY_HOME and PostgreSQL cluster), then the
+# `serial` tests (the Docker tests among them, tests/conftest.py) in one process. Exit 5 (nothing selected, e.g. by a -k in
 # PYTEST_ARGS) is not a failure of either step.
 PYTEST_WORKERS ?= 2
 test: bootstrap
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -m "not gpu and not serial" -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) \
+	.venv/bin/python -m pytest -m "not gpu and not serial" -n $(PYTEST_WORKERS) $(PYTEST_ARGS) \
 		|| [ $$? -eq 5 ]
 	.venv/bin/python -m pytest -m "not gpu and serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -1,5 +1,6 @@
 """Shared fixtures: a throwaway PostgreSQL cluster, and store URLs for both dialects; how the suite runs in
-parallel (pytest-xdist, `make test`): Docker tests in one worker, `serial` tests after the others."""
+parallel (pytest-xdist, `make test`): the Docker tests and the other `serial` tests after the rest, in one
+process."""
 
 from __future__ import annotations
 
@@ -40,26 +41,20 @@ os.environ["QUALIFY_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"qualify-
 
 # Tests that share the Docker daemon's containers: one checks that it leaves no container of its label behind,
 # `qualify gc` and `qualify run --launcher docker` reap those whose harness is gone, and the engine image is
-# built once. Under pytest-xdist (`--dist loadgroup`) they all run in one worker, one after the other; the
-# other worker goes on with the rest meanwhile.
+# built once. They are marked `serial`, so `make test` runs them after the parallel phase, one after the
+# other. (pytest-xdist's `--dist loadgroup` cannot keep them in one worker here: it groups by rewriting
+# `item._nodeid`, which pytest 9 no longer reads, so the groups are silently ignored; seen on 2026-12-04,
+# when two workers ran Docker tests at once and each saw the other's containers as left behind.)
 DOCKER_FIXTURES = frozenset(
     {"docker_available", "engine_image", "no_leftover_containers", "second_image", "pushed_image", "registry"}
 )
 
 
-# Module-scoped set-up worth doing once, not once per worker: the tests using it run in one worker.
-ONE_WORKER_FIXTURES = frozenset({"c2spcheck"})  # a Go build with a cold GOCACHE
-
-
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by -m
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if item.get_closest_marker("docker") or DOCKER_FIXTURES & fixtures:
-            item.add_marker(pytest.mark.xdist_group("docker"))
-        elif ONE_WORKER_FIXTURES & fixtures:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+        if item.get_closest_marker("docker") or DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serial)
 
 
 @contextlib.contextmanager
