@@ -9,8 +9,8 @@ qualify: bootstrap
 	.venv/bin/qualify run --layout 2304,2304,2304,9216
 
 # Runs lint and the whole CPU test suite (PostgreSQL and Docker tests start their own services): in
-# PYTEST_WORKERS pytest-xdist workers (each with its own QUALIFY_HOME and PostgreSQL cluster), then the
-# `serial` tests (the Docker tests among them, tests/conftest.py) in one process. Exit 5 (nothing selected, e.g. by a -k in
+# PYTEST_WORKERS pytest-xdist workers (each with its own QUALIFY_HOME and PostgreSQL cluster; the Docker
+# tests one at a time across them, tests/conftest.py), then the `serial` tests in one process. Exit 5 (nothing selected, e.g. by a -k in
 # PYTEST_ARGS) is not a failure of either step.
 PYTEST_WORKERS ?= 2
 test: bootstrap

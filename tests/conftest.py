@@ -1,6 +1,6 @@
 """Shared fixtures: a throwaway PostgreSQL cluster, and store URLs for both dialects; how the suite runs in
-parallel (pytest-xdist, `make test`): the Docker tests and the other `serial` tests after the rest, in one
-process."""
+parallel (pytest-xdist, `make test`): Docker tests one at a time across the workers, `serial` tests after the
+rest, in one process."""
 
 from __future__ import annotations
 
@@ -41,20 +41,30 @@ os.environ["QUALIFY_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"qualify-
 
 # Tests that share the Docker daemon's containers: one checks that it leaves no container of its label behind,
 # `qualify gc` and `qualify run --launcher docker` reap those whose harness is gone, and the engine image is
-# built once. They are marked `serial`, so `make test` runs them after the parallel phase, one after the
-# other. (pytest-xdist's `--dist loadgroup` cannot keep them in one worker here: it groups by rewriting
-# `item._nodeid`, which pytest 9 no longer reads, so the groups are silently ignored; seen on 2026-12-04,
-# when two workers ran Docker tests at once and each saw the other's containers as left behind.)
+# built once. Under pytest-xdist they run one at a time across the workers, each holding a host lock for its
+# whole run (`_docker_one_at_a_time`), while the other worker goes on with the rest. (xdist's own `--dist
+# loadgroup` would keep them in one worker, but it groups by rewriting `item._nodeid`, which pytest 9 no
+# longer reads: seen on 2026-12-04, when two workers ran Docker tests at once and each saw the other's
+# containers as left behind.)
 DOCKER_FIXTURES = frozenset(
     {"docker_available", "engine_image", "no_leftover_containers", "second_image", "pushed_image", "registry"}
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by -m
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("docker") or DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.serial)
+def _uses_docker(item: pytest.Item) -> bool:
+    return bool(item.get_closest_marker("docker")) or bool(
+        DOCKER_FIXTURES & set(getattr(item, "fixturenames", ()))
+    )
+
+
+@pytest.fixture(autouse=True)
+def _docker_one_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Autouse fixtures are set up first, so the lock is held before a test's own fixtures look at Docker."""
+    if not _uses_docker(request.node):
+        yield
+        return
+    with host_lock("docker-tests"):
+        yield
 
 
 @contextlib.contextmanager
