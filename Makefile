@@ -10,8 +10,8 @@ qualify: bootstrap
 
 # Runs lint and the whole CPU test suite (PostgreSQL and Docker tests start their own services): in
 # PYTEST_WORKERS pytest-xdist workers (each with its own QUALIFY_HOME and PostgreSQL cluster; the Docker
-# tests one at a time across them, tests/conftest.py), then the `serial` tests in one process. Exit 5 (nothing selected, e.g. by a -k in
-# PYTEST_ARGS) is not a failure of either step.
+# tests one at a time across them, tests/conftest.py), then the `serial` tests in one process. Exit 5
+# (nothing selected, e.g. by a -k in PYTEST_ARGS) is not a failure of either step.
 PYTEST_WORKERS ?= 2
 test: bootstrap
 	.venv/bin/ruff check .
