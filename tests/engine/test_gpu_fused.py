@@ -126,6 +126,48 @@ def test_swiglu_linear_at_proxy_shapes(M):
     check_swiglu_linear(swiglu_linear(u, w, sq, 1e-5), u, w, sq, 1e-5)
 
 
+@pytest.mark.parametrize("M", [4, 5, 16, 32])
+def test_each_row_of_a_projection_is_the_same_bits_at_every_batch(M):
+    """A decode step (one row per request) and a verify step (1 + drafts rows) must give a row the same
+    bits, or speculative decoding drifts from plain greedy decoding: every projection kind's row 0 at M
+    rows equals the same row launched alone."""
+    from kernels.fused import linear_add_norm, linear_small, norm_linear, swiglu_linear
+
+    g = torch.Generator(device=CUDA).manual_seed(M)
+    x, res = _bf((M, 4096), g), _bf((M, 4096), g)
+    nw = (torch.rand(4096, generator=g, device=CUDA) + 0.5).to(torch.bfloat16)
+    w_o, w_in, w_gu, w_down = (
+        _bf((4096, 4096), g, 4096**-0.5),
+        _bf((12576, 4096), g, 4096**-0.5),
+        _bf((16384, 4096), g, 4096**-0.5),
+        _bf((4096, 8192), g, 8192**-0.5),
+    )
+    xd = _bf((M, 8192), g)
+
+    def kinds(rows):
+        s, u, sq = linear_add_norm(x[:rows], w_o, res[:rows], nw)
+        s2, u2, sq2 = linear_add_norm(xd[:rows], w_down, res[:rows], nw)
+        return {
+            "linear_small": linear_small(x[:rows], w_in),
+            "linear_add_norm.s": s,
+            "linear_add_norm.u": u,
+            "linear_add_norm.sq": sq,
+            "linear_add_norm.s (K 8192)": s2,
+            "norm_linear": norm_linear(u, sq, 1e-5, w_in),
+            "swiglu_linear": swiglu_linear(x[:rows], w_gu),
+            "swiglu_linear (deferred norm)": swiglu_linear(u, w_gu, sq, 1e-5),
+        }
+
+    one, many = kinds(1), kinds(M)
+    differ = {}
+    for name, a in one.items():
+        b = many[name]
+        a0, b0 = (a[:, :1], b[:, :1]) if name.endswith("sq") else (a[:1], b[:1])
+        if not torch.equal(a0, b0):
+            differ[name] = (a0.float() - b0.float()).abs().max().item()
+    assert not differ, differ
+
+
 @pytest.mark.parametrize("split", [2, 4, 8])
 @pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 8192), (5120, 4096)])
 def test_split_k_at_proxy_shapes(N, K, split):
