@@ -324,7 +324,7 @@ def _linear_body(
 # (Their argument lists are the body's.)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_small_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
     stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -338,7 +338,7 @@ def _linear_small_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_add_norm_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
     stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -352,7 +352,7 @@ def _linear_add_norm_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _norm_linear_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
     stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -366,7 +366,7 @@ def _norm_linear_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_linear_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
     stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -380,7 +380,7 @@ def _swiglu_linear_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _norm_head_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
     stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -433,7 +433,13 @@ def _linear_launch(
     assert M <= SMALL_M and weight.stride(1) == 1 and x2.shape[1] == K and x2.stride(1) == 1
     BN, BK, warps, stages, split = launch_shape(N, K, config)
     BK = min(BK, max(16, _next_pow2(K)))
-    BM = 16 if M <= 16 else 32
+    # One row tile and one compiled kernel for every M (M is not specialized: Triton would compile M = 1
+    # apart): the epilogue's reductions (sums of squares, the deferred norm's 1/rms, the head's norm) sum
+    # in an order set by the tile's layout, so a row's bits would otherwise depend on how many rows share
+    # the launch, and a verify step (1 + drafts rows) would drift from the decode step of plain greedy
+    # decoding. Measured on the H200 (2026-12-04) with 16-row tiles below 17 rows: row 0 at 5 rows of
+    # norm_linear a bf16 step from the same row alone; the sums of squares at 32 rows 8e-6 apart.
+    BM = SMALL_M
     swiglu = kind == "swiglu"
     if swiglu:
         assert N % 2 == 0 and BN % 2 == 0 and y.shape == (M, N // 2)
