@@ -197,7 +197,8 @@ def _sig(fn, constexprs: dict, pointers: dict[str, str], floats: tuple[str, ...]
 def _fused_cases() -> Iterator[tuple]:
     """kernels/fused.py at the proxy preset's shapes (hidden 4096, MLP 8192, KDA 32 x 128, GQA 32/4 x 128,
     a 2304-token block over 4 DCP shards, 64-token selector groups, top 16), each projection with the
-    launch shape the module's table gives it, at a 1-request (16-row tile) and a 32-row step, PDL on."""
+    launch shape the module's table gives it, at a 1-request (one 16-row tile) and a 32-row step (two),
+    PDL on."""
     from kernels import fused as fu
 
     hid, mlp, hk, vocab = 4096, 8192, H * K, 260
@@ -229,9 +230,16 @@ def _fused_cases() -> Iterator[tuple]:
             if kind == "add_norm"
             else 0
         )
-        for BM in (16, 32):
+        for MT in (1, 2):  # one 16-row tile (up to 16 rows), two (17 to 32)
             c = dict(
-                K=Kd, BM=BM, BN=BN, BK=BK, EVEN=even, TP=fu._next_pow2(max(T, 1)), PRO_HEAD=kind == "head"
+                K=Kd,
+                BM=16,
+                MT=MT,
+                BN=BN,
+                BK=BK,
+                EVEN=even,
+                TP=fu._next_pow2(max(T, 1)),
+                PRO_HEAD=kind == "head",
             )
             c.update(RSTD=kind == "norm" or swiglu, SWIGLU=swiglu, ADD=kind == "add_norm")
             c.update(SPLIT=split, PDL=True, PF=fu.prefetch_lines(BK))
@@ -241,8 +249,8 @@ def _fused_cases() -> Iterator[tuple]:
             aligned = tuple(n for n in strides if kind != "head" or n not in ("N", "stride_y"))
             # what bench/sm90.py reports of a projection's weight loop is compared across kinds at one
             # launch shape (tests/kernels/test_sm90_compile.py)
-            proj = {"kind": kind, "K": Kd, "BM": BM, "launch_shape": [BN, BK, warps, stages, split]}
-            yield f"linear {label} BM={BM}", fn, sig, c, warps, (stages, aligned), proj
+            proj = {"kind": kind, "K": Kd, "rows": 16 * MT, "launch_shape": [BN, BK, warps, stages, split]}
+            yield f"linear {label} rows={16 * MT}", fn, sig, c, warps, (stages, aligned), proj
     c = dict(HAS_RES=True, BD=hid, PDL=True)
     sig = _sig(fu._rmsnorm_kernel, c, dict.fromkeys(("x", "res", "w", "y", "s"), BF16), ("eps",))
     yield (

@@ -169,6 +169,21 @@ def _head_x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, mas
 
 
 @triton.jit
+def _head_rstd(x, stride_x, res, stride_r, M, eps, m, K: tl.constexpr, BM: tl.constexpr, PBK: tl.constexpr):
+    """norm_head's 1/rms of rows m: (x + residual) rounded as torch's add is, its squares summed over the
+    row in chunks of PBK columns."""
+    sq_h = tl.zeros([BM], dtype=tl.float32)
+    for kb in range(0, K, PBK):
+        k = kb + tl.arange(0, PBK)
+        xmask = (m[:, None] < M) & (k[None, :] < K)
+        sx = tl.load(x + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        sr = tl.load(res + m[:, None] * stride_r + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        sf = (sx + sr).to(x.dtype.element_ty).to(tl.float32)
+        sq_h += tl.sum(sf * sf, axis=1)
+    return 1.0 / tl.sqrt(sq_h / K + eps)
+
+
+@triton.jit
 def _epilogue(
     acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TP: tl.constexpr, RSTD: tl.constexpr,
@@ -232,7 +247,8 @@ def _linear_body(
     stride_s,
     eps,
     K: tl.constexpr,
-    BM: tl.constexpr,
+    BM: tl.constexpr,  # rows per row tile (16)
+    MT: tl.constexpr,  # row tiles (1 or 2): every row is computed by the same tile code at any M
     BN: tl.constexpr,
     BK: tl.constexpr,
     EVEN: tl.constexpr,
@@ -267,31 +283,38 @@ def _linear_body(
         rows = tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w
         _prefetch_l2(w + rows + tl.minimum(k_lo + tl.arange(0, PF)[None, :] * 64, K - 1))
     _pdl_enter(PDL, False)
+    m1 = m + BM  # the second row tile's rows (MT == 2)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     rstd = tl.zeros([BM], dtype=tl.float32)
+    rstd1 = tl.zeros([BM], dtype=tl.float32)
     if PRO_HEAD:  # a first pass over the whole row (L2-resident) for its 1/rms, in wide chunks: a loop
         # without a dot is not software-pipelined, so each chunk is a round trip
-        sq_h = tl.zeros([BM], dtype=tl.float32)
-        for kb in range(0, K, PBK):
-            k = kb + tl.arange(0, PBK)
-            xmask = (m[:, None] < M) & (k[None, :] < K)
-            sx = tl.load(x + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            sr = tl.load(res + m[:, None] * stride_r + k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            sf = (sx + sr).to(x.dtype.element_ty).to(tl.float32)
-            sq_h += tl.sum(sf * sf, axis=1)
-        rstd = 1.0 / tl.sqrt(sq_h / K + eps)
+        rstd = _head_rstd(x, stride_x, res, stride_r, M, eps, m, K, BM, PBK)
+        if MT == 2:
+            rstd1 = _head_rstd(x, stride_x, res, stride_r, M, eps, m1, K, BM, PBK)
     for kb in range(0, KS, BK):  # a constant trip count (the interpreter cannot bound a range by a tensor)
         k = k_lo + kb + kk
-        xmask = (m[:, None] < M) & (k[None, :] < K)
         if EVEN:  # every tile's rows exist and K % (SPLIT * BK) == 0: only the rows of x past M are masked
             wv = tl.load(w_row + k[None, :])
         else:
             wv = tl.load(w_row + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+        wt = tl.trans(wv)
+        xmask = (m[:, None] < M) & (k[None, :] < K)
         if PRO_HEAD:
             xv = _head_x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, xmask, tile == 0, K)
         else:
             xv = tl.load(x + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0)
-        acc += tl.dot(xv, tl.trans(wv), out_dtype=tl.float32)
+        acc += tl.dot(xv, wt, out_dtype=tl.float32)
+        if MT == 2:
+            xmask1 = (m1[:, None] < M) & (k[None, :] < K)
+            if PRO_HEAD:
+                xv1 = _head_x_tile(
+                    x, stride_x, res, stride_r, g, s_out, stride_s, rstd1, m1, k, xmask1, tile == 0, K
+                )
+            else:
+                xv1 = tl.load(x + m1[:, None] * stride_x + k[None, :], mask=xmask1, other=0.0)
+            acc1 += tl.dot(xv1, wt, out_dtype=tl.float32)
     if PDL:
         gdc_launch_dependents()
     if SPLIT == 1:
@@ -299,25 +322,40 @@ def _linear_body(
             acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
             K, BM, BN, TP, RSTD, SWIGLU, ADD,
         )  # fmt: skip
+        if MT == 2:
+            _epilogue(
+                acc1, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m1, tile,
+                K, BM, BN, TP, RSTD, SWIGLU, ADD,
+            )  # fmt: skip
     else:
         # Each split stores its partial; the tile's last program to arrive (an acq_rel count after a barrier
         # that orders every thread's stores before it) sums the partials in split order, so the result does
         # not depend on the arrival order, runs the epilogue and resets the count for the next launch.
         NP = tl.num_programs(0) // SPLIT * BN  # the partials' row: every tile's BN columns
-        pmask = (m[:, None] < M) & (j[None, :] < BN)
         col = tile * BN + j
-        tl.store(part + (ks * M + m[:, None]) * NP + col[None, :], acc, mask=pmask)
+        tl.store(part + (ks * M + m[:, None]) * NP + col[None, :], acc, mask=m[:, None] < M)
+        if MT == 2:
+            tl.store(part + (ks * M + m1[:, None]) * NP + col[None, :], acc1, mask=m1[:, None] < M)
         tl.debug_barrier()
         if tl.atomic_add(counters + tile, 1, sem="acq_rel") == SPLIT - 1:
             tot = tl.zeros([BM, BN], dtype=tl.float32)
+            tot1 = tl.zeros([BM, BN], dtype=tl.float32)
             for i in tl.static_range(SPLIT):
                 p = part + (i * M + m[:, None]) * NP + col[None, :]
-                tot += tl.load(p, mask=pmask, other=0.0, cache_modifier=".cg")
+                tot += tl.load(p, mask=m[:, None] < M, other=0.0, cache_modifier=".cg")
+                if MT == 2:
+                    p1 = part + (i * M + m1[:, None]) * NP + col[None, :]
+                    tot1 += tl.load(p1, mask=m1[:, None] < M, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counters + tile, 0, sem="relaxed")
             _epilogue(
                 tot, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
                 K, BM, BN, TP, RSTD, SWIGLU, ADD,
             )  # fmt: skip
+            if MT == 2:
+                _epilogue(
+                    tot1, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m1,
+                    tile, K, BM, BN, TP, RSTD, SWIGLU, ADD,
+                )  # fmt: skip
 
 
 # One kernel per kind, each the same body, so that a profile of the step names what each launch does.
@@ -327,70 +365,70 @@ def _linear_body(
 @triton.jit(do_not_specialize=["M"])
 def _linear_small_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
     ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
     """linear_small: y = x @ W.T."""
     _linear_body(
         x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+        stride_s, eps, K, BM, MT, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_add_norm_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
     ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
     """linear_add_norm: the residual add and the next RMSNorm but its 1/rms in the epilogue."""
     _linear_body(
         x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+        stride_s, eps, K, BM, MT, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
 def _norm_linear_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
     ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
     """norm_linear: the deferred norm's 1/rms on the accumulator."""
     _linear_body(
         x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+        stride_s, eps, K, BM, MT, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
 def _swiglu_linear_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
     ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
     """swiglu_linear: MLP gate_up with SiLU-and-multiply (and the deferred norm's 1/rms) in the epilogue."""
     _linear_body(
         x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+        stride_s, eps, K, BM, MT, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
 def _norm_head_kernel(
     x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, MT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
     ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
 ):  # fmt: skip
     """linear_small: the LM head's add and norm folded in, fp32 logits."""
     _linear_body(
         x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
-        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+        stride_s, eps, K, BM, MT, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
     )  # fmt: skip
 
 
@@ -433,13 +471,15 @@ def _linear_launch(
     assert M <= SMALL_M and weight.stride(1) == 1 and x2.shape[1] == K and x2.stride(1) == 1
     BN, BK, warps, stages, split = launch_shape(N, K, config)
     BK = min(BK, max(16, _next_pow2(K)))
-    # One row tile and one compiled kernel for every M (M is not specialized: Triton would compile M = 1
-    # apart): the epilogue's reductions (sums of squares, the deferred norm's 1/rms, the head's norm) sum
-    # in an order set by the tile's layout, so a row's bits would otherwise depend on how many rows share
-    # the launch, and a verify step (1 + drafts rows) would drift from the decode step of plain greedy
-    # decoding. Measured on the H200 (2026-12-04) with 16-row tiles below 17 rows: row 0 at 5 rows of
-    # norm_linear a bf16 step from the same row alone; the sums of squares at 32 rows 8e-6 apart.
-    BM = SMALL_M
+    # Every row is computed by the same 16-row tile code at any M (a second tile beside the first past 16
+    # rows, sharing each weight tile; M not specialized: Triton would compile M = 1 apart): the epilogue's
+    # reductions (sums of squares, the deferred norm's 1/rms, the head's norm) sum in an order set by the
+    # tile's layout, so a row's bits would otherwise depend on how many rows share the launch, and a verify
+    # step (1 + drafts rows) would drift from the decode step of plain greedy decoding. Measured on the H200
+    # (2026-12-04) with 16- or 32-row tiles by M: row 0 at 5 rows of norm_linear a bf16 step from the same
+    # row alone, the sums of squares at 32 rows 8e-6 apart; one 32-row tile for every M instead made the
+    # one-request step 955.6 us against 850 (the 16-row tile's).
+    BM, MT = 16, 1 if M <= 16 else 2
     swiglu = kind == "swiglu"
     if swiglu:
         assert N % 2 == 0 and BN % 2 == 0 and y.shape == (M, N // 2)
@@ -485,6 +525,7 @@ def _linear_launch(
         eps,
         K,
         BM,
+        MT,
         BN,
         BK,
         even and K % (split * BK) == 0,

@@ -49,7 +49,7 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_p
     # for the whole x tile in every warp (2023 against 164, 256 of them MUFU). norm_head keeps its
     # prologue (its normed row rounds as the norm's kernel rounds it) and is not compared.
     projections = [r for r in groups["fused"] if "projection" in r]
-    key = lambda p: (p["K"], tuple(p["launch_shape"]), p["BM"])  # noqa: E731
+    key = lambda p: (p["K"], tuple(p["launch_shape"]), p["rows"])  # noqa: E731
     plain = {
         key(r["projection"]): r["weight_loop"] for r in projections if r["projection"]["kind"] == "plain"
     }
