@@ -1,8 +1,11 @@
 """Decode-step latency, eager vs FULL CUDA-graph replay, and tokens/s of plain vs speculative greedy decoding
 (MTP, num_spec 3), proxy preset. Prints JSON and writes it to --out. Target: replay >= 3x eager at batch 1.
 The replayed batch-1 step is also held against its roofline (the bytes it must read at the measured copy
-bandwidth) with the profiler's per-kernel split, once with the engine's fused decode glue and once with
-the torch glue (kernels/fused.py against the ops it replaces), in the same run.
+bandwidth) with the profiler's per-kernel split, once with the engine's fused decode glue, once with the
+same kernels launched without programmatic dependent launch (kernels.fused.PDL off while that engine
+captures), and once with the torch glue (kernels/fused.py against the ops it replaces), in the same run.
+With PDL a kernel's programs may start while the one before it finishes, so the per-kernel times can sum
+to more than the step.
 
 A step is timed end to end as the engine runs it: host staging into the arena, the forward (eager launches
 or one replay), and a device sync; the median of many steps. Weights are seeded random, so the MTP drafts
@@ -27,6 +30,7 @@ import torch  # noqa: E402
 
 from bench._common import write_result  # noqa: E402
 from bench._gpu import copy_bandwidth, events_us, kernel_breakdown, launch_totals, warm_up_clocks  # noqa: E402
+from kernels import fused  # noqa: E402
 
 NUM_SPEC = 3
 WIDE = 32  # the wide step's batch (requests)
@@ -203,6 +207,25 @@ def main() -> None:
     result["target_replay_speedup_at_batch_1"] = 3.0
     result["target_met"] = result["step_latency"]["1"]["speedup"] >= 3.0
     result["roofline_batch_1"] = roofline(plain, result["copy_TBps"], args.steps)
+    result["roofline_batch_1"]["pdl"] = fused.PDL
+    # The same fused step captured with every kernel launched without PDL, beside it in this run.
+    pdl, fused.PDL = fused.PDL, False
+    try:
+        serial, serial_cap = _engine(args.preset)
+        try:
+            if serial_cap["captured"]:
+                base = roofline(serial, result["copy_TBps"], args.steps)
+                base["pdl"] = False
+                result["roofline_batch_1_no_pdl"] = base
+                result["pdl_step_speedup"] = round(
+                    base["replay_us"] / result["roofline_batch_1"]["replay_us"], 3
+                )
+            else:
+                result["roofline_batch_1_no_pdl"] = {"unavailable": serial_cap["reason"]}
+        finally:
+            serial.close()
+    finally:
+        fused.PDL = pdl
     # The same step with the decode glue as eager torch ops (the reference the fused kernels replace),
     # captured and timed in this run.
     unfused, unfused_cap = _engine(args.preset, fused=False)

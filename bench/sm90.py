@@ -39,13 +39,21 @@ def _ptxas() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], num_warps: int):
+def compile_sm90(
+    fn,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    num_warps: int,
+    num_stages: int = 3,
+    aligned_ints: tuple[str, ...] = (),
+):
     """`fn` compiled for sm_90 (Triton's own pipeline through ptxas; raises on any error): the compiled
     kernel, whose .asm["ptx"] is its PTX and .metadata.shared its shared memory per program.
 
     Specialized as a launch would be: every pointer 16-byte aligned (torch's allocations and the views the
-    callers pass are), and each integer argument named in ALIGNED_INTS divisible by 16, so the loads
-    vectorize as they do on the device."""
+    callers pass are), and each integer argument named in ALIGNED_INTS or aligned_ints divisible by 16,
+    so the loads vectorize, and the loops pipeline, as they do on the device (a projection's weight loads
+    are software-pipelined only when its strides are known multiples of 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -53,10 +61,12 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], n
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
     names = fn.arg_names
-    aligned = [n for n, t in signature.items() if t.startswith("*") or n in ALIGNED_INTS]
+    ints = ALIGNED_INTS | set(aligned_ints)
+    aligned = [n for n, t in signature.items() if t.startswith("*") or n in ints]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_report(ptx: str) -> dict[str, int]:
@@ -76,6 +86,49 @@ def ptxas_report(ptx: str) -> dict[str, int]:
         "stack": r"(\d+) bytes stack frame",
     }
     return {k: int(m.group(1)) if (m := re.search(p, err)) else 0 for k, p in num.items()}
+
+
+# SASS opcodes counted in a projection's weight loop: the async copies that feed it (LDGSTS), the tensor
+# core ops (HMMA), and what must not be there: synchronous global loads and stores (each one a round trip
+# the loop waits for, or a store beside the weight stream), special-function ops (MUFU: exp, reciprocal),
+# warp shuffles (reductions), shared-memory stores (layout conversions).
+LOOP_OPS = ("LDGSTS", "HMMA", "LDSM", "BAR", "LDG", "STG", "STS", "MUFU", "SHFL")
+
+
+def _sass(cubin: bytes) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run(
+            [tool, "-c", path], capture_output=True, text=True, timeout=300, check=True
+        ).stdout
+
+
+def weight_loop(cubin: bytes) -> dict[str, int]:
+    """The innermost loop with tensor-core ops in the SASS of `cubin` (a projection's loop over K): its
+    instruction count and the count of each of LOOP_OPS. Loops are found as backward branches."""
+    labels: dict[str, int] = {}
+    ops: list[str] = []
+    for line in _sass(cubin).splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(ops)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            ops.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
+    loops = []
+    for i, op in enumerate(ops):
+        m = re.match(r"BRA\b.*?(\.L_x_\d+)", op)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            body = [o.split()[0].split(".")[0] for o in ops[labels[m.group(1)] : i + 1]]
+            if "HMMA" in body:
+                loops.append(body)
+    if not loops:
+        return {"instructions": 0}
+    body = min(loops, key=len)
+    return {"instructions": len(body), **{op: body.count(op) for op in LOOP_OPS}}
 
 
 def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
@@ -136,16 +189,124 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     yield "prefill gated norm", ch._gated_norm_kernel, norm, dict(H=H, V=V, ROWS=16), 4
 
 
-CASES = {"decode": _decode_cases, "prefill": _prefill_cases}
+def _sig(fn, constexprs: dict, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> dict[str, str]:
+    """fn's runtime arguments: the named pointers, fp32 for `floats`, i32 for every other one."""
+    return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names if n not in constexprs}
+
+
+def _fused_cases() -> Iterator[tuple]:
+    """kernels/fused.py at the proxy preset's shapes (hidden 4096, MLP 8192, KDA 32 x 128, GQA 32/4 x 128,
+    a 2304-token block over 4 DCP shards, 64-token selector groups, top 16), each projection with the
+    launch shape the module's table gives it, at a 1-request (16-row tile) and a 32-row step, PDL on."""
+    from kernels import fused as fu
+
+    hid, mlp, hk, vocab = 4096, 8192, H * K, 260
+    lin_ptrs = {n: BF16 for n in ("x", "w", "y", "res", "g", "s_out", "u_out")}
+    lin_ptrs |= {"sq": F32, "part": F32, "counters": I32}
+    strides = ("N", "T", "stride_x", "stride_w", "stride_y", "stride_r", "stride_s")
+    in_proj = 3 * hk + H + 2 * K
+    projections = [  # (label, N, K, kind, config): kinds as kernels.fused._KERNELS names them
+        ("in_proj, deferred norm", in_proj, hid, "norm", None),
+        ("in_proj", in_proj, hid, "plain", None),  # the first block's, after the norm's kernel
+        ("gate_up, deferred norm and SwiGLU", 2 * mlp, hid, "swiglu", None),
+        ("gate_up", 2 * mlp, hid, "plain", None),
+        ("down, add and norm", hid, mlp, "add_norm", None),
+        ("down", hid, mlp, "plain", None),  # the last block's: the head's launch adds it
+        ("out_proj / o_proj, add and norm", hid, hk, "add_norm", None),
+        ("out_proj / o_proj", hid, hk, "plain", None),
+        ("out_proj / o_proj, split 4", hid, hk, "plain", (32, 256, 4, 3, 4)),
+        ("LM head, add and norm", vocab, hid, "head", fu.HEAD_SHAPE),
+    ]
+    for label, N, Kd, kind, config in projections:
+        fn = fu._KERNELS[kind]
+        BN, BK, warps, stages, split = fu.launch_shape(N, Kd, config)
+        swiglu = kind == "swiglu"
+        even = ((N // 2) % (BN // 2) == 0 if swiglu else N % BN == 0) and Kd % (split * BK) == 0
+        T = (
+            hid // 32
+            if kind == "norm" or swiglu
+            else fu.column_tiles(N, Kd, config)
+            if kind == "add_norm"
+            else 0
+        )
+        for BM in (16, 32):
+            c = dict(
+                K=Kd, BM=BM, BN=BN, BK=BK, EVEN=even, TP=fu._next_pow2(max(T, 1)), PRO_HEAD=kind == "head"
+            )
+            c.update(RSTD=kind == "norm" or swiglu, SWIGLU=swiglu, ADD=kind == "add_norm")
+            c.update(SPLIT=split, PDL=True, PF=fu.prefetch_lines(BK))
+            sig = _sig(fn, c, lin_ptrs, ("eps",))
+            if kind == "head":
+                sig["y"] = F32  # fp32 logits; a 260-column row is no multiple of 16
+            aligned = tuple(n for n in strides if kind != "head" or n not in ("N", "stride_y"))
+            # what bench/sm90.py reports of a projection's weight loop is compared across kinds at one
+            # launch shape (tests/kernels/test_sm90_compile.py)
+            proj = {"kind": kind, "K": Kd, "BM": BM, "launch_shape": [BN, BK, warps, stages, split]}
+            yield f"linear {label} BM={BM}", fn, sig, c, warps, (stages, aligned), proj
+    c = dict(HAS_RES=True, BD=hid, PDL=True)
+    sig = _sig(fu._rmsnorm_kernel, c, dict.fromkeys(("x", "res", "w", "y", "s"), BF16), ("eps",))
+    yield (
+        "rmsnorm + add",
+        fu._rmsnorm_kernel,
+        sig,
+        c,
+        8,
+        (1, ("stride_x", "stride_r", "stride_y", "stride_s", "D")),
+    )
+    c = dict(BLOCK=1024, PDL=True)
+    sig = _sig(fu._silu_mul_kernel, c, {"gu": BF16, "out": BF16})
+    yield "silu_mul", fu._silu_mul_kernel, sig, c, 4, (1, ("stride_g", "stride_o", "inner"))
+    conv_ptrs = dict.fromkeys(
+        ("x", "conv_state", "weight", "out", "b_out", "f_b", "g_b", "a_out", "z_out"), BF16
+    )
+    conv_ptrs |= {"slots": I32, "num_accepted": I32}
+    for T in (1, 4):
+        c = dict(T=T, W=4, BC=128, BWIN=fu._next_pow2(3 + T), BH=H, GATES=True, GK=K, BG=64, BMG=16)
+        c.update(FP32=False, PDL=True)
+        aligned = ("stride_x", "stride_s0", "stride_o", "stride_b", "stride_a", "stride_z", "C", "HK")
+        sig = _sig(fu._conv_gates_decode_kernel, c, conv_ptrs)
+        yield f"conv + gates T={T}", fu._conv_gates_decode_kernel, sig, c, 4, (1, aligned)
+    paged = ("span", "block_size")
+    c = dict(D=128, PDL=True)
+    ptrs = {"qkv": BF16, "positions": I32, "cos": F32, "sin": F32, "block_tables": I32, "k_cache": BF16}
+    ptrs |= {"v_cache": BF16, "q_out": BF16}
+    sig = _sig(fu._rope_kv_kernel, c, ptrs)
+    yield "rope + paged K/V write", fu._rope_kv_kernel, sig, c, 1, (1, ("stride_t", "HQ", *paged))
+    c = dict(D=128, BP=64, PDL=True)
+    ptrs = {"k_cache": BF16, "block_tables": I32, "seq_lens": I32, "pooled": F32}
+    sig = _sig(fu._pool_kernel, c, ptrs)
+    yield "selector key pooling", fu._pool_kernel, sig, c, 4, (1, ("G", "max_len", "pool", *paged))
+    c = dict(KVH=4, TOPK=16, K=16, GQ=8, D=128, BGR=64, BT=16, RANK=True, PDL=True)
+    sig = _sig(fu._select_kernel, c, {"q": BF16, "positions": I32, "pooled": F32, "rows": I32}, ("scale",))
+    yield "selector top-k by rank", fu._select_kernel, sig, c, 4, (1, ("stride_rows", "HQ", "G", "pool"))
+    c = dict(GQ=8, BG=16, D=128, BL=64, BT=16, FP32=False, PDL=True)
+    ptrs = {"q": BF16, "positions": I32, "k_cache": BF16, "v_cache": BF16, "block_tables": I32}
+    ptrs |= {"seq_lens": I32, "rows": I32, "out": BF16}
+    sig = _sig(fu._attn_decode_kernel, c, ptrs, ("scale",))
+    yield (
+        "selected-rows attention",
+        fu._attn_decode_kernel,
+        sig,
+        c,
+        4,
+        (1, ("HQ", "G", "max_len", "pool", *paged)),
+    )
+
+
+CASES = {"decode": _decode_cases, "prefill": _prefill_cases, "fused": _fused_cases}
 
 
 def report(which: tuple[str, ...] = tuple(CASES)) -> list[dict]:
     rows = []
     for group in which:
-        for label, fn, sig, consts, warps in CASES[group]():
-            k = compile_sm90(fn, sig, consts, warps)
-            row = {"kernel": label, "num_warps": warps, **ptxas_report(k.asm["ptx"])}
-            rows.append({**row, "shared_bytes": int(k.metadata.shared)})
+        for label, fn, sig, consts, warps, *launch in CASES[group]():
+            stages, aligned = launch[0] if launch else (3, ())  # the fused cases name both
+            k = compile_sm90(fn, sig, consts, warps, stages, aligned)
+            row = {"kernel": label, "group": group, "num_warps": warps, "num_stages": stages}
+            row |= {**ptxas_report(k.asm["ptx"]), "shared_bytes": int(k.metadata.shared)}
+            if len(launch) > 1:  # a projection: its kind, shape and weight loop
+                row |= {"projection": launch[1], "weight_loop": weight_loop(k.asm["cubin"])}
+            rows.append(row)
     return rows
 
 

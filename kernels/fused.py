@@ -1,7 +1,11 @@
 """Triton kernels for the decoder's glue around the GEMMs and the KDA core, one launch where eager torch
-launches many (docs/KDA.md, "Decode step"): RMSNorm with the residual add, SiLU-and-multiply, the KDA
-short convolution of a decode step, RoPE with the paged K/V write, the selector's key pooling and top-k
-group selection, the selected-rows attention, and a projection kernel for decode-sized inputs.
+launches many (docs/KDA.md, "Decode step"): a projection kernel for decode-sized inputs, alone or with
+glue folded into its epilogue (the residual add and the next RMSNorm but its 1/rms after the projection
+that produces a residual branch; that 1/rms, and SiLU-and-multiply, after the one that reads the norm),
+and the step's end (last add, final norm, fp32 LM head) as one such launch; RMSNorm with the residual add
+and SiLU-and-multiply alone; the KDA short convolution of a decode step with the two gate projections; RoPE
+with the paged K/V write; the selector's key pooling and top-k group selection; the selected-rows
+attention. On sm_90 they launch with programmatic dependent launch.
 
 Each kernel has a torch reference: the `*_reference` functions here are the ops an engine without the
 fused glue runs (qualify/engine/model calls them), the others are checked against the model's own torch
@@ -18,99 +22,626 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-# ------------------------------------------------------------------ skinny linear (decode-sized M)
+# ------------------------------------------------------------------ programmatic dependent launch
 
-# Rows up to which linear_small may serve a projection (a decode or verify step's tokens); larger M goes
-# to cuBLAS. Which weight shapes it serves, and with which launch shape (BN, BK, warps, stages), comes from
-# bench/linear.py's sweep on the H200 (bench/results/linear-h200-2026-12-01.json): only the shapes where
-# it beat cuBLAS at both 1 and 32 rows. Elsewhere cuBLAS is faster (qkv's 5120 rows make 1.2 waves of
-# 32-row tiles on 132 SMs: 0.81x; gate_up: 0.97x), so those stay with cuBLAS. Fixed constants, not an
-# autotuner, so that a process's numerics never depend on which config won a timing race.
-SMALL_M = 32
-SMALL_SHAPES: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (4096, 8192): (32, 256, 4, 4),  # 1.13x / 1.10x cuBLAS at 1 / 32 rows (MLP down)
-    (4096, 4096): (32, 256, 4, 3),  # 1.29x / 1.09x (KDA out_proj, attention o_proj)
-    (12576, 4096): (32, 128, 4, 4),  # 1.06x / 1.03x (KDA in_proj)
-}
-_BN, _BK, _WARPS, _STAGES = 32, 256, 4, 4  # any other shape asked for directly (tests, the sweep's default)
+# On sm_90 and later the kernels here launch with programmatic dependent launch (PDL): a kernel's programs
+# may be scheduled while the kernel before it in the stream is finishing, and each one waits
+# (griddepcontrol.wait) for that kernel's completion and memory before it reads or writes anything a step
+# produces. Only weights, which no kernel of a step writes, are touched before the wait: a projection pulls
+# its first weight lines into L2 there. Each kernel lets the next one launch
+# (griddepcontrol.launch_dependents) once past its own wait: after the main loop in a projection, at the
+# start elsewhere. A kernel launched without the attribute, or after one that never signals, waits for its
+# predecessor's end as before, so the kernels of other libraries in between keep the stream's order.
+# Captured CUDA graphs keep the attribute as a programmatic edge. A module switch, not an environment
+# variable: bench/graphs.py times the step with and without it in one process.
+PDL = True
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def pdl_enabled(t: Tensor) -> bool:
+    """Whether a launch on t's device uses PDL: the switch is on and the device is sm_90 or later."""
+    if not (PDL and t.is_cuda):
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return cap[0] >= 9
+
+
+def _pdl_launch(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit
-def _linear_small_kernel(
+def _pdl_enter(PDL: tl.constexpr, RELEASE: tl.constexpr):
+    """Wait for the previous kernel (a no-op without PDL); with RELEASE, let the next one launch."""
+    if PDL:
+        gdc_wait()
+        if RELEASE:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Pull the 128-byte lines at ptrs into L2: no register is written and no fault is raised."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+# ------------------------------------------------------------------ skinny linear (decode-sized M)
+
+# Rows up to which linear_small may serve a projection (a decode or verify step's tokens); larger M goes
+# to cuBLAS. Which weight shapes it serves, and with which launch shape (BN, BK, warps, stages, split),
+# comes from bench/linear.py's sweep on the H200 (bench/results/linear-h200-2026-12-01.json): the shapes
+# where it beat cuBLAS at both 1 and 32 rows, and MLP gate_up, where it read the weights at 0.97-0.98x
+# cuBLAS's rate but serving it computes the SwiGLU activation (and the post-attention norm's 1/rms) in
+# its epilogue, one launch of about 2 us fewer per layer. qkv's 5120 rows make 1.2 waves of 32-row tiles
+# on 132 SMs (0.81x) and stay with cuBLAS until a split launch shape is measured faster. Fixed constants,
+# not an autotuner, so that a process's numerics never depend on which config won a timing race.
+SMALL_M = 32
+SMALL_SHAPES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (4096, 8192): (32, 256, 4, 4, 1),  # 1.13x / 1.10x cuBLAS at 1 / 32 rows (MLP down)
+    (4096, 4096): (32, 256, 4, 3, 1),  # 1.29x / 1.09x (KDA out_proj, attention o_proj)
+    (12576, 4096): (32, 128, 4, 4, 1),  # 1.06x / 1.03x (KDA in_proj)
+    (16384, 4096): (32, 128, 4, 4, 1),  # 0.98x / 0.97x alone; served for its epilogue (MLP gate_up)
+}
+_BN, _BK, _WARPS, _STAGES, _SPLIT = 32, 256, 4, 4, 1  # any other shape asked for directly (tests, sweeps)
+# Split-K's per-tile arrival counters: one int32 per column tile, zero between launches (the last program
+# of a tile resets its own), allocated once per device and never moved (captured graphs hold the address).
+_COUNTER_SLOTS = 4096
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+# The LM head's launch shape (any vocabulary, K = hidden): 16-column tiles, K split in 4, so that a
+# 260-row head reads its weights with 68 programs rather than 17.
+HEAD_SHAPE = (16, 256, 4, 3, 4)
+
+# What a projection's launch computes besides x @ W.T. Its weight loop is the same for every kind: x and
+# the weight tiles pipelined through shared memory into the tensor cores, nothing else. Whatever is folded
+# in is computed once per output element, after the loop (the epilogue):
+#   linear_small        y = x @ W.T
+#   linear_add_norm     s = residual + x @ W.T (the residual stream), u = s * the next norm's weight, and
+#                       per column tile the rows' sums of s^2: the next RMSNorm, but for its 1/rms
+#   norm_linear         y = (u @ W.T) / rms(s), the 1/rms from those partial sums (the deferred norm)
+#   swiglu_linear       silu(gate) * up of [gate | up] = x @ W.T (MLP gate_up; with the 1/rms of
+#                       norm_linear first where x is a linear_add_norm's u), W's gate and up rows
+#                       interleaved in each program's tile so that both halves of an output are its own
+# The norm's elementwise work and SiLU are not put before the dot (in the loop): there every program would
+# redo them for the whole input row, each warp for its own copy of the x tile, in the loop that must keep
+# the weight stream busy (on the H200, 2026-12-04, such prologues read the weights at 0.7-1 TB/s against
+# linear_small's 3.5). norm_head keeps a prologue (PRO_HEAD): its normed row must round exactly as the
+# norm's kernel rounds it, and its 260-row head is 2 MB.
+
+
+def serves_small(weight: Tensor, rows: int) -> bool:
+    """Whether the module's table gives this weight a linear_small launch shape for `rows` rows."""
+    return tuple(weight.shape) in SMALL_SHAPES and rows <= SMALL_M and weight.element_size() == 2
+
+
+def serves_head(weight: Tensor, rows: int) -> bool:
+    """Whether norm_head serves an LM head of this weight for `rows` rows."""
+    return rows <= SMALL_M and weight.element_size() == 2 and weight.stride(1) == 1
+
+
+def launch_shape(N: int, K: int, config=None) -> tuple[int, int, int, int, int]:
+    """(BN, BK, warps, stages, split) for an N x K weight: `config` (4 entries: split 1), else the table's."""
+    c = tuple(config or SMALL_SHAPES.get((N, K), (_BN, _BK, _WARPS, _STAGES, _SPLIT)))
+    return c if len(c) == 5 else (*c, 1)  # type: ignore[return-value]
+
+
+def prefetch_lines(BK: int) -> int:
+    """128-byte lines of each weight row a projection's program pulls into L2 before its PDL wait: its
+    first two BK-column tiles (16-bit weights)."""
+    return _next_pow2(max(1, 2 * BK // 64))
+
+
+def _split_counters(device: torch.device) -> Tensor:
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "linear_small's split-K counters are allocated on first use: run a split launch once "
+                "before capturing a CUDA graph"
+            )
+        c = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return c
+
+
+@triton.jit
+def _head_x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, mask, write_s, K: tl.constexpr):
+    """norm_head's x operand, rows m, columns k: RMSNorm(x + residual) * g rounded as the norm's kernel
+    rounds it (rstd known); the programs of column tile 0 store the sum."""
+    dt = x.dtype.element_ty
+    s = tl.load(x + m[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
+    r = tl.load(res + m[:, None] * stride_r + k[None, :], mask=mask, other=0.0)
+    s = (s.to(tl.float32) + r.to(tl.float32)).to(dt)  # the residual add, rounded as torch's add is
+    tl.store(s_out + m[:, None] * stride_s + k[None, :], s, mask=mask & write_s)
+    gv = tl.load(g + k, mask=k < K, other=0.0).to(tl.float32)
+    return (s.to(tl.float32) * rstd[:, None] * gv[None, :]).to(dt)
+
+
+# Rows of the reductions a projection's epilogue (and the head's first pass) computes per row: every
+# launch sums a row's squares in a [*, RB] or [RB, *] register tile whatever its tensor-core tile's rows
+# (BM), so that a row's bits do not depend on how many rows share the launch.
+RB = tl.constexpr(32)
+
+
+@triton.jit
+def _first_rows(v, BM: tl.constexpr):
+    """The first BM entries of v [RB] (BM = RB or RB // 2)."""
+    if BM < RB:
+        lo, hi = tl.split(tl.permute(tl.reshape(v, [2, BM]), (1, 0)))
+        v = lo
+    return v
+
+
+@triton.jit
+def _epilogue(
+    acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
+    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TP: tl.constexpr, RSTD: tl.constexpr,
+    SWIGLU: tl.constexpr, ADD: tl.constexpr,
+):  # fmt: skip
+    """What a launch computes from its tile's fp32 x @ W.T (rows m, column tile `tile`), once per output."""
+    dt = x.dtype.element_ty
+    if RSTD:  # the deferred norm: 1/rms of each row from the T partial sums of squares sq [T, M]
+        TC: tl.constexpr = 64 if TP > 64 else TP
+        mr = tl.arange(0, RB)  # RB rows whatever the tile's: the sums' order never depends on BM
+        tot = tl.zeros([RB], dtype=tl.float32)
+        for t0 in tl.static_range(0, TP, TC):  # in a fixed order: the bytes never depend on the launch
+            t = t0 + tl.arange(0, TC)
+            pmask = (t[:, None] < T) & (mr[None, :] < M)
+            p = tl.load(sq + t[:, None] * M + mr[None, :], mask=pmask, other=0.0)
+            tot += tl.sum(p, axis=0)
+        acc = acc * _first_rows(1.0 / tl.sqrt(tot / K + eps), BM)[:, None]
+    if SWIGLU:  # the tile's columns are (gate, up) pairs of BN // 2 outputs
+        BO: tl.constexpr = BN // 2
+        gate, up = tl.split(tl.reshape(acc, [BM, BO, 2]))
+        gate = gate.to(dt).to(tl.float32)  # gate_up's output, rounded as its store would round it
+        up = up.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # F.silu rounds its output
+        o = tile * BO + tl.arange(0, BO)
+        omask = (m[:, None] < M) & (o[None, :] < N // 2)
+        tl.store(y + m[:, None] * stride_y + o[None, :], (act * up).to(dt), mask=omask)
+    elif ADD:  # the residual add and the next norm but its 1/rms
+        n = tile * BN + tl.arange(0, BN)
+        omask = (m[:, None] < M) & (n[None, :] < N)
+        yv = acc.to(dt).to(tl.float32)  # the projection's output, rounded as linear_small's store rounds it
+        r = tl.load(res + m[:, None] * stride_r + n[None, :], mask=omask, other=0.0).to(tl.float32)
+        s = (yv + r).to(dt)  # the residual add, rounded as torch's add is
+        tl.store(s_out + m[:, None] * stride_s + n[None, :], s, mask=omask)
+        sf = s.to(tl.float32)
+        gv = tl.load(g + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(u_out + m[:, None] * stride_s + n[None, :], (sf * gv[None, :]).to(dt), mask=omask)
+        # This tile's columns' sums of squares, from the stored sum read back as RB rows: summed in the
+        # tensor-core tile's own layout, their order (and last bits) would depend on BM.
+        tl.debug_barrier()  # every thread's stores of s above, before any thread reads them back
+        mr = tl.arange(0, RB)
+        rmask = (mr[:, None] < M) & (n[None, :] < N)
+        sr = tl.load(s_out + mr[:, None] * stride_s + n[None, :], mask=rmask, other=0.0).to(tl.float32)
+        tl.store(sq + tile * M + mr, tl.sum(sr * sr, axis=1), mask=mr < M)
+    else:
+        n = tile * BN + tl.arange(0, BN)
+        omask = (m[:, None] < M) & (n[None, :] < N)
+        tl.store(y + m[:, None] * stride_y + n[None, :], acc.to(y.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _linear_body(
     x,
     w,
     y,
+    res,  # ADD, PRO_HEAD: the residual added
+    g,  # ADD, PRO_HEAD: the norm's weight [N] (ADD) or [K] (PRO_HEAD)
+    s_out,  # ADD: x @ W.T + residual; PRO_HEAD: x + residual, written by the programs of column tile 0
+    u_out,  # ADD: s_out * g
+    sq,  # ADD: written, RSTD: read: [T, M] fp32 partial sums of squares of the normed rows
+    part,  # SPLIT > 1: fp32 partials [SPLIT, M, tiles * BN]
+    counters,  # SPLIT > 1: one arrival count per column tile, zero on entry and on exit
     M,
-    N,
+    N,  # weight rows
+    T,  # RSTD: sq's partial sums per row
     stride_x,
     stride_w,
     stride_y,
+    stride_r,
+    stride_s,
+    eps,
     K: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     EVEN: tl.constexpr,
+    TP: tl.constexpr,  # a power of two >= T
+    PRO_HEAD: tl.constexpr,
+    RSTD: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ADD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+    PF: tl.constexpr,
 ):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    pid = tl.program_id(0)
+    tile = pid // SPLIT
+    ks = pid % SPLIT
+    KS: tl.constexpr = (K + SPLIT * BK - 1) // (SPLIT * BK) * BK  # columns per split, whole BK steps
+    PBK: tl.constexpr = 16384 // RB if 16384 // RB < K else BK  # the head's first pass: columns per chunk
+    j = tl.arange(0, BN)
+    if SWIGLU:  # W = [gate; up], N // 2 rows each: the tile's rows alternate gate and up of one output
+        o = tile * (BN // 2) + j // 2
+        n = (j % 2) * (N // 2) + o
+        n_ok = o < N // 2
+    else:
+        n = tile * BN + j
+        n_ok = n < N
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
+    k_lo = ks * KS
+    w_row = w + n[:, None].to(tl.int64) * stride_w
+    if PDL:
+        # weights are never written by a step: this program's first lines go to L2 before the wait
+        rows = tl.minimum(n, N - 1)[:, None].to(tl.int64) * stride_w
+        _prefetch_l2(w + rows + tl.minimum(k_lo + tl.arange(0, PF)[None, :] * 64, K - 1))
+    _pdl_enter(PDL, False)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    x_ptr = x + m[:, None] * stride_x + kk[None, :]
-    w_ptr = w + n[:, None].to(tl.int64) * stride_w + kk[None, :]
-    for k0 in range(0, K, BK):
-        if EVEN:  # N % BN == 0 and K % BK == 0: only the rows of x past M are masked
-            xv = tl.load(x_ptr + k0, mask=m[:, None] < M, other=0.0)
-            wv = tl.load(w_ptr + k0)
+    rstd = tl.zeros([BM], dtype=tl.float32)
+    if PRO_HEAD:  # a first pass over the whole row (L2-resident) for its 1/rms, in wide chunks of RB
+        # rows whatever BM (a loop without a dot is not software-pipelined, so each chunk is a round trip)
+        mr = tl.arange(0, RB)
+        sq_h = tl.zeros([RB], dtype=tl.float32)
+        for kb in range(0, K, PBK):
+            k = kb + tl.arange(0, PBK)
+            xmask = (mr[:, None] < M) & (k[None, :] < K)
+            sx = tl.load(x + mr[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+            sr = tl.load(res + mr[:, None] * stride_r + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+            sf = (sx + sr).to(x.dtype.element_ty).to(tl.float32)
+            sq_h += tl.sum(sf * sf, axis=1)
+        rstd = _first_rows(1.0 / tl.sqrt(sq_h / K + eps), BM)
+    for kb in range(0, KS, BK):  # a constant trip count (the interpreter cannot bound a range by a tensor)
+        k = k_lo + kb + kk
+        xmask = (m[:, None] < M) & (k[None, :] < K)
+        if EVEN:  # every tile's rows exist and K % (SPLIT * BK) == 0: only the rows of x past M are masked
+            wv = tl.load(w_row + k[None, :])
         else:
-            kin = (k0 + kk) < K
-            xv = tl.load(x_ptr + k0, mask=(m[:, None] < M) & kin[None, :], other=0.0)
-            wv = tl.load(w_ptr + k0, mask=(n[:, None] < N) & kin[None, :], other=0.0)
+            wv = tl.load(w_row + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+        if PRO_HEAD:
+            xv = _head_x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, xmask, tile == 0, K)
+        else:
+            xv = tl.load(x + m[:, None] * stride_x + k[None, :], mask=xmask, other=0.0)
         acc += tl.dot(xv, tl.trans(wv), out_dtype=tl.float32)
-    tl.store(
-        y + m[:, None] * stride_y + n[None, :],
-        acc.to(y.dtype.element_ty),
-        mask=(m[:, None] < M) & (n[None, :] < N),
-    )
+    if PDL:
+        gdc_launch_dependents()
+    if SPLIT == 1:
+        _epilogue(
+            acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
+            K, BM, BN, TP, RSTD, SWIGLU, ADD,
+        )  # fmt: skip
+    else:
+        # Each split stores its partial; the tile's last program to arrive (an acq_rel count after a barrier
+        # that orders every thread's stores before it) sums the partials in split order, so the result does
+        # not depend on the arrival order, runs the epilogue and resets the count for the next launch.
+        NP = tl.num_programs(0) // SPLIT * BN  # the partials' row: every tile's BN columns
+        pmask = (m[:, None] < M) & (j[None, :] < BN)
+        col = tile * BN + j
+        tl.store(part + (ks * M + m[:, None]) * NP + col[None, :], acc, mask=pmask)
+        tl.debug_barrier()
+        if tl.atomic_add(counters + tile, 1, sem="acq_rel") == SPLIT - 1:
+            tot = tl.zeros([BM, BN], dtype=tl.float32)
+            for i in tl.static_range(SPLIT):
+                p = part + (i * M + m[:, None]) * NP + col[None, :]
+                tot += tl.load(p, mask=pmask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counters + tile, 0, sem="relaxed")
+            _epilogue(
+                tot, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
+                K, BM, BN, TP, RSTD, SWIGLU, ADD,
+            )  # fmt: skip
 
 
-def linear_small(x: Tensor, weight: Tensor, config: tuple[int, int, int, int] | None = None) -> Tensor:
-    """y = x @ weight.T for a few rows (M <= SMALL_M): every weight byte read once, one program per BN
-    output columns sweeping all of K, fp32 accumulation on the tensor cores; 16-bit dtypes.
+# One kernel per kind, each the same body, so that a profile of the step names what each launch does.
+# (Their argument lists are the body's.)
 
-    x [M, K] (rows may be strided); weight [N, K] contiguous. config: (BN, BK, warps, stages) to
-    override the module's launch shape (the sweep)."""
-    x2 = _rows(x.reshape(-1, x.shape[-1]))
-    M, K = x2.shape
-    N = weight.shape[0]
-    assert M <= SMALL_M and weight.stride(1) == 1 and weight.shape[1] == K
-    BN, BK, warps, stages = config or SMALL_SHAPES.get((N, K), (_BN, _BK, _WARPS, _STAGES))
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_small_kernel(
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+):  # fmt: skip
+    """linear_small: y = x @ W.T."""
+    _linear_body(
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_add_norm_kernel(
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+):  # fmt: skip
+    """linear_add_norm: the residual add and the next RMSNorm but its 1/rms in the epilogue."""
+    _linear_body(
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _norm_linear_kernel(
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+):  # fmt: skip
+    """norm_linear: the deferred norm's 1/rms on the accumulator."""
+    _linear_body(
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _swiglu_linear_kernel(
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+):  # fmt: skip
+    """swiglu_linear: MLP gate_up with SiLU-and-multiply (and the deferred norm's 1/rms) in the epilogue."""
+    _linear_body(
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _norm_head_kernel(
+    x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+    stride_s, eps, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN: tl.constexpr, TP: tl.constexpr, PRO_HEAD: tl.constexpr, RSTD: tl.constexpr, SWIGLU: tl.constexpr,
+    ADD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+):  # fmt: skip
+    """linear_small: the LM head's add and norm folded in, fp32 logits."""
+    _linear_body(
+        x, w, y, res, g, s_out, u_out, sq, part, counters, M, N, T, stride_x, stride_w, stride_y, stride_r,
+        stride_s, eps, K, BM, BN, BK, EVEN, TP, PRO_HEAD, RSTD, SWIGLU, ADD, SPLIT, PDL, PF,
+    )  # fmt: skip
+
+
+_KERNELS = {
+    "plain": _linear_small_kernel,
+    "add_norm": _linear_add_norm_kernel,
+    "norm": _norm_linear_kernel,
+    "swiglu": _swiglu_linear_kernel,
+    "head": _norm_head_kernel,
+}
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def column_tiles(N: int, K: int, config=None, swiglu: bool = False) -> int:
+    """Programs per K split of a projection of an N x K weight: one per BN weight rows (BN // 2 outputs of
+    a SwiGLU's interleaved gate and up rows)."""
+    BN = launch_shape(N, K, config)[0]
+    return triton.cdiv(N // 2, BN // 2) if swiglu else triton.cdiv(N, BN)
+
+
+def _linear_launch(
+    kind: str,
+    x2: Tensor,
+    weight: Tensor,
+    config,
+    y: Tensor,
+    *,
+    res: Tensor | None = None,
+    g: Tensor | None = None,
+    s_out: Tensor | None = None,
+    u_out: Tensor | None = None,
+    sq: Tensor | None = None,
+    eps: float = 0.0,
+) -> None:
+    M = x2.shape[0]
+    N, K = weight.shape
+    assert M <= SMALL_M and weight.stride(1) == 1 and x2.shape[1] == K and x2.stride(1) == 1
+    BN, BK, warps, stages, split = launch_shape(N, K, config)
     BK = min(BK, max(16, _next_pow2(K)))
+    # A row's bits must not depend on how many rows share the launch, or a verify step (1 + drafts rows)
+    # drifts from the decode step of plain greedy decoding: M is not specialized (Triton would compile
+    # M = 1 apart), and the epilogue's sums run in tiles of RB rows whatever BM (in the tensor-core tile's
+    # layout their order depended on BM). Measured on the H200 (2026-12-04): with BM's layout, row 0 at 5
+    # rows of norm_linear a bf16 step from the same row alone, the sums of squares at 32 rows 8e-6 apart;
+    # with one 32-row tile for every M, the one-request step 955.6 us against 850.
     BM = 16 if M <= 16 else 32
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _linear_small_kernel[(triton.cdiv(N, BN),)](
+    swiglu = kind == "swiglu"
+    if swiglu:
+        assert N % 2 == 0 and BN % 2 == 0 and y.shape == (M, N // 2)
+    else:
+        assert y.shape == (M, N)
+    assert y.stride(1) == 1
+    tiles = column_tiles(N, K, config, swiglu)
+    even = (N // 2) % (BN // 2) == 0 if swiglu else N % BN == 0
+    if split > 1:
+        assert tiles <= _COUNTER_SLOTS
+        part = torch.empty(split * M * tiles * BN, dtype=torch.float32, device=x2.device)
+        counters = _split_counters(x2.device)
+    else:
+        part = counters = y  # not read
+    rstd = sq is not None and kind != "add_norm"
+    assert rstd or kind != "norm", "norm_linear needs the producer's partial sums of squares"
+    if kind == "add_norm":
+        assert sq is not None and sq.shape == (tiles, M) and s_out is not None and u_out is not None
+        assert u_out.stride() == s_out.stride()
+    elif rstd:
+        assert sq is not None and sq.shape[1] == M and sq.dtype == torch.float32 and sq.is_contiguous()
+    T = 0 if sq is None else sq.shape[0]
+    pdl = pdl_enabled(x2)
+    _KERNELS[kind][(tiles * split,)](
         x2,
         weight,
         y,
+        x2 if res is None else res,
+        x2 if g is None else g,
+        y if s_out is None else s_out,
+        y if u_out is None else u_out,
+        part if sq is None else sq,
+        part,
+        counters,
         M,
         N,
+        T,
         x2.stride(0),
         weight.stride(0),
-        N,
+        y.stride(0),
+        0 if res is None else res.stride(0),
+        0 if s_out is None else s_out.stride(0),
+        eps,
         K,
         BM,
         BN,
         BK,
-        N % BN == 0 and K % BK == 0,
+        even and K % (split * BK) == 0,
+        _next_pow2(max(T, 1)),
+        kind == "head",
+        rstd,
+        swiglu,
+        kind == "add_norm",
+        split,
+        pdl,
+        prefetch_lines(BK),
         num_warps=warps,
         num_stages=stages,
+        **_pdl_launch(pdl),
     )
+
+
+def linear_small(x: Tensor, weight: Tensor, config=None) -> Tensor:
+    """y = x @ weight.T for a few rows (M <= SMALL_M): every weight byte read once, one program per BN
+    output columns (and per K slice with split-K) sweeping K, fp32 accumulation on the tensor cores;
+    16-bit dtypes.
+
+    x [M, K] (rows may be strided); weight [N, K] contiguous. config: (BN, BK, warps, stages[, split]) to
+    override the module's launch shape (the sweep)."""
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    N = weight.shape[0]
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    _linear_launch("plain", x2, weight, config, y)
     return y.view(*x.shape[:-1], N)
+
+
+def linear_add_norm(
+    x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, config=None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A projection that feeds a residual add and the next RMSNorm, in one launch: returns (s, u, sq) with
+    s = residual + x @ weight.T (the product rounded to x's dtype as linear_small stores it, then the add
+    rounded as torch's add is: the residual stream), u = s * norm_weight rounded to x's dtype, and sq
+    [tiles, M] fp32, each column tile's sums of s^2 per row. (u, sq) are the norm's input but for its 1/rms,
+    which norm_linear or swiglu_linear apply to their fp32 accumulators. Each output is computed once, by
+    the program that owns its column; no program reads what another writes.
+
+    x [M, K] (rows may be strided), residual [M, N], norm_weight [N]; M <= SMALL_M."""
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    N = weight.shape[0]
+    r2 = _rows(residual.reshape(-1, N))
+    assert r2.shape[0] == x2.shape[0] and r2.dtype == x2.dtype and norm_weight.shape == (N,)
+    M = x2.shape[0]
+    s = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    u = torch.empty_like(s)
+    sq = torch.empty(column_tiles(N, x2.shape[1], config), M, dtype=torch.float32, device=x.device)
+    _linear_launch("add_norm", x2, weight, config, s, res=r2, g=norm_weight, s_out=s, u_out=u, sq=sq)
+    shape = (*x.shape[:-1], N)
+    return s.view(shape), u.view(shape), sq
+
+
+def linear_add_norm_reference(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor):
+    """The torch ops: (s, u, sq) with the whole row's sum of squares as its one partial, sq [1, M]."""
+    s = F.linear(x, weight) + residual
+    sf = s.float().reshape(-1, s.shape[-1])
+    return s, (s.float() * norm_weight.float()).to(s.dtype), sf.pow(2).sum(-1)[None]
+
+
+def rms_scale(sq: Tensor, eps: float, K: int) -> Tensor:
+    """1/rms [M, 1] of the rows whose partial sums of squares (over K columns) are sq [tiles, M]."""
+    return torch.rsqrt(sq.sum(0) / K + eps)[:, None]
+
+
+def norm_linear(u: Tensor, sq: Tensor, eps: float, weight: Tensor, config=None) -> Tensor:
+    """RMSNorm(s) * norm_weight @ weight.T from linear_add_norm's (u, sq): u @ weight.T on the tensor
+    cores, then the rows' 1/rms (fp32, from sq) on the fp32 accumulator, rounded once to u's dtype. The
+    normed row is rounded once (u), as the two-launch path rounds its own (the norm's output): the same
+    error from the exact value, not the same bits. u [M, K] with M <= SMALL_M."""
+    x2 = _rows(u.reshape(-1, u.shape[-1]))
+    N = weight.shape[0]
+    y = torch.empty(x2.shape[0], N, dtype=u.dtype, device=u.device)
+    _linear_launch("norm", x2, weight, config, y, sq=sq, eps=eps)
+    return y.view(*u.shape[:-1], N)
+
+
+def norm_linear_reference(total: Tensor, norm_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
+    """The norm's kernel then the projection, as two launches or torch ops compute them."""
+    return F.linear(rmsnorm_reference(total, norm_weight, eps), weight)
+
+
+def swiglu_linear(x: Tensor, weight: Tensor, sq: Tensor | None = None, eps: float = 0.0, config=None):
+    """silu(gate) * up where [gate | up] = x @ weight.T (MLP gate_up, weight [2I, K]: gate rows then up
+    rows), in one launch: gate and up rounded to x's dtype as gate_up's output is, then SiLU and the
+    product rounded as silu_mul rounds them. With sq (x a linear_add_norm's u), the deferred norm's 1/rms
+    is applied to both accumulators first, as in norm_linear. Returns [M, I]; M <= SMALL_M."""
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    inner = weight.shape[0] // 2
+    y = torch.empty(x2.shape[0], inner, dtype=x.dtype, device=x.device)
+    _linear_launch("swiglu", x2, weight, config, y, sq=sq, eps=eps)
+    return y.view(*x.shape[:-1], inner)
+
+
+def swiglu_linear_reference(x: Tensor, weight: Tensor) -> Tensor:
+    """gate_up's projection then silu_mul, as the two-launch path runs them."""
+    return silu_mul_reference(F.linear(x, weight))
+
+
+def norm_head(
+    x: Tensor,
+    residual: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    hidden_out: Tensor,
+    logits_out: Tensor,
+    config=None,
+) -> None:
+    """The end of a decode step in one launch: hidden_out = x + residual (rounded to x's dtype, as torch's
+    add is) and logits_out (fp32) = RMSNorm(hidden) * norm_weight @ weight.T. The normed row is rounded to
+    x's dtype exactly as the norm's kernel rounds it (its 1/rms from a first pass over the row), and the
+    16-bit products of the dot are exact in its fp32 accumulator: the torch path's fp32 product of the
+    upcast operands, up to the order of the sums. x, residual [M, K] with M <= SMALL_M; weight [V, K]
+    16-bit; hidden_out [M, K] and logits_out [M, V] fp32 with unit column stride."""
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    r2 = _rows(residual.reshape(-1, x2.shape[1]))
+    assert hidden_out.stride(1) == 1 and logits_out.dtype == torch.float32
+    _linear_launch(
+        "head", x2, weight, config or HEAD_SHAPE, logits_out, res=r2, g=norm_weight, s_out=hidden_out,
+        eps=eps,
+    )  # fmt: skip
+
+
+def norm_head_reference(
+    x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, hidden_out, logits_out
+) -> None:
+    """The torch path: the add, the norm, the fp32 head (HybridModel.logits), copied into the outputs."""
+    s = x + residual
+    hidden_out.copy_(s)
+    logits_out.copy_(F.linear(rmsnorm_reference(s, norm_weight, eps).float(), weight.float()))
 
 
 # ------------------------------------------------------------------ RMSNorm (+ residual add)
@@ -118,9 +649,11 @@ def linear_small(x: Tensor, weight: Tensor, config: tuple[int, int, int, int] | 
 
 @triton.jit
 def _rmsnorm_kernel(
-    x, res, w, y, s, stride_x, stride_r, stride_y, stride_s, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr
-):
+    x, res, w, y, s, stride_x, stride_r, stride_y, stride_s, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    _pdl_enter(PDL, True)
     cols = tl.arange(0, BD)
     m = cols < D
     xv = tl.load(x + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
@@ -134,10 +667,6 @@ def _rmsnorm_kernel(
     tl.store(y + row * stride_y + cols, (xv * rstd * wv).to(y.dtype.element_ty), mask=m)
 
 
-def _rows(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     """y = RMSNorm(x) * weight, or with `residual`: (s, RMSNorm(s) * weight) where s = x + residual.
 
@@ -148,14 +677,19 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
     BD = _next_pow2(D)
     warps = 8 if BD >= 4096 else 4
+    pdl = pdl_enabled(x2)
     if residual is None:
-        _rmsnorm_kernel[(N,)](x2, x2, weight, y, y, x2.stride(0), 0, D, D, D, eps, False, BD, num_warps=warps)
+        _rmsnorm_kernel[(N,)](
+            x2, x2, weight, y, y, x2.stride(0), 0, D, D, D, eps, False, BD, pdl, num_warps=warps,
+            **_pdl_launch(pdl),
+        )  # fmt: skip
         return y.view(x.shape)
     r2 = _rows(residual.reshape(-1, D))
     s = torch.empty_like(y)
     _rmsnorm_kernel[(N,)](
-        x2, r2, weight, y, s, x2.stride(0), r2.stride(0), D, D, D, eps, True, BD, num_warps=warps
-    )
+        x2, r2, weight, y, s, x2.stride(0), r2.stride(0), D, D, D, eps, True, BD, pdl, num_warps=warps,
+        **_pdl_launch(pdl),
+    )  # fmt: skip
     return s.view(x.shape), y.view(x.shape)
 
 
@@ -176,8 +710,9 @@ def rmsnorm_reference(x: Tensor, weight: Tensor, eps: float, residual: Tensor | 
 
 
 @triton.jit
-def _silu_mul_kernel(gu, out, stride_g, stride_o, inner, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu, out, stride_g, stride_o, inner, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    _pdl_enter(PDL, True)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inner
     g = tl.load(gu + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
@@ -193,7 +728,10 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     inner = two_i // 2
     out = torch.empty(N, inner, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(N, triton.cdiv(inner, BLOCK))](g2, out, g2.stride(0), inner, inner, BLOCK, num_warps=4)
+    pdl = pdl_enabled(g2)
+    _silu_mul_kernel[(N, triton.cdiv(inner, BLOCK))](
+        g2, out, g2.stride(0), inner, inner, BLOCK, pdl, num_warps=4, **_pdl_launch(pdl)
+    )
     return out
 
 
@@ -207,32 +745,12 @@ def silu_mul_reference(gate_up: Tensor) -> Tensor:
 
 
 @triton.jit
-def _conv_decode_kernel(
-    x,  # [n*T, >= C + H] rows: q k v channels (C), then b (H)
-    stride_x,
-    conv_state,  # [slots, C, W-1]
-    stride_s0,
-    stride_s1,
-    stride_s2,
-    weight,  # [C, W]
-    stride_w,
-    slots,  # [n, T]
-    stride_slots,
-    num_accepted,  # [n]
-    out,  # [n*T, C]: SiLU(conv)
-    stride_o,
-    b_out,  # [n*T, H]
-    stride_b,
-    C,
-    H,
-    T: tl.constexpr,
-    W: tl.constexpr,
-    BC: tl.constexpr,
-    BWIN: tl.constexpr,
-    BH: tl.constexpr,
-):
-    r = tl.program_id(0)
-    cb = tl.program_id(1)
+def _conv_program(
+    r, cb, x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
+    num_accepted, out, stride_o, b_out, stride_b, C, H,
+    T: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BWIN: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    """Request r's conv channels cb*BC ..: the window, SiLU(conv) per token, the per-position states."""
     c = cb * BC + tl.arange(0, BC)
     cm = c < C
     j = tl.arange(0, BWIN)  # window column: W-1 state columns, then the T new tokens
@@ -266,6 +784,189 @@ def _conv_decode_kernel(
             tl.store(b_out + (r * T + t) * stride_b + h, bv, mask=h < H)
 
 
+@triton.jit
+def _gates_program(
+    j, x, stride_x, col0, f_b, g_b, a_out, z_out, stride_a, stride_z, rows, HK, GB,
+    GK: tl.constexpr, BG: tl.constexpr, BMG: tl.constexpr, FP32: tl.constexpr,
+):  # fmt: skip
+    """Output columns of one gate projection for every row: j < GB: a = f_a @ f_b.T, else z = g_a @ g_b.T
+    (f_a, g_a: GK columns of x from col0); fp32 accumulation, one rounding."""
+    which = j // GB
+    o = (j % GB) * BG + tl.arange(0, BG)
+    om = o < HK
+    kk = tl.arange(0, GK)
+    w_off = o[:, None].to(tl.int64) * GK + kk[None, :]
+    if which == 0:
+        wv = tl.load(f_b + w_off, mask=om[:, None], other=0.0)
+    else:
+        wv = tl.load(g_b + w_off, mask=om[:, None], other=0.0)
+    col = col0 + which * GK
+    m = tl.arange(0, BMG)
+    mb = 0
+    while mb < rows:  # a while loop: the interpreter cannot bound a range by an argument tensor
+        rm = mb + m
+        xv = tl.load(x + rm[:, None].to(tl.int64) * stride_x + col + kk[None, :], mask=rm[:, None] < rows)
+        if FP32:
+            acc = tl.dot(xv, tl.trans(wv), input_precision="ieee")
+        else:
+            acc = tl.dot(xv, tl.trans(wv), out_dtype=tl.float32)
+        msk = (rm[:, None] < rows) & om[None, :]
+        if which == 0:
+            tl.store(a_out + rm[:, None] * stride_a + o[None, :], acc.to(a_out.dtype.element_ty), mask=msk)
+        else:
+            tl.store(z_out + rm[:, None] * stride_z + o[None, :], acc.to(z_out.dtype.element_ty), mask=msk)
+        mb += BMG
+
+
+@triton.jit
+def _conv_body(
+    x,  # [n*T, >= C + H (+ 2 GK)] rows: q k v channels (C), then b (H), then f_a, g_a (GK each)
+    stride_x,
+    conv_state,  # [slots, C, W-1]
+    stride_s0,
+    stride_s1,
+    stride_s2,
+    weight,  # [C, W]
+    stride_w,
+    slots,  # [n, T]
+    stride_slots,
+    num_accepted,  # [n]
+    out,  # [n*T, C]: SiLU(conv)
+    stride_o,
+    b_out,  # [n*T, H]
+    stride_b,
+    f_b,  # GATES: [HK, GK] each
+    g_b,
+    a_out,  # GATES: [n*T, HK] each
+    z_out,
+    stride_a,
+    stride_z,
+    C,
+    H,
+    CB,  # conv programs per request
+    n_conv,  # n * CB
+    HK,
+    GB,  # programs per gate projection
+    T: tl.constexpr,
+    W: tl.constexpr,
+    BC: tl.constexpr,
+    BWIN: tl.constexpr,
+    BH: tl.constexpr,
+    GATES: tl.constexpr,
+    GK: tl.constexpr,
+    BG: tl.constexpr,
+    BMG: tl.constexpr,
+    FP32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    _pdl_enter(PDL, True)
+    if pid < n_conv:
+        _conv_program(
+            pid // CB, pid % CB, x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w,
+            slots, stride_slots, num_accepted, out, stride_o, b_out, stride_b, C, H, T, W, BC, BWIN, BH,
+        )  # fmt: skip
+    elif GATES:
+        _gates_program(
+            pid - n_conv, x, stride_x, C + H, f_b, g_b, a_out, z_out, stride_a, stride_z, n_conv // CB * T,
+            HK, GB, GK, BG, BMG, FP32,
+        )  # fmt: skip
+
+
+@triton.jit
+def _conv_decode_kernel(
+    x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
+    num_accepted, out, stride_o, b_out, stride_b, f_b, g_b, a_out, z_out, stride_a, stride_z, C, H, CB,
+    n_conv, HK, GB, T: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BWIN: tl.constexpr,
+    BH: tl.constexpr, GATES: tl.constexpr, GK: tl.constexpr, BG: tl.constexpr, BMG: tl.constexpr,
+    FP32: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The decode conv alone."""
+    _conv_body(
+        x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
+        num_accepted, out, stride_o, b_out, stride_b, f_b, g_b, a_out, z_out, stride_a, stride_z, C, H, CB,
+        n_conv, HK, GB, T, W, BC, BWIN, BH, GATES, GK, BG, BMG, FP32, PDL,
+    )  # fmt: skip
+
+
+@triton.jit
+def _conv_gates_decode_kernel(
+    x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
+    num_accepted, out, stride_o, b_out, stride_b, f_b, g_b, a_out, z_out, stride_a, stride_z, C, H, CB,
+    n_conv, HK, GB, T: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BWIN: tl.constexpr,
+    BH: tl.constexpr, GATES: tl.constexpr, GK: tl.constexpr, BG: tl.constexpr, BMG: tl.constexpr,
+    FP32: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The decode conv and the two gate projections (conv_gates_decode)."""
+    _conv_body(
+        x, stride_x, conv_state, stride_s0, stride_s1, stride_s2, weight, stride_w, slots, stride_slots,
+        num_accepted, out, stride_o, b_out, stride_b, f_b, g_b, a_out, z_out, stride_a, stride_z, C, H, CB,
+        n_conv, HK, GB, T, W, BC, BWIN, BH, GATES, GK, BG, BMG, FP32, PDL,
+    )  # fmt: skip
+
+
+def _conv_launch(x, conv_state, weight, slots, num_accepted, out, b_out, T, gates) -> None:
+    rows, C, W = x.shape[0], conv_state.shape[1], weight.shape[1]
+    n, H = rows // T, b_out.shape[1]
+    assert x.stride(1) == 1 and out.stride(1) == 1 and b_out.stride(1) == 1 and weight.stride(1) == 1
+    assert slots.stride(1) == 1 and slots.shape[1] >= T
+    BC = 128
+    CB = triton.cdiv(C, BC)
+    if gates is None:
+        f_b = g_b = a_out = z_out = weight  # not read
+        HK, GK, GB, BG = 0, 16, 0, 16
+    else:
+        f_b, g_b, a_out, z_out = gates
+        HK, GK = f_b.shape
+        assert g_b.shape == f_b.shape and f_b.is_contiguous() and g_b.is_contiguous()
+        assert a_out.shape == z_out.shape == (rows, HK) and a_out.stride(1) == 1 and z_out.stride(1) == 1
+        assert x.shape[1] >= C + H + 2 * GK and _next_pow2(GK) == GK and GK >= 16
+        BG = 64
+        GB = triton.cdiv(HK, BG)
+    pdl = pdl_enabled(x)
+    kernel = _conv_decode_kernel if gates is None else _conv_gates_decode_kernel
+    kernel[(n * CB + 2 * GB,)](
+        x,
+        x.stride(0),
+        conv_state,
+        *conv_state.stride(),
+        weight,
+        weight.stride(0),
+        slots,
+        slots.stride(0),
+        num_accepted,
+        out,
+        out.stride(0),
+        b_out,
+        b_out.stride(0),
+        f_b,
+        g_b,
+        a_out,
+        z_out,
+        a_out.stride(0),
+        z_out.stride(0),
+        C,
+        H,
+        CB,
+        n * CB,
+        HK,
+        GB,
+        T,
+        W,
+        BC,
+        _next_pow2(W - 1 + T),
+        _next_pow2(H),
+        gates is not None,
+        GK,
+        BG,
+        16,
+        x.dtype == torch.float32,
+        pdl,
+        num_warps=4,
+        **_pdl_launch(pdl),
+    )
+
+
 def conv_decode(
     x: Tensor,
     conv_state: Tensor,
@@ -282,34 +983,51 @@ def conv_decode(
     β logits (the in-projection's leading columns); conv_state [slots, C, W-1]; weight [C, W]; slots
     [n, T]; num_accepted [n]. Writes SiLU(conv) to out [n*T, C] and the β logits to b_out [n*T, H]; reads
     the conv state of column num_accepted-1 and stores the state after token t in slot slots[:, t]."""
-    rows, C, W = x.shape[0], conv_state.shape[1], weight.shape[1]
-    n, H = rows // T, b_out.shape[1]
-    assert x.stride(1) == 1 and out.stride(1) == 1 and b_out.stride(1) == 1 and weight.stride(1) == 1
-    assert slots.stride(1) == 1 and slots.shape[1] >= T
-    BC = 128
-    _conv_decode_kernel[(n, triton.cdiv(C, BC))](
-        x,
-        x.stride(0),
-        conv_state,
-        *conv_state.stride(),
-        weight,
-        weight.stride(0),
-        slots,
-        slots.stride(0),
-        num_accepted,
-        out,
-        out.stride(0),
-        b_out,
-        b_out.stride(0),
-        C,
-        H,
-        T,
-        W,
-        BC,
-        _next_pow2(W - 1 + T),
-        _next_pow2(H),
-        num_warps=4,
-    )
+    _conv_launch(x, conv_state, weight, slots, num_accepted, out, b_out, T, None)
+
+
+def conv_gates_decode(
+    x: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    slots: Tensor,
+    num_accepted: Tensor,
+    out: Tensor,
+    b_out: Tensor,
+    T: int,
+    f_b: Tensor,
+    g_b: Tensor,
+    a_out: Tensor,
+    z_out: Tensor,
+) -> None:
+    """conv_decode and the KDA layer's two low-rank gate projections in one launch: a_out = f_a @ f_b.T
+    and z_out = g_a @ g_b.T, where f_a and g_a are the GK = f_b.shape[1] columns of x after the C conv
+    channels and the H β logits (fp32 accumulation, rounded once to a_out's dtype). Their programs run
+    beside the conv's, each reading one BG-row block of f_b or g_b once for every row of x.
+    f_b, g_b [HK, GK] contiguous; a_out, z_out [n*T, HK] with unit column stride."""
+    _conv_launch(x, conv_state, weight, slots, num_accepted, out, b_out, T, (f_b, g_b, a_out, z_out))
+
+
+def conv_gates_decode_reference(
+    x: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    slots: Tensor,
+    num_accepted: Tensor,
+    out: Tensor,
+    b_out: Tensor,
+    T: int,
+    f_b: Tensor,
+    g_b: Tensor,
+    a_out: Tensor,
+    z_out: Tensor,
+) -> None:
+    """The conv's torch reference and the two gate projections as torch matmuls (the unfused engine)."""
+    conv_decode_reference(x, conv_state, weight, slots, num_accepted, out, b_out, T)
+    lo = conv_state.shape[1] + b_out.shape[1]
+    GK = f_b.shape[1]
+    torch.mm(x[:, lo : lo + GK], f_b.t(), out=a_out)
+    torch.mm(x[:, lo + GK : lo + 2 * GK], g_b.t(), out=z_out)
 
 
 def conv_decode_reference(
@@ -372,9 +1090,11 @@ def _rope_kv_kernel(
     shards,
     block_size,
     D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
     h = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+KVH-1: a key/value head
+    _pdl_enter(PDL, True)
     HALF: tl.constexpr = D // 2
     i = tl.arange(0, HALF)
     p = tl.load(positions + tok).to(tl.int64)
@@ -425,6 +1145,7 @@ def rope_write_kv(
     N = qkv.shape[0]
     kvh, D = k_cache.shape[-2], k_cache.shape[-1]
     q = torch.empty(N, hq, D, dtype=qkv.dtype, device=qkv.device)
+    pdl = pdl_enabled(qkv)
     _rope_kv_kernel[(N, hq + kvh)](
         qkv,
         qkv.stride(0),
@@ -444,7 +1165,9 @@ def rope_write_kv(
         geometry.dcp,
         geometry.block_size,
         D,
+        pdl,
         num_warps=1,
+        **_pdl_launch(pdl),
     )
     return q
 
@@ -469,10 +1192,12 @@ def _pool_kernel(
     block_size,
     D: tl.constexpr,
     BP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     r = tl.program_id(0)
     g = tl.program_id(1)
     kh = tl.program_id(2)
+    _pdl_enter(PDL, True)
     d = tl.arange(0, D)
     n = tl.minimum(tl.load(seq_lens + r).to(tl.int64), max_len)
     lo = g.to(tl.int64) * pool
@@ -500,6 +1225,7 @@ def pool_keys_paged(k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, geo
     kvh, D = k_cache.shape[-2], k_cache.shape[-1]
     pooled = torch.empty(R, G, kvh, D, dtype=torch.float32, device=k_cache.device)
     BP = min(64, _next_pow2(pool))
+    pdl = pdl_enabled(k_cache)
     _pool_kernel[(R, G, kvh)](
         k_cache,
         block_tables,
@@ -516,7 +1242,9 @@ def pool_keys_paged(k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, geo
         geometry.block_size,
         D,
         BP,
+        pdl,
         num_warps=4,
+        **_pdl_launch(pdl),
     )
     return pooled
 
@@ -539,8 +1267,12 @@ def _select_kernel(
     GQ: tl.constexpr,
     D: tl.constexpr,
     BGR: tl.constexpr,
+    BT: tl.constexpr,  # next_pow2(TOPK)
+    RANK: tl.constexpr,  # top-k by rank ([BGR, BGR] comparisons) rather than K rounds of arg-max
+    PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
+    _pdl_enter(PDL, True)
     r = tok // Tq
     d = tl.arange(0, D)
     gi = tl.arange(0, BGR)
@@ -559,14 +1291,34 @@ def _select_kernel(
     score = tl.where(gi < own, score, float("-inf"))
     score = tl.where(gi == own, float("inf"), score)
     score = tl.where(gm, score, float("-inf"))
-    for i in tl.static_range(K):  # top-k by repeated arg-max, largest first (ties: the lower group)
-        best = tl.max(score, axis=0)
-        idx = tl.min(tl.where(score == best, gi, BGR), axis=0)
-        pick = tl.where(best > float("-inf"), idx, -1)
-        tl.store(rows + tok * stride_rows + i, pick.to(rows.dtype.element_ty))
-        score = tl.where(gi == idx, float("-inf"), score)
-    for i in tl.static_range(K, TOPK):
-        tl.store(rows + tok * stride_rows + i, tl.full([], -1, rows.dtype.element_ty))
+    if RANK:
+        # top-k by rank, no loop: a group's place is the number of groups ahead of it in the order (larger
+        # score first, ties to the lower group); the groups placed before K are stored at their place, and
+        # the places past the groups with a score (> -inf) hold -1, as the repeated arg-max below writes.
+        other, mine = score[None, :], score[:, None]
+        ahead = (other > mine) | ((other == mine) & (gi[None, :] < gi[:, None]))
+        place = tl.sum(ahead.to(tl.int32), axis=1)
+        real = score > float("-inf")
+        tl.store(rows + tok * stride_rows + place, gi.to(rows.dtype.element_ty), mask=real & (place < K))
+        filled = tl.minimum(tl.sum(real.to(tl.int32), axis=0), K)
+        p = tl.arange(0, BT)
+        none = tl.full([BT], -1, rows.dtype.element_ty)
+        tl.store(rows + tok * stride_rows + p, none, mask=(p >= filled) & (p < TOPK))
+    else:
+        for i in tl.static_range(K):  # top-k by repeated arg-max, largest first (ties: the lower group)
+            best = tl.max(score, axis=0)
+            idx = tl.min(tl.where(score == best, gi, BGR), axis=0)
+            pick = tl.where(best > float("-inf"), idx, -1)
+            tl.store(rows + tok * stride_rows + i, pick.to(rows.dtype.element_ty))
+            score = tl.where(gi == idx, float("-inf"), score)
+        for i in tl.static_range(K, TOPK):
+            tl.store(rows + tok * stride_rows + i, tl.full([], -1, rows.dtype.element_ty))
+
+
+# Groups up to which select_groups ranks every group against every other in one step (a [G, G] compare
+# and one reduction: 4096 pairs for the proxy preset's 64 groups) instead of K rounds of arg-max, each
+# two reductions across the program's warps (16 rounds: about 7.7 us a launch on the H200, 2026-12-04).
+SELECT_RANK_MAX = 128
 
 
 def select_groups(q: Tensor, positions: Tensor, pooled: Tensor, pool: int, out_rows: Tensor) -> None:
@@ -576,6 +1328,8 @@ def select_groups(q: Tensor, positions: Tensor, pooled: Tensor, pool: int, out_r
     R, G, kvh = pooled.shape[:3]
     topk = out_rows.shape[1]
     assert out_rows.stride(1) == 1
+    BGR = _next_pow2(G)
+    pdl = pdl_enabled(q)
     _select_kernel[(N,)](
         q.contiguous(),
         positions,
@@ -592,8 +1346,12 @@ def select_groups(q: Tensor, positions: Tensor, pooled: Tensor, pool: int, out_r
         min(topk, G),
         HQ // kvh,
         D,
-        _next_pow2(G),
+        BGR,
+        _next_pow2(topk),
+        BGR <= SELECT_RANK_MAX,
+        pdl,
         num_warps=4,
+        **_pdl_launch(pdl),
     )
 
 
@@ -626,9 +1384,11 @@ def _attn_decode_kernel(
     BL: tl.constexpr,
     BT: tl.constexpr,
     FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
     kh = tl.program_id(1)
+    _pdl_enter(PDL, True)
     r = tok // Tq
     d = tl.arange(0, D)
     gq = tl.arange(0, BG)
@@ -702,6 +1462,7 @@ def attention_decode(
     TOPK = rows.shape[1]
     out = torch.empty_like(q)
     gq = HQ // kvh
+    pdl = pdl_enabled(q)
     _attn_decode_kernel[(N, kvh)](
         q.contiguous(),
         positions,
@@ -730,6 +1491,8 @@ def attention_decode(
         64,
         _next_pow2(TOPK),
         q.dtype == torch.float32,
+        pdl,
         num_warps=4,
+        **_pdl_launch(pdl),
     )
     return out

@@ -273,9 +273,8 @@ class Runner:
         static logits [n_pad*T, vocab] and hidden states, and returns the logits view."""
         rows = n_pad * T
         ctx = self.decode_context(n_pad, T)
-        hidden = self.model.forward_hidden(self.arena.view("input_ids", rows), ctx, decode=True)
-        self.static.hidden[:rows].copy_(hidden)
-        self.static.logits[:rows].copy_(self.model.logits(hidden))
+        ids = self.arena.view("input_ids", rows)
+        self.model.decode_into(ids, ctx, self.static.hidden[:rows], self.static.logits[:rows])
         return self.static.logits[:rows]
 
     def decode_step(self, reqs: list[Request], mode: str = "auto") -> tuple[Tensor, str]:

@@ -9,6 +9,8 @@ import torch
 
 from qualify.protocol import compare_greedy
 
+from .fused_numerics import check_linear_add_norm, check_norm_linear, check_swiglu_linear
+
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
@@ -76,6 +78,221 @@ def test_linear_small_at_proxy_shapes(N, K, M):
     got = linear_small(x, w)
     # fp32 accumulation, one bf16 rounding: within a bf16 step of the exact product (|ref| ~ sqrt(K))
     torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=2**-7)
+
+
+def _bf(shape, g, scale=1.0):
+    return (torch.randn(*shape, generator=g, device=CUDA) * scale).to(torch.bfloat16)
+
+
+def _add_norm(M, g, K=4096):
+    """linear_add_norm at the o_proj shape (N = K = 4096): (s, u, sq, x, w, res, nw)."""
+    from kernels.fused import linear_add_norm
+
+    x, w, res = _bf((M, K), g), _bf((4096, K), g, K**-0.5), _bf((M, 4096), g)  # unit-sized products
+    nw = (torch.rand(4096, generator=g, device=CUDA) + 0.5).to(torch.bfloat16)
+    return (*linear_add_norm(x, w, res, nw), x, w, res, nw)
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 32])
+@pytest.mark.parametrize("K", [4096, 8192])  # out_proj / o_proj, MLP down (N = hidden)
+def test_linear_add_norm_at_proxy_shapes(K, M):
+    from kernels.fused import column_tiles
+
+    s, u, sq, x, w, res, nw = _add_norm(M, torch.Generator(device=CUDA).manual_seed(K + M), K)
+    check_linear_add_norm(s, u, sq, x, w, res, nw, column_tiles(4096, K))
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 32])
+@pytest.mark.parametrize("N", [12576, 5120])  # KDA in_proj, attention qkv (K = 4096)
+def test_norm_linear_at_proxy_shapes(N, M):
+    from kernels.fused import norm_linear
+
+    g = torch.Generator(device=CUDA).manual_seed(N + M)
+    s, u, sq, *_, nw = _add_norm(M, g)
+    w = _bf((N, 4096), g)
+    # (the bound: fused_numerics.check_norm_linear; the one the first run held it to could not be met)
+    check_norm_linear(norm_linear(u, sq, 1e-5, w), s, u, sq, nw, w, 1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 16, 32])
+def test_swiglu_linear_at_proxy_shapes(M):
+    from kernels.fused import swiglu_linear
+
+    g = torch.Generator(device=CUDA).manual_seed(M)
+    w = _bf((16384, 4096), g, 0.02)  # gate_up: gate and up of about unit size
+    x = _bf((M, 4096), g)
+    check_swiglu_linear(swiglu_linear(x, w), x, w)
+    s, u, sq, *_ = _add_norm(M, g)
+    check_swiglu_linear(swiglu_linear(u, w, sq, 1e-5), u, w, sq, 1e-5)
+
+
+@pytest.mark.parametrize("M", [4, 5, 16, 32])
+def test_each_row_of_a_projection_is_the_same_bits_at_every_batch(M):
+    """A decode step (one row per request) and a verify step (1 + drafts rows) must give a row the same
+    bits, or speculative decoding drifts from plain greedy decoding: every projection kind's row 0 at M
+    rows equals the same row launched alone."""
+    from kernels.fused import linear_add_norm, linear_small, norm_linear, swiglu_linear
+
+    g = torch.Generator(device=CUDA).manual_seed(M)
+    x, res = _bf((M, 4096), g), _bf((M, 4096), g)
+    nw = (torch.rand(4096, generator=g, device=CUDA) + 0.5).to(torch.bfloat16)
+    w_o, w_in, w_gu, w_down = (
+        _bf((4096, 4096), g, 4096**-0.5),
+        _bf((12576, 4096), g, 4096**-0.5),
+        _bf((16384, 4096), g, 4096**-0.5),
+        _bf((4096, 8192), g, 8192**-0.5),
+    )
+    xd = _bf((M, 8192), g)
+
+    def kinds(rows):
+        s, u, sq = linear_add_norm(x[:rows], w_o, res[:rows], nw)
+        s2, u2, sq2 = linear_add_norm(xd[:rows], w_down, res[:rows], nw)
+        return {
+            "linear_small": linear_small(x[:rows], w_in),
+            "linear_add_norm.s": s,
+            "linear_add_norm.u": u,
+            "linear_add_norm.sq": sq,
+            "linear_add_norm.s (K 8192)": s2,
+            "norm_linear": norm_linear(u, sq, 1e-5, w_in),
+            "swiglu_linear": swiglu_linear(x[:rows], w_gu),
+            "swiglu_linear (deferred norm)": swiglu_linear(u, w_gu, sq, 1e-5),
+        }
+
+    one, many = kinds(1), kinds(M)
+    differ = {}
+    for name, a in one.items():
+        b = many[name]
+        a0, b0 = (a[:, :1], b[:, :1]) if name.endswith("sq") else (a[:1], b[:1])
+        if not torch.equal(a0, b0):
+            differ[name] = (a0.float() - b0.float()).abs().max().item()
+    assert not differ, differ
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 8192), (5120, 4096)])
+def test_split_k_at_proxy_shapes(N, K, split):
+    from kernels import fused
+
+    g = torch.Generator(device=CUDA).manual_seed(N + K + split)
+    w = torch.randn(N, K, generator=g, device=CUDA).to(torch.bfloat16)
+    for M in (1, 32):
+        x = torch.randn(M, K, generator=g, device=CUDA).to(torch.bfloat16)
+        got = fused.linear_small(x, w, (32, 256, 4, 3, split))
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        torch.testing.assert_close(got.float(), ref, atol=0.05, rtol=2**-7)
+        # the partials are summed in split order whatever order the programs finish in: the same bytes
+        for _ in range(3):
+            assert torch.equal(fused.linear_small(x, w, (32, 256, 4, 3, split)), got)
+    torch.cuda.synchronize()
+    assert not fused._COUNTERS[w.device].any()  # every tile's last program reset its count
+
+
+@pytest.mark.parametrize("M", [1, 8, 32])
+def test_norm_head_at_proxy_shapes(M):
+    from kernels.fused import norm_head, norm_head_reference
+
+    g = torch.Generator(device=CUDA).manual_seed(M)
+    bf = torch.bfloat16
+    x, r = (torch.randn(M, 4096, generator=g, device=CUDA).to(bf) for _ in range(2))
+    nw = (torch.rand(4096, generator=g, device=CUDA) + 0.5).to(bf)
+    w = torch.randn(260, 4096, generator=g, device=CUDA).to(bf)
+    outs = []
+    for fn in (norm_head, norm_head_reference):
+        hidden = torch.empty(M, 4096, dtype=bf, device=CUDA)
+        logits = torch.empty(M, 260, device=CUDA)
+        fn(x, r, nw, 1e-5, w, hidden, logits)
+        outs.append((hidden, logits))
+    assert torch.equal(outs[0][0], outs[1][0])
+    # the same normed row (a bf16 entry may round one step apart where the two 1/rms differ in the last
+    # bit), 16-bit products exact in the fp32 accumulator: the fp32 head up to the order of the sums
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=0.05, rtol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_conv_gates_decode_at_proxy_shapes(T):
+    from kernels.fused import conv_gates_decode, conv_gates_decode_reference
+
+    g = torch.Generator(device=CUDA).manual_seed(T)
+    bf = torch.bfloat16
+    n, C, H, K, W = 8, 3 * 32 * 128, 32, 128, 4
+    proj = torch.randn(n * T, C + H + 2 * K, generator=g, device=CUDA).to(bf)
+    weight = torch.randn(C, W, generator=g, device=CUDA).to(bf)
+    state = torch.randn(64, C, W - 1, generator=g, device=CUDA).to(bf)
+    state[0].zero_()
+    slots = torch.arange(1, 1 + n * T, device=CUDA, dtype=torch.int32).view(n, T)
+    slots[-1] = 0  # a padding row
+    acc = torch.randint(1, T + 1, (n,), generator=g, device=CUDA, dtype=torch.int32)
+    f_b, g_b = (torch.randn(H * K, K, generator=g, device=CUDA).to(bf) for _ in range(2))
+    got = []
+    for fn in (conv_gates_decode, conv_gates_decode_reference):
+        st = state.clone()
+        out, b = torch.empty(n * T, C, device=CUDA, dtype=bf), torch.empty(n * T, H, device=CUDA, dtype=bf)
+        a, z = (torch.empty(n * T, H * K, device=CUDA, dtype=bf) for _ in range(2))
+        fn(proj, st, weight, slots, acc, out, b, T, f_b, g_b, a, z)
+        got.append((out, b, st, a, z))
+    torch.testing.assert_close(got[0][0], got[1][0], atol=2e-2, rtol=1e-2)
+    assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][2], got[1][2])
+    for i in (3, 4):  # a and z: fp32 accumulation of 128 products, one bf16 rounding on both sides
+        torch.testing.assert_close(got[0][i], got[1][i], atol=0.05, rtol=2**-7)
+
+
+def test_a_chain_of_pdl_launches_replayed_in_a_graph_equals_it_launched_serially():
+    """Each kernel reads what the one before it wrote: replayed in a CUDA graph with PDL, on new inputs
+    every replay, it gives the bytes the same kernels give launched without PDL. A kernel that read its
+    input before its wait would read the previous replay's."""
+    from kernels import fused
+
+    assert fused.pdl_enabled(torch.empty(1, device=CUDA))
+    g = torch.Generator(device=CUDA).manual_seed(7)
+    bf = torch.bfloat16
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=CUDA) * scale).to(bf)
+
+    w_gu, w_down, w_in, w_o = (
+        rnd(16384, 4096, scale=0.02),
+        rnd(4096, 8192, scale=0.02),
+        rnd(12576, 4096),
+        rnd(4096, 4096, scale=0.02),
+    )
+    w_head, nw = rnd(260, 4096), (torch.rand(4096, generator=g, device=CUDA) + 0.5).to(bf)
+    x, res = rnd(1, 4096), rnd(1, 4096)
+    hidden, logits = torch.empty(1, 4096, dtype=bf, device=CUDA), torch.empty(1, 260, device=CUDA)
+
+    def chain():
+        s, u, sq = fused.linear_add_norm(x, w_o, res, nw)  # o_proj, the add, the post-attention norm
+        act = fused.swiglu_linear(u, w_gu, sq, 1e-5)  # gate_up: the norm's 1/rms, SwiGLU
+        s2, u2, sq2 = fused.linear_add_norm(act, w_down, s, nw)  # down, the add, the next input norm
+        q = fused.norm_linear(u2, sq2, 1e-5, w_in)  # in_proj: the norm's 1/rms
+        o = fused.linear_small(q[:, :4096], w_o, (32, 256, 4, 3, 4))  # strided rows, split-K
+        h = fused.rmsnorm(o, nw, 1e-5)
+        fused.norm_head(s2, h, nw, 1e-5, w_head, hidden, logits)
+        return s2, logits.clone()
+
+    pdl = fused.PDL
+    try:
+        fused.PDL = True
+        chain()  # compiles, and allocates the split-K counters, before the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        for i in range(3):
+            x.copy_(rnd(1, 4096))
+            res.copy_(rnd(1, 4096))
+            graph.replay()
+            replayed = (out[0].clone(), logits.clone())
+            fused.PDL = False
+            serial = chain()
+            fused.PDL = True
+            assert torch.equal(replayed[0], serial[0]), i
+            assert torch.equal(replayed[1], serial[1]), i
+    finally:
+        fused.PDL = pdl
 
 
 def test_pooling_and_attention_at_proxy_geometry():

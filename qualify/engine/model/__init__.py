@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from kernels.fused import norm_head, serves_head
+
 from .attention import AttentionLayer
 from .context import DecodeContext, PrefillContext
 from .kda_layer import KdaLayer
 from .mlp import SwiGLU
-from .norm import Embedding, Linear, RMSNorm
+from .norm import Embedding, Linear, Prenormed, RMSNorm
 
 __all__ = ["DecodeContext", "DecoderLayer", "HybridModel", "MtpHead", "PrefillContext"]
 
@@ -30,14 +32,26 @@ class DecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_norm(x))
 
-    def forward_fused(self, x: Tensor, pending: Tensor | None, ctx, decode: bool) -> tuple[Tensor, Tensor]:
-        """The same block with each residual add inside the next norm's kernel: takes the residual stream
-        x and the previous block's MLP output still to be added (None: nothing), returns the pair for the
-        next block (the caller adds the last one)."""
-        x, h = (x, self.input_norm(x)) if pending is None else self.input_norm.add(x, pending)
-        h = self.mixer.forward_decode(h, ctx) if decode else self.mixer.forward_prefill(h, ctx)
-        x, h = self.post_norm.add(x, h)
-        return x, self.mlp(h)
+    def forward_fused(self, inp: Prenormed, ctx, decode: bool, next_norm: RMSNorm | None):
+        """The same block with each residual add and norm handed on unevaluated (Prenormed): takes this
+        block's input norm, returns the next block's (`next_norm`'s), or with next_norm None the pair
+        (residual stream, MLP output still to be added) for the caller. In a decode step the projection that
+        produces a residual branch (the mixer's output projection, MLP down) computes the add and the next
+        norm but its 1/rms in its own launch where kernels.fused.linear_small serves it, and the projection
+        that reads the norm (the mixer's first one, MLP gate_up) applies the 1/rms to its accumulator."""
+
+        def post_of(proj: Linear, h: Tensor) -> Prenormed:
+            return proj.add_norm(h, inp.total, self.post_norm)  # inp.total: set once the mixer read inp
+
+        if decode:
+            post = self.mixer.forward_decode(inp, ctx, post_of)
+        else:
+            h = self.mixer.forward_prefill(inp.materialize(), ctx)
+            post = Prenormed(inp.total, h, self.post_norm)
+        if next_norm is None:
+            out = self.mlp(post)
+            return post.total, out
+        return self.mlp(post, lambda proj, act: proj.add_norm(act, post.total, next_norm))
 
 
 class MtpHead(nn.Module):
@@ -77,14 +91,37 @@ class HybridModel(nn.Module):
     def forward_hidden(self, input_ids: Tensor, ctx, decode: bool) -> Tensor:
         """Last hidden state (before the final norm) of every token."""
         x = self.embed(input_ids)
-        if self.norm.fused:
-            pending = None
-            for layer in self.layers:
-                x, pending = layer.forward_fused(x, pending, ctx, decode)
+        if self.norm.fused and self.layers:
+            x, pending = self._fused_layers(x, ctx, decode)
             return x + pending
         for layer in self.layers:
             x = layer(x, ctx, decode)
         return x
+
+    def _fused_layers(self, x: Tensor, ctx, decode: bool) -> tuple[Tensor, Tensor]:
+        """The blocks with the fused glue: (residual stream, last MLP output still to be added)."""
+        layers = list(self.layers)
+        inp = Prenormed(x, None, layers[0].input_norm)
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else None
+            out = layer.forward_fused(inp, ctx, decode, nxt)
+            if nxt is not None:
+                inp = out
+        return out
+
+    def decode_into(self, input_ids: Tensor, ctx, hidden_out: Tensor, logits_out: Tensor) -> None:
+        """A decode or verify step: every token's last hidden state and its logits, written into the
+        caller's (static) buffers. With the fused glue the last residual add, the final norm and the fp32
+        head are one launch (kernels.fused.norm_head) where the rows are decode-sized."""
+        rows = input_ids.numel()
+        if self.norm.fused and self.layers and serves_head(self.lm_head.weight, rows):
+            x, pending = self._fused_layers(self.embed(input_ids), ctx, True)
+            n = self.norm
+            norm_head(x, pending, n.weight, n.eps, self.lm_head.weight, hidden_out, logits_out)
+            return
+        hidden = self.forward_hidden(input_ids, ctx, decode=True)
+        hidden_out.copy_(hidden)
+        logits_out.copy_(self.logits(hidden))
 
     def logits(self, hidden: Tensor) -> Tensor:
         # fp32 head: bf16 logits are quantized to 1/16-1/8 at their magnitude, coarser than the coherence

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from kernels.fused import attention_decode, pool_keys_paged, rope_write_kv, select_groups
 
 from ..layout import group_span
-from .norm import Linear, apply_rope
+from .norm import Linear, Prenormed, apply_rope
 from .selector import pool_keys, rows_to_key_mask, select_rows
 
 
@@ -126,6 +126,10 @@ def merge_partials(o: Tensor, lse: Tensor) -> Tensor:
     return (w[..., None] * o).sum(-2)
 
 
+def _apply(proj: Linear, x: Tensor) -> Tensor:
+    return proj(x)
+
+
 class AttentionLayer(nn.Module):
     def __init__(self, shape, *, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -140,9 +144,10 @@ class AttentionLayer(nn.Module):
     def attach(self, rt, k_cache: Tensor, v_cache: Tensor) -> None:
         self.rt, self.k_cache, self.v_cache = rt, k_cache, v_cache
 
-    def _project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+    def _project(self, x: Tensor | Prenormed, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        qkv = self.qkv_proj(x)  # x may be a Prenormed input (a fused engine's decode step)
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.hq * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q = apply_rope(q.view(n, self.hq, self.d), positions, self.rt.cos, self.rt.sin)
         k = apply_rope(k.view(n, self.kvh, self.d), positions, self.rt.cos, self.rt.sin)
         return q, k, v.view(n, self.kvh, self.d)
@@ -178,9 +183,10 @@ class AttentionLayer(nn.Module):
         key_mask = rows_to_key_mask(rows_out, rt.kpos, rt.pool, rt.num_groups, R, Tq)
         return folded_attention(q, qpos, kc, vc, rt.kpos, seq_lens, key_mask, rt.gather_partials)
 
-    def _decode_fused(self, x: Tensor, ctx) -> Tensor:
-        """forward_decode in four launches around the projections: RoPE + paged K/V write, key pooling
-        from the paged cache, the top-k group selection, and the selected-rows attention."""
+    def _decode_fused(self, x: Tensor | Prenormed, ctx) -> Tensor:
+        """forward_decode up to o_proj's input, in four launches around the projections: RoPE + paged K/V
+        write, key pooling from the paged cache, the top-k group selection, and the selected-rows
+        attention."""
         rt, n, T = self.rt, ctx.n, ctx.T
         geo = rt.geometry
         q = rope_write_kv(
@@ -209,11 +215,16 @@ class AttentionLayer(nn.Module):
             rt.pool,
             rt.num_groups,
         )
-        return self.o_proj(o.view(n * T, self.hq * self.d))
+        return o.view(n * T, self.hq * self.d)
 
-    def forward_decode(self, x: Tensor, ctx) -> Tensor:
+    def forward_decode(self, x: Tensor | Prenormed, ctx, then: Callable | None = None):
+        """One decode step of the block's attention; `then(o_proj, o)`, where given, runs the output
+        projection instead of o_proj(o) (Linear.add_norm: the residual add and the next norm in its
+        launch)."""
+        if then is None:
+            then = _apply
         if self.fused and self.rt.geometry.rank is None:
-            return self._decode_fused(x, ctx)
+            return then(self.o_proj, self._decode_fused(x, ctx))
         n, T = ctx.n, ctx.T
         q, k, v = self._project(x, ctx.positions)
         rows = ctx.block_tables[:, None, :].expand(n, T, ctx.block_tables.shape[1]).reshape(n * T, -1)
@@ -225,7 +236,7 @@ class AttentionLayer(nn.Module):
             ctx.seq_lens,
             ctx.selector_rows,
         )
-        return self.o_proj(o.reshape(n * T, self.hq * self.d))
+        return then(self.o_proj, o.reshape(n * T, self.hq * self.d))
 
     def forward_prefill(self, x: Tensor, ctx) -> Tensor:
         q, k, v = self._project(x, ctx.positions)

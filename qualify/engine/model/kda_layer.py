@@ -5,6 +5,7 @@ through the resolved backend (kernels.kda); out-projection. No KDA math here bey
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -12,10 +13,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from kernels.fused import conv_decode, conv_decode_reference
+from kernels.fused import conv_gates_decode, conv_gates_decode_reference
 from kernels.kda import Caps, build_chunk_metadata  # noqa: F401  (metadata builder re-exported for runner)
 
-from .norm import Linear, param
+from .norm import Linear, Prenormed, param
 
 
 @dataclass
@@ -144,14 +145,19 @@ class KdaLayer(nn.Module):
             self.conv_state[slot] = seq[:, -(W - 1) :].to(self.conv_state.dtype)
         return F.silu(out)
 
-    def forward_decode(self, x: Tensor, ctx) -> Tensor:
+    def forward_decode(self, x: Tensor | Prenormed, ctx, then: Callable | None = None):
+        """One decode step of the block's KDA mixer; `then(out_proj, o)`, where given, runs the output
+        projection instead of out_proj(o) (Linear.add_norm: the residual add and the next norm in its
+        launch)."""
         rt, H, K = self.rt, self.H, self.K
         rows = ctx.n * ctx.T
         ws = rt.ws
-        proj = self.in_proj(x)  # [rows, C + H + 2K]: conv channels, b, f_a, g_a
-        C = self.conv_dim
-        # conv + SiLU into the workspace, per-position conv states, the β logits copied beside
-        (conv_decode if self.fused else conv_decode_reference)(
+        # [rows, C + H + 2K]: conv channels, b, f_a, g_a (x may be a Prenormed input: the block's norm is
+        # then computed in the projection's launch)
+        proj = self.in_proj(x)
+        # conv + SiLU into the workspace, per-position conv states, the β logits copied beside, and the
+        # two gate projections (f_a @ f_b.T into a, g_a @ g_b.T into z): one launch with the fused glue
+        (conv_gates_decode if self.fused else conv_gates_decode_reference)(
             proj,
             self.conv_state,
             self.conv_weight,
@@ -160,13 +166,16 @@ class KdaLayer(nn.Module):
             ws.mixed_qkv[:rows],
             ws.b[:rows],
             ctx.T,
+            self.f_b.weight,
+            self.g_b.weight,
+            ws.a[:rows].view(rows, H * K),
+            ws.z[:rows].view(rows, H * K),
         )
-        torch.mm(proj[:, C + H : C + H + K], self.f_b.weight.t(), out=ws.a[:rows].view(rows, H * K))
-        torch.mm(proj[:, C + H + K :], self.g_b.weight.t(), out=ws.z[:rows].view(rows, H * K))
         binding = rt.binding(self, ctx.n, ctx.T)
         with record_function(f"kda::{rt.backend.name}"):
             rt.backend.run(binding)
-        return self.out_proj(ws.out[:rows].reshape(rows, H * K))
+        o = ws.out[:rows].reshape(rows, H * K)
+        return self.out_proj(o) if then is None else then(self.out_proj, o)
 
     def forward_prefill(self, x: Tensor, ctx) -> Tensor:
         rt, H, K = self.rt, self.H, self.K

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
-from kernels.fused import silu_mul, silu_mul_reference
-
-from .norm import Linear
+from .norm import Linear, Prenormed
 
 
 class SwiGLU(nn.Module):
@@ -15,8 +15,12 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_up = Linear(hidden, 2 * inner, dtype=dtype, device=device)
         self.down = Linear(inner, hidden, dtype=dtype, device=device)
-        self.fused = False  # kernels.fused.silu_mul, else its torch reference (HybridModel.set_fused)
 
-    def forward(self, x: Tensor) -> Tensor:
-        act = silu_mul if self.fused else silu_mul_reference
-        return self.down(act(self.gate_up(x)))
+    def forward(self, x: Tensor | Prenormed, then: Callable | None = None):
+        """x may be a Prenormed input (fused engines): gate_up then applies the norm's 1/rms in its own
+        launch where it can. The activation is computed in gate_up's launch where linear_small serves it,
+        else by kernels.fused.silu_mul (fused engines) or its torch reference. `then(down, act)`, where
+        given, runs the down projection instead of down(act) (Linear.add_norm: the next residual add and
+        norm in its launch)."""
+        act = self.gate_up.swiglu(x)
+        return self.down(act) if then is None else then(self.down, act)

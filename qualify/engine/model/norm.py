@@ -4,11 +4,23 @@ Linear, Embedding, RMSNorm, and the rotary position tables (derived from the con
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.fused import SMALL_M, SMALL_SHAPES, linear_small, rmsnorm, rmsnorm_reference
+from kernels.fused import (
+    linear_add_norm,
+    linear_small,
+    norm_linear,
+    rmsnorm,
+    rmsnorm_reference,
+    serves_small,
+    silu_mul,
+    silu_mul_reference,
+    swiglu_linear,
+)
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -22,16 +34,42 @@ class Linear(nn.Module):
         # decode-sized inputs through kernels.fused.linear_small where it beats cuBLAS (set_fused)
         self.fused = False
 
-    def forward(self, x: Tensor) -> Tensor:
+    def small(self, rows: int) -> bool:
+        """Whether `rows` rows go through kernels.fused's decode-sized projection (fused engines only)."""
+        return self.fused and serves_small(self.weight, rows)
+
+    def forward(self, x: Tensor | Prenormed) -> Tensor:
         w = self.weight
-        if (
-            self.fused
-            and tuple(w.shape) in SMALL_SHAPES
-            and x.numel() <= SMALL_M * w.shape[1]
-            and w.element_size() == 2
-        ):
+        if isinstance(x, Prenormed):
+            if not self.small(x.rows):
+                return F.linear(x.materialize(), w)
+            return x.project(w)
+        if self.small(x.numel() // w.shape[1]):
             return linear_small(x, w)
         return F.linear(x, w)
+
+    def swiglu(self, x: Tensor | Prenormed) -> Tensor:
+        """silu(gate) * up of this projection of x, [gate | up] (MLP gate_up): the activation in this
+        projection's launch where linear_small serves the rows (kernels.fused.swiglu_linear), else
+        silu_mul's kernel (fused engines) or its torch reference after it."""
+        w = self.weight
+        if isinstance(x, Prenormed):
+            if self.small(x.rows):
+                return x.project_swiglu(w)
+            x = x.materialize()
+        elif self.small(x.numel() // w.shape[1]):
+            return swiglu_linear(x, w)
+        return (silu_mul if self.fused else silu_mul_reference)(F.linear(x, w))
+
+    def add_norm(self, x: Tensor, residual: Tensor, norm: RMSNorm) -> Prenormed:
+        """residual + this projection of x, handed on unevaluated to `norm` (Prenormed). Where linear_small
+        serves the rows, this launch also writes the sum (the residual stream), the sum times the norm's
+        weight and its partial sums of squares (kernels.fused.linear_add_norm), and the projection that
+        reads the norm applies its 1/rms; else the add is left to the norm's kernel."""
+        if self.small(x.numel() // self.weight.shape[1]):
+            s, u, sq = linear_add_norm(x, self.weight, residual, norm.weight)
+            return Prenormed(s, None, norm, total=s, scaled=u, sq=sq)
+        return Prenormed(self(x), residual, norm)
 
 
 class Embedding(nn.Module):
@@ -56,6 +94,51 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return (rmsnorm if self.fused else rmsnorm_reference)(x, self.weight, self.eps)
+
+
+@dataclass
+class Prenormed:
+    """RMSNorm(x + residual) * norm.weight, not computed yet (fused engines). Either the launch that
+    produced x did the add and all of the norm but its 1/rms (Linear.add_norm: `total` is then the sum,
+    `scaled` the sum times the norm's weight and `sq` its partial sums of squares), and the projection that
+    reads it applies the 1/rms to its fp32 accumulator (kernels.fused.norm_linear, swiglu_linear); or the
+    add is still to do (x and residual; no residual at the first block), and the norm's kernel computes it
+    first (`materialize`). Once consumed, `total` is x + residual, rounded as torch's add rounds it (x
+    itself without a residual): the block's residual stream."""
+
+    x: Tensor
+    residual: Tensor | None
+    norm: RMSNorm
+    total: Tensor | None = None
+    scaled: Tensor | None = None
+    sq: Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.x.numel() // self.x.shape[-1]
+
+    def materialize(self) -> Tensor:
+        """The normed input, by the norm's kernel (with the add where it is still to do)."""
+        if self.scaled is not None:
+            return self.norm(self.total)
+        if self.residual is None:
+            self.total = self.x
+            return self.norm(self.x)
+        self.total, h = self.norm.add(self.x, self.residual)
+        return h
+
+    def project(self, weight: Tensor) -> Tensor:
+        """The normed input @ weight.T, for a weight linear_small serves: one launch where the producer did
+        the add (kernels.fused.norm_linear), else the norm's kernel then linear_small."""
+        if self.scaled is None:
+            return linear_small(self.materialize(), weight)
+        return norm_linear(self.scaled, self.sq, self.norm.eps, weight)
+
+    def project_swiglu(self, weight: Tensor) -> Tensor:
+        """silu(gate) * up of the normed input @ weight.T (MLP gate_up), as `project`."""
+        if self.scaled is None:
+            return swiglu_linear(self.materialize(), weight)
+        return swiglu_linear(self.scaled, weight, self.sq, self.norm.eps)
 
 
 def rope_tables(

@@ -1,0 +1,57 @@
+"""bench/linear.py's choice of launch shape per weight shape, on synthetic timings: the least time at
+1 row among the shapes no slower than the module's at 32, and whether linear_small should serve the shape
+(the folded launch against the unfused kernels plus cuBLAS where the step folds some); and its wrong-result
+guard."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+lb = pytest.importorskip("bench.linear")
+
+NAME, N, K, _ = lb.SHAPES[2]  # mlp down: the step folds the residual add and the next norm into it
+A, B = lb.SWEEP[0], lb.SWEEP[1]
+
+
+def _case(M: int, us: dict[str, float], cublas: float) -> dict:
+    timings = {k: {"us": v, "us_streamed": v} for k, v in us.items()}
+    timings["cublas"] = {"us": cublas, "us_streamed": cublas}
+    best = min(us, key=us.get)
+    return {"case": NAME, "N": N, "K": K, "M": M, "timings": timings, "best_vs_cublas": cublas / us[best]}
+
+
+def _fold(M: int, folded: float, two: float) -> dict:
+    us = {"unfused_cublas": two, "unfused_ours": two + 1, "folded_module": folded, "folded_best": folded}
+    return {"case": NAME, "M": M, "us_streamed": us, "folded_vs_unfused": two / folded}
+
+
+def test_the_fastest_shape_at_one_row_that_does_not_lose_at_32_rows_is_picked() -> None:
+    # B is faster at 1 row but slower than the module's launch at 32 rows: A is picked
+    one = _case(1, {"ours": 20.0, lb.label(A): 19.0, lb.label(B): 18.0}, cublas=22.0)
+    wide = _case(32, {"ours": 21.0, lb.label(A): 20.5, lb.label(B): 23.0}, cublas=22.0)
+    got = lb.suggest([one, wide], [_fold(1, 18.5, 21.0), _fold(32, 20.0, 23.0)])[f"{N}x{K}"]
+    assert got["launch_shape"] == list(A) and got["us_at_1"] == 19.0 and got["us_at_32"] == 20.5
+    assert got["serve"] is True
+
+
+def test_a_shape_is_not_served_where_the_fold_loses_to_the_two_launch_path_at_either_row_count() -> None:
+    one = _case(1, {"ours": 20.0}, cublas=22.0)
+    wide = _case(32, {"ours": 21.0}, cublas=19.0)
+    got = lb.suggest([one, wide], [_fold(1, 19.0, 22.0), _fold(32, 24.0, 21.0)])[f"{N}x{K}"]
+    assert got["launch_shape"] == list(lb.fused.launch_shape(N, K))  # "ours" is the module's own
+    assert got["serve"] is False and got["faster_than_cublas_path_at"] == {"1": True, "32": False}
+
+
+def test_a_wrong_or_failing_contender_is_reported_not_timed() -> None:
+    want = torch.ones(2, 3)
+
+    def fails():
+        raise RuntimeError("no such launch shape\nmore")
+
+    errors = lb._checked({"right": lambda: want + 0.01, "wrong": lambda: want * 2, "fails": fails}, want)
+    assert set(errors) == {"wrong", "fails"}
+    assert errors["fails"] == "RuntimeError: no such launch shape"
+    # a contender with an output of its own (linear_add_norm's (s, u, sq): s is checked) is held to it
+    own = {"s": lambda: (want + 1, want, want), "t": lambda: (want, want + 1)}
+    assert set(lb._checked(own, want, {"s": want + 1, "t": want + 1})) == {"t"}
