@@ -25,6 +25,24 @@ EPSILON = 0.1
 CUDA = torch.device("cuda")
 
 
+CONV_C, CONV_H, CONV_K, CONV_W = 3 * 32 * 128, 32, 128, 4  # the proxy's KDA conv: q, k, v channels
+
+
+def _conv_inputs(g, n: int, T: int):
+    """The decode conv's inputs at the proxy shapes for n requests of T tokens: in_proj's output (conv
+    channels, b, f_a, g_a), the conv weight, the state slots (slot 0 the null slot, zero), each token's slot
+    (the last request a padding row on slot 0) and each request's accepted count."""
+    bf, C, H, K, W = torch.bfloat16, CONV_C, CONV_H, CONV_K, CONV_W
+    proj = torch.randn(n * T, C + H + 2 * K, generator=g, device=CUDA).to(bf)
+    weight = torch.randn(C, W, generator=g, device=CUDA).to(bf)
+    state = torch.randn(64, C, W - 1, generator=g, device=CUDA).to(bf)
+    state[0].zero_()
+    slots = torch.arange(1, 1 + n * T, device=CUDA, dtype=torch.int32).view(n, T)
+    slots[-1] = 0  # a padding row
+    acc = torch.randint(1, T + 1, (n,), generator=g, device=CUDA, dtype=torch.int32)
+    return proj, weight, state, slots, acc
+
+
 def test_rmsnorm_silu_and_conv_at_proxy_shapes():
     from kernels.fused import (
         conv_decode,
@@ -47,14 +65,8 @@ def test_rmsnorm_silu_and_conv_at_proxy_shapes():
     gu = torch.randn(8, 2 * 8192, generator=g, device=CUDA).to(bf)
     torch.testing.assert_close(silu_mul(gu), silu_mul_reference(gu), atol=2e-2, rtol=1e-2)
 
-    T, n, C, H, W = 4, 8, 3 * 32 * 128, 32, 4
-    proj = torch.randn(n * T, C + H + 256, generator=g, device=CUDA).to(bf)
-    weight = torch.randn(C, W, generator=g, device=CUDA).to(bf)
-    state = torch.randn(64, C, W - 1, generator=g, device=CUDA).to(bf)
-    state[0].zero_()
-    slots = torch.arange(1, 1 + n * T, device=CUDA, dtype=torch.int32).view(n, T)
-    slots[-1] = 0  # a padding row
-    acc = torch.randint(1, T + 1, (n,), generator=g, device=CUDA, dtype=torch.int32)
+    T, n, C, H = 4, 8, CONV_C, CONV_H
+    proj, weight, state, slots, acc = _conv_inputs(g, n, T)
     got = []
     for fn in (conv_decode, conv_decode_reference):
         st = state.clone()
@@ -214,14 +226,8 @@ def test_conv_gates_decode_at_proxy_shapes(T):
 
     g = torch.Generator(device=CUDA).manual_seed(T)
     bf = torch.bfloat16
-    n, C, H, K, W = 8, 3 * 32 * 128, 32, 128, 4
-    proj = torch.randn(n * T, C + H + 2 * K, generator=g, device=CUDA).to(bf)
-    weight = torch.randn(C, W, generator=g, device=CUDA).to(bf)
-    state = torch.randn(64, C, W - 1, generator=g, device=CUDA).to(bf)
-    state[0].zero_()
-    slots = torch.arange(1, 1 + n * T, device=CUDA, dtype=torch.int32).view(n, T)
-    slots[-1] = 0  # a padding row
-    acc = torch.randint(1, T + 1, (n,), generator=g, device=CUDA, dtype=torch.int32)
+    n, C, H, K = 8, CONV_C, CONV_H, CONV_K
+    proj, weight, state, slots, acc = _conv_inputs(g, n, T)
     f_b, g_b = (torch.randn(H * K, K, generator=g, device=CUDA).to(bf) for _ in range(2))
     got = []
     for fn in (conv_gates_decode, conv_gates_decode_reference):
