@@ -329,7 +329,10 @@ class LocalLauncher(Launcher):
             with contextlib.suppress(metadata.PackageNotFoundError):
                 versions[dist] = metadata.version(dist)
         launch = self.options.launch_text() if self.options.launch is not None else None
-        key_src = json.dumps([self.options.serve_args(), launch, code, versions, self.weights.digest])
+        # Keyed by what decides the compiled kernels: the reference engine's code, the configuration, the
+        # compiler's versions. Not by the weights' bytes, which no compile reads (their shapes and dtype
+        # follow from the configuration): the next build's weights on this host find the kept cache.
+        key_src = json.dumps([self.options.serve_args(), launch, code, versions])
         key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
         kernels = KernelCache(cache_dir() / "kernels" / f"{self.options.preset}-{key}")
         if not kernels.ready:  # a step to run: only where the GPU holds a second engine beside this one

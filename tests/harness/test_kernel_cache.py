@@ -160,6 +160,22 @@ def test_the_cache_is_filled_by_the_reference_engine_even_when_a_liar_is_under_t
     monkeypatch.setattr(again, "_popen", popen)
     assert again.prepare_kernels().ready and len(ran) == 1
     assert again.kernels is not None and not again.kernels.filled_this_run
+    # So does the next build of the engine under test, with weights of its own (the same configuration):
+    # no compile reads the weights' bytes.
+    other = tmp_path / "w2.safetensors"
+    other.write_bytes(b"other weights")
+    next_build = LocalLauncher(
+        EngineOptions("tiny", "torch"), tmp_path / "run3", env=env, sandbox=_FakeSandbox(),
+        weights=HandedWeights(other, "sha256:w2", len(b"other weights"), "/w2", "test"),
+    )  # fmt: skip
+    monkeypatch.setattr(next_build, "_popen", popen)
+    assert next_build.prepare_kernels().ready and len(ran) == 1
+    # Another configuration (a backend, a preset, a launch document) is another key: a warm step of its own.
+    other_config = LocalLauncher(
+        EngineOptions("tiny", "triton"), tmp_path / "run4", env=env, sandbox=_FakeSandbox(), weights=handed
+    )
+    monkeypatch.setattr(other_config, "_popen", popen)
+    assert other_config.prepare_kernels().wait(30) and len(ran) == 2
 
 
 def test_a_cpu_target_gives_no_cache_and_says_why(tmp_path: Path) -> None:
