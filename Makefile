@@ -9,15 +9,17 @@ qualify: bootstrap
 	.venv/bin/qualify run --layout 2304,2304,2304,9216
 
 # Runs lint and the whole CPU test suite (PostgreSQL and Docker tests start their own services), then the
-# `serial` tests. PYTEST_WORKERS > 0 runs the first step in that many pytest-xdist workers (each with its
-# own QUALIFY_HOME and PostgreSQL cluster; the Docker tests one at a time across them, tests/conftest.py).
-# The default is none: on the 2-core CI machine two workers took the whole CI run from 1253 s to 1444 s
-# (the suite is mostly engines booting and running, which already keep both cores busy). Exit 5 (nothing
-# selected, e.g. by a -k in PYTEST_ARGS) is not a failure of either step.
-PYTEST_WORKERS ?= 0
+# `serial` tests. The first step runs in PYTEST_WORKERS pytest-xdist workers (each with its own QUALIFY_HOME
+# and PostgreSQL cluster; the Docker tests one at a time across them, tests/conftest.py) that steal work
+# from each other (`--dist worksteal`), so the long `qualify run` tests do not pile up at one worker's end.
+# On the 2-core machine (2026-12-04, one checkout, back to back) the first step took 1305 s in one process,
+# 1151 s in two workers with xdist's default `load` split, and 899 s with `worksteal` (a CPU `qualify run`
+# keeps about one core busy: 12 core-seconds in 13 s, the rest is waiting). PYTEST_WORKERS=0: one process.
+# Exit 5 (nothing selected, e.g. by a -k in PYTEST_ARGS) is not a failure of either step.
+PYTEST_WORKERS ?= 2
 test: bootstrap
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -m "not gpu and not serial" -n $(PYTEST_WORKERS) $(PYTEST_ARGS) \
+	.venv/bin/python -m pytest -m "not gpu and not serial" -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS) \
 		|| [ $$? -eq 5 ]
 	.venv/bin/python -m pytest -m "not gpu and serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
