@@ -14,6 +14,9 @@ must move) against the measured copy ceiling, the peer's figure, the module's la
 best. `suggested` picks, per weight shape, the launch shape with the least time at 1 row among those no
 slower than the module's at 32 rows, and says whether linear_small (with the fold, where the step folds
 one) beats the unfused path with cuBLAS at both row counts: what kernels.fused.SMALL_SHAPES should hold.
+With --fold-sweep each fold is timed at every launch shape of the sweep too (`fastest_folded` names
+the best), since an epilogue may want another shape than the plain projection; --fold-kinds keeps only
+the cases that fold one of the given kinds (add_norm: out_proj / o_proj and MLP down).
 Launches here are PDL launches as in the engine, but a graph of one kernel has nothing to overlap:
 bench/graphs.py times PDL in the step.
 """
@@ -165,10 +168,40 @@ def bench_case(name: str, N: int, K: int, M: int, ceiling: float) -> dict:
     }
 
 
-def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: tuple[int, ...]) -> dict:
+Shape = tuple[int, ...]
+Sweep = tuple[Shape, ...]
+
+
+def fold_shapes(module: Shape, best: Shape, sweep: Sweep = ()) -> dict[str, Shape]:
+    """The launch shapes a fold is timed at, by contender name: the module's, the plain sweep's best, and
+    each shape of `sweep` not already named (by its sweep label without `ours_`)."""
+    shapes = {"module": tuple(module), "best": tuple(best)}
+    shapes |= {label(c).removeprefix("ours_"): tuple(c) for c in sweep if tuple(c) not in shapes.values()}
+    return shapes
+
+
+def fastest_folded(us: dict[str, float], shapes: dict[str, Shape]) -> dict | None:
+    """The folded contender with the least time (`folded_<name>` in `us`) and its launch shape."""
+    folded = {k.removeprefix("folded_"): v for k, v in us.items() if k.startswith("folded_")}
+    if not folded:
+        return None
+    name = min(folded, key=folded.get)
+    return {"name": name, "launch_shape": list(shapes[name]), "us_streamed": folded[name]}
+
+
+def cases_to_run(names: list[str] | None, fold_kinds: list[str] | None) -> list[tuple]:
+    """SHAPES' cases named in `names` (all without), and of those only the ones whose launch folds one of
+    `fold_kinds` (all without)."""
+    todo = [s for s in SHAPES if not names or s[0] in names]
+    return [s for s in todo if not fold_kinds or s[3] in fold_kinds]
+
+
+def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep: Sweep = ()) -> dict:
     """The unfused path around the projection (the kernels a fold replaces, then the projection by cuBLAS
     or by linear_small at the module's launch shape) against the one launch that folds them in, at the
-    module's launch shape and at the plain sweep's best (`best`). "norm": rmsnorm with the add, then the
+    module's launch shape, at the plain sweep's best (`best`) and at every launch shape of `sweep` (the
+    fold's own sweep: an epilogue may want another shape than the plain projection's; labelled as the
+    plain sweep's, `folded_bn…`). "norm": rmsnorm with the add, then the
     projection, against norm_linear on the producer's (u, sq); "swiglu": the same then silu_mul, against
     swiglu_linear; "add_norm": the plain projection (the add and the norm are the next projection's
     unfused kernel, timed there) against linear_add_norm."""
@@ -176,7 +209,7 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: tuple[int, ..
     bf = torch.bfloat16
     w = torch.randn(N, K, generator=g, device="cuda").to(bf)
     module = fused.launch_shape(N, K)
-    shapes = {"module": module, "best": tuple(best)}
+    shapes = fold_shapes(module, best, sweep)
     wants = {}
     if kind == "add_norm":
         a = torch.randn(M, K, generator=g, device="cuda").to(bf)
@@ -217,6 +250,7 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: tuple[int, ..
         "launch_shapes": {k: list(v) for k, v in shapes.items()},
         "us_streamed": us,
         "folded_vs_unfused": None if unfused is None or one is None else round(unfused / one, 3),
+        "fastest_folded": fastest_folded(us, shapes),
         "unavailable": failed,
     }
 
@@ -292,6 +326,14 @@ def main() -> None:
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     ap.add_argument("--shapes", nargs="*", help="case names to run (default: all)")
+    ap.add_argument(
+        "--fold-sweep", action="store_true",
+        help="also time each folded launch at every launch shape of the sweep (see --fold-kinds)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--fold-kinds", nargs="*", choices=("norm", "swiglu", "add_norm"),
+        help="only the cases whose launch folds one of these (default: every case)",
+    )  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/linear.py needs a CUDA device")
@@ -303,6 +345,7 @@ def main() -> None:
         "module_launch_shape": dict(zip(("BN", "BK", "warps", "stages", "split"), MODULE, strict=True)),
         "module_table": {f"{n}x{k}": list(v) for (n, k), v in fused.SMALL_SHAPES.items()},
         "sweep": [list(c) for c in SWEEP],
+        "fold_sweep": args.fold_sweep,
         "pdl": fused.PDL,
         "copy_TBps": copy,
         "timing": TIMING.format(rounds=ROUNDS, streamed=10) + "; figures: us_streamed",
@@ -310,7 +353,7 @@ def main() -> None:
     rows: list[dict] = []
     folds: list[dict] = []
     heads: list[dict] = []
-    todo = [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
+    todo = cases_to_run(args.shapes, args.fold_kinds)
     total = len(todo) * len(args.rows)
 
     def save(done: bool) -> None:
@@ -326,10 +369,11 @@ def main() -> None:
         case = bench_case(name, N, K, M, copy["max"])
         rows.append(case)
         if kind is not None:
-            folds.append(bench_fold(name, N, K, M, kind, tuple(case["best_launch_shape"])))
+            sweep = SWEEP if args.fold_sweep else ()
+            folds.append(bench_fold(name, N, K, M, kind, tuple(case["best_launch_shape"]), sweep))
         print(f"linear: {name} M={M} done ({len(rows)}/{total})", file=sys.stderr, flush=True)
         save(False)
-    if not args.shapes:
+    if not args.shapes and not args.fold_kinds:
         for M in args.rows:
             heads.append(bench_head(M))
     save(True)

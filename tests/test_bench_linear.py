@@ -55,3 +55,24 @@ def test_a_wrong_or_failing_contender_is_reported_not_timed() -> None:
     # a contender with an output of its own (linear_add_norm's (s, u, sq): s is checked) is held to it
     own = {"s": lambda: (want + 1, want, want), "t": lambda: (want, want + 1)}
     assert set(lb._checked(own, want, {"s": want + 1, "t": want + 1})) == {"t"}
+
+
+def test_a_fold_sweep_times_each_shape_once_and_names_the_fastest() -> None:
+    module, best = lb.SWEEP[3], lb.SWEEP[5]
+    shapes = lb.fold_shapes(module, best, lb.SWEEP)
+    assert shapes["module"] == tuple(module) and shapes["best"] == tuple(best)
+    assert len(shapes) == len(lb.SWEEP)  # the module's and the best shape are not timed twice
+    assert sorted(map(tuple, shapes.values())) == sorted(map(tuple, lb.SWEEP))
+    assert lb.fold_shapes(module, best) == {"module": tuple(module), "best": tuple(best)}
+    name = lb.label(lb.SWEEP[7]).removeprefix("ours_")
+    us = {"unfused_cublas": 9.0, "folded_module": 10.0, "folded_best": 9.5, f"folded_{name}": 8.25}
+    assert lb.fastest_folded(us, shapes) == {
+        "name": name, "launch_shape": list(lb.SWEEP[7]), "us_streamed": 8.25,
+    }  # fmt: skip
+    assert lb.fastest_folded({"unfused_cublas": 9.0}, shapes) is None
+
+
+def test_fold_kinds_select_the_cases_whose_launch_folds_them() -> None:
+    assert [c[0] for c in lb.cases_to_run(None, ["add_norm"])] == ["mlp down", "out_proj / o_proj"]
+    assert [c[0] for c in lb.cases_to_run(["mlp down"], ["norm"])] == []
+    assert lb.cases_to_run(None, None) == list(lb.SHAPES)
