@@ -242,7 +242,8 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep:
     timings, failed = _time(calls, want, wants)
     us = {k: v["us_streamed"] for k, v in timings.items()}
     unfused = min((us[k] for k in us if k.startswith("unfused")), default=None)
-    one = min((us[k] for k in us if k.startswith("folded")), default=None)
+    fastest = fastest_folded(us, shapes)
+    one = None if fastest is None else fastest["us_streamed"]
     return {
         "case": name,
         "M": M,
@@ -250,7 +251,7 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep:
         "launch_shapes": {k: list(v) for k, v in shapes.items()},
         "us_streamed": us,
         "folded_vs_unfused": None if unfused is None or one is None else round(unfused / one, 3),
-        "fastest_folded": fastest_folded(us, shapes),
+        "fastest_folded": fastest,
         "unavailable": failed,
     }
 
@@ -354,6 +355,7 @@ def main() -> None:
     folds: list[dict] = []
     heads: list[dict] = []
     todo = cases_to_run(args.shapes, args.fold_kinds)
+    fold_sweep = SWEEP if args.fold_sweep else ()
     total = len(todo) * len(args.rows)
 
     def save(done: bool) -> None:
@@ -369,8 +371,7 @@ def main() -> None:
         case = bench_case(name, N, K, M, copy["max"])
         rows.append(case)
         if kind is not None:
-            sweep = SWEEP if args.fold_sweep else ()
-            folds.append(bench_fold(name, N, K, M, kind, tuple(case["best_launch_shape"]), sweep))
+            folds.append(bench_fold(name, N, K, M, kind, tuple(case["best_launch_shape"]), fold_sweep))
         print(f"linear: {name} M={M} done ({len(rows)}/{total})", file=sys.stderr, flush=True)
         save(False)
     if not args.shapes and not args.fold_kinds:

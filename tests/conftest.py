@@ -1,6 +1,6 @@
 """Shared fixtures: a throwaway PostgreSQL cluster, and store URLs for both dialects; how the suite runs in
-parallel (pytest-xdist, `PYTEST_WORKERS=N make test`): Docker tests one at a time across the workers, `serial`
-tests after the rest, in one process."""
+parallel (pytest-xdist: `make test` runs PYTEST_WORKERS of them, 2 by default): Docker tests one at a time
+across the workers, `serial` tests after the rest, in one process."""
 
 from __future__ import annotations
 
