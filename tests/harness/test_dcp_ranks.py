@@ -26,8 +26,11 @@ def _tree() -> tuple[subprocess.Popen, list[int]]:
         "time.sleep(60)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    kids = [int(x) for x in parent.stdout.readline().split()]
-    assert [parent.stdout.readline().strip() for _ in kids] == ["up", "up"]  # both started
+    # The children share the parent's stdout, so their "up" lines and the parent's pid line come in any order
+    # (CI saw a child's "up" first, 2026-12-04).
+    lines = sorted((parent.stdout.readline().strip() for _ in range(3)), key=lambda line: line == "up")
+    kids = [int(x) for x in lines[0].split()]
+    assert lines[1:] == ["up", "up"] and len(kids) == 2  # both started
     return parent, kids
 
 
