@@ -208,8 +208,8 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep:
     g = torch.Generator(device="cuda").manual_seed(N + K + M + 1)
     bf = torch.bfloat16
     w = torch.randn(N, K, generator=g, device="cuda").to(bf)
-    module = fused.launch_shape(N, K)
-    shapes = fold_shapes(module, best, sweep)
+    plain = fused.launch_shape(N, K)  # the unfused path's projection
+    shapes = fold_shapes(fused.launch_shape(N, K, kind=kind), best, sweep)  # the fold's own (KIND_SHAPES)
     wants = {}
     if kind == "add_norm":
         a = torch.randn(M, K, generator=g, device="cuda").to(bf)
@@ -232,7 +232,7 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep:
             want = fused.silu_mul_reference(want.to(bf)).float()
         calls = {
             "unfused_cublas": lambda: after(F.linear(fused.rmsnorm(x, nw, 1e-5, r)[1], w)),
-            "unfused_ours": lambda: after(fused.linear_small(fused.rmsnorm(x, nw, 1e-5, r)[1], w, module)),
+            "unfused_ours": lambda: after(fused.linear_small(fused.rmsnorm(x, nw, 1e-5, r)[1], w, plain)),
         }
         for k, cfg in shapes.items():
             if kind == "swiglu":
@@ -322,6 +322,42 @@ def suggest(cases: list[dict], folds: list[dict]) -> dict:
     return out
 
 
+def suggest_kinds(folds: list[dict]) -> dict:
+    """Per fold of a weight shape (kernels.fused.KIND_SHAPES' key, "kind NxK"): the launch shape with the
+    least folded time at 1 row among those timed at 32 rows too and no slower there than the fold's module
+    shape, by suggest's rule; `differs` says whether it is another shape than the module's (a table entry
+    to add), `gain_at_1` the module's time at 1 row over the pick's."""
+    out = {}
+    for name, N, K, kind in SHAPES:
+        by_m = {f["M"]: f for f in folds if f["case"] == name and f["fold"] == kind}
+        if 1 not in by_m:
+            continue
+
+        def timed(fold: dict) -> dict[tuple[int, ...], float]:
+            us, shapes = fold["us_streamed"], fold["launch_shapes"]
+            return {tuple(shapes[k]): us[f"folded_{k}"] for k in shapes if f"folded_{k}" in us}
+
+        one = timed(by_m[1])
+        wide = timed(by_m[32]) if 32 in by_m else {}
+        module = tuple(by_m[1]["launch_shapes"]["module"])
+        if module not in one:
+            continue
+        bound = wide.get(module, float("inf"))
+        ok = [c for c in one if c in wide and wide[c] <= bound] or list(one)
+        pick = min(ok, key=lambda c: (one[c], c != module))
+        out[f"{kind} {N}x{K}"] = {
+            "case": name,
+            "launch_shape": list(pick),
+            "differs": pick != module,
+            "us_at_1": one[pick],
+            "us_at_32": wide.get(pick),
+            "module_us_at_1": one[module],
+            "module_us_at_32": wide.get(module),
+            "gain_at_1": round(one[module] / one[pick], 3),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the JSON here")
@@ -345,6 +381,7 @@ def main() -> None:
         "work": "y = x @ W.T, bf16 in and out, fp32 accumulation; the same x and W for every contender",
         "module_launch_shape": dict(zip(("BN", "BK", "warps", "stages", "split"), MODULE, strict=True)),
         "module_table": {f"{n}x{k}": list(v) for (n, k), v in fused.SMALL_SHAPES.items()},
+        "module_kind_table": {f"{kd} {n}x{k}": list(v) for (kd, n, k), v in fused.KIND_SHAPES.items()},
         "sweep": [list(c) for c in SWEEP],
         "fold_sweep": args.fold_sweep,
         "pdl": fused.PDL,
@@ -365,6 +402,7 @@ def main() -> None:
         }
         body = {**result, "sum_over_shapes_at_M_1_us": sums, "cases": rows, "folds": folds, "head": heads}
         body["suggested"] = suggest(rows, folds)
+        body["suggested_kinds"] = suggest_kinds(folds)
         write_result({**body, "complete": done}, args.out, indent=1, echo=done)
 
     for (name, N, K, kind), M in itertools.product(todo, args.rows):

@@ -219,13 +219,13 @@ def _fused_cases() -> Iterator[tuple]:
     ]
     for label, N, Kd, kind, config in projections:
         fn = fu._KERNELS[kind]
-        BN, BK, warps, stages, split = fu.launch_shape(N, Kd, config)
+        BN, BK, warps, stages, split = fu.launch_shape(N, Kd, config, kind)
         swiglu = kind == "swiglu"
         even = ((N // 2) % (BN // 2) == 0 if swiglu else N % BN == 0) and Kd % (split * BK) == 0
         T = (
             hid // 32
             if kind == "norm" or swiglu
-            else fu.column_tiles(N, Kd, config)
+            else fu.column_tiles(N, Kd, config, kind)
             if kind == "add_norm"
             else 0
         )

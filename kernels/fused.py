@@ -95,6 +95,11 @@ SMALL_SHAPES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (16384, 4096): (32, 128, 4, 4, 1),  # 0.98x / 0.97x alone; served for its epilogue (MLP gate_up)
 }
 _BN, _BK, _WARPS, _STAGES, _SPLIT = 32, 256, 4, 4, 1  # any other shape asked for directly (tests, sweeps)
+# A launch shape for one kind of launch (_KERNELS' names) of one weight shape, where what it folds in after
+# the weight loop wants another than SMALL_SHAPES gives the plain projection: bench/linear.py --fold-sweep
+# times each fold at every shape of the sweep and names the fastest (fastest_folded). Empty until a sweep
+# on the H200 measures one faster: the plain projection's shape serves every kind.
+KIND_SHAPES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 # Split-K's per-tile arrival counters: one int32 per column tile, zero between launches (the last program
 # of a tile resets its own), allocated once per device and never moved (captured graphs hold the address).
 _COUNTER_SLOTS = 4096
@@ -131,9 +136,11 @@ def serves_head(weight: Tensor, rows: int) -> bool:
     return rows <= SMALL_M and weight.element_size() == 2 and weight.stride(1) == 1
 
 
-def launch_shape(N: int, K: int, config=None) -> tuple[int, int, int, int, int]:
-    """(BN, BK, warps, stages, split) for an N x K weight: `config` (4 entries: split 1), else the table's."""
-    c = tuple(config or SMALL_SHAPES.get((N, K), (_BN, _BK, _WARPS, _STAGES, _SPLIT)))
+def launch_shape(N: int, K: int, config=None, kind: str = "plain") -> tuple[int, int, int, int, int]:
+    """(BN, BK, warps, stages, split) for a `kind` launch (_KERNELS' names) of an N x K weight: `config`
+    (4 entries: split 1), else KIND_SHAPES' for the kind, else SMALL_SHAPES' for the weight shape."""
+    default = (_BN, _BK, _WARPS, _STAGES, _SPLIT)
+    c = tuple(config or KIND_SHAPES.get((kind, N, K)) or SMALL_SHAPES.get((N, K), default))
     return c if len(c) == 5 else (*c, 1)  # type: ignore[return-value]
 
 
@@ -431,11 +438,11 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def column_tiles(N: int, K: int, config=None, swiglu: bool = False) -> int:
-    """Programs per K split of a projection of an N x K weight: one per BN weight rows (BN // 2 outputs of
-    a SwiGLU's interleaved gate and up rows)."""
-    BN = launch_shape(N, K, config)[0]
-    return triton.cdiv(N // 2, BN // 2) if swiglu else triton.cdiv(N, BN)
+def column_tiles(N: int, K: int, config=None, kind: str = "plain") -> int:
+    """Programs per K split of a `kind` projection of an N x K weight: one per BN weight rows (BN // 2
+    outputs of a SwiGLU's interleaved gate and up rows)."""
+    BN = launch_shape(N, K, config, kind)[0]
+    return triton.cdiv(N // 2, BN // 2) if kind == "swiglu" else triton.cdiv(N, BN)
 
 
 def _linear_launch(
@@ -455,7 +462,7 @@ def _linear_launch(
     M = x2.shape[0]
     N, K = weight.shape
     assert M <= SMALL_M and weight.stride(1) == 1 and x2.shape[1] == K and x2.stride(1) == 1
-    BN, BK, warps, stages, split = launch_shape(N, K, config)
+    BN, BK, warps, stages, split = launch_shape(N, K, config, kind)
     BK = min(BK, max(16, _next_pow2(K)))
     # A row's bits must not depend on how many rows share the launch, or a verify step (1 + drafts rows)
     # drifts from the decode step of plain greedy decoding: M is not specialized (Triton would compile
@@ -470,7 +477,7 @@ def _linear_launch(
     else:
         assert y.shape == (M, N)
     assert y.stride(1) == 1
-    tiles = column_tiles(N, K, config, swiglu)
+    tiles = column_tiles(N, K, config, kind)
     even = (N // 2) % (BN // 2) == 0 if swiglu else N % BN == 0
     if split > 1:
         assert tiles <= _COUNTER_SLOTS
@@ -558,7 +565,8 @@ def linear_add_norm(
     M = x2.shape[0]
     s = torch.empty(M, N, dtype=x.dtype, device=x.device)
     u = torch.empty_like(s)
-    sq = torch.empty(column_tiles(N, x2.shape[1], config), M, dtype=torch.float32, device=x.device)
+    tiles = column_tiles(N, x2.shape[1], config, "add_norm")
+    sq = torch.empty(tiles, M, dtype=torch.float32, device=x.device)
     _linear_launch("add_norm", x2, weight, config, s, res=r2, g=norm_weight, s_out=s, u_out=u, sq=sq)
     shape = (*x.shape[:-1], N)
     return s.view(shape), u.view(shape), sq

@@ -76,3 +76,24 @@ def test_fold_kinds_select_the_cases_whose_launch_folds_them() -> None:
     assert [c[0] for c in lb.cases_to_run(None, ["add_norm"])] == ["mlp down", "out_proj / o_proj"]
     assert [c[0] for c in lb.cases_to_run(["mlp down"], ["norm"])] == []
     assert lb.cases_to_run(None, None) == list(lb.SHAPES)
+
+
+def _swept(M: int, us: dict[tuple, float]) -> dict:
+    """A fold record of the add_norm fold at mlp down, timed at the module's shape (A) and others."""
+    shapes = {"module": A, **{lb.label(c).removeprefix("ours_"): c for c in us if c != A}}
+    timed = {f"folded_{k}": us[tuple(c)] for k, c in shapes.items()}
+    return {"case": NAME, "M": M, "fold": "add_norm", "launch_shapes": shapes, "us_streamed": timed}
+
+
+def test_a_kind_shape_is_suggested_where_the_fold_is_faster_at_one_row_and_no_slower_at_32() -> None:
+    C = lb.SWEEP[9]
+    # B wins at 1 row but loses to the module's shape at 32; C is faster at 1 and no slower at 32
+    one = _swept(1, {A: 20.0, B: 16.0, C: 17.0})
+    wide = _swept(32, {A: 22.0, B: 23.0, C: 22.0})
+    got = lb.suggest_kinds([one, wide])[f"add_norm {N}x{K}"]
+    assert got["launch_shape"] == list(C) and got["differs"] is True
+    assert got["us_at_1"] == 17.0 and got["module_us_at_1"] == 20.0 and got["gain_at_1"] == round(20 / 17, 3)
+    # where the module's shape is as fast as any, it stays (no table entry to add)
+    tie = lb.suggest_kinds([_swept(1, {A: 17.0, C: 17.0}), _swept(32, {A: 22.0, C: 22.0})])
+    assert tie[f"add_norm {N}x{K}"]["differs"] is False
+    assert lb.suggest_kinds([wide]) == {}  # nothing timed at 1 row: nothing suggested

@@ -124,6 +124,27 @@ def test_linear_add_norm_writes_the_sum_the_scaled_row_and_each_tiles_sums_of_sq
     assert not fused_mod._COUNTERS.get(x.device, torch.zeros(1)).any()  # each split tile reset its count
 
 
+def test_a_kind_shape_serves_that_kind_of_launch_alone(monkeypatch):
+    """KIND_SHAPES gives one kind of launch of a weight shape its own launch shape: linear_add_norm runs
+    (and sizes its sums of squares) at it, a plain projection of the same weight keeps SMALL_SHAPES'."""
+    M, N, K = 3, 64, 96
+    monkeypatch.setitem(fused_mod.SMALL_SHAPES, (N, K), (16, 32, 4, 2))
+    monkeypatch.setitem(fused_mod.KIND_SHAPES, ("add_norm", N, K), (32, 32, 4, 2, 3))
+    assert column_tiles(N, K) == 4 and column_tiles(N, K, kind="add_norm") == 2
+    assert fused_mod.launch_shape(N, K, kind="norm") == (16, 32, 4, 2, 1)  # no entry of its own
+    assert fused_mod.launch_shape(N, K, (8, 32, 4, 2), "add_norm") == (8, 32, 4, 2, 1)  # a config wins
+    x, w, res, g, gen = _add_norm_inputs(M, N, K, 5)
+    s, u, sq = linear_add_norm(x, w, res, g)
+    assert sq.shape == (2, M)  # 32-column tiles, K split in 3
+    check_linear_add_norm(s, u, sq, x, w, res, g, 2)
+    s16, u16, sq16 = linear_add_norm(x, w, res, g, (16, 32, 4, 2))  # the plain projection's shape
+    assert torch.equal(s, s16) and torch.equal(u, u16) and sq16.shape == (4, M)
+    w2 = torch.randn(56, N, generator=gen).to(_F16)
+    check_norm_linear(norm_linear(u, sq, 1e-5, w2), s, u, sq, g, w2, 1e-5, ratio=1.5, floor=0.01)
+    want = F.linear(x.float(), w.float()).to(_F16)
+    torch.testing.assert_close(linear_small(x, w), want, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("M,N,K,config", _FOLD_CASES)
 def test_norm_linear_equals_the_norm_then_the_projection(M, N, K, config):
     x, w, res, g, gen = _add_norm_inputs(M, N, K, M + N)
