@@ -65,6 +65,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     # contenders hit an illegal address during the captures and the run without it completed; the GPU
     # tests never ran an unpipelined launch. Left out until a GPU test covers one.)
     "ours_state_stages_2": {"_STATE_STAGES": 2},
+    # Diag(β)·K̃ stored by the diagonal pass and read by the W/U pass in place of k, Γ and the norms.
+    "ours_kt_from_diag": {"_KT_FROM_DIAG": True},
 }
 
 

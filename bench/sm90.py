@@ -168,16 +168,19 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     c = dict(H=H, K=K, BK=min(K, ch._GATE_BK), BT=BT, DEVICE_COUNT=True)
     yield "prefill gate", ch._gate_kernel, gate, c, ch._GATE_WARPS
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
-    diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})
-    c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16)
-    yield "prefill diagonal pass", ci.diag_kernel, diag, c, ch._DIAG_WARPS
+    diag.update({"x_inv": F32, "rn": F32, "kt_out": BF16, **chunks, "scale": "fp32"})
+    for kt in (False, True):  # True: the _KT_FROM_DIAG variant's
+        c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, STORE_KT=kt)
+        name = "prefill diagonal pass" + (", storing diag(b)K~" if kt else "")
+        yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)
     yield "prefill off-diagonal pass", ci.inter_solve_kernel, inter, c, ch._INTER_WARPS
     wu = {"k": BF16, "v": BF16, "b": BF16, "gcum": F32, "x_inv": F32, "rn": F32, "w": BF16, "u": BF16}
     wu.update(chunks)
-    c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT)
-    yield "prefill W/U", ci.wu_kernel, wu, c, ch._WU_WARPS
+    for kt in (False, True):
+        c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT, KT_IN_W=kt)
+        yield f"prefill W/U{', diag(b)K~ read from w' if kt else ''}", ci.wu_kernel, wu, c, ch._WU_WARPS
     state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
     state = {"gcum": F32, **state, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32, "slots": I32}
     state["has_initial"] = "*u8"

@@ -51,6 +51,11 @@ _STATE_VB_FIRST = True
 # off-diagonal one spilled (740 bytes per thread at 2 warps, ptxas through bench/sm90.py). In 16-wide K
 # slices, or at 4 warps in 32-wide ones, the prefill ran 8% and 14% slower at 1x8192 (2026-12-04, 8a7ccd3).
 _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
+# Diag(β)·K̃, W's right operand, computed by the diagonal pass (which holds K̂ and e^Γ already) and stored
+# in the w scratch, which the W/U pass then reads in place of k, Γ and the norms and overwrites with W:
+# 201 MB fewer read by the W/U pass at 1x8192 (H = 32) and 67 MB more written by the diagonal pass, the
+# same bf16 operand bits on the GPU. Off until the H200 measures it (bench/kda_prefill.py's variant).
+_KT_FROM_DIAG = False
 
 
 def build_chunk_metadata(
@@ -408,6 +413,7 @@ def prefill(
             scratch["p"],
             scratch["x"],
             scratch["rn"],
+            scratch["w"],
             *chunks,
             scale,
             H=H,
@@ -416,6 +422,7 @@ def prefill(
             BC=_SUB,
             DEVICE_COUNT=dev,
             DT=ap_dt,
+            STORE_KT=_KT_FROM_DIAG,
             num_warps=_DIAG_WARPS,
         )
         inter_solve_kernel[(grid_chunks, H)](
@@ -452,6 +459,7 @@ def prefill(
             BT=BT,
             DEVICE_COUNT=dev,
             DT=tl.float32 if _INTERPRET else _WU_DT,
+            KT_IN_W=_KT_FROM_DIAG,
             num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or _state_bv(N, H, V, q.device))

@@ -54,6 +54,7 @@ def diag_kernel(
     p,
     x_inv,
     rn,
+    kt_out,
     cu_seqlens,
     chunk_indices,
     n_chunks_ptr,
@@ -65,10 +66,13 @@ def diag_kernel(
     BC: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
+    STORE_KT: tl.constexpr,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), zeros right
-    of the diagonal in p and x, then (I + A_ii)^{-1} by forward substitution over rows read back from x."""
+    of the diagonal in p and x, then (I + A_ii)^{-1} by forward substitution over rows read back from x.
+    STORE_KT: also Diag(β)·K̃_i (W's right operand, as wu_kernel computes it) to kt_out, so that the W/U
+    pass reads it instead of the raw keys, their norms and Γ."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -91,9 +95,19 @@ def diag_kernel(
     kh = kk * nk[:, None]
     qh = qq * nq[:, None]
     g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
-    tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
-    tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
-    beta = _beta(b, rows, mb)
+    if STORE_KT:
+        # β first and Diag(β)·K̃ beside Q̃, so e^Γ dies early: 164 registers a thread on sm_90 against 196
+        # with the store after K̄ and β (bench/sm90.py, 2026-12-05); the default pass keeps its order (162).
+        beta = _beta(b, rows, mb)
+        eg = tl.exp(gi)
+        tl.store(q_tilde + off, (qh * eg).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+        # the same fp32 products in the same order as wu_kernel's, rounded once
+        tl.store(kt_out + off, (kh * eg * beta[:, None]).to(kt_out.dtype.element_ty), mask=mb[:, None])
+        tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
+    else:
+        tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+        tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
+        beta = _beta(b, rows, mb)
     g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
     rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
     cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
@@ -299,9 +313,11 @@ def wu_kernel(
     BT: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
+    KT_IN_W: tl.constexpr,
 ):
     """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products, k normalised by
-    the inverse norms the diagonal pass stored in rn."""
+    the inverse norms the diagonal pass stored in rn; with KT_IN_W, Diag(β)·K̃ is what the diagonal pass
+    stored in w (STORE_KT), read and then overwritten with W by this program alone (its chunk's rows)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
@@ -313,9 +329,12 @@ def wu_kernel(
     x = tl.load(x_inv + rows[:, None] * BT + r[None, :], mask=mr & (r < n)[None, :], other=0.0).to(DT)
     beta = _beta(b, rows, r < n)
     offk = rows[:, None] * K + tl.arange(0, K)[None, :]
-    nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
-    kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
-    kt = kk * tl.exp(tl.load(gcum + offk, mask=mr, other=0.0)) * beta[:, None]
+    if KT_IN_W:
+        kt = tl.load(w + offk, mask=mr, other=0.0)
+    else:
+        nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
+        kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
+        kt = kk * tl.exp(tl.load(gcum + offk, mask=mr, other=0.0)) * beta[:, None]
     tl.store(w + offk, tl.dot(x, kt.to(DT)).to(w.dtype.element_ty), mask=mr)
     offv = rows[:, None] * V + tl.arange(0, V)[None, :]
     vv = tl.load(v + offv, mask=mr, other=0.0).to(tl.float32) * beta[:, None]

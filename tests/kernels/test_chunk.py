@@ -190,8 +190,8 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"_INTER_BK": 16}, {"_INTER_WARPS": 4, "_DIAG_WARPS": 4}],
-    ids=["default", "inter-k-slices-of-16", "four-warps"],
+    [{}, {"_INTER_BK": 16}, {"_INTER_WARPS": 4, "_DIAG_WARPS": 4}, {"_KT_FROM_DIAG": True}],
+    ids=["default", "inter-k-slices-of-16", "four-warps", "kt-from-diag"],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
     # Lengths around the chunk size (and one past two chunks), decays near the bound e^-5 per step on

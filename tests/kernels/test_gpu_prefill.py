@@ -119,6 +119,7 @@ VARIANTS = {
     "inter-k-slices-of-128": {"_INTER_BK": 128},
     "state-v-blocks-of-64": {"_STATE_BV": 64},
     "state-v-blocks-of-32-launched-last": {"_STATE_BV": 32, "_STATE_VB_FIRST": False},
+    "kt-from-diag": {"_KT_FROM_DIAG": True},
 }
 
 
