@@ -67,6 +67,10 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ours_state_stages_2": {"_STATE_STAGES": 2},
     # Diag(β)·K̃ stored by the diagonal pass and read by the W/U pass in place of k, Γ and the norms.
     "ours_kt_from_diag": {"_KT_FROM_DIAG": True},
+    # Γ_C of the next chunk loaded a chunk ahead by the state pass, off its S-to-S chain.
+    "ours_state_prefetch_g": {"_STATE_PREFETCH_G": True},
+    # The diagonal pass's forward substitution from registers, not rows read back through L2.
+    "ours_diag_solve_in_regs": {"_DIAG_SOLVE_IN_REGS": True},
 }
 
 

@@ -12,6 +12,7 @@ modules use; ptxas is the one Triton ships.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -169,9 +170,14 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     yield "prefill gate", ch._gate_kernel, gate, c, ch._GATE_WARPS
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
     diag.update({"x_inv": F32, "rn": F32, "kt_out": BF16, **chunks, "scale": "fp32"})
-    for kt in (False, True):  # True: the _KT_FROM_DIAG variant's
-        c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, STORE_KT=kt)
-        name = "prefill diagonal pass" + (", storing diag(b)K~" if kt else "")
+    # the default, and the _KT_FROM_DIAG and _DIAG_SOLVE_IN_REGS variants'
+    for kt, regs in ((False, False), (True, False), (False, True)):
+        c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, STORE_KT=kt, SOLVE_IN_REGS=regs)
+        name = (
+            "prefill diagonal pass"
+            + (", storing diag(b)K~" if kt else "")
+            + (", solve in registers" if regs else "")
+        )
         yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)
@@ -184,9 +190,11 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
     state = {"gcum": F32, **state, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32, "slots": I32}
     state["has_initial"] = "*u8"
-    for bv in (32, 64):
+    for bv, pre in itertools.product((32, 64), (False, True)):  # pre: the _STATE_PREFETCH_G variant's
         c = dict(H=H, K=K, V=V, BT=BT, BV=bv, WHILE_LOOP=False, DT=tl.bfloat16, VB_FIRST=ch._STATE_VB_FIRST)
-        yield f"prefill state pass BV={bv}", ch._state_kernel, state, c, ch._STATE_WARPS
+        c["PREFETCH_G"] = pre
+        name = f"prefill state pass BV={bv}" + (", Gamma_C a chunk ahead" if pre else "")
+        yield name, ch._state_kernel, state, c, ch._STATE_WARPS
     norm = {"out": BF16, "z": BF16, "weight": F32, "cu_seqlens": I32, "n_seqs": "i32", "eps": "fp32"}
     norm["rows_cap"] = "i32"
     yield "prefill gated norm", ch._gated_norm_kernel, norm, dict(H=H, V=V, ROWS=16), 4

@@ -56,6 +56,12 @@ _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 # 201 MB fewer read by the W/U pass at 1x8192 (H = 32) and 67 MB more written by the diagonal pass, the
 # same bf16 operand bits on the GPU. Off until the H200 measures it (bench/kda_prefill.py's variant).
 _KT_FROM_DIAG = False
+# The state pass loads Γ at the next chunk's last row a chunk ahead (see _state_kernel). Off until the
+# H200 measures it (bench/kda_prefill.py's variant).
+_STATE_PREFETCH_G = False
+# The diagonal pass's forward substitution reads each row of A_ii from its registers rather than storing
+# A_ii to x and reading the rows back (see diag_kernel); the same bits. Off until the H200 measures it.
+_DIAG_SOLVE_IN_REGS = False
 
 
 def build_chunk_metadata(
@@ -172,6 +178,8 @@ def _chunk_step(
     V: tl.constexpr,
     BT: tl.constexpr,
     DT: tl.constexpr,
+    g_pre,
+    PREFETCH_G: tl.constexpr,
 ):
     t0 = bos + cc * BT
     n = tl.minimum(BT, eos - t0)
@@ -187,10 +195,20 @@ def _chunk_step(
     pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0).to(DT)
     o = tl.dot(qc, Sb) + tl.dot(pc, db)
     tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr)
-    g_last = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
+    if PREFETCH_G:
+        g_last = g_pre  # loaded a chunk ahead (_g_last)
+    else:
+        g_last = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
     kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
     S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
     return S
+
+
+@triton.jit
+def _g_last(gcum, cc, bos, eos, h, d, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """Γ at the last row of chunk cc of the sequence [bos, eos)."""
+    t0 = bos + cc * BT
+    return tl.load(gcum + ((t0 + tl.minimum(BT, eos - t0) - 1) * H + h) * K + d)
 
 
 @triton.jit
@@ -215,9 +233,13 @@ def _state_kernel(
     WHILE_LOOP: tl.constexpr,
     DT: tl.constexpr,
     VB_FIRST: tl.constexpr,
+    PREFETCH_G: tl.constexpr,
 ):
     """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
-    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot."""
+    S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot.
+    PREFETCH_G: Γ_C of the next chunk is loaded at the top of each step, so its latency is spent beside
+    this chunk's products instead of before the state update (the compiler's software pipeline takes only
+    the dot operands' loads: Γ_C's load sat after the output's store, on the chain from S to S)."""
     if VB_FIRST:
         vb, h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
@@ -247,15 +269,35 @@ def _state_kernel(
     S = tl.zeros([K, BV], dtype=tl.float32)
     if tl.load(has_initial + i) != 0:
         S = tl.load(s_ptr)
+    if PREFETCH_G:
+        gl = _g_last(gcum, 0, bos, eos, h, d, H, K, BT)
+    else:
+        gl = tl.zeros([K], dtype=tl.float32)  # not read
     if WHILE_LOOP:
         # The interpreter cannot index a range by a loaded scalar; compiled code keeps the for loop.
         cc = 0
         while cc < nc:
-            S = _chunk_step(S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT)
+            if PREFETCH_G:
+                gn = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
+            else:
+                gn = gl
+            S = _chunk_step(
+                S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
+                gl, PREFETCH_G,
+            )  # fmt: skip
+            gl = gn
             cc += 1
     else:
         for cc in range(nc):
-            S = _chunk_step(S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT)
+            if PREFETCH_G:
+                gn = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
+            else:
+                gn = gl
+            S = _chunk_step(
+                S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
+                gl, PREFETCH_G,
+            )  # fmt: skip
+            gl = gn
     tl.store(s_ptr, S)
 
 
@@ -423,6 +465,7 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=ap_dt,
             STORE_KT=_KT_FROM_DIAG,
+            SOLVE_IN_REGS=_DIAG_SOLVE_IN_REGS,
             num_warps=_DIAG_WARPS,
         )
         inter_solve_kernel[(grid_chunks, H)](
@@ -486,6 +529,7 @@ def prefill(
             WHILE_LOOP=_INTERPRET,
             DT=tl.float32 if _INTERPRET else tl.bfloat16,
             VB_FIRST=_STATE_VB_FIRST,
+            PREFETCH_G=_STATE_PREFETCH_G,
             num_warps=_STATE_WARPS,
             **({} if _STATE_STAGES is None else {"num_stages": _STATE_STAGES}),
         )

@@ -132,7 +132,7 @@ def _run_prefill(
     A_log, dt_bias, w = (
         torch.randn(H, generator=gen) * 0.5,
         torch.randn(H * K, generator=gen),
-        torch.rand(V) + 0.5,
+        torch.rand(V, generator=gen) + 0.5,
     )
     pool = torch.randn(6, H, V, K, generator=gen)
     pool0 = pool.clone()
@@ -190,8 +190,22 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"_INTER_BK": 16}, {"_INTER_WARPS": 4, "_DIAG_WARPS": 4}, {"_KT_FROM_DIAG": True}],
-    ids=["default", "inter-k-slices-of-16", "four-warps", "kt-from-diag"],
+    [
+        {},
+        {"_INTER_BK": 16},
+        {"_INTER_WARPS": 4, "_DIAG_WARPS": 4},
+        {"_KT_FROM_DIAG": True},
+        {"_STATE_PREFETCH_G": True},
+        {"_DIAG_SOLVE_IN_REGS": True},
+    ],
+    ids=[
+        "default",
+        "inter-k-slices-of-16",
+        "four-warps",
+        "kt-from-diag",
+        "state-prefetch-g",
+        "diag-solve-in-regs",
+    ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
     # Lengths around the chunk size (and one past two chunks), decays near the bound e^-5 per step on
@@ -210,6 +224,26 @@ def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant,
     for slot in (1, 2, 3, 4):
         torch.testing.assert_close(pool[slot], states[slot], **STATE_TOL)
     assert torch.equal(pool[[0, 5]], pool0[[0, 5]])
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{"_STATE_PREFETCH_G": True}, {"_DIAG_SOLVE_IN_REGS": True}],
+    ids=["state-prefetch-g", "diag-solve-in-regs"],
+)
+def test_variants_that_move_only_loads_give_the_defaults_bits(variant, monkeypatch) -> None:
+    # Γ_C loaded a chunk early, or A's rows taken from registers instead of read back: the same fp32
+    # values enter the same arithmetic, so outputs and states must be equal bit for bit, not just close.
+    import kernels.kda.chunk as chunk
+
+    lens, slots, has_init = [1, 63, 64, 65, 130], [1, 2, 0, 3, 4], [True, False, True, True, False]
+    kw = dict(chunk=64, device_count=True, seed=6)  # mild decays: A_ii and its inverse far from I
+    out0, _, pool0, _, _ = _run_prefill(lens, slots, has_init, **kw)
+    for name, value in variant.items():
+        monkeypatch.setattr(chunk, name, value)
+    out1, _, pool1, _, _ = _run_prefill(lens, slots, has_init, **kw)
+    assert torch.equal(out1, out0)
+    assert torch.equal(pool1, pool0)
 
 
 def test_empty_padding_sequence_reads_and_writes_nothing() -> None:

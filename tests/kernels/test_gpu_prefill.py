@@ -120,6 +120,8 @@ VARIANTS = {
     "state-v-blocks-of-64": {"_STATE_BV": 64},
     "state-v-blocks-of-32-launched-last": {"_STATE_BV": 32, "_STATE_VB_FIRST": False},
     "kt-from-diag": {"_KT_FROM_DIAG": True},
+    "state-prefetch-g": {"_STATE_PREFETCH_G": True},
+    "diag-solve-in-regs": {"_DIAG_SOLVE_IN_REGS": True},
 }
 
 
