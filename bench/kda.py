@@ -58,7 +58,11 @@ def make_inputs(n: int, T: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def ours(
-    t: dict[str, torch.Tensor], *, block_v: int | None = None, num_warps: int | None = None
+    t: dict[str, torch.Tensor],
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    pdl: bool | None = None,
 ) -> Callable[[], None]:
     from kernels.kda.backend import DECODE_TENSORS
     from kernels.kda.decode import check_decode_args, launch_decode
@@ -66,19 +70,23 @@ def ours(
     args = [t[name] for name in DECODE_TENSORS]
     check_decode_args(*args)
     return lambda: launch_decode(
-        *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps
+        *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps, pdl=pdl
     )
 
 
 def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:
-    """The same in-place gated RMSNorm kernel our split-V path uses, for like-for-like peer timing."""
+    """The same in-place gated RMSNorm kernel our split-V path uses, for like-for-like peer timing, launched
+    as ours launches it (with programmatic dependent launch where the device has it: behind a kernel that
+    never signals, as fla's, its launch still overlaps that kernel's end)."""
+    from kernels.fused import _pdl_launch, pdl_enabled
     from kernels.kda.decode import _gated_rmsnorm_kernel
 
     out, z, w = t["out"], t["z"], t["norm_weight"]
-    rows = out.shape[0]
+    rows, pdl = out.shape[0], pdl_enabled(t["out"])
     return lambda: _gated_rmsnorm_kernel[(rows * H,)](
-        out, z, w, out.stride(0), out.stride(1), z.stride(0), z.stride(1), 1e-5, H=H, V=V, num_warps=1
-    )
+        out, z, w, out.stride(0), out.stride(1), z.stride(0), z.stride(1), 1e-5, H=H, V=V, PDL=pdl,
+        num_warps=1, **_pdl_launch(pdl),
+    )  # fmt: skip
 
 
 def fla(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:
@@ -166,6 +174,8 @@ def bench_decode(
     for n in batches:
         t = make_inputs(n, T)
         builders: dict[str, Callable[[], Callable[[], None]]] = {"ours": lambda t=t: ours(t)}
+        # the same launches without programmatic dependent launch: what it saves, measured in this run
+        builders["ours_no_pdl"] = lambda t=t: ours(t, pdl=False)
         if sweep is True or (isinstance(sweep, tuple) and n in sweep):
             for bv, nw in SWEEP:
                 builders[f"ours_bv{bv}_w{nw}"] = lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw)

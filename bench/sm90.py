@@ -89,6 +89,49 @@ def ptxas_report(ptx: str) -> dict[str, int]:
     return {k: int(m.group(1)) if (m := re.search(p, err)) else 0 for k, p in num.items()}
 
 
+_PTX_OP = re.compile(r"^(?:@!?%\w+\s+)?([a-z][\w.]*)\s*(.*?);")
+_PTX_REG = re.compile(r"%[a-z]+\d+")
+
+
+def pdl_report(ptx: str, params: list[str], pointers: set[str]) -> dict:
+    """What a kernel compiled with programmatic dependent launch does before its griddepcontrol.wait, read
+    from its PTX: the wait and release (launch_dependents) instructions it holds, and which of its pointer
+    arguments (`pointers`, among `params`: the runtime arguments in order) its global loads and L2
+    prefetches read through before the first wait. Registers are followed from each ld.param through the
+    arithmetic that derives addresses from it; a loaded value carries no argument on. Before the wait a
+    kernel may touch only what no kernel of a step writes (weights): anything else could be the previous
+    kernel's output, read before it is complete."""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    waits = sum("griddepcontrol.wait" in ln for ln in lines)
+    releases = sum("griddepcontrol.launch_dependents" in ln for ln in lines)
+    taint: dict[str, set[str]] = {}
+    read: set[str] = set()
+    for ln in lines:
+        if "griddepcontrol.wait" in ln:
+            break
+        m = _PTX_OP.match(ln)
+        if not m:
+            continue
+        op, args = m.group(1), m.group(2)
+        regs = _PTX_REG.findall(args)
+        if op.startswith("ld.param"):
+            idx = re.search(r"_param_(\d+)", args)
+            if idx and regs and int(idx.group(1)) < len(params):
+                taint[regs[0]] = {params[int(idx.group(1))]}
+            continue
+        if op.startswith(("ld.global", "prefetch")):
+            addr = re.search(r"\[\s*(%\w+)", args)
+            if addr:
+                read |= taint.get(addr.group(1), set())
+            for r in regs:
+                if addr is None or r != addr.group(1):
+                    taint.pop(r, None)  # a loaded value: no argument's address
+            continue
+        if regs:
+            taint[regs[0]] = set().union(*(taint.get(r, set()) for r in regs[1:]))
+    return {"waits": waits, "releases": releases, "read_before_wait": sorted(read & pointers)}
+
+
 # SASS opcodes counted in a projection's weight loop: the async copies that feed it (LDGSTS), the tensor
 # core ops (HMMA), and what must not be there: synchronous global loads and stores (each one a round trip
 # the loop waits for, or a store beside the weight stream), special-function ops (MUFU: exp, reciprocal),
@@ -149,13 +192,13 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     sig.update(scale="fp32", lower_bound="fp32", norm_eps="fp32")
     bv, warps = dm.default_launch(1, H, V)
     for T in (1, 4):
-        c = dict(H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=bv == V)
+        c = dict(H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=bv == V, PDL=True)
         yield f"decode T={T} split", dm._kda_decode_kernel, sig, c, warps
-        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True)
+        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, PDL=True)
         yield f"decode T={T} fused row", dm._kda_decode_kernel, sig, c, 4
     norm = {"out": BF16, "z": BF16, "norm_weight": F32, "stride_ot": "i32", "stride_oh": "i32"}
     norm.update(stride_zt="i32", stride_zh="i32", norm_eps="fp32")
-    yield "decode gated norm", dm._gated_rmsnorm_kernel, norm, dict(H=H, V=V), 1
+    yield "decode gated norm", dm._gated_rmsnorm_kernel, norm, dict(H=H, V=V, PDL=True), 1
 
 
 def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
@@ -315,6 +358,9 @@ def report(which: tuple[str, ...] = tuple(CASES)) -> list[dict]:
             k = compile_sm90(fn, sig, consts, warps, stages, aligned)
             row = {"kernel": label, "group": group, "num_warps": warps, "num_stages": stages}
             row |= {**ptxas_report(k.asm["ptx"]), "shared_bytes": int(k.metadata.shared)}
+            if consts.get("PDL"):
+                pointers = {n for n, t in sig.items() if t.startswith("*")}
+                row["pdl"] = pdl_report(k.asm["ptx"], list(sig), pointers)
             if len(launch) > 1:  # a projection: its kind, shape and weight loop
                 row |= {"projection": launch[1], "weight_loop": weight_loop(k.asm["cubin"])}
             rows.append(row)

@@ -3,6 +3,11 @@
 One program owns (request, head, V-block): it loads the entering state tile once, runs the request's T tokens
 in registers and stores every post-token state to its slot. With the whole V row in one program the gated
 RMSNorm is applied in-kernel; with a split V row a second small kernel normalizes the output in place.
+
+On sm_90 both launch with programmatic dependent launch, as the step's other kernels do (kernels.fused's
+PDL switch and its reasons): each reads only weights (A_log, dt_bias, the norm's weight) before its
+griddepcontrol.wait, and lets the next kernel launch right after it. Between the two launches of the
+split path this hides the norm kernel's launch behind the decode kernel's tail.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.fused import _pdl_enter, _pdl_launch, pdl_enabled
 
 L2_EPS = 1e-6
 
@@ -57,6 +64,7 @@ def _kda_decode_kernel(
     T: tl.constexpr,
     BV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     NV: tl.constexpr = V // BV
     pid = tl.program_id(0)
@@ -68,6 +76,12 @@ def _kda_decode_kernel(
     h64 = h.to(tl.int64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
+    # Weights first: no kernel of a step writes them, so they may be read before the wait.
+    A = tl.exp(tl.load(A_log + h).to(tl.float32))
+    bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
+    if FUSE_NORM:
+        w = tl.load(norm_weight + o_v).to(tl.float32)
+    _pdl_enter(PDL, True)
 
     live = tl.load(num_live)
     if T == 1:
@@ -91,10 +105,6 @@ def _kda_decode_kernel(
 
     head_tile = h64 * (V * K) + o_v[:, None].to(tl.int64) * K + o_k[None, :]
     S = tl.load(state + src * stride_slot + head_tile)
-    A = tl.exp(tl.load(A_log + h).to(tl.float32))
-    bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
-    if FUSE_NORM:
-        w = tl.load(norm_weight + o_v).to(tl.float32)
 
     for t in tl.static_range(T):
         row = r64 * T + t
@@ -131,16 +141,18 @@ def _gated_rmsnorm_kernel(
     norm_eps,
     H: tl.constexpr,
     V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # In-place on the bf16 core output of the split-V path; zero rows stay zero.
     pid = tl.program_id(0)
     row = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
     o_v = tl.arange(0, V)
+    w = tl.load(norm_weight + o_v).to(tl.float32)  # a weight: before the wait
+    _pdl_enter(PDL, True)
     p_o = out + row * stride_ot + h * stride_oh + o_v
     o = tl.load(p_o).to(tl.float32)
     b_z = tl.load(z + row * stride_zt + h * stride_zh + o_v).to(tl.float32)
-    w = tl.load(norm_weight + o_v).to(tl.float32)
     o = o * tl.rsqrt(tl.sum(o * o, 0) / V + norm_eps) * w * tl.sigmoid(b_z)
     tl.store(p_o, o.to(out.dtype.element_ty))
 
@@ -268,25 +280,29 @@ def launch_decode(
     scale: float | None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    pdl: bool | None = None,
 ) -> None:
-    """Launch without validation (the caller has run check_decode_args). Allocates nothing."""
+    """Launch without validation (the caller has run check_decode_args). Allocates nothing. pdl: None
+    launches with programmatic dependent launch where kernels.fused.pdl_enabled says so (sm_90 and later,
+    the switch on); a benchmark may force it off to time the difference."""
     n, T = state_indices.shape
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     bv, nw = default_launch(n, H, V, T)
     bv, nw = block_v or bv, num_warps or nw
     fuse = bv == V
+    pdl = pdl_enabled(q) if pdl is None else (pdl and pdl_enabled(q))
     _kda_decode_kernel[(n * H * (V // bv),)](
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), z.stride(0), z.stride(1),
         out.stride(0), out.stride(1), state.stride(0), state_indices.stride(0), state_indices.stride(1),
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
-        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, num_warps=nw,
+        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, PDL=pdl, num_warps=nw, **_pdl_launch(pdl),
     )  # fmt: skip
     if not fuse:
         _gated_rmsnorm_kernel[(n * T * H,)](
             out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
-            H=H, V=V, num_warps=1,
+            H=H, V=V, PDL=pdl, num_warps=1, **_pdl_launch(pdl),
         )  # fmt: skip
 
 

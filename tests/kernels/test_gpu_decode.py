@@ -154,3 +154,55 @@ def test_triton_verify_equals_tokens_one_at_a_time_byte_for_byte():
     assert torch.equal(together["out"].view(n, T, 32, 128), torch.stack(outs, 1))
     cols = t["state_indices"].flatten().long()
     assert torch.equal(together["state"][cols], state[cols])
+
+
+@pytest.mark.parametrize("n, T, block_v", [(1, 1, None), (16, 2, None), (4, 1, 128)])
+def test_decode_in_a_chain_of_pdl_launches_replayed_in_a_graph_equals_it_launched_serially(n, T, block_v):
+    """The KDA decode (and on the split path its norm) launches with PDL between the step's other kernels:
+    here a kernel before it writes q and one after it reads the normed output. Replayed in a CUDA graph on
+    new inputs every replay, the chain gives the bytes the same kernels give launched without PDL; a decode
+    or norm kernel that read a step's tensor before its wait would read the previous replay's."""
+    from kernels import fused
+    from kernels.kda.backend import DECODE_TENSORS
+    from kernels.kda.decode import check_decode_args, launch_decode
+
+    assert fused.pdl_enabled(torch.empty(1, device="cuda"))
+    t = decode_step(n, T, seed=4, **REAL)
+    rows, HK = n * T, 32 * 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    gate_up = torch.randn(rows, 2 * HK, generator=g, device="cuda").to(torch.bfloat16)
+    nw = (torch.rand(32 * 128, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+    initial = t["state"].clone()
+
+    def chain():
+        q = fused.silu_mul(gate_up).view(rows, 32, 128)  # a PDL kernel writes q
+        args = [q if name == "q" else t[name] for name in DECODE_TENSORS]
+        check_decode_args(*args)
+        launch_decode(*args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v)
+        return fused.rmsnorm(t["out"].view(rows, HK), nw, 1e-5)  # a PDL kernel reads the output
+
+    pdl = fused.PDL
+    try:
+        fused.PDL = True
+        chain()  # compiles before the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            normed = chain()
+        for i in range(3):
+            gate_up.copy_(torch.randn(rows, 2 * HK, generator=g, device="cuda").to(torch.bfloat16))
+            t["state"].copy_(initial)
+            graph.replay()
+            replayed = (normed.clone(), t["out"].clone(), t["state"].clone())
+            t["state"].copy_(initial)
+            fused.PDL = False
+            serial = (chain(), t["out"].clone(), t["state"].clone())
+            fused.PDL = True
+            for a, b in zip(replayed, serial, strict=True):
+                assert torch.equal(a, b), i
+    finally:
+        fused.PDL = pdl

@@ -38,6 +38,18 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_p
     for T in (1, 4):
         split = rows[f"decode T={T} split"]  # the serving path at every batch (kernels/kda/decode.py)
         assert split["spill_stores"] == 0 and split["spill_loads"] == 0, split
+    # Programmatic dependent launch (kernels/fused.py, kernels/kda/decode.py): every kernel of the decode
+    # step waits once and releases once, and before its wait reads through no pointer but a weight's, which
+    # no kernel of a step writes (a load of anything else may see the previous kernel's output unfinished).
+    weights = {"w", "A_log", "dt_bias", "norm_weight"}
+    pdl = {name: r["pdl"] for name, r in rows.items() if "pdl" in r}
+    assert {r["kernel"] for r in groups["decode"]} <= set(pdl), sorted(pdl)
+    assert len(pdl) == 5 + 28, sorted(set(rows) - set(pdl))
+    for name, p in pdl.items():
+        assert (p["waits"], p["releases"]) == (1, 1), (name, p)
+        assert set(p["read_before_wait"]) <= weights, (name, p)
+    assert pdl["decode T=1 split"]["read_before_wait"] == ["A_log", "dt_bias"]
+    assert pdl["decode gated norm"]["read_before_wait"] == ["norm_weight"]
     # kernels/fused.py: every glue kernel and projection prologue of the decode step, at 1 and 32 rows
     spilled = [r["kernel"] for r in groups["fused"] if r["spill_stores"] or r["spill_loads"]]
     assert not spilled, spilled
