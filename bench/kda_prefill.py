@@ -71,6 +71,12 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ours_state_prefetch_g": {"_STATE_PREFETCH_G": True},
     # The diagonal pass's forward substitution from registers, not rows read back through L2.
     "ours_diag_solve_in_regs": {"_DIAG_SOLVE_IN_REGS": True},
+    # The gate in wider channel blocks: 64 channels (128 contiguous bytes of a, 256 of Γ per row) at 4 warps,
+    # or whole 128-channel head rows at 8 (61 and 79 registers on sm_90, bench/sm90.py); the default's
+    # 32-channel blocks move 64 and 128 bytes per row. At 1x8192 (H = 32) the gate took 74.7 us on
+    # 2026-12-04 for 201 MB (2.7 TB/s), fla's 64.7.
+    "ours_gate_bk_64": {"_GATE_BK": 64},
+    "ours_gate_bk_128_w8": {"_GATE_BK": 128, "_GATE_WARPS": 8},
 }
 
 

@@ -209,8 +209,12 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
 
     chunks = {"cu_seqlens": I32, "chunk_indices": I32, "n_chunks_ptr": I32, "n_chunks": "i32"}
     gate = {"a": BF16, "A_log": F32, "dt_bias": F32, "gcum": F32, **chunks, "lower_bound": "fp32"}
-    c = dict(H=H, K=K, BK=min(K, ch._GATE_BK), BT=BT, DEVICE_COUNT=True)
-    yield "prefill gate", ch._gate_kernel, gate, c, ch._GATE_WARPS
+    # the module's channel blocks, and bench/kda_prefill.py's ours_gate_bk_64 and ours_gate_bk_128_w8
+    default = (min(K, ch._GATE_BK), ch._GATE_WARPS)
+    for bk, warps in (default, (64, 4), (K, 8)):
+        c = dict(H=H, K=K, BK=bk, BT=BT, DEVICE_COUNT=True)
+        name = "prefill gate" + ("" if (bk, warps) == default else f" BK={bk} at {warps} warps")
+        yield name, ch._gate_kernel, gate, c, warps
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
     diag.update({"x_inv": F32, "rn": F32, "kt_out": BF16, **chunks, "scale": "fp32"})
     # the default, and the _KT_FROM_DIAG and _DIAG_SOLVE_IN_REGS variants'

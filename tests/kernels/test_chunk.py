@@ -246,6 +246,21 @@ def test_variants_that_move_only_loads_give_the_defaults_bits(variant, monkeypat
     assert torch.equal(pool1, pool0)
 
 
+@pytest.mark.parametrize("bk", [64, 128], ids=["channel-blocks-of-64", "whole-head-rows"])
+def test_the_gate_in_wider_channel_blocks_gives_the_same_bits(bk, monkeypatch) -> None:
+    # bench/kda_prefill.py's gate variants at K = 128: the channels are independent, so a block's width
+    # changes which program computes a channel, not its value (on the GPU the variant tests bound it).
+    import kernels.kda.chunk as chunk
+
+    lens, slots, has_init = [3, 70], [1, 2], [True, False]
+    kw = dict(K=128, V=16, chunk=64, device_count=True, seed=8)
+    out0, _, pool0, _, _ = _run_prefill(lens, slots, has_init, **kw)
+    monkeypatch.setattr(chunk, "_GATE_BK", bk)
+    out1, o_ref, pool1, _, states = _run_prefill(lens, slots, has_init, **kw)
+    assert torch.equal(out1, out0) and torch.equal(pool1, pool0)
+    torch.testing.assert_close(out1.float(), o_ref.float(), **OUT_TOL)
+
+
 def test_empty_padding_sequence_reads_and_writes_nothing() -> None:
     lens, slots, has_init = [17, 0, 9], [1, 0, 2], [False, True, True]
     out, o_ref, pool, pool0, states = _run_prefill(lens, slots, has_init, seed=4)

@@ -122,6 +122,8 @@ VARIANTS = {
     "kt-from-diag": {"_KT_FROM_DIAG": True},
     "state-prefetch-g": {"_STATE_PREFETCH_G": True},
     "diag-solve-in-regs": {"_DIAG_SOLVE_IN_REGS": True},
+    "gate-channel-blocks-of-64": {"_GATE_BK": 64},
+    "gate-whole-head-rows-at-8-warps": {"_GATE_BK": 128, "_GATE_WARPS": 8},
 }
 
 
