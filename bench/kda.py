@@ -270,8 +270,10 @@ def main() -> None:
         "shape": {"H": H, "K": K, "V": V},
         "state_TBps_definition": "batch*H*K*V*4 bytes*(1 read + T writes) / time",
         "timing": TIMING.format(rounds=20, streamed=10),
-        "peers": "fla: fused_recurrent_kda_fwd (no gated norm); fla+norm: it plus our gated RMSNorm kernel; "
-        + B12X_ADAPTER,
+        "peers": "fla: fused_recurrent_kda_fwd (no gated norm); fla+norm: it plus our gated RMSNorm kernel "
+        "(launched as ours is, with programmatic dependent launch where the device has it); " + B12X_ADAPTER,
+        "pdl": "ours launches the decode kernel and its norm with programmatic dependent launch on sm_90 "
+        "(kernels.fused.PDL); ours_no_pdl: the same launches without it",
         "copy_TBps": copy_bandwidth(),
     }
     result["sweep"] = {"launches": [list(x) for x in SWEEP], "batches": "all" if sweep is True else sweep}
