@@ -97,15 +97,17 @@ def pdl_report(ptx: str, params: list[str], pointers: set[str]) -> dict:
     """What a kernel compiled with programmatic dependent launch does before its griddepcontrol.wait, read
     from its PTX: the wait and release (launch_dependents) instructions it holds, and which of its pointer
     arguments (`pointers`, among `params`: the runtime arguments in order) its global loads and L2
-    prefetches read through before the first wait. Registers are followed from each ld.param through the
-    arithmetic that derives addresses from it; a loaded value carries no argument on. Before the wait a
-    kernel may touch only what no kernel of a step writes (weights): anything else could be the previous
-    kernel's output, read before it is complete."""
+    prefetches read through, and its stores and atomics write through, before the first wait. Registers are
+    followed from each ld.param through the arithmetic that derives addresses from it; a loaded value
+    carries no argument on. Before the wait a kernel may read only what no kernel of a step writes
+    (weights) and write nothing: anything else could be the previous kernel's output, read before it is
+    complete, or its input, overwritten while it still reads it."""
     lines = [ln.strip() for ln in ptx.splitlines()]
     waits = sum("griddepcontrol.wait" in ln for ln in lines)
     releases = sum("griddepcontrol.launch_dependents" in ln for ln in lines)
     taint: dict[str, set[str]] = {}
     read: set[str] = set()
+    written: set[str] = set()
     for ln in lines:
         if "griddepcontrol.wait" in ln:
             break
@@ -119,8 +121,13 @@ def pdl_report(ptx: str, params: list[str], pointers: set[str]) -> dict:
             if idx and regs and int(idx.group(1)) < len(params):
                 taint[regs[0]] = {params[int(idx.group(1))]}
             continue
+        addr = re.search(r"\[\s*(%\w+)", args)
+        if op.startswith(("st.", "red.", "atom.")) and addr:
+            written |= taint.get(addr.group(1), set())
+            if op.startswith("atom."):
+                taint.pop(regs[0], None)  # the old value it returns: no argument's address
+            continue
         if op.startswith(("ld.global", "prefetch")):
-            addr = re.search(r"\[\s*(%\w+)", args)
             if addr:
                 read |= taint.get(addr.group(1), set())
             for r in regs:
@@ -129,7 +136,12 @@ def pdl_report(ptx: str, params: list[str], pointers: set[str]) -> dict:
             continue
         if regs:
             taint[regs[0]] = set().union(*(taint.get(r, set()) for r in regs[1:]))
-    return {"waits": waits, "releases": releases, "read_before_wait": sorted(read & pointers)}
+    return {
+        "waits": waits,
+        "releases": releases,
+        "read_before_wait": sorted(read & pointers),
+        "written_before_wait": sorted(written & pointers),
+    }
 
 
 # SASS opcodes counted in a projection's weight loop: the async copies that feed it (LDGSTS), the tensor
