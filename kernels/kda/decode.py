@@ -5,9 +5,9 @@ in registers and stores every post-token state to its slot. With the whole V row
 RMSNorm is applied in-kernel; with a split V row a second small kernel normalizes the output in place.
 
 On sm_90 both launch with programmatic dependent launch, as the step's other kernels do (kernels.fused's
-PDL switch and its reasons): each reads only weights (A_log, dt_bias, the norm's weight) before its
-griddepcontrol.wait, and lets the next kernel launch right after it. Between the two launches of the
-split path this hides the norm kernel's launch behind the decode kernel's tail.
+PDL switch and its reasons): each reads only weights (A_log, dt_bias, the norm's weight), or nothing,
+before its griddepcontrol.wait, and lets the next kernel launch right after it. Between the two launches
+of the split path this hides the norm kernel's launch behind the decode kernel's tail.
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ def _kda_decode_kernel(
     h64 = h.to(tl.int64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    # Weights first: no kernel of a step writes them, so they may be read before the wait.
-    A = tl.exp(tl.load(A_log + h).to(tl.float32))
-    bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
-    if FUSE_NORM:
-        w = tl.load(norm_weight + o_v).to(tl.float32)
+    if not FUSE_NORM:
+        # Weights first: no kernel of a step writes them, so they may be read before the wait. (Not in the
+        # whole-row program: there, held across the wait, they made its verify launch spill on sm_90.)
+        A = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
     _pdl_enter(PDL, True)
 
     live = tl.load(num_live)
@@ -105,6 +105,10 @@ def _kda_decode_kernel(
 
     head_tile = h64 * (V * K) + o_v[:, None].to(tl.int64) * K + o_k[None, :]
     S = tl.load(state + src * stride_slot + head_tile)
+    if FUSE_NORM:
+        A = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
+        w = tl.load(norm_weight + o_v).to(tl.float32)
 
     for t in tl.static_range(T):
         row = r64 * T + t

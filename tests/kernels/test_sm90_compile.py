@@ -38,6 +38,9 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_p
     for T in (1, 4):
         split = rows[f"decode T={T} split"]  # the serving path at every batch (kernels/kda/decode.py)
         assert split["spill_stores"] == 0 and split["spill_loads"] == 0, split
+    # the whole-row launches too (bench/kda.py's sweep): 254-255 registers, so a weight held across the PDL
+    # wait made the verify launch spill 8 bytes (2026-12-05)
+    assert not [r["kernel"] for r in groups["decode"] if r["spill_stores"] or r["spill_loads"]]
     # Programmatic dependent launch (kernels/fused.py, kernels/kda/decode.py): every kernel of the decode
     # step waits once and releases once, and before its wait reads through no pointer but a weight's, which
     # no kernel of a step writes (a load of anything else may see the previous kernel's output unfinished).
