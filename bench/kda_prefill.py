@@ -14,7 +14,10 @@ contender's timed call first restores those inputs from the saved copies (the sa
 
 I/O floor: the bytes a prefill must move at the least (read q, k, v, a, z, b and the initial state; write
 the output and the final state) over the measured device copy bandwidth (`io_floor`), and each
-contender's share of it (floor / time).
+contender's share of it (floor / time). Per pass of ours (`kernels_TBps`, with the profiler's split): the
+bytes each of its six launches addresses, every element of every tensor it reads or writes counted once
+(re-reads by several programs, which L2 may serve, are not), over the pass's time: how far each pass is
+from the copy bandwidth, and so which one the next change should take on.
 """
 
 from __future__ import annotations
@@ -207,6 +210,46 @@ def _io_floor(nseq: int, seqlen: int, H: int, copy_TBps: float | None) -> dict:
     return floor
 
 
+def _pass_bytes(nseq: int, seqlen: int, H: int) -> dict[str, int]:
+    """Bytes each launch of our prefill addresses at the module's defaults (kernels/kda/chunk.py and
+    chunk_intra.py), each element once, for sequences of whole 64-token chunks: rows of P and X hold 64
+    columns, of which the diagonal pass writes its 16-column block and the zeros right of it (40 a row on
+    average over the four sub-chunks), the off-diagonal pass the blocks left of it (24), and the W/U and
+    state passes read whole rows."""
+    e = nseq * seqlen * H  # (token, head) rows
+    bf, f4 = 2, 4
+    kb, vb = e * K * bf, e * V * bf  # one bf16 [T, H, 128] tensor
+    g = e * K * f4  # Γ, fp32
+    state = nseq * H * V * K * f4
+    return {
+        "_gate_kernel": kb + H * f4 + H * K * f4 + g,
+        # q, k, Γ, b read; Q̃, K̄, the norms, P's and X's diagonal blocks and zeros right of them written
+        "diag_kernel": 2 * kb + g + e * bf + 2 * kb + e * 2 * f4 + e * 40 * bf + e * 40 * f4,
+        # q, k, Γ, b, the norms and X's diagonal blocks read; P's and X's blocks left of the diagonal written
+        "inter_solve_kernel": 2 * kb + g + e * bf + e * 2 * f4 + e * 16 * f4 + e * 24 * bf + e * 24 * f4,
+        # X's rows, b, the key norms, k, Γ, v read; W, U written
+        "wu_kernel": e * 64 * f4 + e * bf + e * f4 + kb + g + vb + kb + vb,
+        # Q̃, K̄, W, U, P's rows and Γ at each chunk's last row read, the state read and written, the output
+        "_state_kernel": 3 * kb + vb + e * 64 * bf + (e // 64) * K * f4 + 2 * state + vb,
+        # the output and z read, the weight, the output written
+        "_gated_norm_kernel": 2 * vb + V * f4 + vb,
+    }
+
+
+def pass_rates(breakdown: list[dict], nbytes: dict[str, int], copy_TBps: float | None) -> dict[str, dict]:
+    """Each pass of ours in the profiler's split (kernel name, us per call): its bytes, TB/s and share of
+    the copy bandwidth."""
+    out: dict[str, dict] = {}
+    for k in breakdown:
+        name, us = k.get("kernel"), k.get("us_per_call")
+        if name in nbytes and isinstance(us, int | float) and us > 0:
+            rate = nbytes[name] / (us * 1e-6) / 1e12
+            out[name] = {"bytes": nbytes[name], "us": us, "TBps": round(rate, 3)}
+            if copy_TBps:
+                out[name]["share_of_copy"] = round(rate / copy_TBps, 3)
+    return out
+
+
 def bench_shape(
     nseq: int,
     seqlen: int,
@@ -262,6 +305,9 @@ def bench_shape(
         )
     if breakdown:
         row["kernels_us"] = {k: kernel_breakdown(calls[k]) for k in ("ours", "fla+norm") if k in timings}
+        ours_split = row["kernels_us"].get("ours")
+        if isinstance(ours_split, list):
+            row["kernels_TBps"] = pass_rates(ours_split, _pass_bytes(nseq, seqlen, H), copy_TBps)
     del x, saved
     torch.cuda.empty_cache()
     return row

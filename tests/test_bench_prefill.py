@@ -48,3 +48,28 @@ def test_io_floor_counts_inputs_outputs_and_both_states() -> None:
     assert f["bytes"] == 5 * tot * h * 128 * 2 + tot * h * 2 + tot * h * 128 * 2 + 2 * state
     assert f["floor_ms"] == round(f["bytes"] / 4e12 * 1e3, 4)
     assert "floor_ms" not in kp._io_floor(2, 64, 4, None)
+
+
+def test_pass_bytes_name_every_launch_of_ours_and_rates_follow_from_them() -> None:
+    import kernels.kda.chunk as ch
+    import kernels.kda.chunk_intra as ci
+
+    launched = {ch._gate_kernel, ci.diag_kernel, ci.inter_solve_kernel, ci.wu_kernel, ch._state_kernel}
+    launched.add(ch._gated_norm_kernel)
+    nbytes = kp._pass_bytes(1, 8192, 32)
+    assert set(nbytes) == {k.fn.__name__ for k in launched}  # the names the profiler reports
+    e = 8192 * 32
+    assert nbytes["_gate_kernel"] == e * 128 * (2 + 4) + 32 * 4 + 32 * 128 * 4  # a read, Γ written
+    assert nbytes["_gated_norm_kernel"] == 3 * e * 128 * 2 + 128 * 4
+    split = [
+        {"kernel": "wu_kernel", "us_per_call": 100.0, "launches_per_call": 1.0},
+        {"kernel": "void at::native::copy", "us_per_call": 5.0, "launches_per_call": 1.0},
+        {"kernel": "_gate_kernel", "us_per_call": 0.0, "launches_per_call": 1.0},
+    ]
+    rates = kp.pass_rates(split, nbytes, 4.0)
+    assert list(rates) == ["wu_kernel"]  # other kernels and empty times are left out
+    tbps = nbytes["wu_kernel"] / 100e-6 / 1e12
+    assert rates["wu_kernel"] == {
+        "bytes": nbytes["wu_kernel"], "us": 100.0, "TBps": round(tbps, 3), "share_of_copy": round(tbps / 4, 3)
+    }  # fmt: skip
+    assert "share_of_copy" not in kp.pass_rates(split, nbytes, None)["wu_kernel"]
