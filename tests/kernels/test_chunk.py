@@ -197,6 +197,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_KT_FROM_DIAG": True},
         {"_STATE_PREFETCH_G": True},
         {"_DIAG_SOLVE_IN_REGS": True},
+        {"_STATE_BV": 16},
     ],
     ids=[
         "default",
@@ -205,6 +206,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "kt-from-diag",
         "state-prefetch-g",
         "diag-solve-in-regs",
+        "state-v-blocks-of-16",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
