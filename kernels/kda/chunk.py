@@ -179,8 +179,16 @@ def _chunk_step(
     BT: tl.constexpr,
     DT: tl.constexpr,
     g_pre,
+    nc,
     PREFETCH_G: tl.constexpr,
 ):
+    """One chunk of the sequential pass: its outputs, and S carried past it. Returns S and, with
+    PREFETCH_G, Γ_C of the next chunk, loaded before this chunk's products (g_pre is this chunk's, loaded
+    by the step before); without it g_pre is passed through unread."""
+    if PREFETCH_G:
+        g_next = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
+    else:
+        g_next = g_pre
     t0 = bos + cc * BT
     n = tl.minimum(BT, eos - t0)
     mr = (r < n)[:, None]
@@ -196,12 +204,12 @@ def _chunk_step(
     o = tl.dot(qc, Sb) + tl.dot(pc, db)
     tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr)
     if PREFETCH_G:
-        g_last = g_pre  # loaded a chunk ahead (_g_last)
+        g_last = g_pre  # loaded a chunk ahead
     else:
-        g_last = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
+        g_last = _g_last(gcum, cc, bos, eos, h, d, H, K, BT)
     kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
     S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
-    return S
+    return S, g_next
 
 
 @triton.jit
@@ -277,27 +285,17 @@ def _state_kernel(
         # The interpreter cannot index a range by a loaded scalar; compiled code keeps the for loop.
         cc = 0
         while cc < nc:
-            if PREFETCH_G:
-                gn = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
-            else:
-                gn = gl
-            S = _chunk_step(
+            S, gl = _chunk_step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, PREFETCH_G,
+                gl, nc, PREFETCH_G,
             )  # fmt: skip
-            gl = gn
             cc += 1
     else:
         for cc in range(nc):
-            if PREFETCH_G:
-                gn = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
-            else:
-                gn = gl
-            S = _chunk_step(
+            S, gl = _chunk_step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, PREFETCH_G,
+                gl, nc, PREFETCH_G,
             )  # fmt: skip
-            gl = gn
     tl.store(s_ptr, S)
 
 
