@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qualify.protocol import compare_greedy
+from tests.pdl_chain import assert_replay_with_pdl_equals_serial
 
 from .fused_numerics import check_linear_add_norm, check_norm_linear, check_swiglu_linear
 
@@ -273,32 +274,13 @@ def test_a_chain_of_pdl_launches_replayed_in_a_graph_equals_it_launched_serially
         o = fused.linear_small(q[:, :4096], w_o, (32, 256, 4, 3, 4))  # strided rows, split-K
         h = fused.rmsnorm(o, nw, 1e-5)
         fused.norm_head(s2, h, nw, 1e-5, w_head, hidden, logits)
-        return s2, logits.clone()
+        return s2, logits
 
-    pdl = fused.PDL
-    try:
-        fused.PDL = True
-        chain()  # compiles, and allocates the split-K counters, before the capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
-        for i in range(3):
-            x.copy_(rnd(1, 4096))
-            res.copy_(rnd(1, 4096))
-            graph.replay()
-            replayed = (out[0].clone(), logits.clone())
-            fused.PDL = False
-            serial = chain()
-            fused.PDL = True
-            assert torch.equal(replayed[0], serial[0]), i
-            assert torch.equal(replayed[1], serial[1]), i
-    finally:
-        fused.PDL = pdl
+    def new_inputs():
+        x.copy_(rnd(1, 4096))
+        res.copy_(rnd(1, 4096))
+
+    assert_replay_with_pdl_equals_serial(chain, new_inputs)
 
 
 def test_pooling_and_attention_at_proxy_geometry():

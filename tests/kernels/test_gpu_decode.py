@@ -7,6 +7,7 @@ import torch
 
 from kernels.kda import Caps, get_backend
 from kernels.kda.b12x import packed_qkv_view
+from tests.pdl_chain import assert_replay_with_pdl_equals_serial
 
 from .conftest import decode_step
 
@@ -179,30 +180,11 @@ def test_decode_in_a_chain_of_pdl_launches_replayed_in_a_graph_equals_it_launche
         args = [q if name == "q" else t[name] for name in DECODE_TENSORS]
         check_decode_args(*args)
         launch_decode(*args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v)
-        return fused.rmsnorm(t["out"].view(rows, HK), nw, 1e-5)  # a PDL kernel reads the output
+        normed = fused.rmsnorm(t["out"].view(rows, HK), nw, 1e-5)  # a PDL kernel reads the output
+        return normed, t["out"], t["state"]
 
-    pdl = fused.PDL
-    try:
-        fused.PDL = True
-        chain()  # compiles before the capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            normed = chain()
-        for i in range(3):
-            gate_up.copy_(torch.randn(rows, 2 * HK, generator=g, device="cuda").to(torch.bfloat16))
-            t["state"].copy_(initial)
-            graph.replay()
-            replayed = (normed.clone(), t["out"].clone(), t["state"].clone())
-            t["state"].copy_(initial)
-            fused.PDL = False
-            serial = (chain(), t["out"].clone(), t["state"].clone())
-            fused.PDL = True
-            for a, b in zip(replayed, serial, strict=True):
-                assert torch.equal(a, b), i
-    finally:
-        fused.PDL = pdl
+    def new_inputs():
+        gate_up.copy_(torch.randn(rows, 2 * HK, generator=g, device="cuda").to(torch.bfloat16))
+        t["state"].copy_(initial)
+
+    assert_replay_with_pdl_equals_serial(chain, new_inputs, lambda: t["state"].copy_(initial))
