@@ -373,7 +373,7 @@ def main() -> None:
                 copy_TBps=copy["max"],
                 exclude=exclude,
                 variants=variants,
-            )  # fmt: skip
+            )
         )
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
         # Written after every shape, so a run cut short by its caller's time limit keeps what it measured

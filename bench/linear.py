@@ -286,6 +286,14 @@ def bench_head(M: int) -> dict:
     return {"case": "lm head", "M": M, "us_streamed": us, "one_vs_separate": ratio, "unavailable": failed}
 
 
+def _pick(one: dict, wide: dict, base):
+    """The key of `one` (times at 1 row) with the least time among those timed in `wide` (at 32 rows) no
+    slower than `base` there (all of `one` where none is), ties going to `base`."""
+    bound = wide.get(base, float("inf"))
+    ok = [k for k in one if k in wide and wide[k] <= bound] or list(one)
+    return min(ok, key=lambda k: (one[k], k != base))
+
+
 def suggest(cases: list[dict], folds: list[dict]) -> dict:
     """Per weight shape: the launch shape with the least time at 1 row among those no slower than the
     module's at 32 rows (the 1-request step is the target, the wide step must not lose), and whether
@@ -298,9 +306,7 @@ def suggest(cases: list[dict], folds: list[dict]) -> dict:
             continue
         one = {k: v["us_streamed"] for k, v in by_m[1]["timings"].items() if k.startswith("ours")}
         wide = {k: v["us_streamed"] for k, v in by_m[32]["timings"].items()} if 32 in by_m else {}
-        bound = wide.get("ours", float("inf"))
-        ok = [k for k in one if k in wide and wide[k] <= bound] or list(one)
-        pick = min(ok, key=lambda k: one[k])
+        pick = _pick(one, wide, "ours")
         shape = launch_of(pick, fused.launch_shape(N, K))
         serve = {}
         for M, case in by_m.items():
@@ -342,9 +348,7 @@ def suggest_kinds(folds: list[dict]) -> dict:
         module = tuple(by_m[1]["launch_shapes"]["module"])
         if module not in one:
             continue
-        bound = wide.get(module, float("inf"))
-        ok = [c for c in one if c in wide and wide[c] <= bound] or list(one)
-        pick = min(ok, key=lambda c: (one[c], c != module))
+        pick = _pick(one, wide, module)
         out[f"{kind} {N}x{K}"] = {
             "case": name,
             "launch_shape": list(pick),
