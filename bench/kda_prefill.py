@@ -62,24 +62,11 @@ ROUNDS = 10
 # the state pass applying X itself, ran 0.93-1.03x fla+norm on 2026-12-04:
 # bench/results/kda-prefill-h200-2026-12-04-rejected-fused-intra.json.)
 VARIANTS: dict[str, dict[str, object]] = {
-    # The state pass's software pipeline holds 188 KB of shared memory at 3 stages (one program per SM);
-    # 2 stages hold 128 KB (bench/sm90.py). (Unpipelined variants were queued too. On the H200 on 2026-12-04,
-    # with the rejected layout's state pass, three runs that had the unpipelined 32-wide variant among the
-    # contenders hit an illegal address during the captures and the run without it completed; the GPU
-    # tests never ran an unpipelined launch. Left out until a GPU test covers one.)
-    "ours_state_stages_2": {"_STATE_STAGES": 2},
-    # Diag(β)·K̃ stored by the diagonal pass and read by the W/U pass in place of k, Γ and the norms.
-    "ours_kt_from_diag": {"_KT_FROM_DIAG": True},
-    # Γ_C of the next chunk loaded a chunk ahead by the state pass, off its S-to-S chain.
-    "ours_state_prefetch_g": {"_STATE_PREFETCH_G": True},
-    # The diagonal pass's forward substitution from registers, not rows read back through L2.
-    "ours_diag_solve_in_regs": {"_DIAG_SOLVE_IN_REGS": True},
-    # The gate in wider channel blocks: 64 channels (128 contiguous bytes of a, 256 of Γ per row) at 4 warps,
-    # or whole 128-channel head rows at 8 (61 and 79 registers on sm_90, bench/sm90.py); the default's
-    # 32-channel blocks move 64 and 128 bytes per row. At 1x8192 (H = 32) the gate took 74.7 us on
-    # 2026-12-04 for 201 MB (2.7 TB/s), fla's 64.7.
-    "ours_gate_bk_64": {"_GATE_BK": 64},
-    "ours_gate_bk_128_w8": {"_GATE_BK": 128, "_GATE_WARPS": 8},
+    # The defaults before 2026-12-05 (32-channel gate blocks, no Γ_C prefetch in the state pass), timed in
+    # the same run as today's. The other variants of 2026-12-04 (two pipeline stages in the state pass,
+    # Diag(β)·K̃ from the diagonal pass, its solve from registers, whole-row gate blocks at 8 warps) ran
+    # slower or within 0.3% of the default on the H200 on 2026-12-05 (docs/KDA.md) and were removed.
+    "ours_before_2026_12_05": {"_GATE_BK": 32, "_STATE_PREFETCH_G": False},
 }
 
 

@@ -20,7 +20,10 @@ _SUB = 16  # sub-chunk: the span over which one exp factor may grow (≤ e^{5·8
 # Launch shapes and operand types, measured best on an H200 (module constants so a tuning run can
 # override them): bf16 operands for the A/P and W/U products (fp32 accumulation; fp32 A/P operands run as
 # tf32 and made the prefill 1.5x slower). The interpreter uses fp32.
-_GATE_BK, _GATE_WARPS, _STATE_WARPS = 32, 4, 4
+# The gate in 64-channel blocks (128 contiguous bytes of a, 256 of Γ per row) at 4 warps: the prefill ran
+# 0.870 / 0.814 / 3.391 ms (streamed) against 0.881 / 0.825 / 3.444 with 32-channel blocks, and whole
+# 128-channel rows at 8 warps 0.887 / 0.831 / 3.447 (H200, 2026-12-05, a7fbe7c, 1x8192 / 8x1024 / 1x32768).
+_GATE_BK, _GATE_WARPS, _STATE_WARPS = 64, 4, 4
 # W/U at 8 warps: 0.90 / 0.99 / 3.52 ms against 0.92 / 1.01 / 3.61 at 4 (H200, 2026-12-01, the shapes below).
 _WU_WARPS, _WU_DT, _AP_DT = 8, tl.bfloat16, tl.bfloat16
 # The state pass's V-block: None picks 32 when (sequences x heads x V/32) programs fit on the SMs at once,
@@ -56,9 +59,10 @@ _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 # 201 MB fewer read by the W/U pass at 1x8192 (H = 32) and 67 MB more written by the diagonal pass, the
 # same bf16 operand bits on the GPU. Off until the H200 measures it (bench/kda_prefill.py's variant).
 _KT_FROM_DIAG = False
-# The state pass loads Γ at the next chunk's last row a chunk ahead (see _state_kernel). Off until the
-# H200 measures it (bench/kda_prefill.py's variant).
-_STATE_PREFETCH_G = False
+# The state pass loads Γ at the next chunk's last row a chunk ahead (see _state_kernel), off the S-to-S
+# chain: the prefill ran 0.869 / 0.800 / 3.398 ms (streamed) against 0.881 / 0.825 / 3.444 without it
+# (H200, 2026-12-05, a7fbe7c, 1x8192 / 8x1024 / 1x32768), 140 registers against 128 on sm_90.
+_STATE_PREFETCH_G = True
 # The diagonal pass's forward substitution reads each row of A_ii from its registers rather than storing
 # A_ii to x and reading the rows back (see diag_kernel); the same bits. Off until the H200 measures it.
 _DIAG_SOLVE_IN_REGS = False

@@ -7,7 +7,8 @@ RMSNorm is applied in-kernel; with a split V row a second small kernel normalize
 On sm_90 both launch with programmatic dependent launch, as the step's other kernels do (kernels.fused's
 PDL switch and its reasons): each reads only weights (A_log, dt_bias, the norm's weight), or nothing,
 before its griddepcontrol.wait, and lets the next kernel launch right after it. Between the two launches
-of the split path this hides the norm kernel's launch behind the decode kernel's tail.
+of the split path this hides the norm kernel's launch behind the decode kernel's tail. Only launches of
+at most PDL_MAX_PROGRAMS programs (one wave of one-warp programs on an H200) do: past that PDL cost time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from torch import Tensor
 from kernels.fused import _pdl_enter, _pdl_launch, pdl_enabled
 
 L2_EPS = 1e-6
+# The largest decode grid launched with PDL. On the H200 (2026-12-05, a7fbe7c, bench/kda.py, H = 32, V = 128
+# in 8-row blocks: 512 programs per request) PDL ran batch 1 in 5.35 us against 5.62 and batch 8 (4096
+# programs, one wave at 32 per SM) in 9.63 against 9.86, but batch 64 in 72.8 against 72.6, 256 in 276.1
+# against 272.5 and 1024 in 1088.8 against 1070.5, and verify (T = 4) at 256 in 742.9 against 723.9.
+PDL_MAX_PROGRAMS = 4096
 
 
 @triton.jit
@@ -294,8 +300,9 @@ def launch_decode(
     bv, nw = default_launch(n, H, V, T)
     bv, nw = block_v or bv, num_warps or nw
     fuse = bv == V
-    pdl = pdl_enabled(q) if pdl is None else (pdl and pdl_enabled(q))
-    _kda_decode_kernel[(n * H * (V // bv),)](
+    programs = n * H * (V // bv)
+    pdl = (programs <= PDL_MAX_PROGRAMS if pdl is None else pdl) and pdl_enabled(q)
+    _kda_decode_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), z.stride(0), z.stride(1),

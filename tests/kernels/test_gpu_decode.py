@@ -157,12 +157,13 @@ def test_triton_verify_equals_tokens_one_at_a_time_byte_for_byte():
     assert torch.equal(together["state"][cols], state[cols])
 
 
-@pytest.mark.parametrize("n, T, block_v", [(1, 1, None), (16, 2, None), (4, 1, 128)])
+@pytest.mark.parametrize("n, T, block_v", [(1, 1, None), (8, 2, None), (16, 1, None), (4, 1, 128)])
 def test_decode_in_a_chain_of_pdl_launches_replayed_in_a_graph_equals_it_launched_serially(n, T, block_v):
     """The KDA decode (and on the split path its norm) launches with PDL between the step's other kernels:
     here a kernel before it writes q and one after it reads the normed output. Replayed in a CUDA graph on
     new inputs every replay, the chain gives the bytes the same kernels give launched without PDL; a decode
-    or norm kernel that read a step's tensor before its wait would read the previous replay's."""
+    or norm kernel that read a step's tensor before its wait would read the previous replay's. n = 8 is the
+    largest grid launched with PDL (PDL_MAX_PROGRAMS), n = 16 launches without it between PDL kernels."""
     from kernels import fused
     from kernels.kda.backend import DECODE_TENSORS
     from kernels.kda.decode import check_decode_args, launch_decode
