@@ -176,18 +176,54 @@ def _head_x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, mas
 
 
 # Rows of the reductions a projection's epilogue (and the head's first pass) computes per row: every
-# launch sums a row's squares in a [*, RB] or [RB, *] register tile whatever its tensor-core tile's rows
-# (BM), so that a row's bits do not depend on how many rows share the launch.
-RB = tl.constexpr(32)
+# launch sums a row's squares in [*, RB] or [RB, *] register tiles, one per RB rows of its tensor-core
+# tile (BM = RB or 2 * RB), so that a row's bits do not depend on how many rows share the launch.
+RB = tl.constexpr(16)
 
 
 @triton.jit
-def _first_rows(v, BM: tl.constexpr):
-    """The first BM entries of v [RB] (BM = RB or RB // 2)."""
-    if BM < RB:
-        lo, hi = tl.split(tl.permute(tl.reshape(v, [2, BM]), (1, 0)))
-        v = lo
-    return v
+def _cat_rows(lo, hi):
+    """[2 * RB] from the per-row values of rows 0..RB-1 (lo) and RB..2*RB-1 (hi)."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (1, 0)), [2 * RB])
+
+
+@triton.jit
+def _sq_partials(sq, M, T, r0: tl.constexpr, TP: tl.constexpr):
+    """Rows r0..r0+RB-1's sums of their T partial sums of squares sq [T, M], in a fixed order."""
+    TC: tl.constexpr = 64 if TP > 64 else TP
+    mr = r0 + tl.arange(0, RB)
+    tot = tl.zeros([RB], dtype=tl.float32)
+    for t0 in tl.static_range(0, TP, TC):
+        t = t0 + tl.arange(0, TC)
+        p = tl.load(sq + t[:, None] * M + mr[None, :], mask=(t[:, None] < T) & (mr[None, :] < M), other=0.0)
+        tot += tl.sum(p, axis=0)
+    return tot
+
+
+@triton.jit
+def _sq_tile(s_out, stride_s, sq, M, N, n, tile, r0: tl.constexpr):
+    """Rows r0..r0+RB-1 of this column tile's sums of squares, from the stored sum read back."""
+    mr = r0 + tl.arange(0, RB)
+    rmask = (mr[:, None] < M) & (n[None, :] < N)
+    sr = tl.load(s_out + mr[:, None] * stride_s + n[None, :], mask=rmask, other=0.0).to(tl.float32)
+    tl.store(sq + tile * M + mr, tl.sum(sr * sr, axis=1), mask=mr < M)
+
+
+@triton.jit
+def _head_sq(x, stride_x, res, stride_r, M, r0: tl.constexpr, K: tl.constexpr, PBK: tl.constexpr):
+    """norm_head's first pass for rows r0..r0+RB-1: (x + residual) rounded as torch's add is, its squares
+    summed over the row in chunks of PBK columns (a loop without a dot is not software-pipelined, so each
+    chunk is a round trip)."""
+    mr = r0 + tl.arange(0, RB)
+    sq_h = tl.zeros([RB], dtype=tl.float32)
+    for kb in range(0, K, PBK):
+        k = kb + tl.arange(0, PBK)
+        xmask = (mr[:, None] < M) & (k[None, :] < K)
+        sx = tl.load(x + mr[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        sr = tl.load(res + mr[:, None] * stride_r + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        sf = (sx + sr).to(x.dtype.element_ty).to(tl.float32)
+        sq_h += tl.sum(sf * sf, axis=1)
+    return sq_h
 
 
 @triton.jit
@@ -199,15 +235,10 @@ def _epilogue(
     """What a launch computes from its tile's fp32 x @ W.T (rows m, column tile `tile`), once per output."""
     dt = x.dtype.element_ty
     if RSTD:  # the deferred norm: 1/rms of each row from the T partial sums of squares sq [T, M]
-        TC: tl.constexpr = 64 if TP > 64 else TP
-        mr = tl.arange(0, RB)  # RB rows whatever the tile's: the sums' order never depends on BM
-        tot = tl.zeros([RB], dtype=tl.float32)
-        for t0 in tl.static_range(0, TP, TC):  # in a fixed order: the bytes never depend on the launch
-            t = t0 + tl.arange(0, TC)
-            pmask = (t[:, None] < T) & (mr[None, :] < M)
-            p = tl.load(sq + t[:, None] * M + mr[None, :], mask=pmask, other=0.0)
-            tot += tl.sum(p, axis=0)
-        acc = acc * _first_rows(1.0 / tl.sqrt(tot / K + eps), BM)[:, None]
+        rs = 1.0 / tl.sqrt(_sq_partials(sq, M, T, 0, TP) / K + eps)
+        if BM > RB:
+            rs = _cat_rows(rs, 1.0 / tl.sqrt(_sq_partials(sq, M, T, RB, TP) / K + eps))
+        acc = acc * rs[:, None]
     if SWIGLU:  # the tile's columns are (gate, up) pairs of BN // 2 outputs
         BO: tl.constexpr = BN // 2
         gate, up = tl.split(tl.reshape(acc, [BM, BO, 2]))
@@ -227,13 +258,12 @@ def _epilogue(
         sf = s.to(tl.float32)
         gv = tl.load(g + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(u_out + m[:, None] * stride_s + n[None, :], (sf * gv[None, :]).to(dt), mask=omask)
-        # This tile's columns' sums of squares, from the stored sum read back as RB rows: summed in the
-        # tensor-core tile's own layout, their order (and last bits) would depend on BM.
+        # This tile's columns' sums of squares, from the stored sum read back RB rows at a time: summed in
+        # the tensor-core tile's own layout, their order (and last bits) would depend on BM.
         tl.debug_barrier()  # every thread's stores of s above, before any thread reads them back
-        mr = tl.arange(0, RB)
-        rmask = (mr[:, None] < M) & (n[None, :] < N)
-        sr = tl.load(s_out + mr[:, None] * stride_s + n[None, :], mask=rmask, other=0.0).to(tl.float32)
-        tl.store(sq + tile * M + mr, tl.sum(sr * sr, axis=1), mask=mr < M)
+        _sq_tile(s_out, stride_s, sq, M, N, n, tile, 0)
+        if BM > RB:
+            _sq_tile(s_out, stride_s, sq, M, N, n, tile, RB)
     else:
         n = tile * BN + tl.arange(0, BN)
         omask = (m[:, None] < M) & (n[None, :] < N)
@@ -299,18 +329,12 @@ def _linear_body(
     _pdl_enter(PDL, False)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     rstd = tl.zeros([BM], dtype=tl.float32)
-    if PRO_HEAD:  # a first pass over the whole row (L2-resident) for its 1/rms, in wide chunks of RB
-        # rows whatever BM (a loop without a dot is not software-pipelined, so each chunk is a round trip)
-        mr = tl.arange(0, RB)
-        sq_h = tl.zeros([RB], dtype=tl.float32)
-        for kb in range(0, K, PBK):
-            k = kb + tl.arange(0, PBK)
-            xmask = (mr[:, None] < M) & (k[None, :] < K)
-            sx = tl.load(x + mr[:, None] * stride_x + k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            sr = tl.load(res + mr[:, None] * stride_r + k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            sf = (sx + sr).to(x.dtype.element_ty).to(tl.float32)
-            sq_h += tl.sum(sf * sf, axis=1)
-        rstd = _first_rows(1.0 / tl.sqrt(sq_h / K + eps), BM)
+    if PRO_HEAD:  # a first pass over the whole row (L2-resident) for its 1/rms, RB rows at a time
+        rstd = 1.0 / tl.sqrt(_head_sq(x, stride_x, res, stride_r, M, 0, K, PBK) / K + eps)
+        if BM > RB:  # rows past RB exist only in 32-row launches: narrower chunks keep those from spilling
+            PB2: tl.constexpr = PBK // 2 if PBK > 16 else PBK
+            rs1 = 1.0 / tl.sqrt(_head_sq(x, stride_x, res, stride_r, M, RB, K, PB2) / K + eps)
+            rstd = _cat_rows(rstd, rs1)
     for kb in range(0, KS, BK):  # a constant trip count (the interpreter cannot bound a range by a tensor)
         k = k_lo + kb + kk
         xmask = (m[:, None] < M) & (k[None, :] < K)
@@ -466,10 +490,10 @@ def _linear_launch(
     BK = min(BK, max(16, _next_pow2(K)))
     # A row's bits must not depend on how many rows share the launch, or a verify step (1 + drafts rows)
     # drifts from the decode step of plain greedy decoding: M is not specialized (Triton would compile
-    # M = 1 apart), and the epilogue's sums run in tiles of RB rows whatever BM (in the tensor-core tile's
-    # layout their order depended on BM). Measured on the H200 (2026-12-04): with BM's layout, row 0 at 5
-    # rows of norm_linear a bf16 step from the same row alone, the sums of squares at 32 rows 8e-6 apart;
-    # with one 32-row tile for every M, the one-request step 955.6 us against 850.
+    # M = 1 apart), and the epilogue's sums run in tiles of RB rows, one or two per BM (in the tensor-core
+    # tile's layout their order depended on BM). Measured on the H200 (2026-12-04): with BM's layout,
+    # row 0 at 5 rows of norm_linear a bf16 step from the same row alone, the sums of squares at 32 rows
+    # 8e-6 apart; with one 32-row tile for every M, the one-request step 955.6 us against 850.
     BM = 16 if M <= 16 else 32
     swiglu = kind == "swiglu"
     if swiglu:
