@@ -64,8 +64,9 @@ ROUNDS = 10
 VARIANTS: dict[str, dict[str, object]] = {
     # The defaults before 2026-12-05 (32-channel gate blocks, no Γ_C prefetch in the state pass), timed in
     # the same run as today's. The other variants of 2026-12-04 (two pipeline stages in the state pass,
-    # Diag(β)·K̃ from the diagonal pass, its solve from registers, whole-row gate blocks at 8 warps) ran
-    # slower or within 0.3% of the default on the H200 on 2026-12-05 (docs/KDA.md) and were removed.
+    # Diag(β)·K̃ from the diagonal pass, its solve from registers, whole-row gate blocks at 8 warps, the
+    # state pass unpipelined at 32- or 16-wide V blocks) ran slower or within 0.3% of the default on the
+    # H200 on 2026-12-05 (docs/KDA.md) and were removed.
     "ours_before_2026_12_05": {"_GATE_BK": 32, "_STATE_PREFETCH_G": False},
 }
 
@@ -237,16 +238,6 @@ def pass_rates(breakdown: list[dict], nbytes: dict[str, int], copy_TBps: float |
     return out
 
 
-# The sequential pass unpipelined (one stage, so two or more programs share an SM; at 16-wide V blocks twice
-# the programs): timed only with --unpipelined, after tests/kernels/test_gpu_prefill.py's
-# test_unpipelined_state_pass_in_a_process_of_its_own has passed on the device (see UNPIPELINED there: on
-# 2026-12-04 runs with such a variant hit an illegal address, and a fault ends the whole run).
-UNPIPELINED_VARIANTS: dict[str, dict[str, object]] = {
-    "ours_state_unpipelined_bv32": {"_STATE_STAGES": 1, "_STATE_BV": 32},
-    "ours_state_unpipelined_bv16": {"_STATE_STAGES": 1, "_STATE_BV": 16},
-}
-
-
 def bench_shape(
     nseq: int,
     seqlen: int,
@@ -256,13 +247,12 @@ def bench_shape(
     breakdown: bool,
     copy_TBps: float | None,
     exclude: frozenset[str] = frozenset(),
-    variants: dict[str, dict[str, object]] = VARIANTS,
 ) -> dict:
     x = _inputs(nseq, seqlen, H)
     saved = {n: x[n].clone() for n in INPUTS}
     ours = _ours(x)
     calls: dict[str, Callable[[], None]] = {"ours": ours}
-    calls.update({name: _with(settings, ours) for name, settings in variants.items()})
+    calls.update({name: _with(settings, ours) for name, settings in VARIANTS.items()})
     row: dict = {"tokens": f"{nseq}x{seqlen}", "H": H}
     if fla is not None:
         calls["fla+norm"] = _fla_call(fla, x, norm=True, use_graph=False)
@@ -316,13 +306,7 @@ def main() -> None:
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's per-kernel split")
     ap.add_argument("--exclude", default="", help="comma-separated contenders not to run (recorded)")
-    ap.add_argument(
-        "--unpipelined",
-        action="store_true",
-        help="also time the unpipelined sequential-pass variants (UNPIPELINED_VARIANTS)",
-    )
     args = ap.parse_args()
-    variants = {**VARIANTS, **(UNPIPELINED_VARIANTS if args.unpipelined else {})}
     exclude = frozenset(x for x in args.exclude.split(",") if x)
     if not torch.cuda.is_available():
         sys.exit("bench/kda_prefill.py needs a CUDA device")
@@ -343,7 +327,7 @@ def main() -> None:
         "serving layout: same bytes every call); fla reads h0 and writes a new final-state tensor",
         "work": "ours: gate, beta sigmoid, L2 norm, chunked recurrence and gated RMSNorm into a pool slot; "
         "fla+norm: the same in chunk_kda plus our gated RMSNorm kernel; fla: chunk_kda alone",
-        "variants": {k: {n: str(v) for n, v in s.items()} for k, s in variants.items()},
+        "variants": {k: {n: str(v) for n, v in s.items()} for k, s in VARIANTS.items()},
         "excluded": sorted(exclude),
         "peer": why,
         "timing": TIMING.format(rounds=ROUNDS, streamed=5).replace("us", "ms") + "; figures in ms",
@@ -351,16 +335,7 @@ def main() -> None:
     }
     for n, s, h in SHAPES:
         rows.append(
-            bench_shape(
-                n,
-                s,
-                h,
-                fla,
-                breakdown=not args.no_breakdown,
-                copy_TBps=copy["max"],
-                exclude=exclude,
-                variants=variants,
-            )
+            bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"], exclude=exclude)
         )
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
         # Written after every shape, so a run cut short by its caller's time limit keeps what it measured

@@ -221,35 +221,27 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
 
     chunks = {"cu_seqlens": I32, "chunk_indices": I32, "n_chunks_ptr": I32, "n_chunks": "i32"}
     gate = {"a": BF16, "A_log": F32, "dt_bias": F32, "gcum": F32, **chunks, "lower_bound": "fp32"}
-    # the module's channel blocks, and bench/kda_prefill.py's ours_gate_bk_64 and ours_gate_bk_128_w8
+    # the module's channel blocks, and bench/kda_prefill.py's ours_before_2026_12_05 (32-channel blocks)
     default = (min(K, ch._GATE_BK), ch._GATE_WARPS)
-    for bk, warps in (default, (64, 4), (K, 8)):
+    for bk, warps in (default, (32, 4)):
         c = dict(H=H, K=K, BK=bk, BT=BT, DEVICE_COUNT=True)
         name = "prefill gate" + ("" if (bk, warps) == default else f" BK={bk} at {warps} warps")
         yield name, ch._gate_kernel, gate, c, warps
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
-    diag.update({"x_inv": F32, "rn": F32, "kt_out": BF16, **chunks, "scale": "fp32"})
-    # the default, and the _KT_FROM_DIAG and _DIAG_SOLVE_IN_REGS variants'
-    for kt, regs in ((False, False), (True, False), (False, True)):
-        c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, STORE_KT=kt, SOLVE_IN_REGS=regs)
-        name = (
-            "prefill diagonal pass"
-            + (", storing diag(b)K~" if kt else "")
-            + (", solve in registers" if regs else "")
-        )
-        yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS
+    diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})
+    c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16)
+    yield "prefill diagonal pass", ci.diag_kernel, diag, c, ch._DIAG_WARPS
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)
     yield "prefill off-diagonal pass", ci.inter_solve_kernel, inter, c, ch._INTER_WARPS
     wu = {"k": BF16, "v": BF16, "b": BF16, "gcum": F32, "x_inv": F32, "rn": F32, "w": BF16, "u": BF16}
     wu.update(chunks)
-    for kt in (False, True):
-        c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT, KT_IN_W=kt)
-        yield f"prefill W/U{', diag(b)K~ read from w' if kt else ''}", ci.wu_kernel, wu, c, ch._WU_WARPS
+    c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT)
+    yield "prefill W/U", ci.wu_kernel, wu, c, ch._WU_WARPS
     state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
     state = {"gcum": F32, **state, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32, "slots": I32}
     state["has_initial"] = "*u8"
-    for bv, pre in itertools.product((32, 64), (False, True)):  # pre: the _STATE_PREFETCH_G variant's
+    for bv, pre in itertools.product((32, 64), (False, True)):  # pre: _STATE_PREFETCH_G (the default)
         c = dict(H=H, K=K, V=V, BT=BT, BV=bv, WHILE_LOOP=False, DT=tl.bfloat16, VB_FIRST=ch._STATE_VB_FIRST)
         c["PREFETCH_G"] = pre
         name = f"prefill state pass BV={bv}" + (", Gamma_C a chunk ahead" if pre else "")

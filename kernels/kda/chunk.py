@@ -33,7 +33,6 @@ _WU_WARPS, _WU_DT, _AP_DT = 8, tl.bfloat16, tl.bfloat16
 # 0.85 ms against 0.98 at 32 and 1x8192 at H = 64 in 1.60 against 1.82, and 32 ran 1x8192 (H = 32) in
 # 0.88 against 0.92. An int forces that width.
 _STATE_BV: int | None = None
-_STATE_STAGES: int | None = None  # software-pipelining depth of the chunk loop; None: Triton's default
 # The state pass's grid order: True launches the V-blocks of one (sequence, head) side by side, so the
 # programs that read the same chunk's W, Q̃, K̄ and P run at the same time (1-2% faster at 8x1024 and at
 # H = 64 than the sequence-first order on the H200, 2026-12-04, in d5705b1's run).
@@ -54,18 +53,10 @@ _STATE_VB_FIRST = True
 # off-diagonal one spilled (740 bytes per thread at 2 warps, ptxas through bench/sm90.py). In 16-wide K
 # slices, or at 4 warps in 32-wide ones, the prefill ran 8% and 14% slower at 1x8192 (2026-12-04, 8a7ccd3).
 _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
-# Diag(β)·K̃, W's right operand, computed by the diagonal pass (which holds K̂ and e^Γ already) and stored
-# in the w scratch, which the W/U pass then reads in place of k, Γ and the norms and overwrites with W:
-# 201 MB fewer read by the W/U pass at 1x8192 (H = 32) and 67 MB more written by the diagonal pass, the
-# same bf16 operand bits on the GPU. Off until the H200 measures it (bench/kda_prefill.py's variant).
-_KT_FROM_DIAG = False
 # The state pass loads Γ at the next chunk's last row a chunk ahead (see _state_kernel), off the S-to-S
 # chain: the prefill ran 0.869 / 0.800 / 3.398 ms (streamed) against 0.881 / 0.825 / 3.444 without it
 # (H200, 2026-12-05, a7fbe7c, 1x8192 / 8x1024 / 1x32768), 140 registers against 128 on sm_90.
 _STATE_PREFETCH_G = True
-# The diagonal pass's forward substitution reads each row of A_ii from its registers rather than storing
-# A_ii to x and reading the rows back (see diag_kernel); the same bits. Off until the H200 measures it.
-_DIAG_SOLVE_IN_REGS = False
 
 
 def build_chunk_metadata(
@@ -457,7 +448,6 @@ def prefill(
             scratch["p"],
             scratch["x"],
             scratch["rn"],
-            scratch["w"],
             *chunks,
             scale,
             H=H,
@@ -466,8 +456,6 @@ def prefill(
             BC=_SUB,
             DEVICE_COUNT=dev,
             DT=ap_dt,
-            STORE_KT=_KT_FROM_DIAG,
-            SOLVE_IN_REGS=_DIAG_SOLVE_IN_REGS,
             num_warps=_DIAG_WARPS,
         )
         inter_solve_kernel[(grid_chunks, H)](
@@ -504,7 +492,6 @@ def prefill(
             BT=BT,
             DEVICE_COUNT=dev,
             DT=tl.float32 if _INTERPRET else _WU_DT,
-            KT_IN_W=_KT_FROM_DIAG,
             num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or _state_bv(N, H, V, q.device))
@@ -533,7 +520,6 @@ def prefill(
             VB_FIRST=_STATE_VB_FIRST,
             PREFETCH_G=_STATE_PREFETCH_G,
             num_warps=_STATE_WARPS,
-            **({} if _STATE_STAGES is None else {"num_stages": _STATE_STAGES}),
         )
     rows = 16
     _gated_norm_kernel[(triton.cdiv(total * H, rows),)](

@@ -54,7 +54,6 @@ def diag_kernel(
     p,
     x_inv,
     rn,
-    kt_out,
     cu_seqlens,
     chunk_indices,
     n_chunks_ptr,
@@ -66,16 +65,10 @@ def diag_kernel(
     BC: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
-    STORE_KT: tl.constexpr,
-    SOLVE_IN_REGS: tl.constexpr,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), zeros right
-    of the diagonal in p and x, then (I + A_ii)^{-1} by forward substitution over rows read back from x
-    (SOLVE_IN_REGS: taken from the registers that hold A_ii, each row by a masked column sum; 14 dependent
-    round trips to L2 fewer per program, the same bits).
-    STORE_KT: also Diag(β)·K̃_i (W's right operand, as wu_kernel computes it) to kt_out, so that the W/U
-    pass reads it instead of the raw keys, their norms and Γ."""
+    of the diagonal in p and x, then (I + A_ii)^{-1} by forward substitution over rows read back from x."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -98,19 +91,9 @@ def diag_kernel(
     kh = kk * nk[:, None]
     qh = qq * nq[:, None]
     g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
-    if STORE_KT:
-        # β first and Diag(β)·K̃ beside Q̃, so e^Γ dies early: 164 registers a thread on sm_90 against 196
-        # with the store after K̄ and β (bench/sm90.py, 2026-12-05); the default pass keeps its order (162).
-        beta = _beta(b, rows, mb)
-        eg = tl.exp(gi)
-        tl.store(q_tilde + off, (qh * eg).to(q_tilde.dtype.element_ty), mask=mb[:, None])
-        # the same fp32 products in the same order as wu_kernel's, rounded once
-        tl.store(kt_out + off, (kh * eg * beta[:, None]).to(kt_out.dtype.element_ty), mask=mb[:, None])
-        tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
-    else:
-        tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
-        tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
-        beta = _beta(b, rows, mb)
+    tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+    tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
+    beta = _beta(b, rows, mb)
     g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
     rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
     cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
@@ -125,25 +108,17 @@ def diag_kernel(
     tl.store(prow + rb[None, :], pq.to(p.dtype.element_ty), mask=mb[:, None])
     tl.store(prow + cols[None, :], tl.zeros([BC, BT], dtype=p.dtype.element_ty), mask=right)
     xrow = x_inv + rows[:, None] * BT
-    if not SOLVE_IN_REGS:
-        tl.store(xrow + rb[None, :], a, mask=mb[:, None])
+    tl.store(xrow + rb[None, :], a, mask=mb[:, None])
     tl.store(xrow + cols[None, :], tl.zeros([BC, BT], dtype=tl.float32), mask=right)
-    if not SOLVE_IN_REGS:
-        tl.debug_barrier()
+    tl.debug_barrier()
     # Y = (I + A_ii)^{-1} − I, row by row: Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own).
     y = -a
     for s in range(2, BC):
-        if SOLVE_IN_REGS:
-            # row s of A from the registers (a is zero right of its diagonal and on rows past the chunk):
-            # the same fp32 values as the round trip through x below, without its wait on L2
-            a_s = tl.sum(tl.where((ci == s)[:, None], a, 0.0), axis=0)
-        else:
-            row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
-            a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
+        row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
+        a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
         y_s = -a_s - tl.sum(a_s[:, None] * y, axis=0)
         y = tl.where((ci == s)[:, None], y_s[None, :], y)
-    if not SOLVE_IN_REGS:
-        tl.debug_barrier()
+    tl.debug_barrier()
     eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
     tl.store(xrow + rb[None, :], y + eye, mask=mb[:, None])
 
@@ -324,11 +299,9 @@ def wu_kernel(
     BT: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
-    KT_IN_W: tl.constexpr,
 ):
     """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products, k normalised by
-    the inverse norms the diagonal pass stored in rn; with KT_IN_W, Diag(β)·K̃ is what the diagonal pass
-    stored in w (STORE_KT), read and then overwritten with W by this program alone (its chunk's rows)."""
+    the inverse norms the diagonal pass stored in rn."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
@@ -340,12 +313,9 @@ def wu_kernel(
     x = tl.load(x_inv + rows[:, None] * BT + r[None, :], mask=mr & (r < n)[None, :], other=0.0).to(DT)
     beta = _beta(b, rows, r < n)
     offk = rows[:, None] * K + tl.arange(0, K)[None, :]
-    if KT_IN_W:
-        kt = tl.load(w + offk, mask=mr, other=0.0)
-    else:
-        nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
-        kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
-        kt = kk * tl.exp(tl.load(gcum + offk, mask=mr, other=0.0)) * beta[:, None]
+    nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
+    kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
+    kt = kk * tl.exp(tl.load(gcum + offk, mask=mr, other=0.0)) * beta[:, None]
     tl.store(w + offk, tl.dot(x, kt.to(DT)).to(w.dtype.element_ty), mask=mr)
     offv = rows[:, None] * V + tl.arange(0, V)[None, :]
     vv = tl.load(v + offv, mask=mr, other=0.0).to(tl.float32) * beta[:, None]

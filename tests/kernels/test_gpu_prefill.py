@@ -119,11 +119,8 @@ VARIANTS = {
     "inter-k-slices-of-128": {"_INTER_BK": 128},
     "state-v-blocks-of-64": {"_STATE_BV": 64},
     "state-v-blocks-of-32-launched-last": {"_STATE_BV": 32, "_STATE_VB_FIRST": False},
-    "kt-from-diag": {"_KT_FROM_DIAG": True},
     "state-prefetch-g": {"_STATE_PREFETCH_G": True},
-    "diag-solve-in-regs": {"_DIAG_SOLVE_IN_REGS": True},
     "gate-channel-blocks-of-64": {"_GATE_BK": 64},
-    "gate-whole-head-rows-at-8-warps": {"_GATE_BK": 128, "_GATE_WARPS": 8},
 }
 
 
@@ -132,44 +129,6 @@ def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant:
     lens = [1, 63, 64, 65, 1000, 4097]
     has_init = [True, False, True, True, False, True]
     _case(lens, has_init, device_count=True, seed=13, null=(2,), variant=VARIANTS[variant], a_shift=6.0)
-
-
-# The sequential pass without software pipelining (one stage): 139 registers and 37 KB of shared memory at
-# 32-wide V blocks, 108 and 31 KB at 16 (bench/sm90.py-style compile, 2026-12-05), so two or more programs
-# share an SM where the pipelined pass holds 188 KB and one. On 2026-12-04 three H200 bench runs that had an
-# unpipelined variant among their contenders hit an illegal address during the captures (with a state pass
-# since replaced), and a device fault poisons the process that meets it: these run in a process of their
-# own, and bench/kda_prefill.py times them only when asked (--unpipelined).
-UNPIPELINED = {
-    "state-unpipelined-v-blocks-of-32": {"_STATE_STAGES": 1, "_STATE_BV": 32},
-    "state-unpipelined-v-blocks-of-16": {"_STATE_STAGES": 1, "_STATE_BV": 16},
-}
-
-
-@pytest.mark.parametrize("variant", list(UNPIPELINED))
-def test_unpipelined_state_pass_in_a_process_of_its_own(variant: str) -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    code = (
-        "from tests.kernels import test_gpu_prefill as t\n"
-        f"t._case([1, 63, 64, 65, 1000, 4097], [True, False, True, True, False, True], device_count=True,"
-        f" seed=13, null=(2,), variant={UNPIPELINED[variant]!r}, a_shift=6.0)\n"
-        "t._case([333, 700], [True, True], device_count=False, seed=7,"
-        f" variant={UNPIPELINED[variant]!r})\n"
-        "import torch; torch.cuda.synchronize(); print('ok')\n"
-    )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
 
 
 def test_prefill_sequence_on_the_null_slot_outputs_zero_and_touches_no_state() -> None:
