@@ -119,8 +119,8 @@ VARIANTS = {
     "inter-k-slices-of-128": {"_INTER_BK": 128},
     "state-v-blocks-of-64": {"_STATE_BV": 64},
     "state-v-blocks-of-32-launched-last": {"_STATE_BV": 32, "_STATE_VB_FIRST": False},
-    "state-prefetch-g": {"_STATE_PREFETCH_G": True},
-    "gate-channel-blocks-of-64": {"_GATE_BK": 64},
+    "state-without-prefetch-g": {"_STATE_PREFETCH_G": False},
+    "gate-channel-blocks-of-32": {"_GATE_BK": 32},
 }
 
 
