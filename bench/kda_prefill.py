@@ -301,12 +301,28 @@ def bench_shape(
     return row
 
 
+def pick_shapes(spec: str, error: Callable[[str], object]) -> tuple[tuple[int, int, int], ...]:
+    """The SHAPES named in spec ("NxTxH,..."), in SHAPES' order; all of them when spec is empty."""
+    names = {f"{n}x{t}x{h}": (n, t, h) for n, t, h in SHAPES}
+    wanted = [x.strip() for x in spec.split(",") if x.strip()]
+    unknown = [x for x in wanted if x not in names]
+    if unknown:
+        error(f"--shapes: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    return tuple(v for k, v in names.items() if k in wanted) if wanted else SHAPES
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's per-kernel split")
     ap.add_argument("--exclude", default="", help="comma-separated contenders not to run (recorded)")
+    ap.add_argument(
+        "--shapes",
+        default="",
+        help="comma-separated shapes to run, NxTxH as in SHAPES (e.g. 1x8192x64); default: all (recorded)",
+    )
     args = ap.parse_args()
+    shapes = pick_shapes(args.shapes, ap.error)
     exclude = frozenset(x for x in args.exclude.split(",") if x)
     if not torch.cuda.is_available():
         sys.exit("bench/kda_prefill.py needs a CUDA device")
@@ -321,7 +337,8 @@ def main() -> None:
     rows: list[dict] = []
     result = {
         "bench": "kda_prefill",
-        "shape": {"H": sorted({h for _, _, h in SHAPES}), "K": K, "V": V, "chunk": 64},
+        "shape": {"H": sorted({h for _, _, h in shapes}), "K": K, "V": V, "chunk": 64},
+        "shapes": [f"{n}x{t}x{h}" for n, t, h in shapes],
         "copy_bandwidth": copy,
         "state": "ours reads its initial state from a pool slot and writes the final state back into it (the "
         "serving layout: same bytes every call); fla reads h0 and writes a new final-state tensor",
@@ -333,14 +350,14 @@ def main() -> None:
         "timing": TIMING.format(rounds=ROUNDS, streamed=5).replace("us", "ms") + "; figures in ms",
         "prefill": rows,
     }
-    for n, s, h in SHAPES:
+    for n, s, h in shapes:
         rows.append(
             bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"], exclude=exclude)
         )
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
         # Written after every shape, so a run cut short by its caller's time limit keeps what it measured
-        # (`complete` says whether every shape is in); printed once, at the end.
-        done = len(rows) == len(SHAPES)
+        # (`complete` says whether every shape asked for is in); printed once, at the end.
+        done = len(rows) == len(shapes)
         write_result({**result, "complete": done}, args.out, indent=1, echo=done)
 
 

@@ -73,3 +73,13 @@ def test_pass_bytes_name_every_launch_of_ours_and_rates_follow_from_them() -> No
         "bytes": nbytes["wu_kernel"], "us": 100.0, "TBps": round(tbps, 3), "share_of_copy": round(tbps / 4, 3)
     }  # fmt: skip
     assert "share_of_copy" not in kp.pass_rates(split, nbytes, None)["wu_kernel"]
+
+
+def test_shapes_are_picked_by_name_in_the_benchs_order_and_an_unknown_one_is_refused() -> None:
+    def error(msg: str):
+        raise SystemExit(msg)
+
+    assert kp.pick_shapes("", error) == kp.SHAPES
+    assert kp.pick_shapes(" 1x8192x64 , 8x1024x32", error) == ((8, 1024, 32), (1, 8192, 64))
+    with pytest.raises(SystemExit, match=r"unknown shape\(s\) 1x8192x16; choose from 1x8192x32"):
+        kp.pick_shapes("1x8192x32,1x8192x16", error)
