@@ -217,3 +217,25 @@ def test_the_torch_reference_refuses_to_run_inside_graph_capture(monkeypatch):
     with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture; use the 'triton'"):
         refuse_capture(torch.device("cuda", 0), "the torch KDA decode reference")
     refuse_capture(torch.device("cpu"), "the torch KDA decode reference")  # a CPU run is never captured
+
+
+def test_the_pdl_limit_takes_pdl_exactly_where_the_recorded_h200_run_found_it_faster() -> None:
+    # bench/results/kda-h200-2026-12-05-pdl-every-batch.json timed every decode and verify batch with PDL
+    # ('ours') and without ('ours_no_pdl') in one run: PDL_MAX_PROGRAMS must take PDL at each batch whose
+    # grid it admits only where PDL was the faster there, and leave it off wherever it was slower.
+    import json
+    from pathlib import Path
+
+    from kernels.kda.decode import PDL_MAX_PROGRAMS, default_launch
+
+    path = Path(__file__).resolve().parents[2] / "bench/results/kda-h200-2026-12-05-pdl-every-batch.json"
+    run = json.loads(path.read_text())
+    H, V = run["shape"]["H"], run["shape"]["V"]
+    rows = run["decode"] + run["verify"]
+    assert len(rows) == 8
+    for row in rows:
+        n, T = row["batch"], row["T"]
+        bv, _ = default_launch(n, H, V, T)
+        with_pdl = n * H * (V // bv) <= PDL_MAX_PROGRAMS
+        faster = row["ours"]["us_streamed"] < row["ours_no_pdl"]["us_streamed"]
+        assert with_pdl == faster, (n, T, row["ours"], row["ours_no_pdl"])
