@@ -63,6 +63,7 @@ def ours(
     block_v: int | None = None,
     num_warps: int | None = None,
     pdl: bool | None = None,
+    norm: bool = True,
 ) -> Callable[[], None]:
     from kernels.kda.backend import DECODE_TENSORS
     from kernels.kda.decode import check_decode_args, launch_decode
@@ -70,8 +71,9 @@ def ours(
     args = [t[name] for name in DECODE_TENSORS]
     check_decode_args(*args)
     return lambda: launch_decode(
-        *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps, pdl=pdl
-    )
+        *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps, pdl=pdl,
+        norm=norm,
+    )  # fmt: skip
 
 
 def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:
@@ -112,6 +114,13 @@ def fla(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:
     return lambda: fused_recurrent_kda_fwd(
         s["q"], s["k"], s["v"], s["a"], s["b"], out=s["out"], **common, **extra
     )
+
+
+NO_NORM = (
+    "ours_no_norm: our split decode kernel alone (gate, beta sigmoid, L2 norms, recurrence, state stores; "
+    "its output not normalized, the norm kernel not launched), the work of fla's fused_recurrent_kda_fwd "
+    "as called here, to be compared with 'fla'; 'ours' and the peers in PEERS include the gated RMSNorm"
+)
 
 
 B12X_ADAPTER = (
@@ -177,6 +186,8 @@ def bench_decode(
         builders: dict[str, Callable[[], Callable[[], None]]] = {"ours": lambda t=t: ours(t)}
         # the same launches without programmatic dependent launch: what it saves, measured in this run
         builders["ours_no_pdl"] = lambda t=t: ours(t, pdl=False)
+        # the decode kernel alone, its output left unnormalized: the same work as fla's kernel (NO_NORM)
+        builders["ours_no_norm"] = lambda t=t: ours(t, norm=False)
         if sweep is True or (isinstance(sweep, tuple) and n in sweep):
             for bv, nw in SWEEP:
                 builders[f"ours_bv{bv}_w{nw}"] = lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw)
@@ -273,6 +284,7 @@ def main() -> None:
         "timing": TIMING.format(rounds=20, streamed=10),
         "peers": "fla: fused_recurrent_kda_fwd (no gated norm); fla+norm: it plus our gated RMSNorm kernel "
         "(launched as ours is, with programmatic dependent launch where the device has it); " + B12X_ADAPTER,
+        "no_norm": NO_NORM,
         "pdl": "ours launches the decode kernel and its norm with programmatic dependent launch on sm_90 "
         "(kernels.fused.PDL); ours_no_pdl: the same launches without it",
         "copy_TBps": copy_bandwidth(),

@@ -291,15 +291,20 @@ def launch_decode(
     block_v: int | None = None,
     num_warps: int | None = None,
     pdl: bool | None = None,
+    norm: bool = True,
 ) -> None:
     """Launch without validation (the caller has run check_decode_args). Allocates nothing. pdl: None
     launches with programmatic dependent launch where kernels.fused.pdl_enabled says so (sm_90 and later,
-    the switch on); a benchmark may force it off to time the difference."""
+    the switch on) and the grid has at most PDL_MAX_PROGRAMS programs; a benchmark may force it off to time
+    the difference. norm=False leaves the split path's output unnormalized, its norm kernel not launched
+    (a benchmark's like-for-like with a peer that has no norm); the whole-row path refuses it."""
     n, T = state_indices.shape
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     bv, nw = default_launch(n, H, V, T)
     bv, nw = block_v or bv, num_warps or nw
     fuse = bv == V
+    if fuse and not norm:
+        raise ValueError("the whole-row decode applies the norm in-kernel: norm=False needs block_v < V")
     programs = n * H * (V // bv)
     pdl = (programs <= PDL_MAX_PROGRAMS if pdl is None else pdl) and pdl_enabled(q)
     _kda_decode_kernel[(programs,)](
@@ -310,7 +315,7 @@ def launch_decode(
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
         H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, PDL=pdl, num_warps=nw, **_pdl_launch(pdl),
     )  # fmt: skip
-    if not fuse:
+    if not fuse and norm:
         _gated_rmsnorm_kernel[(n * T * H,)](
             out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
             H=H, V=V, PDL=pdl, num_warps=1, **_pdl_launch(pdl),

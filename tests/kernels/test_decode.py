@@ -239,3 +239,26 @@ def test_the_pdl_limit_takes_pdl_exactly_where_the_recorded_h200_run_found_it_fa
         with_pdl = n * H * (V // bv) <= PDL_MAX_PROGRAMS
         faster = row["ours"]["us_streamed"] < row["ours_no_pdl"]["us_streamed"]
         assert with_pdl == faster, (n, T, row["ours"], row["ours_no_pdl"])
+
+
+def test_the_split_decode_without_its_norm_writes_the_core_output_and_the_same_state():
+    # launch_decode(norm=False), bench/kda.py's like-for-like with fla's kernel (which has no norm): the
+    # core output o, the state the normed launch writes, and a refusal where the norm is in-kernel.
+    t = decode_step(2, 1, seed=7)
+    normed, core = ({name: x.clone() for name, x in t.items()} for _ in range(2))
+    for got, norm in ((normed, True), (core, False)):
+        args = [got[name] for name in DECODE_TENSORS]
+        launch_decode(*args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=8, num_warps=1, norm=norm)
+    assert torch.equal(core["state"], normed["state"])
+    g = bounded_gate(t["a"], t["A_log"], t["dt_bias"])
+    beta = torch.sigmoid(t["b"].float())
+    for r in range(2):
+        f = [t[x].float()[r : r + 1, None] for x in ("q", "k", "v")]
+        gb = (g[r : r + 1, None], beta[r : r + 1, None])
+        o, _ = naive_recurrent(*f, *gb, initial_state=t["state"][r + 1][None])
+        torch.testing.assert_close(core["out"][r].float(), o[0, 0].bfloat16().float(), atol=OUT_ATOL, rtol=0)
+        want = gated_rmsnorm(o[0, 0], t["z"][r], t["norm_weight"])
+        torch.testing.assert_close(normed["out"][r].float(), want.bfloat16().float(), atol=OUT_ATOL, rtol=0)
+    args = [t[name] for name in DECODE_TENSORS]
+    with pytest.raises(ValueError, match="needs block_v < V"):
+        launch_decode(*args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=32, num_warps=1, norm=False)
