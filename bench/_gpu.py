@@ -122,10 +122,9 @@ def copy_bandwidth(sizes_mib: tuple[int, ...] = (256, 1024)) -> dict[str, object
     return result
 
 
-def kernel_breakdown(
-    fn: Callable[[], object], *, calls: int = 5, top: int | None = 12
-) -> list[dict[str, object]]:
-    """GPU time per kernel name for one call of fn (profiler, mean over `calls` calls), largest first."""
+def profile_kernels(fn: Callable[[], object], *, calls: int = 5) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every CUDA kernel of `calls` calls of fn back to back (profiler),
+    after one unprofiled call."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -134,17 +133,52 @@ def kernel_breakdown(
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return [
+        (ev.name, ev.time_range.start, ev.time_range.elapsed_us())
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    ]
+
+
+def breakdown(
+    events: list[tuple[str, float, float]], calls: int, top: int | None = 12
+) -> list[dict[str, object]]:
+    """GPU time per kernel name for one call (the mean over `calls`), largest first."""
     totals: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            t = totals.setdefault(ev.name, [0.0, 0])
-            t[0] += ev.time_range.elapsed_us()
-            t[1] += 1
+    for name, _, us in events:
+        t = totals.setdefault(name, [0.0, 0])
+        t[0] += us
+        t[1] += 1
     rows = [
         {"kernel": name[:120], "us_per_call": round(us / calls, 2), "launches_per_call": n / calls}
         for name, (us, n) in totals.items()
     ]
     return sorted(rows, key=lambda r: -r["us_per_call"])[:top]
+
+
+def launch_sequence(events: list[tuple[str, float, float]], calls: int) -> list[dict[str, object]]:
+    """One call's kernels in launch order, each with its mean duration over `calls` identical calls back to
+    back (a captured graph's replays): where one kernel name launches several times in a call (a
+    projection kind per layer), the launches apart."""
+    ordered = sorted(events, key=lambda e: e[1])
+    if not ordered or len(ordered) % calls:
+        raise ValueError(f"{len(ordered)} kernels do not split into {calls} equal calls")
+    per = len(ordered) // calls
+    out: list[dict[str, object]] = []
+    for i in range(per):
+        same = [ordered[c * per + i] for c in range(calls)]
+        names = sorted({name for name, _, _ in same})
+        if len(names) != 1:
+            raise ValueError(f"launch {i} differs between calls: {names}")
+        out.append({"i": i, "kernel": names[0][:120], "us": round(sum(us for _, _, us in same) / calls, 2)})
+    return out
+
+
+def kernel_breakdown(
+    fn: Callable[[], object], *, calls: int = 5, top: int | None = 12
+) -> list[dict[str, object]]:
+    """GPU time per kernel name for one call of fn (profiler, mean over `calls` calls), largest first."""
+    return breakdown(profile_kernels(fn, calls=calls), calls, top)
 
 
 def launch_totals(rows: list[dict[str, object]]) -> dict[str, float]:

@@ -29,7 +29,15 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench._common import write_result  # noqa: E402
-from bench._gpu import copy_bandwidth, events_us, kernel_breakdown, launch_totals, warm_up_clocks  # noqa: E402
+from bench._gpu import (  # noqa: E402
+    breakdown,
+    copy_bandwidth,
+    events_us,
+    launch_sequence,
+    launch_totals,
+    profile_kernels,
+    warm_up_clocks,
+)
 from kernels import fused  # noqa: E402
 
 NUM_SPEC = 3
@@ -112,9 +120,10 @@ def step_bytes(engine, context_tokens: int, batch: int = 1) -> dict[str, int]:
     return {"weights": weights, "kda_state": kda, "kv": kv, "total": weights + kda + kv}
 
 
-def roofline(engine, copy: dict, steps: int, batch: int = 1) -> dict:
+def roofline(engine, copy: dict, steps: int, batch: int = 1, sequence: bool = False) -> dict:
     """The replayed step of `batch` requests: its time against the bytes it must read at the measured copy
-    bandwidth, and the profiler's per-kernel split of one replayed step."""
+    bandwidth, and the profiler's per-kernel split of one replayed step; with `sequence`, also every launch
+    of the step in order with its own time (meaningful where no launch overlaps the one before: no PDL)."""
     r, g = engine.runner, engine.runner.graphs
     prompts = _prompts(batch)
     reqs = [r.admit(p, 8) for p in prompts]
@@ -133,7 +142,8 @@ def roofline(engine, copy: dict, steps: int, batch: int = 1) -> dict:
         torch.cuda.synchronize()
         step_us = events_us(replay, steps)
         need = step_bytes(engine, max(len(p) for p in prompts) + 1, batch)
-        kernels = kernel_breakdown(replay, calls=5, top=None)
+        events = profile_kernels(replay, calls=5)
+        kernels = breakdown(events, 5, top=None)
         ceiling = copy["max"]
         return {
             "batch": batch,
@@ -148,6 +158,7 @@ def roofline(engine, copy: dict, steps: int, batch: int = 1) -> dict:
             "floor_us_at_copy_bandwidth": round(need["total"] / (ceiling * 1e12) * 1e6, 2),
             **launch_totals(kernels),
             "kernels": kernels[:30],
+            **({"launches": launch_sequence(events, 5)} if sequence else {}),
         }
     finally:
         for q in reqs:
@@ -214,7 +225,8 @@ def main() -> None:
         serial, serial_cap = _engine(args.preset)
         try:
             if serial_cap["captured"]:
-                base = roofline(serial, result["copy_TBps"], args.steps)
+                # every launch apart: which projection of which layer reads its weights slower
+                base = roofline(serial, result["copy_TBps"], args.steps, sequence=True)
                 base["pdl"] = False
                 result["roofline_batch_1_no_pdl"] = base
                 result["pdl_step_speedup"] = round(

@@ -108,3 +108,27 @@ def test_a_decode_step_must_read_every_used_weight_once_one_embedding_row_the_st
         assert wide["total"] == wide["weights"] + wide["kda_state"] + wide["kv"]
     finally:
         e.close()
+
+
+def test_a_steps_launches_are_told_apart_in_order_and_summed_by_name() -> None:
+    gpu = pytest.importorskip("bench._gpu")
+    # two replays of a three-launch step, the profiler's events out of order: launch 1 and 2 share a name
+    step = [("norm", 2.0), ("linear", 10.0), ("linear", 20.0)]
+    events = [(name, 100.0 * c + i, us + c) for c in range(2) for i, (name, us) in enumerate(step)]
+    events.reverse()
+    assert gpu.launch_sequence(events, 2) == [
+        {"i": 0, "kernel": "norm", "us": 2.5},
+        {"i": 1, "kernel": "linear", "us": 10.5},
+        {"i": 2, "kernel": "linear", "us": 20.5},
+    ]
+    assert gpu.breakdown(events, 2) == [
+        {"kernel": "linear", "us_per_call": 31.0, "launches_per_call": 2.0},
+        {"kernel": "norm", "us_per_call": 2.5, "launches_per_call": 1.0},
+    ]
+    with pytest.raises(ValueError, match="do not split into 2 equal calls"):
+        gpu.launch_sequence(events[1:], 2)
+    swapped = [
+        (("norm" if n == "linear" else "linear") if t >= 100 and t < 102 else n, t, us) for n, t, us in events
+    ]
+    with pytest.raises(ValueError, match="launch 0 differs between calls"):
+        gpu.launch_sequence(swapped, 2)
