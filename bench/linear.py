@@ -27,6 +27,7 @@ import argparse
 import itertools
 import os
 import sys
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -196,6 +197,20 @@ def cases_to_run(names: list[str] | None, fold_kinds: list[str] | None) -> list[
     return [s for s in todo if not fold_kinds or s[3] in fold_kinds]
 
 
+def _add_sq_in_regs(a, w, r, nw, cfg) -> Callable[[], object]:
+    """linear_add_norm with kernels.fused.ADD_SQ_IN_REGS on for this call (the switch is read at launch,
+    so a captured graph keeps it)."""
+
+    def call():
+        saved, fused.ADD_SQ_IN_REGS = fused.ADD_SQ_IN_REGS, True
+        try:
+            return fused.linear_add_norm(a, w, r, nw, cfg)
+        finally:
+            fused.ADD_SQ_IN_REGS = saved
+
+    return call
+
+
 def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep: Sweep = ()) -> dict:
     """The unfused path around the projection (the kernels a fold replaces, then the projection by cuBLAS
     or by linear_small at the module's launch shape) against the one launch that folds them in, at the
@@ -220,6 +235,9 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep:
         for k, cfg in shapes.items():
             calls[f"folded_{k}"] = lambda cfg=cfg: fused.linear_add_norm(a, w, r, nw, cfg)
             wants[f"folded_{k}"] = want + r.float()  # s, the residual stream
+        for k in ("module", "best"):  # the epilogue of kernels.fused.ADD_SQ_IN_REGS, at the same shapes
+            calls[f"sq_in_regs_{k}"] = _add_sq_in_regs(a, w, r, nw, shapes[k])
+            wants[f"sq_in_regs_{k}"] = want + r.float()
     else:
         x, r = (torch.randn(M, K, generator=g, device="cuda").to(bf) for _ in range(2))
         nw = (torch.rand(K, generator=g, device="cuda") + 0.5).to(bf)
@@ -244,10 +262,14 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep:
     unfused = min((us[k] for k in us if k.startswith("unfused")), default=None)
     fastest = fastest_folded(us, shapes)
     one = None if fastest is None else fastest["us_streamed"]
+    # add_norm: the folded launch with ADD_SQ_IN_REGS's epilogue against the same launch without it
+    in_regs = {k: (us.get(f"folded_{k}"), us.get(f"sq_in_regs_{k}")) for k in ("module", "best")}
+    in_regs_ratio = {k: round(f / v, 3) for k, (f, v) in in_regs.items() if f and v}
     return {
         "case": name,
         "M": M,
         "fold": kind,
+        **({"sq_in_regs_vs_folded": in_regs_ratio} if kind == "add_norm" else {}),
         "launch_shapes": {k: list(v) for k, v in shapes.items()},
         "us_streamed": us,
         "folded_vs_unfused": None if unfused is None or one is None else round(unfused / one, 3),

@@ -273,8 +273,10 @@ def _fused_cases() -> Iterator[tuple]:
         ("gate_up, deferred norm and SwiGLU", 2 * mlp, hid, "swiglu", None),
         ("gate_up", 2 * mlp, hid, "plain", None),
         ("down, add and norm", hid, mlp, "add_norm", None),
+        ("down, add and norm, sums in registers", hid, mlp, "add_norm", None),
         ("down", hid, mlp, "plain", None),  # the last block's: the head's launch adds it
         ("out_proj / o_proj, add and norm", hid, hk, "add_norm", None),
+        ("out_proj / o_proj, add and norm, sums in registers", hid, hk, "add_norm", None),
         ("out_proj / o_proj", hid, hk, "plain", None),
         ("out_proj / o_proj, split 4", hid, hk, "plain", (32, 256, 4, 3, 4)),
         ("LM head, add and norm", vocab, hid, "head", fu.HEAD_SHAPE),
@@ -295,7 +297,9 @@ def _fused_cases() -> Iterator[tuple]:
             c = dict(
                 K=Kd, BM=BM, BN=BN, BK=BK, EVEN=even, TP=fu._next_pow2(max(T, 1)), PRO_HEAD=kind == "head"
             )
-            c.update(RSTD=kind == "norm" or swiglu, SWIGLU=swiglu, ADD=kind == "add_norm")
+            # ADD 2: kernels.fused.ADD_SQ_IN_REGS's epilogue
+            add = (2 if label.endswith("sums in registers") else 1) if kind == "add_norm" else 0
+            c.update(RSTD=kind == "norm" or swiglu, SWIGLU=swiglu, ADD=add)
             c.update(SPLIT=split, PDL=True, PF=fu.prefetch_lines(BK))
             sig = _sig(fn, c, lin_ptrs, ("eps",))
             if kind == "head":

@@ -100,6 +100,13 @@ _BN, _BK, _WARPS, _STAGES, _SPLIT = 32, 256, 4, 4, 1  # any other shape asked fo
 # times each fold at every shape of the sweep and names the fastest (fastest_folded). Empty until a sweep
 # on the H200 measures one faster: the plain projection's shape serves every kind.
 KIND_SHAPES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
+# linear_add_norm's epilogue with its residual and norm weight loaded before the weight loop (after the PDL
+# wait) and each row's sum of squares over the column tile taken from registers by a fixed tree of pairwise
+# adds (_pair_sums), instead of storing the sum, a barrier and reading it back: two round trips fewer at the
+# end of every program. Its bits do not depend on BM by construction (elementwise adds only). Off until the
+# H200 measures it: on 2026-12-05 the 15 add-and-norm launches of the one-request step read their weights at
+# 2.96 TB/s against 3.84-3.87 for the other folds (bench/results/graphs-h200-2026-12-05.json, no PDL).
+ADD_SQ_IN_REGS = False
 # Split-K's per-tile arrival counters: one int32 per column tile, zero between launches (the last program
 # of a tile resets its own), allocated once per device and never moved (captured graphs hold the address).
 _COUNTER_SLOTS = 4096
@@ -227,12 +234,24 @@ def _head_sq(x, stride_x, res, stride_r, M, r0: tl.constexpr, K: tl.constexpr, P
 
 
 @triton.jit
+def _pair_sums(v, BM: tl.constexpr, BN: tl.constexpr):
+    """Each row's sum of v [BM, BN] as a fixed tree of elementwise adds (columns 2i and 2i + 1, then pairs
+    of those, ...): no reduction whose order a register layout sets, so a row's bits never depend on BM."""
+    for i in tl.static_range(8):  # BN <= 256
+        if (BN >> i) > 1:
+            lo, hi = tl.split(tl.reshape(v, [BM, (BN >> i) // 2, 2]))
+            v = lo + hi
+    return tl.reshape(v, [BM])
+
+
+@triton.jit
 def _epilogue(
-    acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
+    acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile, r_pre, g_pre,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TP: tl.constexpr, RSTD: tl.constexpr,
     SWIGLU: tl.constexpr, ADD: tl.constexpr,
 ):  # fmt: skip
-    """What a launch computes from its tile's fp32 x @ W.T (rows m, column tile `tile`), once per output."""
+    """What a launch computes from its tile's fp32 x @ W.T (rows m, column tile `tile`), once per output.
+    ADD: 1 the residual add and the next norm, 2 the same from r_pre and g_pre (ADD_SQ_IN_REGS)."""
     dt = x.dtype.element_ty
     if RSTD:  # the deferred norm: 1/rms of each row from the T partial sums of squares sq [T, M]
         rs = 1.0 / tl.sqrt(_sq_partials(sq, M, T, 0, TP) / K + eps)
@@ -252,18 +271,27 @@ def _epilogue(
         n = tile * BN + tl.arange(0, BN)
         omask = (m[:, None] < M) & (n[None, :] < N)
         yv = acc.to(dt).to(tl.float32)  # the projection's output, rounded as linear_small's store rounds it
-        r = tl.load(res + m[:, None] * stride_r + n[None, :], mask=omask, other=0.0).to(tl.float32)
+        if ADD == 2:
+            r = r_pre
+        else:
+            r = tl.load(res + m[:, None] * stride_r + n[None, :], mask=omask, other=0.0).to(tl.float32)
         s = (yv + r).to(dt)  # the residual add, rounded as torch's add is
         tl.store(s_out + m[:, None] * stride_s + n[None, :], s, mask=omask)
         sf = s.to(tl.float32)
-        gv = tl.load(g + n, mask=n < N, other=0.0).to(tl.float32)
+        if ADD == 2:
+            gv = g_pre
+        else:
+            gv = tl.load(g + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(u_out + m[:, None] * stride_s + n[None, :], (sf * gv[None, :]).to(dt), mask=omask)
-        # This tile's columns' sums of squares, from the stored sum read back RB rows at a time: summed in
-        # the tensor-core tile's own layout, their order (and last bits) would depend on BM.
-        tl.debug_barrier()  # every thread's stores of s above, before any thread reads them back
-        _sq_tile(s_out, stride_s, sq, M, N, n, tile, 0)
-        if BM > RB:
-            _sq_tile(s_out, stride_s, sq, M, N, n, tile, RB)
+        if ADD == 2:  # rows past M are zero (masked loads), so their sums are too; not stored
+            tl.store(sq + tile * M + m, _pair_sums(sf * sf, BM, BN), mask=m < M)
+        else:
+            # This tile's columns' sums of squares, from the stored sum read back RB rows at a time: summed
+            # in the tensor-core tile's own layout, their order (and last bits) would depend on BM.
+            tl.debug_barrier()  # every thread's stores of s above, before any thread reads them back
+            _sq_tile(s_out, stride_s, sq, M, N, n, tile, 0)
+            if BM > RB:
+                _sq_tile(s_out, stride_s, sq, M, N, n, tile, RB)
     else:
         n = tile * BN + tl.arange(0, BN)
         omask = (m[:, None] < M) & (n[None, :] < N)
@@ -328,6 +356,12 @@ def _linear_body(
         _prefetch_l2(w + rows + tl.minimum(k_lo + tl.arange(0, PF)[None, :] * 64, K - 1))
     _pdl_enter(PDL, False)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if ADD == 2:  # the epilogue's residual and norm weight, in flight while the weight loop runs
+        amask = (m[:, None] < M) & n_ok[None, :]
+        r_pre = tl.load(res + m[:, None] * stride_r + n[None, :], mask=amask, other=0.0).to(tl.float32)
+        g_pre = tl.load(g + n, mask=n_ok, other=0.0).to(tl.float32)
+    else:
+        r_pre, g_pre = acc, acc  # not read
     rstd = tl.zeros([BM], dtype=tl.float32)
     if PRO_HEAD:  # a first pass over the whole row (L2-resident) for its 1/rms, RB rows at a time
         rstd = 1.0 / tl.sqrt(_head_sq(x, stride_x, res, stride_r, M, 0, K, PBK) / K + eps)
@@ -351,8 +385,8 @@ def _linear_body(
         gdc_launch_dependents()
     if SPLIT == 1:
         _epilogue(
-            acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
-            K, BM, BN, TP, RSTD, SWIGLU, ADD,
+            acc, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile, r_pre,
+            g_pre, K, BM, BN, TP, RSTD, SWIGLU, ADD,
         )  # fmt: skip
     else:
         # Each split stores its partial; the tile's last program to arrive (an acq_rel count after a barrier
@@ -371,7 +405,7 @@ def _linear_body(
             tl.atomic_xchg(counters + tile, 0, sem="relaxed")
             _epilogue(
                 tot, x, y, stride_y, res, stride_r, g, s_out, u_out, stride_s, sq, M, N, T, eps, m, tile,
-                K, BM, BN, TP, RSTD, SWIGLU, ADD,
+                r_pre, g_pre, K, BM, BN, TP, RSTD, SWIGLU, ADD,
             )  # fmt: skip
 
 
@@ -547,7 +581,7 @@ def _linear_launch(
         kind == "head",
         rstd,
         swiglu,
-        kind == "add_norm",
+        (2 if ADD_SQ_IN_REGS else 1) if kind == "add_norm" else 0,
         split,
         pdl,
         prefetch_lines(BK),

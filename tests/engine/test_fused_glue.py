@@ -124,6 +124,29 @@ def test_linear_add_norm_writes_the_sum_the_scaled_row_and_each_tiles_sums_of_sq
     assert not fused_mod._COUNTERS.get(x.device, torch.zeros(1)).any()  # each split tile reset its count
 
 
+@pytest.mark.parametrize("M,N,K,config", _FOLD_CASES)
+def test_the_sums_of_squares_from_registers_give_the_same_sum_and_row_and_their_own_exact_sums(
+    M, N, K, config, monkeypatch
+):
+    """ADD_SQ_IN_REGS: the residual and the norm weight loaded before the weight loop and each tile's sums
+    of squares taken from registers by a fixed tree of pairwise adds, not read back: s and u the same bits
+    as the read-back path's, sq each row's squares of s over its tile's columns summed in that tree."""
+    x, w, res, g, _ = _add_norm_inputs(M, N, K, 11)
+    s0, u0, sq0 = linear_add_norm(x, w, res, g, config)
+    monkeypatch.setattr(fused_mod, "ADD_SQ_IN_REGS", True)
+    s, u, sq = linear_add_norm(x, w, res, g, config)
+    assert torch.equal(s, s0) and torch.equal(u, u0)
+    check_linear_add_norm(s, u, sq, x, w, res, g, column_tiles(N, K, config))
+    BN = fused_mod.launch_shape(N, K, config, "add_norm")[0]
+    sf = torch.zeros(M, sq.shape[0] * BN)
+    sf[:, :N] = s.float() ** 2
+    v = sf.view(M, sq.shape[0], BN)
+    while v.shape[-1] > 1:  # columns 2i and 2i + 1, then pairs of those, ...
+        v = v[..., 0::2] + v[..., 1::2]
+    assert torch.equal(sq, v[..., 0].T.contiguous())
+    torch.testing.assert_close(sq, sq0, rtol=1e-6, atol=1e-6)
+
+
 def test_a_kind_shape_serves_that_kind_of_launch_alone(monkeypatch):
     """KIND_SHAPES gives one kind of launch of a weight shape its own launch shape: linear_add_norm runs
     (and sizes its sums of squares) at it, a plain projection of the same weight keeps SMALL_SHAPES'."""

@@ -106,11 +106,14 @@ def _add_norm(M, g, K=4096):
     return (*linear_add_norm(x, w, res, nw), x, w, res, nw)
 
 
+@pytest.mark.parametrize("sq_in_regs", [False, True])  # kernels.fused.ADD_SQ_IN_REGS
 @pytest.mark.parametrize("M", [1, 5, 16, 32])
 @pytest.mark.parametrize("K", [4096, 8192])  # out_proj / o_proj, MLP down (N = hidden)
-def test_linear_add_norm_at_proxy_shapes(K, M):
+def test_linear_add_norm_at_proxy_shapes(K, M, sq_in_regs, monkeypatch):
+    from kernels import fused
     from kernels.fused import column_tiles
 
+    monkeypatch.setattr(fused, "ADD_SQ_IN_REGS", sq_in_regs)
     s, u, sq, x, w, res, nw = _add_norm(M, torch.Generator(device=CUDA).manual_seed(K + M), K)
     check_linear_add_norm(s, u, sq, x, w, res, nw, column_tiles(4096, K))
 
@@ -139,13 +142,16 @@ def test_swiglu_linear_at_proxy_shapes(M):
     check_swiglu_linear(swiglu_linear(u, w, sq, 1e-5), u, w, sq, 1e-5)
 
 
+@pytest.mark.parametrize("sq_in_regs", [False, True])  # kernels.fused.ADD_SQ_IN_REGS
 @pytest.mark.parametrize("M", [4, 5, 16, 32])
-def test_each_row_of_a_projection_is_the_same_bits_at_every_batch(M):
+def test_each_row_of_a_projection_is_the_same_bits_at_every_batch(M, sq_in_regs, monkeypatch):
     """A decode step (one row per request) and a verify step (1 + drafts rows) must give a row the same
     bits, or speculative decoding drifts from plain greedy decoding: every projection kind's row 0 at M
     rows equals the same row launched alone."""
+    from kernels import fused
     from kernels.fused import linear_add_norm, linear_small, norm_linear, swiglu_linear
 
+    monkeypatch.setattr(fused, "ADD_SQ_IN_REGS", sq_in_regs)
     g = torch.Generator(device=CUDA).manual_seed(M)
     x, res = _bf((M, 4096), g), _bf((M, 4096), g)
     nw = (torch.rand(4096, generator=g, device=CUDA) + 0.5).to(torch.bfloat16)
