@@ -102,7 +102,7 @@ _BN, _BK, _WARPS, _STAGES, _SPLIT = 32, 256, 4, 4, 1  # any other shape asked fo
 KIND_SHAPES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 # linear_add_norm's epilogue with its residual and norm weight loaded before the weight loop (after the PDL
 # wait) and each row's sum of squares over the column tile taken from registers by a fixed tree of pairwise
-# adds (_pair_sums), instead of storing the sum, a barrier and reading it back: two round trips fewer at the
+# adds (_square_sums), instead of storing the sum, a barrier and reading it back: two round trips fewer at the
 # end of every program. Its bits do not depend on BM by construction (elementwise adds only). Off until the
 # H200 measures it: on 2026-12-05 the 15 add-and-norm launches of the one-request step read their weights at
 # 2.96 TB/s against 3.84-3.87 for the other folds (bench/results/graphs-h200-2026-12-05.json, no PDL).
@@ -234,10 +234,14 @@ def _head_sq(x, stride_x, res, stride_r, M, r0: tl.constexpr, K: tl.constexpr, P
 
 
 @triton.jit
-def _pair_sums(v, BM: tl.constexpr, BN: tl.constexpr):
-    """Each row's sum of v [BM, BN] as a fixed tree of elementwise adds (columns 2i and 2i + 1, then pairs
-    of those, ...): no reduction whose order a register layout sets, so a row's bits never depend on BM."""
-    for i in tl.static_range(8):  # BN <= 256
+def _square_sums(v, BM: tl.constexpr, BN: tl.constexpr):
+    """Each row's sum of squares of v [BM, BN] as a fixed tree of elementwise operations: columns 2i and
+    2i + 1 first, as fma(v_2i, v_2i, v_2i+1²), then pairs of those by adds. No reduction whose order a
+    register layout sets, and no multiply left for the compiler to fuse into an add or not depending on
+    where the layout moves the operands, so a row's bits never depend on BM."""
+    lo, hi = tl.split(tl.reshape(v, [BM, BN // 2, 2]))
+    v = tl.fma(lo, lo, hi * hi)
+    for i in tl.static_range(1, 8):  # BN <= 256
         if (BN >> i) > 1:
             lo, hi = tl.split(tl.reshape(v, [BM, (BN >> i) // 2, 2]))
             v = lo + hi
@@ -284,7 +288,7 @@ def _epilogue(
             gv = tl.load(g + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(u_out + m[:, None] * stride_s + n[None, :], (sf * gv[None, :]).to(dt), mask=omask)
         if ADD == 2:  # rows past M are zero (masked loads), so their sums are too; not stored
-            tl.store(sq + tile * M + m, _pair_sums(sf * sf, BM, BN), mask=m < M)
+            tl.store(sq + tile * M + m, _square_sums(sf, BM, BN), mask=m < M)
         else:
             # This tile's columns' sums of squares, from the stored sum read back RB rows at a time: summed
             # in the tensor-core tile's own layout, their order (and last bits) would depend on BM.

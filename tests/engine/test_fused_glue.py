@@ -130,7 +130,8 @@ def test_the_sums_of_squares_from_registers_give_the_same_sum_and_row_and_their_
 ):
     """ADD_SQ_IN_REGS: the residual and the norm weight loaded before the weight loop and each tile's sums
     of squares taken from registers by a fixed tree of pairwise adds, not read back: s and u the same bits
-    as the read-back path's, sq each row's squares of s over its tile's columns summed in that tree."""
+    as the read-back path's, sq each row's squares of s over its tile's columns summed in that tree (its
+    first level an fma, one rounding on the GPU; the interpreter's fma rounds the product, as torch here)."""
     x, w, res, g, _ = _add_norm_inputs(M, N, K, 11)
     s0, u0, sq0 = linear_add_norm(x, w, res, g, config)
     monkeypatch.setattr(fused_mod, "ADD_SQ_IN_REGS", True)
