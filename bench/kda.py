@@ -286,7 +286,8 @@ def main() -> None:
         "(launched as ours is, with programmatic dependent launch where the device has it); " + B12X_ADAPTER,
         "no_norm": NO_NORM,
         "pdl": "ours launches the decode kernel and its norm with programmatic dependent launch on sm_90 "
-        "(kernels.fused.PDL); ours_no_pdl: the same launches without it",
+        "(kernels.fused.PDL) where the grid has at most kernels.kda.decode.PDL_MAX_PROGRAMS programs; "
+        "ours_no_pdl: the same launches without it",
         "copy_TBps": copy_bandwidth(),
     }
     result["sweep"] = {"launches": [list(x) for x in SWEEP], "batches": "all" if sweep is True else sweep}
