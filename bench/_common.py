@@ -34,6 +34,25 @@ def interleaved_medians(
     return {k: {m: statistics.median(xs) for m, xs in ms.items()} for k, ms in samples.items()}
 
 
+def with_settings(
+    module: object, settings: dict[str, object], fn: Callable[[], object]
+) -> Callable[[], object]:
+    """fn run with the module's constants set as given, restored after each call (a variant timed beside
+    the default: a kernel module's switches are read at launch, so a captured graph keeps them)."""
+
+    def call() -> object:
+        saved = {name: getattr(module, name) for name in settings}
+        try:
+            for name, value in settings.items():
+                setattr(module, name, value)
+            return fn()
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+
+    return call
+
+
 def _git(*args: str) -> str | None:
     try:
         r = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=10)

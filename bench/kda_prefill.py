@@ -33,7 +33,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench._common import write_result  # noqa: E402
+from bench._common import with_settings, write_result  # noqa: E402
 from bench._gpu import (  # noqa: E402
     TIMING,
     copy_bandwidth,
@@ -69,22 +69,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     # H200 on 2026-12-05 (docs/KDA.md) and were removed.
     "ours_before_2026_12_05": {"_GATE_BK": 32, "_STATE_PREFETCH_G": False},
 }
-
-
-def _with(settings: dict[str, object], fn: Callable[[], None]) -> Callable[[], None]:
-    """fn run with kernels.kda.chunk's constants set as given (restored after each call)."""
-
-    def call() -> None:
-        saved = {name: getattr(chunk_mod, name) for name in settings}
-        try:
-            for name, value in settings.items():
-                setattr(chunk_mod, name, value)
-            fn()
-        finally:
-            for name, value in saved.items():
-                setattr(chunk_mod, name, value)
-
-    return call
 
 
 def _gated_norm(out: torch.Tensor, z: torch.Tensor, w: torch.Tensor, cu: torch.Tensor) -> None:
@@ -252,7 +236,7 @@ def bench_shape(
     saved = {n: x[n].clone() for n in INPUTS}
     ours = _ours(x)
     calls: dict[str, Callable[[], None]] = {"ours": ours}
-    calls.update({name: _with(settings, ours) for name, settings in VARIANTS.items()})
+    calls.update({name: with_settings(chunk_mod, settings, ours) for name, settings in VARIANTS.items()})
     row: dict = {"tokens": f"{nseq}x{seqlen}", "H": H}
     if fla is not None:
         calls["fla+norm"] = _fla_call(fla, x, norm=True, use_graph=False)

@@ -27,7 +27,6 @@ import argparse
 import itertools
 import os
 import sys
-from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -36,7 +35,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench._common import write_result  # noqa: E402
+from bench._common import with_settings, write_result  # noqa: E402
 from bench._gpu import TIMING, copy_bandwidth, time_contenders, warm_up_clocks  # noqa: E402
 from kernels import fused  # noqa: E402
 
@@ -197,20 +196,6 @@ def cases_to_run(names: list[str] | None, fold_kinds: list[str] | None) -> list[
     return [s for s in todo if not fold_kinds or s[3] in fold_kinds]
 
 
-def _add_sq_in_regs(a, w, r, nw, cfg) -> Callable[[], object]:
-    """linear_add_norm with kernels.fused.ADD_SQ_IN_REGS on for this call (the switch is read at launch,
-    so a captured graph keeps it)."""
-
-    def call():
-        saved, fused.ADD_SQ_IN_REGS = fused.ADD_SQ_IN_REGS, True
-        try:
-            return fused.linear_add_norm(a, w, r, nw, cfg)
-        finally:
-            fused.ADD_SQ_IN_REGS = saved
-
-    return call
-
-
 def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep: Sweep = ()) -> dict:
     """The unfused path around the projection (the kernels a fold replaces, then the projection by cuBLAS
     or by linear_small at the module's launch shape) against the one launch that folds them in, at the
@@ -236,7 +221,8 @@ def bench_fold(name: str, N: int, K: int, M: int, kind: str, best: Shape, sweep:
             calls[f"folded_{k}"] = lambda cfg=cfg: fused.linear_add_norm(a, w, r, nw, cfg)
             wants[f"folded_{k}"] = want + r.float()  # s, the residual stream
         for k in ("module", "best"):  # the epilogue of kernels.fused.ADD_SQ_IN_REGS, at the same shapes
-            calls[f"sq_in_regs_{k}"] = _add_sq_in_regs(a, w, r, nw, shapes[k])
+            add = lambda cfg=shapes[k]: fused.linear_add_norm(a, w, r, nw, cfg)  # noqa: E731
+            calls[f"sq_in_regs_{k}"] = with_settings(fused, {"ADD_SQ_IN_REGS": True}, add)
             wants[f"sq_in_regs_{k}"] = want + r.float()
     else:
         x, r = (torch.randn(M, K, generator=g, device="cuda").to(bf) for _ in range(2))

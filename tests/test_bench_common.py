@@ -132,3 +132,19 @@ def test_a_steps_launches_are_told_apart_in_order_and_summed_by_name() -> None:
     ]
     with pytest.raises(ValueError, match="launch 0 differs between calls"):
         gpu.launch_sequence(swapped, 2)
+
+
+def test_a_variant_runs_with_its_settings_and_leaves_the_module_as_it_was() -> None:
+    import types
+
+    mod = types.SimpleNamespace(A=1, B="x")
+    seen = []
+    call = _common.with_settings(mod, {"A": 2, "B": "y"}, lambda: seen.append((mod.A, mod.B)) or "out")
+    assert call() == "out" and seen == [(2, "y")] and (mod.A, mod.B) == (1, "x")
+
+    def fails():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _common.with_settings(mod, {"A": 3}, fails)()
+    assert mod.A == 1
