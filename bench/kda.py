@@ -80,15 +80,12 @@ def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:
     """The same in-place gated RMSNorm kernel our split-V path uses, for like-for-like peer timing, launched
     as ours launches it (with programmatic dependent launch where the device has it: behind a kernel that
     never signals, as fla's, its launch still overlaps that kernel's end)."""
-    from kernels.fused import _pdl_launch, pdl_enabled
-    from kernels.kda.decode import _gated_rmsnorm_kernel
+    from kernels.fused import pdl_enabled
+    from kernels.kda.decode import launch_gated_norm
 
     out, z, w = t["out"], t["z"], t["norm_weight"]
-    rows, pdl = out.shape[0], pdl_enabled(t["out"])
-    return lambda: _gated_rmsnorm_kernel[(rows * H,)](
-        out, z, w, out.stride(0), out.stride(1), z.stride(0), z.stride(1), 1e-5, H=H, V=V, PDL=pdl,
-        num_warps=1, **_pdl_launch(pdl),
-    )  # fmt: skip
+    pdl = pdl_enabled(out)
+    return lambda: launch_gated_norm(out, z, w, 1e-5, pdl)
 
 
 def fla(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:

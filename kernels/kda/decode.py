@@ -316,10 +316,16 @@ def launch_decode(
         H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, PDL=pdl, num_warps=nw, **_pdl_launch(pdl),
     )  # fmt: skip
     if not fuse and norm:
-        _gated_rmsnorm_kernel[(n * T * H,)](
-            out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
-            H=H, V=V, PDL=pdl, num_warps=1, **_pdl_launch(pdl),
-        )  # fmt: skip
+        launch_gated_norm(out, z, norm_weight, norm_eps, pdl)
+
+
+def launch_gated_norm(out: Tensor, z: Tensor, norm_weight: Tensor, norm_eps: float, pdl: bool) -> None:
+    """The split path's gated RMSNorm, in place on out [rows, H, V]: one one-warp program per (row, head)."""
+    rows, H, V = out.shape
+    _gated_rmsnorm_kernel[(rows * H,)](
+        out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
+        H=H, V=V, PDL=pdl, num_warps=1, **_pdl_launch(pdl),
+    )  # fmt: skip
 
 
 def decode(
