@@ -267,21 +267,23 @@ def _fused_cases() -> Iterator[tuple]:
     lin_ptrs |= {"sq": F32, "part": F32, "counters": I32}
     strides = ("N", "T", "stride_x", "stride_w", "stride_y", "stride_r", "stride_s")
     in_proj = 3 * hk + H + 2 * K
-    projections = [  # (label, N, K, kind, config): kinds as kernels.fused._KERNELS names them
+    # (label, N, K, kind, config[, ADD]): kinds as kernels.fused._KERNELS names them; ADD 2 is the epilogue of
+    # kernels.fused.ADD_SQ_IN_REGS (else 1 for an add-and-norm launch, 0 for the others)
+    projections = [
         ("in_proj, deferred norm", in_proj, hid, "norm", None),
         ("in_proj", in_proj, hid, "plain", None),  # the first block's, after the norm's kernel
         ("gate_up, deferred norm and SwiGLU", 2 * mlp, hid, "swiglu", None),
         ("gate_up", 2 * mlp, hid, "plain", None),
         ("down, add and norm", hid, mlp, "add_norm", None),
-        ("down, add and norm, sums in registers", hid, mlp, "add_norm", None),
+        ("down, add and norm, sums in registers", hid, mlp, "add_norm", None, 2),
         ("down", hid, mlp, "plain", None),  # the last block's: the head's launch adds it
         ("out_proj / o_proj, add and norm", hid, hk, "add_norm", None),
-        ("out_proj / o_proj, add and norm, sums in registers", hid, hk, "add_norm", None),
+        ("out_proj / o_proj, add and norm, sums in registers", hid, hk, "add_norm", None, 2),
         ("out_proj / o_proj", hid, hk, "plain", None),
         ("out_proj / o_proj, split 4", hid, hk, "plain", (32, 256, 4, 3, 4)),
         ("LM head, add and norm", vocab, hid, "head", fu.HEAD_SHAPE),
     ]
-    for label, N, Kd, kind, config in projections:
+    for label, N, Kd, kind, config, *add_mode in projections:
         fn = fu._KERNELS[kind]
         BN, BK, warps, stages, split = fu.launch_shape(N, Kd, config, kind)
         swiglu = kind == "swiglu"
@@ -297,8 +299,7 @@ def _fused_cases() -> Iterator[tuple]:
             c = dict(
                 K=Kd, BM=BM, BN=BN, BK=BK, EVEN=even, TP=fu._next_pow2(max(T, 1)), PRO_HEAD=kind == "head"
             )
-            # ADD 2: kernels.fused.ADD_SQ_IN_REGS's epilogue
-            add = (2 if label.endswith("sums in registers") else 1) if kind == "add_norm" else 0
+            add = add_mode[0] if add_mode else int(kind == "add_norm")
             c.update(RSTD=kind == "norm" or swiglu, SWIGLU=swiglu, ADD=add)
             c.update(SPLIT=split, PDL=True, PF=fu.prefetch_lines(BK))
             sig = _sig(fn, c, lin_ptrs, ("eps",))
