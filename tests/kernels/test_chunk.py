@@ -194,14 +194,14 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {},
         {"_INTER_BK": 16},
         {"_INTER_WARPS": 4, "_DIAG_WARPS": 4},
-        {"_STATE_PREFETCH_G": True},
+        {"_STATE_PREFETCH_G": False},
         {"_STATE_BV": 16},
     ],
     ids=[
         "default",
         "inter-k-slices-of-16",
         "four-warps",
-        "state-prefetch-g",
+        "state-without-prefetch-g",
         "state-v-blocks-of-16",
     ],
 )
