@@ -68,6 +68,14 @@ VARIANTS: dict[str, dict[str, object]] = {
     # state pass unpipelined at 32- or 16-wide V blocks) ran slower or within 0.3% of the default on the
     # H200 on 2026-12-05 (docs/KDA.md) and were removed.
     "ours_before_2026_12_05": {"_GATE_BK": 32, "_STATE_PREFETCH_G": False},
+    # Not yet timed (kernels/kda/chunk.py says what each changes; the first three keep the default's bits):
+    "ours_state_k_delta_first": {"_STATE_S_FIRST": True},
+    "ours_tril_loads": {"_TRIL_LOADS": True},
+    "ours_state_warps_8": {"_STATE_WARPS": 8},
+    "ours_diag_few_exp": {"_DIAG_FEW_EXP": True},
+    "ours_diag_bk_64": {"_DIAG_BK": 64},
+    "ours_diag_bk_32": {"_DIAG_BK": 32},
+    "ours_diag_bk_32_tril": {"_DIAG_BK": 32, "_TRIL_LOADS": True},
 }
 
 
@@ -231,6 +239,7 @@ def bench_shape(
     breakdown: bool,
     copy_TBps: float | None,
     exclude: frozenset[str] = frozenset(),
+    breakdown_variants: bool = False,
 ) -> dict:
     x = _inputs(nseq, seqlen, H)
     saved = {n: x[n].clone() for n in INPUTS}
@@ -276,7 +285,8 @@ def bench_shape(
             min(timings[p]["eager_us"] for p in peers) / timings["ours"]["eager_us"], 3
         )
     if breakdown:
-        row["kernels_us"] = {k: kernel_breakdown(calls[k]) for k in ("ours", "fla+norm") if k in timings}
+        split = ("ours", "fla+norm", *(VARIANTS if breakdown_variants else ()))
+        row["kernels_us"] = {k: kernel_breakdown(calls[k]) for k in split if k in timings}
         ours_split = row["kernels_us"].get("ours")
         if isinstance(ours_split, list):
             row["kernels_TBps"] = pass_rates(ours_split, _pass_bytes(nseq, seqlen, H), copy_TBps)
@@ -300,6 +310,9 @@ def main() -> None:
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's per-kernel split")
     ap.add_argument("--exclude", default="", help="comma-separated contenders not to run (recorded)")
+    ap.add_argument(
+        "--breakdown-variants", action="store_true", help="the per-kernel split of every variant of ours too"
+    )
     ap.add_argument(
         "--shapes",
         default="",
@@ -330,13 +343,17 @@ def main() -> None:
         "fla+norm: the same in chunk_kda plus our gated RMSNorm kernel; fla: chunk_kda alone",
         "variants": {k: {n: str(v) for n, v in s.items()} for k, s in VARIANTS.items()},
         "excluded": sorted(exclude),
+        "breakdown_variants": args.breakdown_variants,
         "peer": why,
         "timing": TIMING.format(rounds=ROUNDS, streamed=5).replace("us", "ms") + "; figures in ms",
         "prefill": rows,
     }
     for n, s, h in shapes:
         rows.append(
-            bench_shape(n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"], exclude=exclude)
+            bench_shape(
+                n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"], exclude=exclude,
+                breakdown_variants=args.breakdown_variants,
+            )  # fmt: skip
         )
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
         # Written after every shape, so a run cut short by its caller's time limit keeps what it measured

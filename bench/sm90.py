@@ -229,22 +229,33 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         yield name, ch._gate_kernel, gate, c, warps
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
     diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})
-    c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16)
-    yield "prefill diagonal pass", ci.diag_kernel, diag, c, ch._DIAG_WARPS
+    # _TRIL_LOADS, _DIAG_FEW_EXP, _DIAG_BK
+    for zero_right, few_exp, bk in ((True, False, K), (False, False, K), (True, True, K), (True, False, 64)):
+        c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=zero_right)
+        c.update(FEW_EXP=few_exp, BK=bk)
+        name = "prefill diagonal pass" + ("" if zero_right else ", nothing right of the diagonal")
+        name += ", two exponentials per element" if few_exp else ""
+        name += f", {bk}-wide K slices" if bk < K else ""
+        yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)
     yield "prefill off-diagonal pass", ci.inter_solve_kernel, inter, c, ch._INTER_WARPS
     wu = {"k": BF16, "v": BF16, "b": BF16, "gcum": F32, "x_inv": F32, "rn": F32, "w": BF16, "u": BF16}
     wu.update(chunks)
-    c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT)
-    yield "prefill W/U", ci.wu_kernel, wu, c, ch._WU_WARPS
+    for tril in (False, True):  # _TRIL_LOADS
+        c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT, TRIL=tril)
+        yield "prefill W/U" + (", X's lower triangle" if tril else ""), ci.wu_kernel, wu, c, ch._WU_WARPS
     state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
     state = {"gcum": F32, **state, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32, "slots": I32}
     state["has_initial"] = "*u8"
-    for bv, pre in itertools.product((32, 64), (False, True)):  # pre: _STATE_PREFETCH_G (the default)
+    # pre: _STATE_PREFETCH_G (the default); then, with it, _STATE_S_FIRST and _TRIL_LOADS
+    state_cases = [(pre, False, False) for pre in (False, True)] + [(True, True, False), (True, False, True)]
+    for bv, (pre, s_first, tril) in itertools.product((32, 64), state_cases):
         c = dict(H=H, K=K, V=V, BT=BT, BV=bv, WHILE_LOOP=False, DT=tl.bfloat16, VB_FIRST=ch._STATE_VB_FIRST)
-        c["PREFETCH_G"] = pre
+        c.update(PREFETCH_G=pre, S_FIRST=s_first, TRIL=tril)
         name = f"prefill state pass BV={bv}" + (", Gamma_C a chunk ahead" if pre else "")
+        name += ", K^T.Delta first" if s_first else ""
+        name += ", P's lower triangle" if tril else ""
         yield name, ch._state_kernel, state, c, ch._STATE_WARPS
     norm = {"out": BF16, "z": BF16, "weight": F32, "cu_seqlens": I32, "n_seqs": "i32", "eps": "fp32"}
     norm["rows_cap"] = "i32"

@@ -57,6 +57,26 @@ _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 # chain: the prefill ran 0.869 / 0.800 / 3.398 ms (streamed) against 0.881 / 0.825 / 3.444 without it
 # (H200, 2026-12-05, a7fbe7c, 1x8192 / 8x1024 / 1x32768), 140 registers against 128 on sm_90.
 _STATE_PREFETCH_G = True
+# Not yet measured on the H200 (bench/kda_prefill.py times each beside the default; both keep the default's
+# bits, tests/kernels/test_chunk.py):
+# _STATE_S_FIRST: each step of the state pass writes the leaving state's product K̄ᵀ·Δ before the output's
+# Q̃·S and P·Δ. The pass is a chain of dependent products per chunk (1.6 µs a chunk at 1x8192, 128 programs
+# on 132 SMs, 2026-12-05), and the output's two products sit on that chain only because they are written
+# before the state's.
+_STATE_S_FIRST = False
+# _TRIL_LOADS: the passes that read P and X (the state pass, W/U) take each row on and left of its diagonal
+# only, so the diagonal pass writes no zeros right of it: at 1x8192 (H = 32) 38 MB fewer writes in the
+# diagonal pass and about 33 MB fewer reads in W/U (X's load masked; the state pass loads P's rows whole, as
+# before, and zeroes what lies right of the diagonal).
+_TRIL_LOADS = False
+# _DIAG_FEW_EXP (changes the last bits of Q̃ and K̄): the diagonal pass forms Q̃ and K̄ from the factors its
+# blocks already use, two exponentials per element of the sub-chunk instead of four (134 M fewer at 1x8192,
+# H = 32: about 16 µs of the SMs' special-function units if the pass is bound by them).
+_DIAG_FEW_EXP = False
+# _DIAG_BK (changes the last bits of the norms): the diagonal pass in K slices of this width, None whole rows.
+# At 2 warps its whole-row tiles take 162 registers per thread on sm_90 (bench/sm90.py), six programs (12
+# warps) per SM, 21 waves at 1x8192 for a pass that waits on memory and on its 14-step substitution.
+_DIAG_BK: int | None = None
 
 
 def build_chunk_metadata(
@@ -176,10 +196,15 @@ def _chunk_step(
     g_pre,
     nc,
     PREFETCH_G: tl.constexpr,
+    S_FIRST: tl.constexpr,
+    TRIL: tl.constexpr,
 ):
     """One chunk of the sequential pass: its outputs, and S carried past it. Returns S and, with
     PREFETCH_G, Γ_C of the next chunk, loaded before this chunk's products (g_pre is this chunk's, loaded
-    by the step before); without it g_pre is passed through unread."""
+    by the step before); without it g_pre is passed through unread. S_FIRST: the leaving state's product
+    K̄ᵀ·Δ is written before the output's two products, so that the chain from S to S (W·S, Δ, K̄ᵀ·Δ) is
+    not queued behind Q̃·S and P·Δ; the same products of the same operands, so the same bits. TRIL: P is
+    taken on and left of its diagonal only (the diagonal pass then writes nothing right of it)."""
     if PREFETCH_G:
         g_next = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
     else:
@@ -194,17 +219,34 @@ def _chunk_step(
     wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
     delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
     db = delta.to(DT)
+    if S_FIRST:
+        S = _leaving_state(S, db, g_pre, gcum, cc, bos, eos, h, d, k_bar, offk, mr, H, K, BT, DT, PREFETCH_G)
     qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
-    pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0).to(DT)
+    pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0)
+    if TRIL:
+        # Selected after the load, not masked in it: a mask that varies along the row took the load out
+        # of the loop's software pipeline (16 KB less shared memory, 254 registers at BV = 64 on sm_90).
+        pc = tl.where(r[None, :] <= r[:, None], pc, 0.0)
+    pc = pc.to(DT)
     o = tl.dot(qc, Sb) + tl.dot(pc, db)
     tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr)
+    if not S_FIRST:
+        S = _leaving_state(S, db, g_pre, gcum, cc, bos, eos, h, d, k_bar, offk, mr, H, K, BT, DT, PREFETCH_G)
+    return S, g_next
+
+
+@triton.jit
+def _leaving_state(
+    S, db, g_pre, gcum, cc, bos, eos, h, d, k_bar, offk, mr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, PREFETCH_G: tl.constexpr,
+):  # fmt: skip
+    """S past the chunk: Diag(exp(Γ_C))·S + K̄ᵀ·Δ."""
     if PREFETCH_G:
         g_last = g_pre  # loaded a chunk ahead
     else:
         g_last = _g_last(gcum, cc, bos, eos, h, d, H, K, BT)
     kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
-    S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
-    return S, g_next
+    return S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
 
 
 @triton.jit
@@ -237,6 +279,8 @@ def _state_kernel(
     DT: tl.constexpr,
     VB_FIRST: tl.constexpr,
     PREFETCH_G: tl.constexpr,
+    S_FIRST: tl.constexpr,
+    TRIL: tl.constexpr,
 ):
     """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
     S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot.
@@ -282,14 +326,14 @@ def _state_kernel(
         while cc < nc:
             S, gl = _chunk_step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G,
+                gl, nc, PREFETCH_G, S_FIRST, TRIL,
             )  # fmt: skip
             cc += 1
     else:
         for cc in range(nc):
             S, gl = _chunk_step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G,
+                gl, nc, PREFETCH_G, S_FIRST, TRIL,
             )  # fmt: skip
     tl.store(s_ptr, S)
 
@@ -456,6 +500,9 @@ def prefill(
             BC=_SUB,
             DEVICE_COUNT=dev,
             DT=ap_dt,
+            ZERO_RIGHT=not _TRIL_LOADS,
+            FEW_EXP=_DIAG_FEW_EXP,
+            BK=min(K, _DIAG_BK or K),
             num_warps=_DIAG_WARPS,
         )
         inter_solve_kernel[(grid_chunks, H)](
@@ -492,6 +539,7 @@ def prefill(
             BT=BT,
             DEVICE_COUNT=dev,
             DT=tl.float32 if _INTERPRET else _WU_DT,
+            TRIL=_TRIL_LOADS,
             num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or _state_bv(N, H, V, q.device))
@@ -519,6 +567,8 @@ def prefill(
             DT=tl.float32 if _INTERPRET else tl.bfloat16,
             VB_FIRST=_STATE_VB_FIRST,
             PREFETCH_G=_STATE_PREFETCH_G,
+            S_FIRST=_STATE_S_FIRST,
+            TRIL=_TRIL_LOADS,
             num_warps=_STATE_WARPS,
         )
     rows = 16

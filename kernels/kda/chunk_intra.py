@@ -44,6 +44,55 @@ def _beta(b, rows, m):
 
 
 @triton.jit
+def _diag_sliced(
+    q, k, b, gcum, q_tilde, k_bar, rn, t0, n, i, h, rows, mb, scale,
+    H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+    FEW_EXP: tl.constexpr,
+):  # fmt: skip
+    """diag_kernel's first half with K in BK-wide slices (fewer live registers per program): the rows'
+    inverse norms from a first pass over the slices, then each slice's Q̃ and K̄ and its share of the
+    unmasked A_ii and P_ii, its rows read again (from cache). Returns A_ii, P_ii and β."""
+    ssk = tl.zeros([BC], dtype=tl.float32)
+    ssq = tl.zeros([BC], dtype=tl.float32)
+    for kb in range(K // BK):
+        off = rows[:, None] * K + (kb * BK + tl.arange(0, BK))[None, :]
+        kk = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32)
+        qq = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32)
+        ssk += tl.sum(kk * kk, axis=1)
+        ssq += tl.sum(qq * qq, axis=1)
+    nk = 1.0 / tl.sqrt(ssk + 1e-6)
+    nq = scale / tl.sqrt(ssq + 1e-6)
+    tl.store(rn + rows * 2, nk, mask=mb)
+    tl.store(rn + rows * 2 + 1, nq, mask=mb)
+    last = ((t0 + n - 1) * H + h) * K  # Γ_C: the chunk's last row
+    mid = ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K  # the sub-chunk's reference row
+    a = tl.zeros([BC, BC], dtype=tl.float32)
+    pq = tl.zeros([BC, BC], dtype=tl.float32)
+    for kb in range(K // BK):
+        d = kb * BK + tl.arange(0, BK)
+        off = rows[:, None] * K + d[None, :]
+        kh = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32) * nk[:, None]
+        qh = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32) * nq[:, None]
+        gi = tl.load(gcum + off, mask=mb[:, None], other=0.0)
+        g_end = tl.load(gcum + last + d)
+        g_mid = tl.load(gcum + mid + d)
+        rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
+        cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
+        if FEW_EXP:
+            q_t = qh * rf * tl.exp(g_mid)[None, :]
+            k_b = kh * cf * tl.exp(g_end - g_mid)[None, :]
+        else:
+            q_t = qh * tl.exp(gi)
+            k_b = kh * tl.exp(g_end[None, :] - gi)
+        tl.store(q_tilde + off, q_t.to(q_tilde.dtype.element_ty), mask=mb[:, None])
+        tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
+        kc = (kh * cf).to(DT)
+        a = tl.dot((kh * rf).to(DT), tl.trans(kc), a)
+        pq = tl.dot((qh * rf).to(DT), tl.trans(kc), pq)
+    return a, pq, _beta(b, rows, mb)
+
+
+@triton.jit
 def diag_kernel(
     q,
     k,
@@ -65,10 +114,17 @@ def diag_kernel(
     BC: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
+    ZERO_RIGHT: tl.constexpr,
+    FEW_EXP: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
-    (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), zeros right
-    of the diagonal in p and x, then (I + A_ii)^{-1} by forward substitution over rows read back from x."""
+    (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
+    ZERO_RIGHT zeros right of the diagonal block in p and x (without it the readers mask those columns),
+    then (I + A_ii)^{-1} by forward substitution over rows read back from x. FEW_EXP: Q̃ and K̄ from the
+    two factors the blocks use, e^{Γ_r − Γ_mid} and its inverse, times per-channel e^{Γ_mid} and
+    e^{Γ_C − Γ_mid}: two exponentials per element instead of four (values below e^{-87} lose bits).
+    BK < K: the channels in BK-wide slices, each row's norms from a first pass over them."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -78,38 +134,52 @@ def diag_kernel(
     ci = tl.arange(0, BC)
     rb = i * BC + ci
     mb = rb < n
-    d = tl.arange(0, K)
     rows = (t0 + rb) * H + h
-    off = rows[:, None] * K + d[None, :]
-    kk = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32)
-    qq = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32)
-    gi = tl.load(gcum + off, mask=mb[:, None], other=0.0)
-    nk = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
-    nq = scale / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
-    tl.store(rn + rows * 2, nk, mask=mb)
-    tl.store(rn + rows * 2 + 1, nq, mask=mb)
-    kh = kk * nk[:, None]
-    qh = qq * nq[:, None]
-    g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
-    tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
-    tl.store(k_bar + off, (kh * tl.exp(g_end[None, :] - gi)).to(k_bar.dtype.element_ty), mask=mb[:, None])
-    beta = _beta(b, rows, mb)
-    g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
-    rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
-    cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
-    kc = (kh * cf).to(DT)
-    a = tl.dot((kh * rf).to(DT), tl.trans(kc))
-    pq = tl.dot((qh * rf).to(DT), tl.trans(kc))
+    if BK == K:
+        d = tl.arange(0, K)
+        off = rows[:, None] * K + d[None, :]
+        kk = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32)
+        qq = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32)
+        gi = tl.load(gcum + off, mask=mb[:, None], other=0.0)
+        nk = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
+        nq = scale / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
+        tl.store(rn + rows * 2, nk, mask=mb)
+        tl.store(rn + rows * 2 + 1, nq, mask=mb)
+        kh = kk * nk[:, None]
+        qh = qq * nq[:, None]
+        g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
+        if not FEW_EXP:
+            tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+            k_b = kh * tl.exp(g_end[None, :] - gi)
+            tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
+        beta = _beta(b, rows, mb)
+        g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
+        rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
+        cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
+        if FEW_EXP:
+            q_t = qh * rf * tl.exp(g_mid)[None, :]
+            tl.store(q_tilde + off, q_t.to(q_tilde.dtype.element_ty), mask=mb[:, None])
+            k_b = kh * cf * tl.exp(g_end - g_mid)[None, :]
+            tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
+        kc = (kh * cf).to(DT)
+        a = tl.dot((kh * rf).to(DT), tl.trans(kc))
+        pq = tl.dot((qh * rf).to(DT), tl.trans(kc))
+    else:
+        a, pq, beta = _diag_sliced(
+            q, k, b, gcum, q_tilde, k_bar, rn, t0, n, i, h, rows, mb, scale, H, K, BC, BK, DT, FEW_EXP
+        )  # fmt: skip
     a = tl.where(ci[None, :] < ci[:, None], a, 0.0) * beta[:, None]
     pq = tl.where(ci[None, :] <= ci[:, None], pq, 0.0)
     cols = tl.arange(0, BT)
     right = mb[:, None] & (cols >= (i + 1) * BC)[None, :]
     prow = p + rows[:, None] * BT
     tl.store(prow + rb[None, :], pq.to(p.dtype.element_ty), mask=mb[:, None])
-    tl.store(prow + cols[None, :], tl.zeros([BC, BT], dtype=p.dtype.element_ty), mask=right)
+    if ZERO_RIGHT:
+        tl.store(prow + cols[None, :], tl.zeros([BC, BT], dtype=p.dtype.element_ty), mask=right)
     xrow = x_inv + rows[:, None] * BT
     tl.store(xrow + rb[None, :], a, mask=mb[:, None])
-    tl.store(xrow + cols[None, :], tl.zeros([BC, BT], dtype=tl.float32), mask=right)
+    if ZERO_RIGHT:
+        tl.store(xrow + cols[None, :], tl.zeros([BC, BT], dtype=tl.float32), mask=right)
     tl.debug_barrier()
     # Y = (I + A_ii)^{-1} − I, row by row: Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own).
     y = -a
@@ -299,9 +369,10 @@ def wu_kernel(
     BT: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
+    TRIL: tl.constexpr,
 ):
     """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products, k normalised by
-    the inverse norms the diagonal pass stored in rn."""
+    the inverse norms the diagonal pass stored in rn. TRIL: X is read on and left of its diagonal only."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
@@ -310,7 +381,11 @@ def wu_kernel(
     r = tl.arange(0, BT)
     mr = (r < n)[:, None]
     rows = (t0 + r) * H + h
-    x = tl.load(x_inv + rows[:, None] * BT + r[None, :], mask=mr & (r < n)[None, :], other=0.0).to(DT)
+    if TRIL:
+        xmask = mr & (r[None, :] <= r[:, None])
+    else:
+        xmask = mr & (r < n)[None, :]
+    x = tl.load(x_inv + rows[:, None] * BT + r[None, :], mask=xmask, other=0.0).to(DT)
     beta = _beta(b, rows, r < n)
     offk = rows[:, None] * K + tl.arange(0, K)[None, :]
     nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)

@@ -116,8 +116,9 @@ def _oracle(q, k, v, a, b, A_log, dt_bias, z, w, pool0, cu, slots, has_init):
 
 
 def _run_prefill(
-    lens, slots, has_init, *, H=2, K=16, V=32, chunk=16, device_count=False, seed=0, backend=None, a_shift=0.0
-):
+    lens, slots, has_init, *, H=2, K=16, V=32, chunk=16, device_count=False, seed=0, backend=None,
+    a_shift=0.0, nan_scratch=False,
+):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     cu = [0]
     for n in lens:
@@ -148,6 +149,9 @@ def _run_prefill(
         cu_seqlens=cu_t, slots=slots_t, has_initial_state=init_t, chunk_indices=idx, chunk_offsets=offs,
         num_chunks=num_chunks, out=out,
     )  # fmt: skip
+    if nan_scratch:  # every scratch entry a pass might read without its writer having written it: NaN
+        specs = prefill_scratch_specs(tot, H, K, V, chunk).items()
+        args["scratch"] = {m: torch.full(s, float("nan"), dtype=d) for m, (s, d) in specs}
     if backend is None:
         prefill(**args, chunk_size=chunk)
     else:
@@ -196,6 +200,9 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_INTER_WARPS": 4, "_DIAG_WARPS": 4},
         {"_STATE_PREFETCH_G": False},
         {"_STATE_BV": 16},
+        {"_STATE_S_FIRST": True},
+        {"_TRIL_LOADS": True},
+        {"_DIAG_FEW_EXP": True},
     ],
     ids=[
         "default",
@@ -203,6 +210,9 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "four-warps",
         "state-without-prefetch-g",
         "state-v-blocks-of-16",
+        "state-k-delta-first",
+        "tril-loads",
+        "diag-two-exponentials",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -239,8 +249,16 @@ WIDE_K = dict(lens=[3, 70], slots=[1, 2], has_init=[True, False], seed=8, K=128,
         ({"_STATE_PREFETCH_G": False}, MILD),
         ({"_GATE_BK": 32}, WIDE_K),
         ({"_GATE_BK": 128}, WIDE_K),
+        ({"_STATE_S_FIRST": True}, MILD),
+        ({"_TRIL_LOADS": True}, MILD),
     ],
-    ids=["state-without-prefetch-g", "gate-channel-blocks-of-32", "gate-whole-head-rows"],
+    ids=[
+        "state-without-prefetch-g",
+        "gate-channel-blocks-of-32",
+        "gate-whole-head-rows",
+        "state-k-delta-first",
+        "tril-loads",
+    ],
 )
 def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, monkeypatch) -> None:
     # Γ_C loaded when its chunk comes rather than a chunk early (the default), or the gate's channels split
@@ -260,6 +278,55 @@ def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, mon
     starts = [sum(lens[:i]) for i in range(len(lens))]
     live = [t for i, t0 in enumerate(starts) if slots[i] != 0 for t in range(t0, t0 + lens[i])]  # not slot 0
     torch.testing.assert_close(out1[live].float(), o_ref[live].float(), **OUT_TOL)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{"_DIAG_BK": 32}, {"_DIAG_BK": 64, "_DIAG_FEW_EXP": True}, {"_DIAG_BK": 32, "_TRIL_LOADS": True}],
+    ids=["diag-k-slices-of-32", "diag-k-slices-of-64-two-exponentials", "diag-k-slices-of-32-tril-loads"],
+)
+@pytest.mark.parametrize("a_shift", [4.0, -6.0], ids=["strong-decays", "slow-decays"])
+def test_diagonal_pass_in_k_slices_matches_the_recurrence_and_the_whole_row_pass(
+    variant, a_shift, monkeypatch
+) -> None:
+    # K = 128, so the slices are real (at the tests' usual K = 16 every width is the whole row); strong
+    # decays on most channels, or slow ones (A_ii far from zero, so a slice missing from it shows). The
+    # slices change only the order of the norms' sums and of the products' accumulation, so the result
+    # stays within a few bf16 ulps of the whole-row pass.
+    import kernels.kda.chunk as chunk
+
+    case = dict(lens=[3, 70, 64], slots=[1, 2, 3], has_init=[True, False, True], seed=8, K=128, V=16)
+    case["a_shift"] = a_shift
+    lens, slots, has_init = case.pop("lens"), case.pop("slots"), case.pop("has_init")
+    out0, _, pool0, _, _ = _run_prefill(lens, slots, has_init, chunk=64, device_count=True, **case)
+    for name, value in variant.items():
+        monkeypatch.setattr(chunk, name, value)
+    out1, o_ref, pool1, _, states = _run_prefill(
+        lens, slots, has_init, chunk=64, device_count=True, nan_scratch=True, **case
+    )
+    torch.testing.assert_close(out1.float(), o_ref.float(), **OUT_TOL)
+    for slot in slots:
+        torch.testing.assert_close(pool1[slot], states[slot], **STATE_TOL)
+    torch.testing.assert_close(out1.float(), out0.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(pool1, pool0, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("tril", [False, True], ids=["zeros-written", "tril-loads"])
+def test_no_pass_reads_scratch_that_no_pass_wrote(tril, monkeypatch) -> None:
+    # Scratch starts as NaN. The diagonal pass writes P and X only on and left of the diagonal under
+    # _TRIL_LOADS, so a reader whose mask reached past the diagonal would carry NaN into the output or
+    # the state; the outputs must be the default's bits (on zero-filled scratch) either way.
+    import kernels.kda.chunk as chunk
+
+    case = dict(MILD)
+    lens, slots, has_init = case.pop("lens"), case.pop("slots"), case.pop("has_init")
+    out0, _, pool0, _, _ = _run_prefill(lens, slots, has_init, chunk=64, device_count=True, **case)
+    monkeypatch.setattr(chunk, "_TRIL_LOADS", tril)
+    out1, _, pool1, _, _ = _run_prefill(
+        lens, slots, has_init, chunk=64, device_count=True, nan_scratch=True, **case
+    )
+    assert torch.equal(out1, out0)
+    assert torch.equal(pool1, pool0)
 
 
 def test_empty_padding_sequence_reads_and_writes_nothing() -> None:

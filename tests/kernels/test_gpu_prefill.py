@@ -25,9 +25,13 @@ def _case(
     null: tuple[int, ...] = (),
     variant: dict[str, object] | None = None,
     a_shift: float = 0.0,
-):
+    nan_scratch: bool = False,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the prefill; sequences whose index is in `null` sit on slot 0 (output zero, no state touched).
-    variant: kernels.kda.chunk constants to set for this run (the prefill's launch shapes)."""
+    variant: kernels.kda.chunk constants to set for this run (the prefill's launch shapes); nan_scratch:
+    scratch filled with NaN rather than left as allocated; check: compare with the fp32 reference.
+    Returns the output and the state pool."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(seed)
     cu = [0]
@@ -54,6 +58,9 @@ def _case(
     out = torch.empty(tot, H, V, dtype=bf, device=dev)
     specs = prefill_scratch_specs(tot, H, K, V)
     scratch = {m: torch.empty(s, dtype=d, device=dev) for m, (s, d) in specs.items()}
+    if nan_scratch:
+        for t in scratch.values():
+            t.fill_(float("nan"))
     variant = variant or {}
     saved = {name: getattr(chunk, name) for name in variant}
     for name, value in variant.items():
@@ -83,6 +90,8 @@ def _case(
         for name, value in saved.items():
             setattr(chunk, name, value)
     torch.cuda.synchronize()
+    if not check:
+        return out, pool
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         if slots[i] == 0:
             assert torch.count_nonzero(out[s:e]) == 0
@@ -102,6 +111,7 @@ def _case(
         torch.testing.assert_close(out[s:e].float(), y_ref, atol=6e-2, rtol=5e-2)
         torch.testing.assert_close(pool[slots[i]], st_ref[0], atol=3e-2, rtol=3e-2)
     assert torch.equal(pool[0], pool0[0]) and torch.equal(pool[-1], pool0[-1])
+    return out, pool
 
 
 @pytest.mark.parametrize(
@@ -121,7 +131,26 @@ VARIANTS = {
     "state-v-blocks-of-32-launched-last": {"_STATE_BV": 32, "_STATE_VB_FIRST": False},
     "state-without-prefetch-g": {"_STATE_PREFETCH_G": False},
     "gate-channel-blocks-of-32": {"_GATE_BK": 32},
+    "state-k-delta-first": {"_STATE_S_FIRST": True},
+    "tril-loads": {"_TRIL_LOADS": True},
+    "diag-two-exponentials": {"_DIAG_FEW_EXP": True},
+    "diag-k-slices-of-32": {"_DIAG_BK": 32},
+    "diag-k-slices-of-64": {"_DIAG_BK": 64},
+    "state-eight-warps": {"_STATE_WARPS": 8},
 }
+# Variants that change no value any pass computes, only when or whether it is loaded or stored.
+SAME_BITS = ("state-k-delta-first", "tril-loads", "state-without-prefetch-g", "gate-channel-blocks-of-32")
+
+
+@pytest.mark.parametrize("variant", SAME_BITS)
+def test_variants_that_move_loads_or_products_give_the_defaults_bits_on_nan_scratch(variant: str) -> None:
+    # The variant runs on scratch filled with NaN, so a pass reading an entry no pass wrote (a mask
+    # reaching right of P's or X's diagonal under _TRIL_LOADS) shows in the bits.
+    lens, has_init = [1, 63, 64, 65, 1000, 4097], [True, False, True, True, False, True]
+    kw = dict(device_count=True, seed=21, null=(2,), a_shift=3.0, check=False)
+    base = _case(lens, has_init, variant={}, **kw)
+    got = _case(lens, has_init, variant=VARIANTS[variant], nan_scratch=True, **kw)
+    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
