@@ -351,7 +351,13 @@ def main() -> None:
     for n, s, h in shapes:
         rows.append(
             bench_shape(
-                n, s, h, fla, breakdown=not args.no_breakdown, copy_TBps=copy["max"], exclude=exclude,
+                n,
+                s,
+                h,
+                fla,
+                breakdown=not args.no_breakdown,
+                copy_TBps=copy["max"],
+                exclude=exclude,
                 breakdown_variants=args.breakdown_variants,
             )  # fmt: skip
         )
