@@ -68,14 +68,14 @@ VARIANTS: dict[str, dict[str, object]] = {
     # state pass unpipelined at 32- or 16-wide V blocks) ran slower or within 0.3% of the default on the
     # H200 on 2026-12-05 (docs/KDA.md) and were removed.
     "ours_before_2026_12_05": {"_GATE_BK": 32, "_STATE_PREFETCH_G": False},
-    # Not yet timed (kernels/kda/chunk.py says what each changes; the first three keep the default's bits):
-    "ours_state_k_delta_first": {"_STATE_S_FIRST": True},
+    # Not yet timed (kernels/kda/chunk.py says what each changes; the first two keep the default's bits):
     "ours_tril_loads": {"_TRIL_LOADS": True},
     "ours_state_warps_8": {"_STATE_WARPS": 8},
     "ours_diag_few_exp": {"_DIAG_FEW_EXP": True},
     "ours_diag_bk_64": {"_DIAG_BK": 64},
     "ours_diag_bk_32": {"_DIAG_BK": 32},
     "ours_diag_bk_32_tril": {"_DIAG_BK": 32, "_TRIL_LOADS": True},
+    "ours_state_vk": {"_STATE_VK": True},
 }
 
 

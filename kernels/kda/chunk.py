@@ -59,16 +59,17 @@ _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 _STATE_PREFETCH_G = True
 # Not yet measured on the H200 (bench/kda_prefill.py times each beside the default; both keep the default's
 # bits, tests/kernels/test_chunk.py):
-# _STATE_S_FIRST: each step of the state pass writes the leaving state's product K̄ᵀ·Δ before the output's
-# Q̃·S and P·Δ. The pass is a chain of dependent products per chunk (1.6 µs a chunk at 1x8192, 128 programs
-# on 132 SMs, 2026-12-05), and the output's two products sit on that chain only because they are written
-# before the state's.
-_STATE_S_FIRST = False
 # _TRIL_LOADS: the passes that read P and X (the state pass, W/U) take each row on and left of its diagonal
 # only, so the diagonal pass writes no zeros right of it: at 1x8192 (H = 32) 38 MB fewer writes in the
 # diagonal pass and about 33 MB fewer reads in W/U (X's load masked; the state pass loads P's rows whole, as
 # before, and zeroes what lies right of the diagonal).
 _TRIL_LOADS = False
+# _STATE_VK (changes the last bits): the state pass holds S V-first, Sᵀ [BV, K] as the pool does, and forms
+# every product transposed (_chunk_step_vk), so that each product on the chain from S to S takes its left
+# operand, Sᵀ or Δᵀ, from the registers the previous product left it in. Held K-first, S and Δ are the right
+# operands, which the tensor cores read from shared memory: in the PTX each step stores both there, with a
+# barrier, and waits for each of its four products before issuing the next.
+_STATE_VK = False
 # _DIAG_FEW_EXP (changes the last bits of Q̃ and K̄): the diagonal pass forms Q̃ and K̄ from the factors its
 # blocks already use, two exponentials per element of the sub-chunk instead of four (134 M fewer at 1x8192,
 # H = 32: about 16 µs of the SMs' special-function units if the pass is bound by them).
@@ -196,15 +197,12 @@ def _chunk_step(
     g_pre,
     nc,
     PREFETCH_G: tl.constexpr,
-    S_FIRST: tl.constexpr,
     TRIL: tl.constexpr,
 ):
     """One chunk of the sequential pass: its outputs, and S carried past it. Returns S and, with
     PREFETCH_G, Γ_C of the next chunk, loaded before this chunk's products (g_pre is this chunk's, loaded
-    by the step before); without it g_pre is passed through unread. S_FIRST: the leaving state's product
-    K̄ᵀ·Δ is written before the output's two products, so that the chain from S to S (W·S, Δ, K̄ᵀ·Δ) is
-    not queued behind Q̃·S and P·Δ; the same products of the same operands, so the same bits. TRIL: P is
-    taken on and left of its diagonal only (the diagonal pass then writes nothing right of it)."""
+    by the step before); without it g_pre is passed through unread. TRIL: P is taken on and left of its
+    diagonal only (the diagonal pass then writes nothing right of it)."""
     if PREFETCH_G:
         g_next = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
     else:
@@ -219,8 +217,6 @@ def _chunk_step(
     wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
     delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
     db = delta.to(DT)
-    if S_FIRST:
-        S = _leaving_state(S, db, g_pre, gcum, cc, bos, eos, h, d, k_bar, offk, mr, H, K, BT, DT, PREFETCH_G)
     qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
     pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0)
     if TRIL:
@@ -230,23 +226,69 @@ def _chunk_step(
     pc = pc.to(DT)
     o = tl.dot(qc, Sb) + tl.dot(pc, db)
     tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr)
-    if not S_FIRST:
-        S = _leaving_state(S, db, g_pre, gcum, cc, bos, eos, h, d, k_bar, offk, mr, H, K, BT, DT, PREFETCH_G)
-    return S, g_next
-
-
-@triton.jit
-def _leaving_state(
-    S, db, g_pre, gcum, cc, bos, eos, h, d, k_bar, offk, mr,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, PREFETCH_G: tl.constexpr,
-):  # fmt: skip
-    """S past the chunk: Diag(exp(Γ_C))·S + K̄ᵀ·Δ."""
     if PREFETCH_G:
         g_last = g_pre  # loaded a chunk ahead
     else:
         g_last = _g_last(gcum, cc, bos, eos, h, d, H, K, BT)
     kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
-    return S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
+    S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
+    return S, g_next
+
+
+@triton.jit
+def _chunk_step_vk(
+    S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
+    g_pre, nc, PREFETCH_G: tl.constexpr, TRIL: tl.constexpr,
+):  # fmt: skip
+    """_chunk_step with the state held V-first, Sᵀ [BV, K] as the pool holds it, and every product
+    transposed: Δᵀ = Uᵀ − Sᵀ·Wᵀ, Oᵀ = Sᵀ·Q̃ᵀ + Δᵀ·Pᵀ, Sᵀ ← Sᵀ·Diag(exp(Γ_C)) + Δᵀ·K̄. The chain's left
+    operands (Sᵀ, Δᵀ) are the previous products' results, which a tensor-core product may take from
+    registers; the right ones (W, K̄, Q̃, P) are loads."""
+    if PREFETCH_G:
+        g_next = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
+    else:
+        g_next = g_pre
+    t0 = bos + cc * BT
+    n = tl.minimum(BT, eos - t0)
+    mr = r < n
+    rows = (t0 + r) * H + h
+    offk = rows[:, None] * K + d[None, :]  # [BT, K]
+    offv = rows[None, :] * V + e[:, None]  # [BV, BT]: the rows' V-block, transposed
+    Sb = S.to(DT)
+    wc = tl.load(w + offk, mask=mr[:, None], other=0.0).to(DT)
+    delta = tl.load(u + offv, mask=mr[None, :], other=0.0).to(tl.float32) - tl.dot(Sb, tl.trans(wc))
+    db = delta.to(DT)
+    qc = tl.load(q_tilde + offk, mask=mr[:, None], other=0.0).to(DT)
+    pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr[:, None], other=0.0)
+    if TRIL:
+        pc = tl.where(r[None, :] <= r[:, None], pc, 0.0)
+    o = tl.dot(Sb, tl.trans(qc)) + tl.dot(db, tl.trans(pc.to(DT)))
+    tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr[None, :])
+    if PREFETCH_G:
+        g_last = g_pre  # loaded a chunk ahead
+    else:
+        g_last = _g_last(gcum, cc, bos, eos, h, d, H, K, BT)
+    kc = tl.load(k_bar + offk, mask=mr[:, None], other=0.0).to(DT)
+    return S * tl.exp(g_last)[None, :] + tl.dot(db, kc), g_next
+
+
+@triton.jit
+def _step(
+    S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
+    g_pre, nc, PREFETCH_G: tl.constexpr, TRIL: tl.constexpr, VK: tl.constexpr,
+):  # fmt: skip
+    if VK:
+        return _chunk_step_vk(
+            S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT, g_pre, nc,
+            PREFETCH_G, TRIL,
+        )  # fmt: skip
+    else:
+        return _chunk_step(
+            S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT, g_pre, nc,
+            PREFETCH_G, TRIL,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -279,8 +321,8 @@ def _state_kernel(
     DT: tl.constexpr,
     VB_FIRST: tl.constexpr,
     PREFETCH_G: tl.constexpr,
-    S_FIRST: tl.constexpr,
     TRIL: tl.constexpr,
+    VK: tl.constexpr,
 ):
     """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
     S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot.
@@ -311,9 +353,12 @@ def _state_kernel(
             tl.store(out + (rows[:, None] * H + h) * V + e[None, :], zero, mask=(rows < eos)[:, None])
             t0 += BT
         return
-    # S is held K-first [K, BV]; the pool is V-first [V, K].
-    s_ptr = state + (slot * H + h) * V * K + e[None, :] * K + d[:, None]
-    S = tl.zeros([K, BV], dtype=tl.float32)
+    if VK:  # S held V-first [BV, K], as the pool holds it
+        s_ptr = state + (slot * H + h) * V * K + e[:, None] * K + d[None, :]
+        S = tl.zeros([BV, K], dtype=tl.float32)
+    else:  # S is held K-first [K, BV]; the pool is V-first [V, K].
+        s_ptr = state + (slot * H + h) * V * K + e[None, :] * K + d[:, None]
+        S = tl.zeros([K, BV], dtype=tl.float32)
     if tl.load(has_initial + i) != 0:
         S = tl.load(s_ptr)
     if PREFETCH_G:
@@ -324,16 +369,16 @@ def _state_kernel(
         # The interpreter cannot index a range by a loaded scalar; compiled code keeps the for loop.
         cc = 0
         while cc < nc:
-            S, gl = _chunk_step(
+            S, gl = _step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G, S_FIRST, TRIL,
+                gl, nc, PREFETCH_G, TRIL, VK,
             )  # fmt: skip
             cc += 1
     else:
         for cc in range(nc):
-            S, gl = _chunk_step(
+            S, gl = _step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G, S_FIRST, TRIL,
+                gl, nc, PREFETCH_G, TRIL, VK,
             )  # fmt: skip
     tl.store(s_ptr, S)
 
@@ -567,8 +612,8 @@ def prefill(
             DT=tl.float32 if _INTERPRET else tl.bfloat16,
             VB_FIRST=_STATE_VB_FIRST,
             PREFETCH_G=_STATE_PREFETCH_G,
-            S_FIRST=_STATE_S_FIRST,
             TRIL=_TRIL_LOADS,
+            VK=_STATE_VK,
             num_warps=_STATE_WARPS,
         )
     rows = 16

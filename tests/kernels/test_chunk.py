@@ -200,9 +200,10 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_INTER_WARPS": 4, "_DIAG_WARPS": 4},
         {"_STATE_PREFETCH_G": False},
         {"_STATE_BV": 16},
-        {"_STATE_S_FIRST": True},
         {"_TRIL_LOADS": True},
         {"_DIAG_FEW_EXP": True},
+        {"_STATE_VK": True},
+        {"_STATE_VK": True, "_STATE_BV": 16, "_TRIL_LOADS": True, "_STATE_PREFETCH_G": False},
     ],
     ids=[
         "default",
@@ -210,9 +211,10 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "four-warps",
         "state-without-prefetch-g",
         "state-v-blocks-of-16",
-        "state-k-delta-first",
         "tril-loads",
         "diag-two-exponentials",
+        "state-v-first",
+        "state-v-first-v-blocks-of-16-tril-no-prefetch",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -249,14 +251,12 @@ WIDE_K = dict(lens=[3, 70], slots=[1, 2], has_init=[True, False], seed=8, K=128,
         ({"_STATE_PREFETCH_G": False}, MILD),
         ({"_GATE_BK": 32}, WIDE_K),
         ({"_GATE_BK": 128}, WIDE_K),
-        ({"_STATE_S_FIRST": True}, MILD),
         ({"_TRIL_LOADS": True}, MILD),
     ],
     ids=[
         "state-without-prefetch-g",
         "gate-channel-blocks-of-32",
         "gate-whole-head-rows",
-        "state-k-delta-first",
         "tril-loads",
     ],
 )

@@ -131,15 +131,16 @@ VARIANTS = {
     "state-v-blocks-of-32-launched-last": {"_STATE_BV": 32, "_STATE_VB_FIRST": False},
     "state-without-prefetch-g": {"_STATE_PREFETCH_G": False},
     "gate-channel-blocks-of-32": {"_GATE_BK": 32},
-    "state-k-delta-first": {"_STATE_S_FIRST": True},
     "tril-loads": {"_TRIL_LOADS": True},
     "diag-two-exponentials": {"_DIAG_FEW_EXP": True},
     "diag-k-slices-of-32": {"_DIAG_BK": 32},
     "diag-k-slices-of-64": {"_DIAG_BK": 64},
     "state-eight-warps": {"_STATE_WARPS": 8},
+    "state-v-first": {"_STATE_VK": True},
+    "state-v-first-v-blocks-of-64": {"_STATE_VK": True, "_STATE_BV": 64},
 }
 # Variants that change no value any pass computes, only when or whether it is loaded or stored.
-SAME_BITS = ("state-k-delta-first", "tril-loads", "state-without-prefetch-g", "gate-channel-blocks-of-32")
+SAME_BITS = ("tril-loads", "state-without-prefetch-g", "gate-channel-blocks-of-32")
 
 
 @pytest.mark.parametrize("variant", SAME_BITS)
