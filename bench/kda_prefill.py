@@ -74,6 +74,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ours_diag_few_exp": {"_DIAG_FEW_EXP": True},
     "ours_diag_bk_64": {"_DIAG_BK": 64},
     "ours_diag_bk_32": {"_DIAG_BK": 32},
+    "ours_diag_bk_16": {"_DIAG_BK": 16},
     "ours_diag_bk_32_tril": {"_DIAG_BK": 32, "_TRIL_LOADS": True},
     "ours_state_vk": {"_STATE_VK": True},
 }

@@ -230,7 +230,9 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
     diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})
     # _TRIL_LOADS, _DIAG_FEW_EXP, _DIAG_BK
-    diag_cases = ((True, False, K), (False, False, K), (True, True, K), (True, False, 64), (True, False, 32))
+    diag_cases = ((True, False, K), (False, False, K), (True, True, K)) + tuple(
+        (True, False, w) for w in (64, 32, 16)
+    )
     for zero_right, few_exp, bk in diag_cases:
         c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=zero_right)
         c.update(FEW_EXP=few_exp, BK=bk)

@@ -76,7 +76,8 @@ _STATE_VK = False
 _DIAG_FEW_EXP = False
 # _DIAG_BK (changes the last bits of the norms): the diagonal pass in K slices of this width, None whole rows.
 # At 2 warps its whole-row tiles take 162 registers per thread on sm_90 (bench/sm90.py), six programs (12
-# warps) per SM, 21 waves at 1x8192 for a pass that waits on memory and on its 14-step substitution.
+# warps) per SM, 21 waves at 1x8192 for a pass that waits on memory and on its 14-step substitution; in
+# slices of 32 it holds 96 (ten programs per SM), of 16 63 (sixteen).
 _DIAG_BK: int | None = None
 
 

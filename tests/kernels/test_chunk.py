@@ -282,8 +282,8 @@ def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, mon
 
 @pytest.mark.parametrize(
     "variant",
-    [{"_DIAG_BK": 32}, {"_DIAG_BK": 64, "_DIAG_FEW_EXP": True}, {"_DIAG_BK": 32, "_TRIL_LOADS": True}],
-    ids=["diag-k-slices-of-32", "diag-k-slices-of-64-two-exponentials", "diag-k-slices-of-32-tril-loads"],
+    [{"_DIAG_BK": 32}, {"_DIAG_BK": 64, "_DIAG_FEW_EXP": True}, {"_DIAG_BK": 16, "_TRIL_LOADS": True}],
+    ids=["diag-k-slices-of-32", "diag-k-slices-of-64-two-exponentials", "diag-k-slices-of-16-tril-loads"],
 )
 @pytest.mark.parametrize("a_shift", [4.0, -6.0], ids=["strong-decays", "slow-decays"])
 def test_diagonal_pass_in_k_slices_matches_the_recurrence_and_the_whole_row_pass(

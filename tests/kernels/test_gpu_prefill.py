@@ -135,6 +135,7 @@ VARIANTS = {
     "diag-two-exponentials": {"_DIAG_FEW_EXP": True},
     "diag-k-slices-of-32": {"_DIAG_BK": 32},
     "diag-k-slices-of-64": {"_DIAG_BK": 64},
+    "diag-k-slices-of-16-tril-loads": {"_DIAG_BK": 16, "_TRIL_LOADS": True},
     "state-eight-warps": {"_STATE_WARPS": 8},
     "state-v-first": {"_STATE_VK": True},
     "state-v-first-v-blocks-of-64": {"_STATE_VK": True, "_STATE_BV": 64},
