@@ -83,3 +83,16 @@ def test_shapes_are_picked_by_name_in_the_benchs_order_and_an_unknown_one_is_ref
     assert kp.pick_shapes(" 1x8192x64 , 8x1024x32", error) == ((8, 1024, 32), (1, 8192, 64))
     with pytest.raises(SystemExit, match=r"unknown shape\(s\) 1x8192x16; choose from 1x8192x32"):
         kp.pick_shapes("1x8192x32,1x8192x16", error)
+
+
+def test_every_variant_sets_existing_constants_of_the_prefill_to_values_of_their_kind() -> None:
+    # A misspelt constant would only show on the GPU machine, as a contender that could not run.
+    import kernels.kda.chunk as chunk
+
+    for name, settings in kp.VARIANTS.items():
+        assert name.startswith("ours_") and settings, name
+        for const, value in settings.items():
+            assert hasattr(chunk, const), f"{name}: kernels.kda.chunk has no {const}"
+            default = getattr(chunk, const)
+            kinds = (int, type(None)) if default is None or const == "_DIAG_BK" else (type(default),)
+            assert isinstance(value, kinds) and value != default, f"{name}: {const}={value!r}"
