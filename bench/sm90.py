@@ -251,14 +251,16 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
     state = {"gcum": F32, **state, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32, "slots": I32}
     state["has_initial"] = "*u8"
-    # pre: _STATE_PREFETCH_G (the default); then, with it, _TRIL_LOADS and _STATE_VK
-    state_cases = [(pre, False, False) for pre in (False, True)] + [(True, True, False), (True, False, True)]
-    for bv, (pre, tril, vk) in itertools.product((32, 64), state_cases):
+    # pre: _STATE_PREFETCH_G (the default); then, with it, _TRIL_LOADS, _STATE_VK and _STATE_STACK_WQ
+    state_cases = [(pre, False, False, False) for pre in (False, True)]
+    state_cases += [(True, True, False, False), (True, False, True, False), (True, False, False, True)]
+    for bv, (pre, tril, vk, stack) in itertools.product((32, 64), state_cases):
         c = dict(H=H, K=K, V=V, BT=BT, BV=bv, WHILE_LOOP=False, DT=tl.bfloat16, VB_FIRST=ch._STATE_VB_FIRST)
-        c.update(PREFETCH_G=pre, TRIL=tril, VK=vk)
+        c.update(PREFETCH_G=pre, TRIL=tril, VK=vk, STACK=stack)
         name = f"prefill state pass BV={bv}" + (", Gamma_C a chunk ahead" if pre else "")
         name += ", P's lower triangle" if tril else ""
         name += ", S held V-first" if vk else ""
+        name += ", [W; Q~].S stacked" if stack else ""
         yield name, ch._state_kernel, state, c, ch._STATE_WARPS
     norm = {"out": BF16, "z": BF16, "weight": F32, "cu_seqlens": I32, "n_seqs": "i32", "eps": "fp32"}
     norm["rows_cap"] = "i32"

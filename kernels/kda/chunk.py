@@ -70,6 +70,11 @@ _TRIL_LOADS = False
 # operands, which the tensor cores read from shared memory: in the PTX each step stores both there, with a
 # barrier, and waits for each of its four products before issuing the next.
 _STATE_VK = False
+# _STATE_STACK_WQ: each step of the state pass forms W·S and Q̃·S as one product of the stacked rows [W; Q̃]
+# (a 128-row left operand, loaded through one pointer tensor), split after: three products a step waited for
+# one after another instead of four (PTX: one wgmma group of 16 where there were two of 8, and the split
+# costs no shared-memory round trip).
+_STATE_STACK_WQ = False
 # _DIAG_FEW_EXP (changes the last bits of Q̃ and K̄): the diagonal pass forms Q̃ and K̄ from the factors its
 # blocks already use, two exponentials per element of the sub-chunk instead of four (134 M fewer at 1x8192,
 # H = 32: about 16 µs of the SMs' special-function units if the pass is bound by them).
@@ -199,11 +204,13 @@ def _chunk_step(
     nc,
     PREFETCH_G: tl.constexpr,
     TRIL: tl.constexpr,
+    STACK: tl.constexpr,
 ):
     """One chunk of the sequential pass: its outputs, and S carried past it. Returns S and, with
     PREFETCH_G, Γ_C of the next chunk, loaded before this chunk's products (g_pre is this chunk's, loaded
     by the step before); without it g_pre is passed through unread. TRIL: P is taken on and left of its
-    diagonal only (the diagonal pass then writes nothing right of it)."""
+    diagonal only (the diagonal pass then writes nothing right of it). STACK: W·S and Q̃·S as one
+    product of the stacked rows [W; Q̃], split after."""
     if PREFETCH_G:
         g_next = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
     else:
@@ -215,8 +222,18 @@ def _chunk_step(
     offk = rows[:, None] * K + d[None, :]
     offv = rows[:, None] * V + e[None, :]
     Sb = S.to(DT)
-    wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
-    delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
+    if STACK:  # [W; Q̃]·S as one 2BT-row product: one wait on the tensor cores instead of two
+        r2 = tl.arange(0, 2 * BT)
+        rr = r2 % BT
+        m2 = (rr < n)[:, None]
+        off2 = ((t0 + rr) * H + h)[:, None] * K + d[None, :]
+        ptr = tl.where((r2 < BT)[:, None], w + off2, q_tilde + off2)
+        wq = tl.dot(tl.load(ptr, mask=m2, other=0.0).to(DT), Sb)
+        ws, qs = tl.split(tl.permute(tl.reshape(wq, [2, BT, S.shape[1]]), (1, 2, 0)))
+        delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - ws
+    else:
+        wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
+        delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
     db = delta.to(DT)
     qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
     pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0)
@@ -225,7 +242,10 @@ def _chunk_step(
         # of the loop's software pipeline (16 KB less shared memory, 254 registers at BV = 64 on sm_90).
         pc = tl.where(r[None, :] <= r[:, None], pc, 0.0)
     pc = pc.to(DT)
-    o = tl.dot(qc, Sb) + tl.dot(pc, db)
+    if STACK:
+        o = qs + tl.dot(pc, db)
+    else:
+        o = tl.dot(qc, Sb) + tl.dot(pc, db)
     tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr)
     if PREFETCH_G:
         g_last = g_pre  # loaded a chunk ahead
@@ -278,7 +298,7 @@ def _chunk_step_vk(
 def _step(
     S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
-    g_pre, nc, PREFETCH_G: tl.constexpr, TRIL: tl.constexpr, VK: tl.constexpr,
+    g_pre, nc, PREFETCH_G: tl.constexpr, TRIL: tl.constexpr, VK: tl.constexpr, STACK: tl.constexpr,
 ):  # fmt: skip
     if VK:
         return _chunk_step_vk(
@@ -288,7 +308,7 @@ def _step(
     else:
         return _chunk_step(
             S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT, g_pre, nc,
-            PREFETCH_G, TRIL,
+            PREFETCH_G, TRIL, STACK,
         )  # fmt: skip
 
 
@@ -324,6 +344,7 @@ def _state_kernel(
     PREFETCH_G: tl.constexpr,
     TRIL: tl.constexpr,
     VK: tl.constexpr,
+    STACK: tl.constexpr,
 ):
     """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
     S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot.
@@ -372,14 +393,14 @@ def _state_kernel(
         while cc < nc:
             S, gl = _step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G, TRIL, VK,
+                gl, nc, PREFETCH_G, TRIL, VK, STACK,
             )  # fmt: skip
             cc += 1
     else:
         for cc in range(nc):
             S, gl = _step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G, TRIL, VK,
+                gl, nc, PREFETCH_G, TRIL, VK, STACK,
             )  # fmt: skip
     tl.store(s_ptr, S)
 
@@ -615,6 +636,7 @@ def prefill(
             PREFETCH_G=_STATE_PREFETCH_G,
             TRIL=_TRIL_LOADS,
             VK=_STATE_VK,
+            STACK=_STATE_STACK_WQ,
             num_warps=_STATE_WARPS,
         )
     rows = 16

@@ -204,6 +204,8 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_DIAG_FEW_EXP": True},
         {"_STATE_VK": True},
         {"_STATE_VK": True, "_STATE_BV": 16, "_TRIL_LOADS": True, "_STATE_PREFETCH_G": False},
+        {"_STATE_STACK_WQ": True},
+        {"_STATE_STACK_WQ": True, "_STATE_BV": 16, "_TRIL_LOADS": True},
     ],
     ids=[
         "default",
@@ -215,6 +217,8 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "diag-two-exponentials",
         "state-v-first",
         "state-v-first-v-blocks-of-16-tril-no-prefetch",
+        "state-stacked-w-q",
+        "state-stacked-w-q-v-blocks-of-16-tril",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -252,19 +256,22 @@ WIDE_K = dict(lens=[3, 70], slots=[1, 2], has_init=[True, False], seed=8, K=128,
         ({"_GATE_BK": 32}, WIDE_K),
         ({"_GATE_BK": 128}, WIDE_K),
         ({"_TRIL_LOADS": True}, MILD),
+        ({"_STATE_STACK_WQ": True}, MILD),
     ],
     ids=[
         "state-without-prefetch-g",
         "gate-channel-blocks-of-32",
         "gate-whole-head-rows",
         "tril-loads",
+        "state-stacked-w-q",
     ],
 )
 def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, monkeypatch) -> None:
-    # Γ_C loaded when its chunk comes rather than a chunk early (the default), or the gate's channels split
-    # among programs differently (at K = 128, where the widths differ; 64 is the default): the same fp32
-    # values enter the same arithmetic, so outputs and states must equal
-    # the default's bit for bit, not just be close. Mild decays keep A_ii and its inverse far from I.
+    # Γ_C loaded when its chunk comes rather than a chunk early (the default), the gate's channels split
+    # among programs differently (at K = 128, where the widths differ; 64 is the default), P and X read on
+    # and left of their diagonals only, or W·S and Q̃·S formed as one product of the stacked rows: the
+    # same fp32 values enter the same arithmetic, so outputs and states must equal the default's bit for
+    # bit, not just be close. Mild decays keep A_ii and its inverse far from I.
     import kernels.kda.chunk as chunk
 
     case = dict(case)

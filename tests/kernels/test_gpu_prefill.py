@@ -139,9 +139,11 @@ VARIANTS = {
     "state-eight-warps": {"_STATE_WARPS": 8},
     "state-v-first": {"_STATE_VK": True},
     "state-v-first-v-blocks-of-64": {"_STATE_VK": True, "_STATE_BV": 64},
+    "state-stacked-w-q": {"_STATE_STACK_WQ": True},
+    "state-stacked-w-q-v-blocks-of-64": {"_STATE_STACK_WQ": True, "_STATE_BV": 64},
 }
 # Variants that change no value any pass computes, only when or whether it is loaded or stored.
-SAME_BITS = ("tril-loads", "state-without-prefetch-g", "gate-channel-blocks-of-32")
+SAME_BITS = ("tril-loads", "state-stacked-w-q", "state-without-prefetch-g", "gate-channel-blocks-of-32")
 
 
 @pytest.mark.parametrize("variant", SAME_BITS)
