@@ -75,6 +75,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ours_diag_bk_64": {"_DIAG_BK": 64},
     "ours_diag_bk_32": {"_DIAG_BK": 32},
     "ours_diag_bk_16": {"_DIAG_BK": 16},
+    "ours_diag_solve_halves": {"_DIAG_SOLVE_HALVES": True},
     "ours_diag_bk_32_tril": {"_DIAG_BK": 32, "_TRIL_LOADS": True},
     "ours_state_vk": {"_STATE_VK": True},
     "ours_state_stack_wq": {"_STATE_STACK_WQ": True},

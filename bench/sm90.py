@@ -229,16 +229,16 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         yield name, ch._gate_kernel, gate, c, warps
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
     diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})
-    # _TRIL_LOADS, _DIAG_FEW_EXP, _DIAG_BK
-    diag_cases = ((True, False, K), (False, False, K), (True, True, K)) + tuple(
-        (True, False, w) for w in (64, 32, 16)
-    )
-    for zero_right, few_exp, bk in diag_cases:
+    # _TRIL_LOADS, _DIAG_FEW_EXP, _DIAG_BK, _DIAG_SOLVE_HALVES
+    diag_cases = [(True, False, K, False), (False, False, K, False), (True, True, K, False)]
+    diag_cases += [(True, False, w, False) for w in (64, 32, 16)] + [(True, False, K, True)]
+    for zero_right, few_exp, bk, halves in diag_cases:
         c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=zero_right)
-        c.update(FEW_EXP=few_exp, BK=bk)
+        c.update(FEW_EXP=few_exp, BK=bk, SOLVE_HALVES=halves)
         name = "prefill diagonal pass" + ("" if zero_right else ", nothing right of the diagonal")
         name += ", two exponentials per element" if few_exp else ""
         name += f", {bk}-wide K slices" if bk < K else ""
+        name += ", inverse from 8-row halves" if halves else ""
         yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)

@@ -84,6 +84,11 @@ _DIAG_FEW_EXP = False
 # warps) per SM, 21 waves at 1x8192 for a pass that waits on memory and on its 14-step substitution; in
 # slices of 32 it holds 96 (ten programs per SM), of 16 63 (sixteen).
 _DIAG_BK: int | None = None
+# _DIAG_SOLVE_HALVES (changes the last bits of X): the diagonal pass inverts I + A_ii from its two 8-row
+# halves, each by substitution, the two side by side (6 dependent steps instead of 14, each reading a row
+# back from x), then D − D·(A21·D) in two fp32 16x16 products, the merge the off-diagonal pass does between
+# sub-chunks.
+_DIAG_SOLVE_HALVES = False
 
 
 def build_chunk_metadata(
@@ -570,6 +575,7 @@ def prefill(
             ZERO_RIGHT=not _TRIL_LOADS,
             FEW_EXP=_DIAG_FEW_EXP,
             BK=min(K, _DIAG_BK or K),
+            SOLVE_HALVES=_DIAG_SOLVE_HALVES,
             num_warps=_DIAG_WARPS,
         )
         inter_solve_kernel[(grid_chunks, H)](

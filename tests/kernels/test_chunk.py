@@ -206,6 +206,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_STATE_VK": True, "_STATE_BV": 16, "_TRIL_LOADS": True, "_STATE_PREFETCH_G": False},
         {"_STATE_STACK_WQ": True},
         {"_STATE_STACK_WQ": True, "_STATE_BV": 16, "_TRIL_LOADS": True},
+        {"_DIAG_SOLVE_HALVES": True},
     ],
     ids=[
         "default",
@@ -219,6 +220,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "state-v-first-v-blocks-of-16-tril-no-prefetch",
         "state-stacked-w-q",
         "state-stacked-w-q-v-blocks-of-16-tril",
+        "diag-solve-in-halves",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -421,9 +423,19 @@ def _intermediates_reference(q, k, v, g, beta, chunk: int):
     return back(Tm @ (kc * torch.exp(gam))), back(Tm @ vc), back(_decay_products(qc, kc, gam, 16))
 
 
-def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys() -> None:
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"_DIAG_SOLVE_HALVES": True}, {"_DIAG_BK": 16}, {"_DIAG_FEW_EXP": True}],
+    ids=["default", "diag-solve-in-halves", "diag-k-slices-of-16", "diag-two-exponentials"],
+)
+def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys(variant, monkeypatch) -> None:
     # Keys share a dominant direction, β is near 1 and the decay is slow, so (I + A) is far from the
-    # identity in every 16x16 block, including the cross-sub-chunk ones the blockwise inverse assembles.
+    # identity in every 16x16 block, including the cross-sub-chunk ones the blockwise inverse assembles
+    # (and, in the diagonal pass's halves, the 8x8 ones).
+    import kernels.kda.chunk as chunk
+
+    for name, value in variant.items():
+        monkeypatch.setattr(chunk, name, value)
     T, H, K, V, C = 128, 2, 32, 16, 64
     gen = torch.Generator().manual_seed(11)
     common = torch.randn(1, H, K, generator=gen)

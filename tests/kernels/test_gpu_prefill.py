@@ -136,6 +136,7 @@ VARIANTS = {
     "diag-k-slices-of-32": {"_DIAG_BK": 32},
     "diag-k-slices-of-64": {"_DIAG_BK": 64},
     "diag-k-slices-of-16-tril-loads": {"_DIAG_BK": 16, "_TRIL_LOADS": True},
+    "diag-solve-in-halves": {"_DIAG_SOLVE_HALVES": True},
     "state-eight-warps": {"_STATE_WARPS": 8},
     "state-v-first": {"_STATE_VK": True},
     "state-v-first-v-blocks-of-64": {"_STATE_VK": True, "_STATE_BV": 64},
