@@ -10,9 +10,9 @@ results by the norms the diagonal pass stored; it never holds a K-wide normalise
 
 Scratch rows are token rows (the chunk's rows only: rows past the chunk's end belong to the next one):
 p [total, H, BT] gets P (bf16, zeros right of the diagonal), x [total, H, BT] gets X (fp32, zeros right
-of the diagonal; wu_kernel applies it); under kernels.kda.chunk._TRIL_LOADS nothing right of the
-diagonal block is written and every reader takes only the lower triangle, rn [total, H, 2] the inverse norms of k and q (q's with the scale),
-which the later passes read instead of normalising again.
+of the diagonal; wu_kernel applies it), rn [total, H, 2] the inverse norms of k and q (q's with the
+scale), which the later passes read instead of normalising again. Under kernels.kda.chunk._TRIL_LOADS
+nothing right of the diagonal block is written, and every reader takes only the lower triangle.
 """
 
 from __future__ import annotations
