@@ -225,14 +225,15 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
     # Lengths around the chunk size (and one past two chunks), decays near the bound e^-5 per step on
-    # most channels, one sequence on the null slot; every variant of the Triton prefill.
+    # most channels, one sequence on the null slot; every variant of the Triton prefill, on scratch
+    # filled with NaN (what a pass reads that no pass wrote would reach the output).
     import kernels.kda.chunk as chunk
 
     for name, value in variant.items():
         monkeypatch.setattr(chunk, name, value)
     lens, slots, has_init = [1, 63, 64, 65, 130], [1, 2, 0, 3, 4], [True, False, True, True, False]
     out, o_ref, pool, pool0, states = _run_prefill(
-        lens, slots, has_init, chunk=64, device_count=True, seed=6, a_shift=6.0
+        lens, slots, has_init, chunk=64, device_count=True, seed=6, a_shift=6.0, nan_scratch=True
     )
     assert torch.equal(out[64:128].float(), torch.zeros(64, *out.shape[1:]))
     live = torch.cat([torch.arange(0, 64), torch.arange(128, 323)])
