@@ -68,7 +68,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     # state pass unpipelined at 32- or 16-wide V blocks) ran slower or within 0.3% of the default on the
     # H200 on 2026-12-05 (docs/KDA.md) and were removed.
     "ours_before_2026_12_05": {"_GATE_BK": 32, "_STATE_PREFETCH_G": False},
-    # Not yet timed (kernels/kda/chunk.py says what each changes; the first two keep the default's bits):
+    # Not yet timed (kernels/kda/chunk.py says what each changes; ours_tril_loads and ours_state_stack_wq
+    # keep the default's bits):
     "ours_tril_loads": {"_TRIL_LOADS": True},
     "ours_state_warps_8": {"_STATE_WARPS": 8},
     "ours_diag_few_exp": {"_DIAG_FEW_EXP": True},
@@ -362,7 +363,7 @@ def main() -> None:
                 copy_TBps=copy["max"],
                 exclude=exclude,
                 breakdown_variants=args.breakdown_variants,
-            )  # fmt: skip
+            )
         )
         print(f"kda_prefill: {rows[-1]['tokens']} done", file=sys.stderr, flush=True)
         # Written after every shape, so a run cut short by its caller's time limit keeps what it measured
