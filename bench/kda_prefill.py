@@ -80,6 +80,15 @@ VARIANTS: dict[str, dict[str, object]] = {
     "ours_diag_bk_32_tril": {"_DIAG_BK": 32, "_TRIL_LOADS": True},
     "ours_state_vk": {"_STATE_VK": True},
     "ours_state_stack_wq": {"_STATE_STACK_WQ": True},
+    # Two combinations, so that one run also says how the single changes add up.
+    "ours_combined_bk_32": {"_DIAG_BK": 32, "_TRIL_LOADS": True, "_STATE_STACK_WQ": True},
+    "ours_combined_bk_16": {
+        "_DIAG_BK": 16,
+        "_TRIL_LOADS": True,
+        "_STATE_STACK_WQ": True,
+        "_DIAG_SOLVE_HALVES": True,
+        "_DIAG_FEW_EXP": True,
+    },
 }
 
 

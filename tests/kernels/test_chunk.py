@@ -208,6 +208,13 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_STATE_STACK_WQ": True},
         {"_STATE_STACK_WQ": True, "_STATE_BV": 16, "_TRIL_LOADS": True},
         {"_DIAG_SOLVE_HALVES": True},
+        {
+            "_DIAG_BK": 16,
+            "_TRIL_LOADS": True,
+            "_STATE_STACK_WQ": True,
+            "_DIAG_SOLVE_HALVES": True,
+            "_DIAG_FEW_EXP": True,
+        },
     ],
     ids=[
         "default",
@@ -222,6 +229,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "state-stacked-w-q",
         "state-stacked-w-q-v-blocks-of-16-tril",
         "diag-solve-in-halves",
+        "combined-k-slices-of-16",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -438,8 +446,14 @@ def _intermediates_reference(q, k, v, g, beta, chunk: int):
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"_DIAG_SOLVE_HALVES": True}, {"_DIAG_BK": 16}, {"_DIAG_FEW_EXP": True}],
-    ids=["default", "diag-solve-in-halves", "diag-k-slices-of-16", "diag-two-exponentials"],
+    [
+        {},
+        {"_DIAG_SOLVE_HALVES": True},
+        {"_DIAG_BK": 16},
+        {"_DIAG_FEW_EXP": True},
+        {"_DIAG_BK": 16, "_DIAG_SOLVE_HALVES": True, "_DIAG_FEW_EXP": True},
+    ],
+    ids=["default", "diag-solve-in-halves", "diag-k-slices-of-16", "diag-two-exponentials", "diag-all-three"],
 )
 def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys(variant, monkeypatch) -> None:
     # Keys share a dominant direction, β is near 1 and the decay is slow, so (I + A) is far from the

@@ -137,6 +137,13 @@ VARIANTS = {
     "diag-k-slices-of-64": {"_DIAG_BK": 64},
     "diag-k-slices-of-16-tril-loads": {"_DIAG_BK": 16, "_TRIL_LOADS": True},
     "diag-solve-in-halves": {"_DIAG_SOLVE_HALVES": True},
+    "combined-k-slices-of-16": {
+        "_DIAG_BK": 16,
+        "_TRIL_LOADS": True,
+        "_STATE_STACK_WQ": True,
+        "_DIAG_SOLVE_HALVES": True,
+        "_DIAG_FEW_EXP": True,
+    },
     "state-eight-warps": {"_STATE_WARPS": 8},
     "state-v-first": {"_STATE_VK": True},
     "state-v-first-v-blocks-of-64": {"_STATE_VK": True, "_STATE_BV": 64},
