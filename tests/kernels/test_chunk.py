@@ -201,13 +201,9 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_INTER_WARPS": 4, "_DIAG_WARPS": 4},
         {"_STATE_PREFETCH_G": False},
         {"_STATE_BV": 16},
-        {"_TRIL_LOADS": True},
-        {"_DIAG_FEW_EXP": True},
         {"_STATE_VK": True},
         {"_STATE_VK": True, "_STATE_BV": 16, "_TRIL_LOADS": True, "_STATE_PREFETCH_G": False},
-        {"_STATE_STACK_WQ": True},
         {"_STATE_STACK_WQ": True, "_STATE_BV": 16, "_TRIL_LOADS": True},
-        {"_DIAG_SOLVE_HALVES": True},
         {
             "_DIAG_BK": 16,
             "_TRIL_LOADS": True,
@@ -222,13 +218,9 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "four-warps",
         "state-without-prefetch-g",
         "state-v-blocks-of-16",
-        "tril-loads",
-        "diag-two-exponentials",
         "state-v-first",
         "state-v-first-v-blocks-of-16-tril-no-prefetch",
-        "state-stacked-w-q",
         "state-stacked-w-q-v-blocks-of-16-tril",
-        "diag-solve-in-halves",
         "combined-k-slices-of-16",
     ],
 )
@@ -311,11 +303,20 @@ def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, mon
 
 
 @pytest.mark.parametrize(
-    "variant",
-    [{"_DIAG_BK": 32}, {"_DIAG_BK": 64, "_DIAG_FEW_EXP": True}, {"_DIAG_BK": 16, "_TRIL_LOADS": True}],
-    ids=["diag-k-slices-of-32", "diag-k-slices-of-64-two-exponentials", "diag-k-slices-of-16-tril-loads"],
+    ("variant", "a_shift"),
+    [
+        ({"_DIAG_BK": 32}, 4.0),
+        ({"_DIAG_BK": 32}, -6.0),
+        ({"_DIAG_BK": 64, "_DIAG_FEW_EXP": True}, 4.0),
+        ({"_DIAG_BK": 16, "_TRIL_LOADS": True}, -6.0),
+    ],
+    ids=[
+        "k-slices-of-32-strong-decays",
+        "k-slices-of-32-slow-decays",
+        "k-slices-of-64-two-exponentials-strong-decays",
+        "k-slices-of-16-tril-loads-slow-decays",
+    ],
 )
-@pytest.mark.parametrize("a_shift", [4.0, -6.0], ids=["strong-decays", "slow-decays"])
 def test_diagonal_pass_in_k_slices_matches_the_recurrence_and_the_whole_row_pass(
     variant, a_shift, monkeypatch
 ) -> None:
