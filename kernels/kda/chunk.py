@@ -57,23 +57,25 @@ _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 # chain: the prefill ran 0.869 / 0.800 / 3.398 ms (streamed) against 0.881 / 0.825 / 3.444 without it
 # (H200, 2026-12-05, a7fbe7c, 1x8192 / 8x1024 / 1x32768), 140 registers against 128 on sm_90.
 _STATE_PREFETCH_G = True
-# Not yet measured on the H200 (bench/kda_prefill.py times each beside the default; both keep the default's
-# bits, tests/kernels/test_chunk.py):
-# _TRIL_LOADS: the passes that read P and X (the state pass, W/U) take each row on and left of its diagonal
-# only, so the diagonal pass writes no zeros right of it: at 1x8192 (H = 32) 38 MB fewer writes in the
-# diagonal pass and about 33 MB fewer reads in W/U (X's load masked; the state pass loads P's rows whole, as
-# before, and zeroes what lies right of the diagonal).
+# Not yet measured on the H200: bench/kda_prefill.py times each beside the default, and
+# tests/kernels/test_chunk.py checks each (on NaN-filled scratch), holding the two that keep the default's
+# bits to them.
+# _TRIL_LOADS (the same bits): the passes that read P and X (the state pass, W/U) take each row on and left
+# of its diagonal only, so the diagonal pass writes no zeros right of it: at 1x8192 (H = 32) 38 MB fewer
+# writes in the diagonal pass and about 33 MB fewer reads in W/U (X's load masked; the state pass loads P's
+# rows whole, as before, and zeroes what lies right of the diagonal).
 _TRIL_LOADS = False
 # _STATE_VK (changes the last bits): the state pass holds S V-first, Sᵀ [BV, K] as the pool does, and forms
-# every product transposed (_chunk_step_vk), so that each product on the chain from S to S takes its left
-# operand, Sᵀ or Δᵀ, from the registers the previous product left it in. Held K-first, S and Δ are the right
-# operands, which the tensor cores read from shared memory: in the PTX each step stores both there, with a
-# barrier, and waits for each of its four products before issuing the next.
+# every product transposed (_chunk_step_vk), so that the products on the chain from S to S have the previous
+# product's result, Sᵀ or Δᵀ, as their left operand, which a tensor-core product can take from registers (at
+# V-blocks of 32 they compile to mma.sync; at 64 to wgmma through shared memory: bench/sm90.py). Held K-first,
+# S and Δ are right operands, read from shared memory, and the PTX waits for each of a step's four products
+# before issuing the next.
 _STATE_VK = False
-# _STATE_STACK_WQ: each step of the state pass forms W·S and Q̃·S as one product of the stacked rows [W; Q̃]
-# (a 128-row left operand, loaded through one pointer tensor), split after: three products a step waited for
-# one after another instead of four (PTX: one wgmma group of 16 where there were two of 8, and the split
-# costs no shared-memory round trip).
+# _STATE_STACK_WQ (the same bits): each step of the state pass forms W·S and Q̃·S as one product of the
+# stacked rows [W; Q̃] (a 128-row left operand, loaded through one pointer tensor), split after: three
+# products a step waited for one after another instead of four (PTX: one wgmma group of 16 where there were
+# two of 8, and the split costs no shared-memory round trip).
 _STATE_STACK_WQ = False
 # _DIAG_FEW_EXP (changes the last bits of Q̃ and K̄): the diagonal pass forms Q̃ and K̄ from the factors its
 # blocks already use, two exponentials per element of the sub-chunk instead of four (134 M fewer at 1x8192,
