@@ -78,8 +78,8 @@ _STATE_VK = False
 # two of 8, and the split costs no shared-memory round trip).
 _STATE_STACK_WQ = False
 # _DIAG_FEW_EXP (changes the last bits of Q̃ and K̄): the diagonal pass forms Q̃ and K̄ from the factors its
-# blocks already use, two exponentials per element of the sub-chunk instead of four (134 M fewer at 1x8192,
-# H = 32: about 16 µs of the SMs' special-function units if the pass is bound by them).
+# blocks already use, two exponentials per element of the sub-chunk instead of four (67 M of its 134 M fewer
+# at 1x8192, H = 32: about 16 µs of the SMs' special-function units if the pass is bound by them).
 _DIAG_FEW_EXP = False
 # _DIAG_BK (changes the last bits of the norms): the diagonal pass in K slices of this width, None whole rows.
 # At 2 warps its whole-row tiles take 162 registers per thread on sm_90 (bench/sm90.py), six programs (12
