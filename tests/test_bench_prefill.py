@@ -94,5 +94,5 @@ def test_every_variant_sets_existing_constants_of_the_prefill_to_values_of_their
         for const, value in settings.items():
             assert hasattr(chunk, const), f"{name}: kernels.kda.chunk has no {const}"
             default = getattr(chunk, const)
-            kinds = (int, type(None)) if default is None or const == "_DIAG_BK" else (type(default),)
+            kinds = (int, type(None)) if default is None else (type(default),)
             assert isinstance(value, kinds) and value != default, f"{name}: {const}={value!r}"

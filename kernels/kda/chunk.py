@@ -242,7 +242,8 @@ def _chunk_step(
         wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
         delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
     db = delta.to(DT)
-    qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
+    if not STACK:  # (stacked, Q̃ came with W)
+        qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
     pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0)
     if TRIL:
         # Selected after the load, not masked in it: a mask that varies along the row took the load out
