@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels.kda.chunk as chunk
+from bench._common import with_settings
 from kernels.kda import bounded_gate, build_chunk_metadata, chunk_reference, gated_rmsnorm, prefill
 from kernels.kda.chunk import prefill_scratch_specs
 
@@ -61,34 +62,15 @@ def _case(
     if nan_scratch:
         for t in scratch.values():
             t.fill_(float("nan"))
-    variant = variant or {}
-    saved = {name: getattr(chunk, name) for name in variant}
-    for name, value in variant.items():
-        setattr(chunk, name, value)
-    try:
-        prefill(
-            q,
-            k,
-            v,
-            a,
-            b,
-            A_log,
-            dt_bias,
-            z,
-            w,
-            pool,
-            torch.tensor(cu, dtype=torch.int32, device=dev),
-            torch.tensor(slots, dtype=torch.int32, device=dev),
-            torch.tensor(has_init, device=dev),
-            idx,
-            offs,
-            num_chunks,
-            out,
-            scratch=scratch,
-        )
-    finally:
-        for name, value in saved.items():
-            setattr(chunk, name, value)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+    slots_t = torch.tensor(slots, dtype=torch.int32, device=dev)
+    has_t = torch.tensor(has_init, device=dev)
+
+    def run() -> None:
+        prefill(q, k, v, a, b, A_log, dt_bias, z, w, pool, cu_t, slots_t, has_t, idx, offs, num_chunks, out,
+                scratch=scratch)  # fmt: skip
+
+    with_settings(chunk, variant or {}, run)()  # the variant's constants for this call, restored after
     torch.cuda.synchronize()
     if not check:
         return out, pool
