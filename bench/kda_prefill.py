@@ -62,33 +62,23 @@ ROUNDS = 10
 # the state pass applying X itself, ran 0.93-1.03x fla+norm on 2026-12-04:
 # bench/results/kda-prefill-h200-2026-12-04-rejected-fused-intra.json.)
 VARIANTS: dict[str, dict[str, object]] = {
-    # The defaults before 2026-12-05 (32-channel gate blocks, no Γ_C prefetch in the state pass), timed in
-    # the same run as today's. The other variants of 2026-12-04 (two pipeline stages in the state pass,
-    # Diag(β)·K̃ from the diagonal pass, its solve from registers, whole-row gate blocks at 8 warps, the
-    # state pass unpipelined at 32- or 16-wide V blocks) ran slower or within 0.3% of the default on the
-    # H200 on 2026-12-05 (docs/KDA.md) and were removed.
-    "ours_before_2026_12_05": {"_GATE_BK": 32, "_STATE_PREFETCH_G": False},
-    # Not yet timed (kernels/kda/chunk.py says what each changes; ours_tril_loads and ours_state_stack_wq
-    # keep the default's bits):
-    "ours_tril_loads": {"_TRIL_LOADS": True},
-    "ours_state_warps_8": {"_STATE_WARPS": 8},
-    "ours_diag_few_exp": {"_DIAG_FEW_EXP": True},
-    "ours_diag_bk_64": {"_DIAG_BK": 64},
-    "ours_diag_bk_32": {"_DIAG_BK": 32},
-    "ours_diag_bk_16": {"_DIAG_BK": 16},
-    "ours_diag_solve_halves": {"_DIAG_SOLVE_HALVES": True},
-    "ours_diag_bk_32_tril": {"_DIAG_BK": 32, "_TRIL_LOADS": True},
-    "ours_state_vk": {"_STATE_VK": True},
-    "ours_state_stack_wq": {"_STATE_STACK_WQ": True},
-    # Two combinations, so that one run also says how the single changes add up.
-    "ours_combined_bk_32": {"_DIAG_BK": 32, "_TRIL_LOADS": True, "_STATE_STACK_WQ": True},
-    "ours_combined_bk_16": {
-        "_DIAG_BK": 16,
-        "_TRIL_LOADS": True,
-        "_STATE_STACK_WQ": True,
-        "_DIAG_SOLVE_HALVES": True,
-        "_DIAG_FEW_EXP": True,
+    # The defaults before 2026-12-05 (32-channel gate blocks, no Γ_C prefetch in the state pass, zeros
+    # written right of P's and X's diagonals, the 14-step substitution), timed in the same run as today's.
+    # The other variants of 2026-12-04 (two pipeline stages in the state pass, Diag(β)·K̃ from the diagonal
+    # pass, its solve from registers, whole-row gate blocks at 8 warps, the state pass unpipelined at 32- or
+    # 16-wide V blocks) ran slower or within 0.3% of the default on the H200 on 2026-12-05 (docs/KDA.md).
+    # The variants of 2026-12-05 that lost (the diagonal pass in K slices or with two exponentials per
+    # element, the state V-first, [W; Q̃]·S stacked, the state pass at 8 warps) were removed:
+    # bench/results/kda-prefill-h100-2026-12-05-variants.json has their times.
+    "ours_before_2026_12_05": {
+        "_GATE_BK": 32,
+        "_STATE_PREFETCH_G": False,
+        "_TRIL_LOADS": False,
+        "_DIAG_SOLVE_HALVES": False,
     },
+    # Each change kept on 2026-12-05 left out alone, so one run says what each adds beside the other.
+    "ours_without_tril_loads": {"_TRIL_LOADS": False},
+    "ours_without_solve_halves": {"_DIAG_SOLVE_HALVES": False},
 }
 
 

@@ -229,15 +229,11 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         yield name, ch._gate_kernel, gate, c, warps
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
     diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})
-    # _TRIL_LOADS, _DIAG_FEW_EXP, _DIAG_BK, _DIAG_SOLVE_HALVES
-    diag_cases = [(True, False, K, False), (False, False, K, False), (True, True, K, False)]
-    diag_cases += [(True, False, w, False) for w in (64, 32, 16)] + [(True, False, K, True)]
-    for zero_right, few_exp, bk, halves in diag_cases:
+    # zeros right of the diagonal (not _TRIL_LOADS), the inverse from 8-row halves (_DIAG_SOLVE_HALVES)
+    for zero_right, halves in ((not ch._TRIL_LOADS, ch._DIAG_SOLVE_HALVES), (True, False)):
         c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=zero_right)
-        c.update(FEW_EXP=few_exp, BK=bk, SOLVE_HALVES=halves)
+        c["SOLVE_HALVES"] = halves
         name = "prefill diagonal pass" + ("" if zero_right else ", nothing right of the diagonal")
-        name += ", two exponentials per element" if few_exp else ""
-        name += f", {bk}-wide K slices" if bk < K else ""
         name += ", inverse from 8-row halves" if halves else ""
         yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
@@ -251,16 +247,12 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
     state = {"gcum": F32, **state, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32, "slots": I32}
     state["has_initial"] = "*u8"
-    # pre: _STATE_PREFETCH_G (the default); then, with it, _TRIL_LOADS, _STATE_VK and _STATE_STACK_WQ
-    state_cases = [(pre, False, False, False) for pre in (False, True)]
-    state_cases += [(True, True, False, False), (True, False, True, False), (True, False, False, True)]
-    for bv, (pre, tril, vk, stack) in itertools.product((32, 64), state_cases):
+    # pre: _STATE_PREFETCH_G, tril: _TRIL_LOADS (the defaults), and the state pass as it was before either
+    for bv, (pre, tril) in itertools.product((32, 64), ((True, True), (False, False))):
         c = dict(H=H, K=K, V=V, BT=BT, BV=bv, WHILE_LOOP=False, DT=tl.bfloat16, VB_FIRST=ch._STATE_VB_FIRST)
-        c.update(PREFETCH_G=pre, TRIL=tril, VK=vk, STACK=stack)
+        c.update(PREFETCH_G=pre, TRIL=tril)
         name = f"prefill state pass BV={bv}" + (", Gamma_C a chunk ahead" if pre else "")
         name += ", P's lower triangle" if tril else ""
-        name += ", S held V-first" if vk else ""
-        name += ", [W; Q~].S stacked" if stack else ""
         yield name, ch._state_kernel, state, c, ch._STATE_WARPS
     norm = {"out": BF16, "z": BF16, "weight": F32, "cu_seqlens": I32, "n_seqs": "i32", "eps": "fp32"}
     norm["rows_cap"] = "i32"

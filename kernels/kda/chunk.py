@@ -57,40 +57,24 @@ _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 # chain: the prefill ran 0.869 / 0.800 / 3.398 ms (streamed) against 0.881 / 0.825 / 3.444 without it
 # (H200, 2026-12-05, a7fbe7c, 1x8192 / 8x1024 / 1x32768), 140 registers against 128 on sm_90.
 _STATE_PREFETCH_G = True
-# Not yet measured on the H200: bench/kda_prefill.py times each beside the default, and
-# tests/kernels/test_chunk.py checks each (on NaN-filled scratch), holding the two that keep the default's
-# bits to them.
+# The two kept from the variants timed on 2026-12-05 (bench/results/kda-prefill-h100-2026-12-05-variants.json:
+# one run, an H100, d7be29d; µs per pass at 1x8192, H = 32, from the profiler breakdown):
 # _TRIL_LOADS (the same bits): the passes that read P and X (the state pass, W/U) take each row on and left
-# of its diagonal only, so the diagonal pass writes no zeros right of it: at 1x8192 (H = 32) 38 MB fewer
-# writes in the diagonal pass and about 33 MB fewer reads in W/U (X's load masked; the state pass loads P's
-# rows whole, as before, and zeroes what lies right of the diagonal).
-_TRIL_LOADS = False
-# _STATE_VK (changes the last bits): the state pass holds S V-first, Sᵀ [BV, K] as the pool does, and forms
-# every product transposed (_chunk_step_vk), so that the products on the chain from S to S have the previous
-# product's result, Sᵀ or Δᵀ, as their left operand, which a tensor-core product can take from registers (at
-# V-blocks of 32 they compile to mma.sync; at 64 to wgmma through shared memory: bench/sm90.py). Held K-first,
-# S and Δ are right operands, read from shared memory, and the PTX waits for each of a step's four products
-# before issuing the next.
-_STATE_VK = False
-# _STATE_STACK_WQ (the same bits): each step of the state pass forms W·S and Q̃·S as one product of the
-# stacked rows [W; Q̃] (a 128-row left operand, loaded through one pointer tensor), split after: three
-# products a step waited for one after another instead of four (PTX: one wgmma group of 16 where there were
-# two of 8, and the split costs no shared-memory round trip).
-_STATE_STACK_WQ = False
-# _DIAG_FEW_EXP (changes the last bits of Q̃ and K̄): the diagonal pass forms Q̃ and K̄ from the factors its
-# blocks already use, two exponentials per element of the sub-chunk instead of four (67 M of its 134 M fewer
-# at 1x8192, H = 32: about 16 µs of the SMs' special-function units if the pass is bound by them).
-_DIAG_FEW_EXP = False
-# _DIAG_BK (changes the last bits of the norms): the diagonal pass in K slices of this width, None whole rows.
-# At 2 warps its whole-row tiles take 162 registers per thread on sm_90 (bench/sm90.py), six programs (12
-# warps) per SM, 21 waves at 1x8192 for a pass that waits on memory and on its 14-step substitution; in
-# slices of 32 it holds 96 (ten programs per SM), of 16 63 (sixteen).
-_DIAG_BK: int | None = None
+# of its diagonal only, so the diagonal pass writes no zeros right of it (at 1x8192, H = 32, 38 MB fewer
+# writes there and about 33 MB fewer reads in W/U; the state pass loads P's rows whole and zeroes what lies
+# right of the diagonal). Diagonal 227 -> 213 µs, W/U 165 -> 158, state 230 -> 178; the prefill 1.215 ->
+# 1.299x fla+norm at 1x8192, 1.357 -> 1.386 at 8x1024, 1.201 -> 1.288 at 1x32768, 1.274 -> 1.311 at H = 64.
+_TRIL_LOADS = True
 # _DIAG_SOLVE_HALVES (changes the last bits of X): the diagonal pass inverts I + A_ii from its two 8-row
 # halves, each by substitution, the two side by side (6 dependent steps instead of 14, each reading a row
 # back from x), then D − D·(A21·D) in two fp32 16x16 products, the merge the off-diagonal pass does between
-# sub-chunks.
-_DIAG_SOLVE_HALVES = False
+# sub-chunks. Diagonal pass 227 -> 217 µs alone.
+_DIAG_SOLVE_HALVES = True
+# Measured in the same run and removed (µs at 1x8192, H = 32, against the old default's): the diagonal
+# pass in K slices of 64 / 32 / 16 (251 / 224 / 255 against 227: fewer registers did not make it faster);
+# two exponentials per element there (228); the state held V-first with transposed products (276 against
+# 230); [W; Q̃]·S as one stacked product (175 alone, but 195 with the lower-triangle loads, against their
+# 178); the state pass at 8 warps (247).
 
 
 def build_chunk_metadata(
@@ -211,13 +195,11 @@ def _chunk_step(
     nc,
     PREFETCH_G: tl.constexpr,
     TRIL: tl.constexpr,
-    STACK: tl.constexpr,
 ):
     """One chunk of the sequential pass: its outputs, and S carried past it. Returns S and, with
     PREFETCH_G, Γ_C of the next chunk, loaded before this chunk's products (g_pre is this chunk's, loaded
     by the step before); without it g_pre is passed through unread. TRIL: P is taken on and left of its
-    diagonal only (the diagonal pass then writes nothing right of it). STACK: W·S and Q̃·S as one
-    product of the stacked rows [W; Q̃], split after."""
+    diagonal only (the diagonal pass then writes nothing right of it)."""
     if PREFETCH_G:
         g_next = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
     else:
@@ -229,31 +211,17 @@ def _chunk_step(
     offk = rows[:, None] * K + d[None, :]
     offv = rows[:, None] * V + e[None, :]
     Sb = S.to(DT)
-    if STACK:  # [W; Q̃]·S as one 2BT-row product: one wait on the tensor cores instead of two
-        r2 = tl.arange(0, 2 * BT)
-        rr = r2 % BT
-        m2 = (rr < n)[:, None]
-        off2 = ((t0 + rr) * H + h)[:, None] * K + d[None, :]
-        ptr = tl.where((r2 < BT)[:, None], w + off2, q_tilde + off2)
-        wq = tl.dot(tl.load(ptr, mask=m2, other=0.0).to(DT), Sb)
-        ws, qs = tl.split(tl.permute(tl.reshape(wq, [2, BT, S.shape[1]]), (1, 2, 0)))
-        delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - ws
-    else:
-        wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
-        delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
+    wc = tl.load(w + offk, mask=mr, other=0.0).to(DT)
+    delta = tl.load(u + offv, mask=mr, other=0.0).to(tl.float32) - tl.dot(wc, Sb)
     db = delta.to(DT)
-    if not STACK:  # (stacked, Q̃ came with W)
-        qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
+    qc = tl.load(q_tilde + offk, mask=mr, other=0.0).to(DT)
     pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr, other=0.0)
     if TRIL:
         # Selected after the load, not masked in it: a mask that varies along the row took the load out
         # of the loop's software pipeline (16 KB less shared memory, 254 registers at BV = 64 on sm_90).
         pc = tl.where(r[None, :] <= r[:, None], pc, 0.0)
     pc = pc.to(DT)
-    if STACK:
-        o = qs + tl.dot(pc, db)
-    else:
-        o = tl.dot(qc, Sb) + tl.dot(pc, db)
+    o = tl.dot(qc, Sb) + tl.dot(pc, db)
     tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr)
     if PREFETCH_G:
         g_last = g_pre  # loaded a chunk ahead
@@ -262,62 +230,6 @@ def _chunk_step(
     kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
     S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
     return S, g_next
-
-
-@triton.jit
-def _chunk_step_vk(
-    S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
-    g_pre, nc, PREFETCH_G: tl.constexpr, TRIL: tl.constexpr,
-):  # fmt: skip
-    """_chunk_step with the state held V-first, Sᵀ [BV, K] as the pool holds it, and every product
-    transposed: Δᵀ = Uᵀ − Sᵀ·Wᵀ, Oᵀ = Sᵀ·Q̃ᵀ + Δᵀ·Pᵀ, Sᵀ ← Sᵀ·Diag(exp(Γ_C)) + Δᵀ·K̄. The chain's left
-    operands (Sᵀ, Δᵀ) are the previous products' results, which a tensor-core product may take from
-    registers; the right ones (W, K̄, Q̃, P) are loads."""
-    if PREFETCH_G:
-        g_next = _g_last(gcum, tl.minimum(cc + 1, nc - 1), bos, eos, h, d, H, K, BT)
-    else:
-        g_next = g_pre
-    t0 = bos + cc * BT
-    n = tl.minimum(BT, eos - t0)
-    mr = r < n
-    rows = (t0 + r) * H + h
-    offk = rows[:, None] * K + d[None, :]  # [BT, K]
-    offv = rows[None, :] * V + e[:, None]  # [BV, BT]: the rows' V-block, transposed
-    Sb = S.to(DT)
-    wc = tl.load(w + offk, mask=mr[:, None], other=0.0).to(DT)
-    delta = tl.load(u + offv, mask=mr[None, :], other=0.0).to(tl.float32) - tl.dot(Sb, tl.trans(wc))
-    db = delta.to(DT)
-    qc = tl.load(q_tilde + offk, mask=mr[:, None], other=0.0).to(DT)
-    pc = tl.load(p + rows[:, None] * BT + r[None, :], mask=mr[:, None], other=0.0)
-    if TRIL:
-        pc = tl.where(r[None, :] <= r[:, None], pc, 0.0)
-    o = tl.dot(Sb, tl.trans(qc)) + tl.dot(db, tl.trans(pc.to(DT)))
-    tl.store(out + offv, o.to(out.dtype.element_ty), mask=mr[None, :])
-    if PREFETCH_G:
-        g_last = g_pre  # loaded a chunk ahead
-    else:
-        g_last = _g_last(gcum, cc, bos, eos, h, d, H, K, BT)
-    kc = tl.load(k_bar + offk, mask=mr[:, None], other=0.0).to(DT)
-    return S * tl.exp(g_last)[None, :] + tl.dot(db, kc), g_next
-
-
-@triton.jit
-def _step(
-    S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr,
-    g_pre, nc, PREFETCH_G: tl.constexpr, TRIL: tl.constexpr, VK: tl.constexpr, STACK: tl.constexpr,
-):  # fmt: skip
-    if VK:
-        return _chunk_step_vk(
-            S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT, g_pre, nc,
-            PREFETCH_G, TRIL,
-        )  # fmt: skip
-    else:
-        return _chunk_step(
-            S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT, g_pre, nc,
-            PREFETCH_G, TRIL, STACK,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -351,8 +263,6 @@ def _state_kernel(
     VB_FIRST: tl.constexpr,
     PREFETCH_G: tl.constexpr,
     TRIL: tl.constexpr,
-    VK: tl.constexpr,
-    STACK: tl.constexpr,
 ):
     """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
     S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot.
@@ -383,12 +293,9 @@ def _state_kernel(
             tl.store(out + (rows[:, None] * H + h) * V + e[None, :], zero, mask=(rows < eos)[:, None])
             t0 += BT
         return
-    if VK:  # S held V-first [BV, K], as the pool holds it
-        s_ptr = state + (slot * H + h) * V * K + e[:, None] * K + d[None, :]
-        S = tl.zeros([BV, K], dtype=tl.float32)
-    else:  # S is held K-first [K, BV]; the pool is V-first [V, K].
-        s_ptr = state + (slot * H + h) * V * K + e[None, :] * K + d[:, None]
-        S = tl.zeros([K, BV], dtype=tl.float32)
+    # S is held K-first [K, BV]; the pool is V-first [V, K].
+    s_ptr = state + (slot * H + h) * V * K + e[None, :] * K + d[:, None]
+    S = tl.zeros([K, BV], dtype=tl.float32)
     if tl.load(has_initial + i) != 0:
         S = tl.load(s_ptr)
     if PREFETCH_G:
@@ -399,16 +306,16 @@ def _state_kernel(
         # The interpreter cannot index a range by a loaded scalar; compiled code keeps the for loop.
         cc = 0
         while cc < nc:
-            S, gl = _step(
+            S, gl = _chunk_step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G, TRIL, VK, STACK,
+                gl, nc, PREFETCH_G, TRIL,
             )  # fmt: skip
             cc += 1
     else:
         for cc in range(nc):
-            S, gl = _step(
+            S, gl = _chunk_step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G, TRIL, VK, STACK,
+                gl, nc, PREFETCH_G, TRIL,
             )  # fmt: skip
     tl.store(s_ptr, S)
 
@@ -576,8 +483,6 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=ap_dt,
             ZERO_RIGHT=not _TRIL_LOADS,
-            FEW_EXP=_DIAG_FEW_EXP,
-            BK=min(K, _DIAG_BK or K),
             SOLVE_HALVES=_DIAG_SOLVE_HALVES,
             num_warps=_DIAG_WARPS,
         )
@@ -644,8 +549,6 @@ def prefill(
             VB_FIRST=_STATE_VB_FIRST,
             PREFETCH_G=_STATE_PREFETCH_G,
             TRIL=_TRIL_LOADS,
-            VK=_STATE_VK,
-            STACK=_STATE_STACK_WQ,
             num_warps=_STATE_WARPS,
         )
     rows = 16

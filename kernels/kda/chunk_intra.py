@@ -9,10 +9,11 @@ inverse L2 norm of the raw key row, so the off-diagonal pass multiplies raw q an
 results by the norms the diagonal pass stored; it never holds a K-wide normalised tile.
 
 Scratch rows are token rows (the chunk's rows only: rows past the chunk's end belong to the next one):
-p [total, H, BT] gets P (bf16, zeros right of the diagonal), x [total, H, BT] gets X (fp32, zeros right
-of the diagonal; wu_kernel applies it), rn [total, H, 2] the inverse norms of k and q (q's with the
-scale), which the later passes read instead of normalising again. Under kernels.kda.chunk._TRIL_LOADS
-nothing right of the diagonal block is written, and every reader takes only the lower triangle.
+p [total, H, BT] gets P (bf16), x [total, H, BT] gets X (fp32; wu_kernel applies it), each on and left of
+its diagonal only, rn [total, H, 2] the inverse norms of k and q (q's with the scale), which the later
+passes read instead of normalising again. Under kernels.kda.chunk._TRIL_LOADS (the default) nothing right
+of the diagonal block is written and every reader takes only the lower triangle; without it the diagonal
+pass writes zeros there and the readers load whole rows.
 """
 
 from __future__ import annotations
@@ -45,55 +46,6 @@ def _beta(b, rows, m):
 
 
 @triton.jit
-def _diag_sliced(
-    q, k, b, gcum, q_tilde, k_bar, rn, t0, n, i, h, rows, mb, scale,
-    H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-    FEW_EXP: tl.constexpr,
-):  # fmt: skip
-    """diag_kernel's first half with K in BK-wide slices (fewer live registers per program): the rows'
-    inverse norms from a first pass over the slices, then each slice's Q̃ and K̄ and its share of the
-    unmasked A_ii and P_ii, its rows read again (from cache). Returns A_ii, P_ii and β."""
-    ssk = tl.zeros([BC], dtype=tl.float32)
-    ssq = tl.zeros([BC], dtype=tl.float32)
-    for kb in range(K // BK):
-        off = rows[:, None] * K + (kb * BK + tl.arange(0, BK))[None, :]
-        kk = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32)
-        qq = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32)
-        ssk += tl.sum(kk * kk, axis=1)
-        ssq += tl.sum(qq * qq, axis=1)
-    nk = 1.0 / tl.sqrt(ssk + 1e-6)
-    nq = scale / tl.sqrt(ssq + 1e-6)
-    tl.store(rn + rows * 2, nk, mask=mb)
-    tl.store(rn + rows * 2 + 1, nq, mask=mb)
-    last = ((t0 + n - 1) * H + h) * K  # Γ_C: the chunk's last row
-    mid = ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K  # the sub-chunk's reference row
-    a = tl.zeros([BC, BC], dtype=tl.float32)
-    pq = tl.zeros([BC, BC], dtype=tl.float32)
-    for kb in range(K // BK):
-        d = kb * BK + tl.arange(0, BK)
-        off = rows[:, None] * K + d[None, :]
-        kh = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32) * nk[:, None]
-        qh = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32) * nq[:, None]
-        gi = tl.load(gcum + off, mask=mb[:, None], other=0.0)
-        g_end = tl.load(gcum + last + d)
-        g_mid = tl.load(gcum + mid + d)
-        rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
-        cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
-        if FEW_EXP:
-            q_t = qh * rf * tl.exp(g_mid)[None, :]
-            k_b = kh * cf * tl.exp(g_end - g_mid)[None, :]
-        else:
-            q_t = qh * tl.exp(gi)
-            k_b = kh * tl.exp(g_end[None, :] - gi)
-        tl.store(q_tilde + off, q_t.to(q_tilde.dtype.element_ty), mask=mb[:, None])
-        tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
-        kc = (kh * cf).to(DT)
-        a = tl.dot((kh * rf).to(DT), tl.trans(kc), a)
-        pq = tl.dot((qh * rf).to(DT), tl.trans(kc), pq)
-    return a, pq, _beta(b, rows, mb)
-
-
-@triton.jit
 def diag_kernel(
     q,
     k,
@@ -116,18 +68,13 @@ def diag_kernel(
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
     ZERO_RIGHT: tl.constexpr,
-    FEW_EXP: tl.constexpr,
-    BK: tl.constexpr,
     SOLVE_HALVES: tl.constexpr,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
     ZERO_RIGHT zeros right of the diagonal block in p and x (without it the readers mask those columns),
-    then (I + A_ii)^{-1} by forward substitution over rows read back from x. FEW_EXP: Q̃ and K̄ from the
-    two factors the blocks use, e^{Γ_r − Γ_mid} and its inverse, times per-channel e^{Γ_mid} and
-    e^{Γ_C − Γ_mid}: two exponentials per element instead of four (values below e^{-87} lose bits).
-    BK < K: the channels in BK-wide slices, each row's norms from a first pass over them. SOLVE_HALVES:
-    the inverse from the two 8-row halves' substitutions side by side and one block merge."""
+    then (I + A_ii)^{-1} by forward substitution over rows read back from x; SOLVE_HALVES: from the two
+    8-row halves' substitutions side by side and one block merge."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -138,39 +85,28 @@ def diag_kernel(
     rb = i * BC + ci
     mb = rb < n
     rows = (t0 + rb) * H + h
-    if BK == K:
-        d = tl.arange(0, K)
-        off = rows[:, None] * K + d[None, :]
-        kk = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32)
-        qq = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32)
-        gi = tl.load(gcum + off, mask=mb[:, None], other=0.0)
-        nk = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
-        nq = scale / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
-        tl.store(rn + rows * 2, nk, mask=mb)
-        tl.store(rn + rows * 2 + 1, nq, mask=mb)
-        kh = kk * nk[:, None]
-        qh = qq * nq[:, None]
-        g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
-        if not FEW_EXP:
-            tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
-            k_b = kh * tl.exp(g_end[None, :] - gi)
-            tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
-        beta = _beta(b, rows, mb)
-        g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
-        rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
-        cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
-        if FEW_EXP:
-            q_t = qh * rf * tl.exp(g_mid)[None, :]
-            tl.store(q_tilde + off, q_t.to(q_tilde.dtype.element_ty), mask=mb[:, None])
-            k_b = kh * cf * tl.exp(g_end - g_mid)[None, :]
-            tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
-        kc = (kh * cf).to(DT)
-        a = tl.dot((kh * rf).to(DT), tl.trans(kc))
-        pq = tl.dot((qh * rf).to(DT), tl.trans(kc))
-    else:
-        a, pq, beta = _diag_sliced(
-            q, k, b, gcum, q_tilde, k_bar, rn, t0, n, i, h, rows, mb, scale, H, K, BC, BK, DT, FEW_EXP
-        )  # fmt: skip
+    d = tl.arange(0, K)
+    off = rows[:, None] * K + d[None, :]
+    kk = tl.load(k + off, mask=mb[:, None], other=0.0).to(tl.float32)
+    qq = tl.load(q + off, mask=mb[:, None], other=0.0).to(tl.float32)
+    gi = tl.load(gcum + off, mask=mb[:, None], other=0.0)
+    nk = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
+    nq = scale / tl.sqrt(tl.sum(qq * qq, axis=1) + 1e-6)
+    tl.store(rn + rows * 2, nk, mask=mb)
+    tl.store(rn + rows * 2 + 1, nq, mask=mb)
+    kh = kk * nk[:, None]
+    qh = qq * nq[:, None]
+    g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
+    tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+    k_b = kh * tl.exp(g_end[None, :] - gi)
+    tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
+    beta = _beta(b, rows, mb)
+    g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
+    rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
+    cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
+    kc = (kh * cf).to(DT)
+    a = tl.dot((kh * rf).to(DT), tl.trans(kc))
+    pq = tl.dot((qh * rf).to(DT), tl.trans(kc))
     a = tl.where(ci[None, :] < ci[:, None], a, 0.0) * beta[:, None]
     pq = tl.where(ci[None, :] <= ci[:, None], pq, 0.0)
     cols = tl.arange(0, BT)
