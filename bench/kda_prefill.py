@@ -63,22 +63,21 @@ ROUNDS = 10
 # bench/results/kda-prefill-h200-2026-12-04-rejected-fused-intra.json.)
 VARIANTS: dict[str, dict[str, object]] = {
     # The defaults before 2026-12-05 (32-channel gate blocks, no Γ_C prefetch in the state pass, zeros
-    # written right of P's and X's diagonals, the 14-step substitution), timed in the same run as today's.
+    # written right of P's and X's diagonals), timed in the same run as today's.
     # The other variants of 2026-12-04 (two pipeline stages in the state pass, Diag(β)·K̃ from the diagonal
     # pass, its solve from registers, whole-row gate blocks at 8 warps, the state pass unpipelined at 32- or
     # 16-wide V blocks) ran slower or within 0.3% of the default on the H200 on 2026-12-05 (docs/KDA.md).
     # The variants of 2026-12-05 that lost (the diagonal pass in K slices or with two exponentials per
-    # element, the state V-first, [W; Q̃]·S stacked, the state pass at 8 warps) were removed:
-    # bench/results/kda-prefill-h100-2026-12-05-variants.json has their times.
+    # element, the state V-first, [W; Q̃]·S stacked, the state pass at 8 warps; the diagonal inverse from
+    # 8-row halves, slower beside the lower-triangle loads) were removed:
+    # bench/results/kda-prefill-h100-2026-12-05-variants.json and -tril-halves.json have their times.
     "ours_before_2026_12_05": {
         "_GATE_BK": 32,
         "_STATE_PREFETCH_G": False,
         "_TRIL_LOADS": False,
-        "_DIAG_SOLVE_HALVES": False,
     },
-    # Each change kept on 2026-12-05 left out alone, so one run says what each adds beside the other.
+    # The change kept on 2026-12-05 left out alone.
     "ours_without_tril_loads": {"_TRIL_LOADS": False},
-    "ours_without_solve_halves": {"_DIAG_SOLVE_HALVES": False},
 }
 
 

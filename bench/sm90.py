@@ -229,12 +229,9 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         yield name, ch._gate_kernel, gate, c, warps
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
     diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})
-    # zeros right of the diagonal (not _TRIL_LOADS), the inverse from 8-row halves (_DIAG_SOLVE_HALVES)
-    for zero_right, halves in ((not ch._TRIL_LOADS, ch._DIAG_SOLVE_HALVES), (True, False)):
+    for zero_right in (True, False):  # zeros written right of the diagonal (not _TRIL_LOADS), or none
         c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=zero_right)
-        c["SOLVE_HALVES"] = halves
         name = "prefill diagonal pass" + ("" if zero_right else ", nothing right of the diagonal")
-        name += ", inverse from 8-row halves" if halves else ""
         yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)

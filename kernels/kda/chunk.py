@@ -57,24 +57,22 @@ _DIAG_WARPS, _INTER_WARPS, _INTER_BK = 2, 2, 64
 # chain: the prefill ran 0.869 / 0.800 / 3.398 ms (streamed) against 0.881 / 0.825 / 3.444 without it
 # (H200, 2026-12-05, a7fbe7c, 1x8192 / 8x1024 / 1x32768), 140 registers against 128 on sm_90.
 _STATE_PREFETCH_G = True
-# The two kept from the variants timed on 2026-12-05 (bench/results/kda-prefill-h100-2026-12-05-variants.json:
-# one run, an H100, d7be29d; µs per pass at 1x8192, H = 32, from the profiler breakdown):
+# Kept from the variants timed on 2026-12-05 (bench/results/kda-prefill-h100-2026-12-05-variants.json: one
+# run, an H100, d7be29d; µs per pass at 1x8192, H = 32, from the profiler breakdown):
 # _TRIL_LOADS (the same bits): the passes that read P and X (the state pass, W/U) take each row on and left
 # of its diagonal only, so the diagonal pass writes no zeros right of it (at 1x8192, H = 32, 38 MB fewer
 # writes there and about 33 MB fewer reads in W/U; the state pass loads P's rows whole and zeroes what lies
 # right of the diagonal). Diagonal 227 -> 213 µs, W/U 165 -> 158, state 230 -> 178; the prefill 1.215 ->
 # 1.299x fla+norm at 1x8192, 1.357 -> 1.386 at 8x1024, 1.201 -> 1.288 at 1x32768, 1.274 -> 1.311 at H = 64.
 _TRIL_LOADS = True
-# _DIAG_SOLVE_HALVES (changes the last bits of X): the diagonal pass inverts I + A_ii from its two 8-row
-# halves, each by substitution, the two side by side (6 dependent steps instead of 14, each reading a row
-# back from x), then D − D·(A21·D) in two fp32 16x16 products, the merge the off-diagonal pass does between
-# sub-chunks. Diagonal pass 227 -> 217 µs alone.
-_DIAG_SOLVE_HALVES = True
 # Measured in the same run and removed (µs at 1x8192, H = 32, against the old default's): the diagonal
 # pass in K slices of 64 / 32 / 16 (251 / 224 / 255 against 227: fewer registers did not make it faster);
 # two exponentials per element there (228); the state held V-first with transposed products (276 against
 # 230); [W; Q̃]·S as one stacked product (175 alone, but 195 with the lower-triangle loads, against their
-# 178); the state pass at 8 warps (247).
+# 178); the state pass at 8 warps (247). The diagonal inverse from its two 8-row halves side by side (6
+# dependent steps instead of 14, then a block merge) ran 217 alone, but with the lower-triangle loads 218
+# against their 213, the prefill 0.934 ms against 0.926 at 1x8192 (H100, 2026-12-05, a second run, 2a6a010:
+# bench/results/kda-prefill-h100-2026-12-05-tril-halves.json).
 
 
 def build_chunk_metadata(
@@ -483,7 +481,6 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=ap_dt,
             ZERO_RIGHT=not _TRIL_LOADS,
-            SOLVE_HALVES=_DIAG_SOLVE_HALVES,
             num_warps=_DIAG_WARPS,
         )
         inter_solve_kernel[(grid_chunks, H)](

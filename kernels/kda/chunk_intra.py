@@ -68,13 +68,11 @@ def diag_kernel(
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
     ZERO_RIGHT: tl.constexpr,
-    SOLVE_HALVES: tl.constexpr,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
     ZERO_RIGHT zeros right of the diagonal block in p and x (without it the readers mask those columns),
-    then (I + A_ii)^{-1} by forward substitution over rows read back from x; SOLVE_HALVES: from the two
-    8-row halves' substitutions side by side and one block merge."""
+    then (I + A_ii)^{-1} by forward substitution over rows read back from x."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -121,36 +119,14 @@ def diag_kernel(
         tl.store(xrow + cols[None, :], tl.zeros([BC, BT], dtype=tl.float32), mask=right)
     tl.debug_barrier()
     eye = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
-    if SOLVE_HALVES:
-        # The two diagonal halves' inverses D1, D2 by substitution side by side (one row of each per
-        # step: 6 dependent steps, not 14), then the block below them: (I + A)^{-1} = D − D·(A21·D),
-        # D = diag(D1, D2), A21 the lower-left half-block of A (the merge of inter_solve_kernel, at 8).
-        HB: tl.constexpr = BC // 2
-        hi = ci >= HB
-        y = -tl.where((ci[:, None] >= HB) == hi[None, :], a, 0.0)
-        base = x_inv + ((t0 + i * BC) * H + h) * BT + rb
-        for s in range(2, HB):
-            a_lo = tl.load(base + s * H * BT, mask=(ci < s) & (i * BC + s < n), other=0.0)
-            a_hi = tl.load(
-                base + (s + HB) * H * BT, mask=hi & (ci < s + HB) & (i * BC + s + HB < n), other=0.0
-            )
-            y_lo = -a_lo - tl.sum(a_lo[:, None] * y, axis=0)
-            y_hi = -a_hi - tl.sum(a_hi[:, None] * y, axis=0)
-            y = tl.where(
-                (ci == s)[:, None], y_lo[None, :], tl.where((ci == s + HB)[:, None], y_hi[None, :], y)
-            )
-        dd = y + eye
-        a21 = tl.where((ci[:, None] >= HB) & (ci[None, :] < HB), a, 0.0)
-        x_ii = dd - _mm(dd, _mm(a21, dd))
-    else:
-        # Y = (I + A_ii)^{-1} − I, row by row: Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own).
-        y = -a
-        for s in range(2, BC):
-            row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
-            a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
-            y_s = -a_s - tl.sum(a_s[:, None] * y, axis=0)
-            y = tl.where((ci == s)[:, None], y_s[None, :], y)
-        x_ii = y + eye
+    # Y = (I + A_ii)^{-1} − I, row by row: Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own).
+    y = -a
+    for s in range(2, BC):
+        row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
+        a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
+        y_s = -a_s - tl.sum(a_s[:, None] * y, axis=0)
+        y = tl.where((ci == s)[:, None], y_s[None, :], y)
+    x_ii = y + eye
     tl.debug_barrier()
     tl.store(xrow + rb[None, :], x_ii, mask=mb[:, None])
 

@@ -201,7 +201,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_INTER_WARPS": 4, "_DIAG_WARPS": 4},
         {"_STATE_PREFETCH_G": False},
         {"_STATE_BV": 16},
-        {"_TRIL_LOADS": False, "_DIAG_SOLVE_HALVES": False, "_STATE_BV": 16},
+        {"_TRIL_LOADS": False, "_STATE_BV": 16},
     ],
     ids=[
         "default",
@@ -209,7 +209,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "four-warps",
         "state-without-prefetch-g",
         "state-v-blocks-of-16",
-        "zeros-right-of-the-diagonal-14-step-solve-v-blocks-of-16",
+        "zeros-right-of-the-diagonal-v-blocks-of-16",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -391,22 +391,9 @@ def _intermediates_reference(q, k, v, g, beta, chunk: int):
     return back(Tm @ (kc * torch.exp(gam))), back(Tm @ vc), back(_decay_products(qc, kc, gam, 16))
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        {},
-        {"_DIAG_SOLVE_HALVES": False},
-    ],
-    ids=["default", "diag-14-step-solve"],
-)
-def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys(variant, monkeypatch) -> None:
+def test_blockwise_solve_gives_the_reference_w_u_and_p_with_near_collinear_keys() -> None:
     # Keys share a dominant direction, β is near 1 and the decay is slow, so (I + A) is far from the
-    # identity in every 16x16 block, including the cross-sub-chunk ones the blockwise inverse assembles
-    # (and, in the diagonal pass's halves, the 8x8 ones).
-    import kernels.kda.chunk as chunk
-
-    for name, value in variant.items():
-        monkeypatch.setattr(chunk, name, value)
+    # identity in every 16x16 block, including the cross-sub-chunk ones the blockwise inverse assembles.
     T, H, K, V, C = 128, 2, 32, 16, 64
     gen = torch.Generator().manual_seed(11)
     common = torch.randn(1, H, K, generator=gen)

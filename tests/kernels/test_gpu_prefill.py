@@ -114,7 +114,6 @@ VARIANTS = {
     "state-without-prefetch-g": {"_STATE_PREFETCH_G": False},
     "gate-channel-blocks-of-32": {"_GATE_BK": 32},
     "zeros-right-of-the-diagonal": {"_TRIL_LOADS": False},
-    "diag-14-step-solve": {"_DIAG_SOLVE_HALVES": False},
 }
 # The default (on NaN scratch, against itself on zeros) and the variants that change no value any pass
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
