@@ -1,0 +1,123 @@
+"""How far a prompt's prefill logits move with the batch around it: each prompt prefilled alone, then
+among random fillers at a random position, its last-token logits (and last hidden state) compared. Prints
+JSON; --out writes it too.
+
+Why: the speculative check (qualify/checks/speculation.py) holds a drafted run, sent as a batch of one, to
+a plain reference of the same prompt asked among fillers, and reads a first token that differs where the
+reference's top-2 gap is above the harness's epsilon (0.05) as a failure. On an H100 (2026-12-05, proxy
+preset, `--spec mtp:3`) the reference engine failed it so, at a gap of 0.069 on the first token: if a
+prefill's logits move by more than epsilon with the batch alone, that comparison can fail an honest engine.
+This measures the movement, on the device and preset the check runs on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench._common import write_result  # noqa: E402
+
+EPSILON = 0.05  # the harness's coherence epsilon for bf16 logits (qualify/checks/base.py)
+
+
+def _prompt(rng: random.Random, lo: int = 8, hi: int = 96) -> list[int]:
+    from qualify.engine.tokenizer import BOS
+
+    return [BOS, *(rng.randrange(32, 127) for _ in range(rng.randint(lo, hi)))]
+
+
+def _prefill(runner, batch: list[list[int]], at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits and last hidden state of batch[at], prefilled with the rest of `batch` (fp32 copies)."""
+    reqs = [runner.admit(p, 1) for p in batch]
+    try:
+        logits = runner.prefill(reqs)
+        return logits[at].float().clone(), runner.prefill_hidden[at].float().clone()
+    finally:
+        for r in reqs:
+            runner.release(r)
+
+
+def _gap(logits: torch.Tensor) -> tuple[int, float]:
+    top = torch.topk(logits, 2)
+    return int(top.indices[0]), float(top.values[0] - top.values[1])
+
+
+def measure(engine, prompts: int, rounds: int, seed: int = 0) -> dict:
+    """Per prompt: prefilled alone twice (the control: a deterministic engine moves by 0), then `rounds`
+    times among 1 to (capacity - 1) random fillers; the largest move of its logits and hidden state, and
+    whether its top-1 changed. The summary says how many first-token top-2 gaps lie within that move."""
+    runner = engine.runner
+    rng = random.Random(seed)
+    cap = max(1, engine.cfg.max_num_seqs)
+    rows, gaps = [], []
+    for _ in range(prompts):
+        p = _prompt(rng)
+        alone, h_alone = _prefill(runner, [p], 0)
+        again, _ = _prefill(runner, [p], 0)
+        top1, gap = _gap(alone)
+        gaps.append(gap)
+        moves, h_moves, flips = [], [], 0
+        for _ in range(rounds):
+            fillers = [_prompt(rng) for _ in range(rng.randint(1, max(1, cap - 1)))] if cap > 1 else []
+            at = rng.randint(0, len(fillers))
+            batch = [*fillers[:at], p, *fillers[at:]]
+            got, h_got = _prefill(runner, batch, at)
+            moves.append(float((got - alone).abs().max()))
+            h_moves.append(float((h_got - h_alone).abs().max()))
+            flips += int(_gap(got)[0] != top1)
+        rows.append({
+            "tokens": len(p), "top2_gap_alone": round(gap, 5),
+            "repeat_alone_max_abs": float((again - alone).abs().max()),
+            "among_fillers_max_abs": max(moves, default=0.0), "hidden_max_abs": max(h_moves, default=0.0),
+            "top1_changed": flips,
+        })  # fmt: skip
+    moved = [r["among_fillers_max_abs"] for r in rows]
+    worst = max(moved, default=0.0)
+    return {
+        "prompts": prompts,
+        "rounds": rounds,
+        "epsilon": EPSILON,
+        "repeat_alone_max_abs": max((r["repeat_alone_max_abs"] for r in rows), default=0.0),
+        "among_fillers_max_abs": worst,
+        "among_fillers_median_abs": statistics.median(moved) if moved else 0.0,
+        "prompts_whose_top1_changed": sum(1 for r in rows if r["top1_changed"]),
+        "gaps_below_epsilon": sum(1 for g in gaps if g < EPSILON),
+        "gaps_below_the_largest_move": sum(1 for g in gaps if g < worst),
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--preset", default="proxy")
+    ap.add_argument("--device", default="cuda", help="cuda (the default) or cpu")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/batch_variance.py: no CUDA device (--device cpu runs it on the CPU)")
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.engine import Engine
+
+    engine = Engine(EngineConfig(preset=args.preset, device=args.device, cudagraph_mode="none"))
+    try:
+        result = {"bench": "batch_variance", "preset": args.preset, "backend": engine.resolution.name}
+        result.update(measure(engine, args.prompts, args.rounds, args.seed))
+    finally:
+        engine.close()
+    write_result(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
