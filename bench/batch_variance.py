@@ -25,8 +25,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench._common import write_result  # noqa: E402
-
-EPSILON = 0.05  # the harness's coherence epsilon for bf16 logits (qualify/checks/base.py)
+from qualify.checks.base import EPSILON  # noqa: E402  (the harness's coherence epsilon)
 
 
 def _prompt(rng: random.Random, lo: int = 8, hi: int = 96) -> list[int]:
@@ -46,16 +45,12 @@ def _prefill(runner, batch: list[list[int]], at: int) -> tuple[torch.Tensor, tor
             runner.release(r)
 
 
-def _gap(logits: torch.Tensor) -> tuple[int, float]:
-    top = torch.topk(logits, 2)
-    return int(top.indices[0]), float(top.values[0] - top.values[1])
-
-
 def measure(engine, prompts: int, rounds: int, seed: int = 0) -> dict:
     """Per prompt: prefilled alone twice (the control: a deterministic engine moves by 0), then `rounds`
     times among 1 to (capacity - 1) random fillers; the largest move of its logits and hidden state, and
     whether its top-1 changed. The summary says how many first-token top-2 gaps lie within that move."""
     runner = engine.runner
+    pick = runner.pick  # the engine's own greedy choice and top-2 gap
     rng = random.Random(seed)
     cap = max(1, engine.cfg.max_num_seqs)
     rows, gaps = [], []
@@ -63,17 +58,17 @@ def measure(engine, prompts: int, rounds: int, seed: int = 0) -> dict:
         p = _prompt(rng)
         alone, h_alone = _prefill(runner, [p], 0)
         again, _ = _prefill(runner, [p], 0)
-        top1, gap = _gap(alone)
+        (top1,), (gap,) = pick(alone[None])
         gaps.append(gap)
         moves, h_moves, flips = [], [], 0
         for _ in range(rounds):
-            fillers = [_prompt(rng) for _ in range(rng.randint(1, max(1, cap - 1)))] if cap > 1 else []
+            fillers = [_prompt(rng) for _ in range(rng.randint(1, cap - 1) if cap > 1 else 0)]
             at = rng.randint(0, len(fillers))
             batch = [*fillers[:at], p, *fillers[at:]]
             got, h_got = _prefill(runner, batch, at)
             moves.append(float((got - alone).abs().max()))
             h_moves.append(float((h_got - h_alone).abs().max()))
-            flips += int(_gap(got)[0] != top1)
+            flips += int(pick(got[None])[0][0] != top1)
         rows.append({
             "tokens": len(p), "top2_gap_alone": round(gap, 5),
             "repeat_alone_max_abs": float((again - alone).abs().max()),
