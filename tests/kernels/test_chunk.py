@@ -292,7 +292,7 @@ def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, mon
 def test_no_pass_reads_scratch_that_no_pass_wrote(tril, monkeypatch) -> None:
     # Scratch starts as NaN. The diagonal pass writes P and X only on and left of the diagonal under
     # _TRIL_LOADS (the default), so a reader whose mask reached past the diagonal would carry NaN into the
-    # output or the state; the outputs must be the default's bits (on zero-filled scratch) either way.
+    # output or the state; the outputs must be the default's bits (on the scratch it allocates) either way.
     import kernels.kda.chunk as chunk
 
     out0, pool0 = _default_bits("MILD")

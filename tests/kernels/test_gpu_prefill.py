@@ -115,7 +115,7 @@ VARIANTS = {
     "gate-channel-blocks-of-32": {"_GATE_BK": 32},
     "zeros-right-of-the-diagonal": {"_TRIL_LOADS": False},
 }
-# The default (on NaN scratch, against itself on zeros) and the variants that change no value any pass
+# The default (on NaN scratch, against itself on fresh scratch) and the variants that change no value any pass
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
 # they keep the bits, but on the device a scan's order follows the tile's layout, which its width changes.)
 SAME_BITS = ("default", "zeros-right-of-the-diagonal", "state-without-prefetch-g")
@@ -123,8 +123,8 @@ SAME_BITS = ("default", "zeros-right-of-the-diagonal", "state-without-prefetch-g
 
 @pytest.mark.parametrize("variant", SAME_BITS)
 def test_variants_that_move_loads_give_the_defaults_bits_on_nan_scratch(variant: str) -> None:
-    # The variant runs on scratch filled with NaN, and the default on zeros, so a pass reading an entry
-    # no pass wrote (a mask of the default's reaching right of P's or X's diagonal) shows in the bits.
+    # The variant runs on scratch filled with NaN, the default on fresh scratch, so a pass reading an
+    # entry no pass wrote (a mask of the default's reaching right of P's or X's diagonal) shows in the bits.
     lens, has_init = [1, 63, 64, 65, 1000, 4097], [True, False, True, True, False, True]
     kw = dict(device_count=True, seed=21, null=(2,), a_shift=3.0, check=False)
     base = _case(lens, has_init, variant={}, **kw)
