@@ -54,7 +54,7 @@ def main() -> None:
         _logs(second, args.logs_out, "again")
         receipt2 = _receipt(second.get("receipt_id"), None)
         keys = ("verdict", "boot_phases", "check_seconds", "check_details", "check_waits", "kernel_cache",
-                "spec_drafts", "acceptance_histogram", "monitor_window_costs_s")  # fmt: skip
+                "fresh_host", "spec_drafts", "acceptance_histogram", "monitor_window_costs_s")  # fmt: skip
         result["again"] = {
             "exit_code": r2.returncode,
             "wall_s": round(wall2, 2),
@@ -128,6 +128,7 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         return next((c for c in checks if c.get("name") == name), {}).get("evidence") or {}
 
     generation = ev_of("generation")
+    kernel_cache = ((predicate.get("engine") or {}).get("sandbox") or {}).get("kernel_cache")
     spec = generation.get("speculation", generation)
     if show_out:
         shown = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -152,13 +153,64 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         # The CUDA activity monitor's own seconds per window phase, summed (checks/monitor.py).
         "monitor_window_costs_s": ((ev_of("monitor").get("monitor") or {}).get("window_costs_s")),
         # The compiled kernels each engine process was given (qualify/launch/kernels.py).
-        "kernel_cache": ((predicate.get("engine") or {}).get("sandbox") or {}).get("kernel_cache"),
+        "kernel_cache": kernel_cache,
+        # Where a fresh host's extra seconds go, in one place: the weights' seeding (streamed and hashed as
+        # generated), the warm step's parallel compile (workers, specializations, seconds), when each engine
+        # got the kernels (at its start, or late after a wait), what each compiled itself, and the checks'
+        # waits for the step.
+        "fresh_host": _fresh_host(ev_of("boot").get("phases") or {}, kernel_cache or {}),
         "check_details": _details(checks),
         # The harness's wait on the engine under test per endpoint inside each check (the rest of a
         # check's seconds is the harness's own work and other engines it booted).
         "check_waits": {
             c.get("name"): (c.get("evidence") or {}).get("time_waited_on_engine") for c in checks
         },
+    }
+
+
+def _fresh_host(phases: dict, kc: dict) -> dict:
+    """The fresh-host figures from the boot check's phases and the receipt's kernel-cache record."""
+    pre = kc.get("precompile") or {}
+    engines = {}
+    for name, given in (kc.get("given") or {}).items():
+        late = given.get("late") or {}
+        engines[name] = {
+            "given": given.get("given"),
+            "at_start": not late and bool(given.get("given")),
+            "late_waited_s": late.get("waited_s"),
+            "late_entries": late.get("entries"),
+            "late_entries_it_had": late.get("entries_it_had"),
+            "compiled_itself": (given.get("compiled_itself") or {}).get("entries"),
+            "compiled_itself_kernels": (given.get("compiled_itself") or {}).get("kernels"),
+        }
+    return {
+        "harness_before_boot_s": phases.get("harness_before_boot"),
+        "weights_seeding_step_s": phases.get("prepare_weights_seeding_step_s"),
+        "weights_kept_after_step_s": phases.get("prepare_weights_kept_after_step_s"),
+        "prepare_s": phases.get("prepare"),
+        "engine_start_to_ready_s": phases.get("engine_start_to_ready"),
+        "kernels_given_after_ready_s": phases.get("kernels_given_after_ready"),
+        "warm_step_s": kc.get("warm_step_s"),
+        "warm_step_filled_this_run": kc.get("filled_this_run"),
+        "precompile_workers": pre.get("jobs"),
+        "precompile_specializations": pre.get("specializations"),
+        "precompile_compiled": pre.get("compiled"),
+        "precompile_failed": pre.get("failed_count", len(pre.get("failed") or [])),
+        "precompile_record_s": pre.get("record_s"),
+        # Why a recording pass stopped early (the run of 2026-12-04 recorded 16 specializations where a
+        # CPU recording of the proxy records 30 without the projections; its error was not kept), and
+        # which kernels it recorded and which launchers failed to build.
+        "precompile_record_error": pre.get("record_error"),
+        "precompile_kernels": pre.get("kernels"),
+        "precompile_launcher_errors": pre.get("launcher_errors"),
+        "precompile_wait_after_record_s": pre.get("wait_after_record_s"),
+        "precompile_s": pre.get("seconds"),
+        "precompile_compile_cpu_s": pre.get("compile_cpu_s"),
+        "precompile_launchers_built": pre.get("launchers_built"),
+        "precompile_slowest": pre.get("slowest"),
+        "waited_before_timed_checks_s": kc.get("waited_before_timed_checks_s"),
+        "engines": engines,
+        "cache_files": kc.get("files"),
     }
 
 

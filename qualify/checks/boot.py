@@ -23,6 +23,7 @@ from qualify.run.receipt import bare_hex, engine_code_digest_on_disk, file_diges
 from qualify.watch.procs import resolve_ns_pid
 
 MANIFEST_TIMEOUT_S = 60.0  # `python -m MODULE manifest` imports the engine's package, nothing more
+LATE_KERNELS_WAIT_S = 120.0  # the engine under test's first request waits at most this for the warm step
 
 
 def sent_config(ctx: Context) -> dict[str, Any]:
@@ -175,8 +176,19 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
     # The reference engine's seeded weights fit an engine of its manifest (the reference, a wrapper of it):
     # the harness seeds and hashes them first and the document hands them over read-only (create false).
     # Another engine's weights are its own: it writes them where the document says (create true).
+    # A launcher that can name the file before it exists (plan_weights) gets the document first, so the
+    # reference engine's warm step (which reads the document, not the weights) starts beside the seeding.
     prepare = getattr(ctx.launcher, "prepare_weights", None)
-    if prepare is not None and manifest.name == launch_doc.REFERENCE_ENGINE_NAME:
+    plan = getattr(ctx.launcher, "plan_weights", None)
+    reference = prepare is not None and manifest.name == launch_doc.REFERENCE_ENGINE_NAME
+    if reference and plan is not None:
+        plan(dtype=kv)
+        _launch_document(ctx, manifest, name, evidence, create=False)
+        kernels = getattr(ctx.launcher, "prepare_kernels", None)
+        if kernels is not None:
+            kernels()
+        ctx.facts["boot_phases"]["kernels_started"] = round(time.monotonic() - t0, 3)
+    if reference:
         try:
             prepare(max(1.0, ctx.remaining()), dtype=kv)
         except RuntimeError as exc:  # the seeding step failed: the engine cannot be handed its weights
@@ -185,8 +197,15 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
         ctx.launcher.weights = None  # type: ignore[attr-defined]
         ctx.launcher.hand_weights = False  # type: ignore[attr-defined]
     ctx.facts["boot_phases"]["weights_seeded_and_hashed"] = round(time.monotonic() - t0, 3)
+    if "launch_document" not in ctx.facts:
+        _launch_document(ctx, manifest, name, evidence, create=getattr(ctx.launcher, "weights", None) is None)
+    return evidence, None
+
+
+def _launch_document(ctx: Context, manifest: Any, name: str, evidence: dict[str, Any], create: bool) -> None:
+    """Build the launch document (the weights where the launcher hands or lets the engine write them) and
+    give it to the launcher's options."""
     weights, scratch = ctx.launcher.launch_paths(name)
-    create = getattr(ctx.launcher, "weights", None) is None
     doc = launch_doc.build(
         ctx.request, manifest, ctx.target, weights_path=weights, scratch_dir=scratch, weights_create=create
     )
@@ -195,7 +214,6 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
     if options is not None:
         ctx.launcher.options = replace(options, launch=doc.model_dump_json())  # type: ignore[attr-defined]
     evidence["launch"] = {"digest": launch_doc.document_digest(doc), "document": doc.model_dump(mode="json")}
-    return evidence, None
 
 
 def _code_identity(ctx: Context, d: Describe) -> tuple[str | None, Cond | None, dict[str, Any]]:
@@ -253,6 +271,11 @@ def run(ctx: Context) -> Outcome:
         )
     ready_s = time.monotonic() - t0
     started_s = ready_s - prepared_s
+    # The engine under test boots while the warm step compiles (launch/kernels.py): before its first request
+    # the harness waits (bounded) for the step and gives it the kernels the step compiled.
+    late = getattr(ctx.launcher, "give_kernels_late", None)
+    kernels_late = late(min(LATE_KERNELS_WAIT_S, ctx.remaining() / 4)) if late is not None else None
+    kernels_late_s = time.monotonic() - t0 - ready_s
     if ctx.procs is not None:
         ctx.procs.start().mark_baseline()  # the engine as booted: what a later restart would replace
     health = ctx.client.health()
@@ -348,11 +371,19 @@ def run(ctx: Context) -> Outcome:
     # Where boot's time went (cumulative marks of prepare_launch, then each step's own seconds): what a
     # faster qualification starts from (bench/qualify_run.py reports them).
     evidence["phases"] = {
+        # the harness's seconds from its process's start to this check (imports, the run dir, watchers)
+        **(
+            {"harness_before_boot": ctx.facts["before_first_check_s"]}
+            if "before_first_check_s" in ctx.facts
+            else {}
+        ),
         **{f"prepare_{k}_at": v for k, v in (ctx.facts.get("boot_phases") or {}).items()},
         # durations inside the weights mark: the sandboxed seeding step, the harness's copy and hash
         **{f"prepare_weights_{k}_s": v for k, v in getattr(ctx.launcher, "weights_phases", {}).items()},
         "prepare": round(prepared_s, 3),
         "engine_start_to_ready": round(started_s, 3),
+        # waiting for the warm step and copying its kernels into the running engine (none: given at start)
+        **({"kernels_given_after_ready": round(kernels_late_s, 3)} if kernels_late is not None else {}),
         "checks_after_ready": round(time.monotonic() - t0 - ready_s, 3),
     }
     return fail_unless(conditions, evidence)

@@ -78,12 +78,25 @@ def _parser() -> argparse.ArgumentParser:
     for action in s._actions:
         if action.option_strings and action.dest != "help":
             w._add_action(action)
-    w.add_argument("--out", required=True, help="the safetensors file to write")
+    out = w.add_mutually_exclusive_group(required=True)
+    out.add_argument("--out", help="the safetensors file to write")
+    out.add_argument(
+        "--out-fd", dest="out_fd", type=int, help="write the file's bytes to this open file descriptor"
+    )
     # The harness's warm step: boot as serve would, run each kind of work once, print what ran, exit.
     k = sub.add_parser("warm", help="boot as serve would, run each kind of request once, and exit")
     for action in s._actions:
         if action.option_strings and action.dest != "help":
             k._add_action(action)
+    k.add_argument(
+        "--jobs", type=int, default=None,
+        help="compile in N worker processes from a recording pass that loads no weights (0: the serial "
+        "pass over the loaded weights; default: the CPUs less two)",
+    )  # fmt: skip
+    k.add_argument(
+        "--room-factor", dest="room_factor", type=float, default=None,
+        help="exit 3 unless the smallest visible GPU holds this many times the weights",
+    )  # fmt: skip
     sub.add_parser("manifest", help="print this engine's manifest (JSON): protocol versions, model dims")
     o = sub.add_parser("openapi", help="print the engine protocol's OpenAPI document (JSON)")
     o.add_argument("--out", default=None, help="write it to this file instead")
@@ -319,13 +332,25 @@ def _config(args: argparse.Namespace):
         _fail(f"cannot read --config: {e}")
 
 
-def _build_engine(args: argparse.Namespace, cfg, group=None):
+def _cpu_threads(cfg) -> None:
+    """A CPU engine process computes with one intra-op thread unless its environment sets OMP_NUM_THREADS:
+    the CPU presets' ops are far too small for threads to pay for themselves (one tiny-preset completion
+    of 6 prompts x 12 tokens: 2.0 s with torch's 2 threads, 0.44 s with 1, on the 2-core machine with
+    other work beside it), and the harness runs several engine processes side by side."""
+    if cfg.device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _build_engine(args: argparse.Namespace, cfg, group=None, weights: bool = True):
     """The Engine of `cfg` (refused with one line, exit 2), checked against the launch document."""
     from .engine import Engine, EngineConfigError
     from .weights import WeightsError
 
     try:
-        engine = Engine(cfg, dcp=group)
+        engine = Engine(cfg, dcp=group, weights=weights)
     except (EngineConfigError, WeightsError) as e:
         _fail(str(e))
     if args.launch:
@@ -384,6 +409,7 @@ def _serve(args: argparse.Namespace) -> None:
     except ValueError as e:
         _fail(str(e))
     cfg = _config(args)
+    _cpu_threads(cfg)
     group = followers = lockstep = None
     if cfg.dcp_ranks > 1:
         from .dcp import DcpGroup
@@ -489,6 +515,7 @@ def follow_rank(args: argparse.Namespace) -> None:
     from .server import VERBS
 
     cfg = EngineConfig(**_config_fields(args))
+    _cpu_threads(cfg)
     group = DcpGroup(args.dcp_rank, cfg.dcp_ranks)
     engine = Engine(cfg, dcp=group)
     done = threading.Event()
@@ -515,21 +542,91 @@ def follow_rank(args: argparse.Namespace) -> None:
     engine.close()
 
 
+EXIT_NO_ROOM = 3  # the warm step's GPU holds no second engine beside the engine under test
+
+
+def room_reason(param_bytes: int, totals: list[int], factor: float) -> str | None:
+    """Why the warm step may not share the GPU with the engine under test (None: it may): the smallest
+    visible GPU holds less than `factor` x the weights (both engines, their caches and workspaces)."""
+    if totals and min(totals) < factor * param_bytes:
+        return (
+            f"no room: the weights ({param_bytes / 2**30:.1f} GiB) leave no room for a second engine "
+            f"beside the engine under test on a {min(totals) / 2**30:.0f} GiB GPU"
+        )
+    return None
+
+
+def _check_room(cfg, factor: float) -> None:
+    """Exit EXIT_NO_ROOM (one line) when this GPU cannot hold the step beside the engine under test: the
+    weights' size from the model built on the meta device (nothing allocated), before anything is."""
+    import torch
+
+    from .model import HybridModel
+
+    if not cfg.device.startswith("cuda"):
+        return
+    meta = HybridModel(cfg, torch.device("meta"))
+    param_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())
+    totals = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    why = room_reason(param_bytes, totals, factor)
+    if why is not None:
+        print(why, file=sys.stderr, flush=True)
+        sys.exit(EXIT_NO_ROOM)
+
+
 def warm(args: argparse.Namespace) -> None:
     """The harness's warm step: the engine `serve` would boot (the same arguments and launch document),
-    each kind of request run once (Engine.warm), a JSON line of what ran; no server, no port."""
+    each kind of request run once (Engine.warm), a JSON line of what ran; no server, no port. With
+    --jobs N (the default on CUDA) the engine loads no weights and its work runs once recording what
+    Triton would compile, compiled by N worker processes (precompile.py); --jobs 0, or a CPU engine, runs
+    the work for real, compiling each kernel as it is first launched."""
     cfg = _config(args)
     if cfg.dcp_ranks > 1:
         _fail("the warm step runs one process: DCP ranks run as processes of their own (--dcp-ranks 1)")
-    engine = _build_engine(args, cfg)
+    jobs = args.jobs
+    if jobs is None:
+        from .precompile import default_jobs
+
+        jobs = default_jobs() if cfg.device.startswith("cuda") else 0
+    if jobs <= 0:
+        if args.room_factor is not None:
+            _check_room(cfg, args.room_factor)
+        engine = _build_engine(args, cfg)
+        try:
+            print(json.dumps({"warm": engine.warm(), "boot_seconds": engine.boot_seconds}), flush=True)
+        finally:
+            engine.close()
+        return
+    from .precompile import Precompiler
+
+    # The workers start first (each imports Triton and the kernels) while this process imports torch,
+    # weighs its GPU and builds the engine; a step with no room stops them again.
+    pre = Precompiler(jobs)
     try:
-        print(json.dumps({"warm": engine.warm(), "boot_seconds": engine.boot_seconds}), flush=True)
-    finally:
-        engine.close()
+        if args.room_factor is not None:
+            _check_room(cfg, args.room_factor)
+        engine = _build_engine(args, cfg, weights=False)
+        try:
+            with pre.recording():
+                try:
+                    ran = engine.warm()
+                except Exception as exc:  # keep what was recorded; the engines compile the rest themselves
+                    pre.record_error = f"{type(exc).__name__}: {exc}"[:500]
+                    ran = {"error": pre.record_error}
+        finally:
+            boot_seconds = engine.boot_seconds
+            engine.close()  # the GPU memory goes back before the compiles are waited for
+        facts = pre.finish()
+    except BaseException:
+        pre.close()
+        raise
+    print(json.dumps({"warm": ran, "precompile": facts, "boot_seconds": boot_seconds}), flush=True)
 
 
 def write_weights(args: argparse.Namespace) -> None:
-    """The seeded weights a `serve` with these options would generate, written to --out (atomically)."""
+    """The seeded weights a `serve` with these options would generate, written to --out (atomically) or
+    streamed to --out-fd as they are generated, one parameter at a time on the configured device (the
+    harness reads the stream, hashing it as it keeps it: launch/local.py)."""
     from pydantic import ValidationError
 
     from .config import EngineConfig
@@ -541,11 +638,24 @@ def write_weights(args: argparse.Namespace) -> None:
     import torch
 
     from .model import HybridModel
-    from .weights import generate, save
+    from .weights import write_seeded
 
-    model = HybridModel(cfg, torch.device(cfg.device))
-    save(generate(model, cfg.seed), Path(args.out), {"seed": str(cfg.seed), "preset": cfg.preset})
-    print(json.dumps({"weights": args.out, "seed": cfg.seed, "preset": cfg.preset}), flush=True)
+    model = HybridModel(cfg, torch.device("meta"))  # shapes and dtypes: nothing allocated
+    meta = {"seed": str(cfg.seed), "preset": cfg.preset}
+    device = torch.device(cfg.device)
+    if args.out_fd is not None:
+        with open(args.out_fd, "wb", buffering=0, closefd=True) as f:
+            nbytes = write_seeded(model, cfg.seed, f, device, meta)
+        where = f"fd {args.out_fd}"
+    else:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            nbytes = write_seeded(model, cfg.seed, f, device, meta)
+        os.replace(tmp, out)
+        where = args.out
+    print(json.dumps({"weights": where, "bytes": nbytes, "seed": cfg.seed, "preset": cfg.preset}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

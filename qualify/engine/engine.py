@@ -69,8 +69,10 @@ def code_digest() -> str:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, dcp=None):
-        """dcp: this process's DcpGroup when the DCP shards run one per rank (qualify/engine/dcp.py)."""
+    def __init__(self, cfg: EngineConfig, dcp=None, weights: bool = True):
+        """dcp: this process's DcpGroup when the DCP shards run one per rank (qualify/engine/dcp.py).
+        weights False: the parameters are left as allocated, never loaded or hashed (the warm step's
+        recording pass, which needs their shapes and addresses, not their values: precompile.py)."""
         t0 = time.perf_counter()
         # Seconds per step of construction, each since the one before (the engine's log names them).
         self.boot_phases: dict[str, float] = {}
@@ -94,6 +96,7 @@ class Engine:
         self._phase("backend_import")
         self.layout = plan_layout(cfg.layer_pattern, cfg.group_size, cfg.block_size, cfg.dcp_size)
         self.allocations = []
+        self._load_weights = weights
         try:
             self._build(cfg)
         except BaseException:
@@ -128,10 +131,13 @@ class Engine:
                 else:
                     mixer.attach(self.attn_rt, alloc.views[(layer, "k")], alloc.views[(layer, "v")])
         self._phase("runtimes")
-        self.weights_path = ensure_weights(self.model, cfg)
-        self._phase("weights")
-        self.weights_digest = snapshot(self.model).digest
-        self._phase("weights_digest")
+        self.weights_path: Path | None = None
+        self.weights_digest: str | None = None
+        if self._load_weights:
+            self.weights_path = ensure_weights(self.model, cfg)
+            self._phase("weights")
+            self.weights_digest = snapshot(self.model).digest
+            self._phase("weights_digest")
         self.counters = Counters()
         self.runner = Runner(cfg, self.model, self.arena, self.device, self.counters)
         self._phase("runner")
@@ -197,17 +203,17 @@ class Engine:
         }
 
     def probe(self) -> dict:
-        """One plain decode step of a throwaway request under the torch profiler: the op/kernel names."""
-        from torch.profiler import ProfilerActivity, profile
-
+        """One plain decode step of a throwaway request under the torch profiler: the op/kernel names. On
+        CUDA through Kineto (CUPTI names the device kernels); on CPU through the autograd profiler without
+        Kineto, which names the same ops (the same RecordFunction events) without Kineto's start-up, most
+        of a CPU probe's seconds (3.6 s of 3.7 on the 2-core machine)."""
         r = self.runner
         r.check_admission([[BOS, 65]], 2)
         req = r.admit([BOS, 65], 2)
         try:
             toks, gaps = r.pick(r.prefill([req]))
             r._append(req, toks[0], gaps[0])
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            with profile(activities=acts) as prof:
+            with _profiler(self.device.type == "cuda") as prof:
                 r.decode_step([req], "eager")
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -335,6 +341,19 @@ class Engine:
             "counters": self.counters.model_dump(),
             "cudagraph_mode": cfg.cudagraph_mode,
         }
+
+
+def _profiler(cuda: bool):  # type: ignore[no-untyped-def]
+    """The probe's profiler: Kineto with CUDA activity on CUDA, the autograd profiler without Kineto on CPU
+    (Kineto where a torch has no such profiler any more)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if cuda:
+        return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    try:
+        return torch.autograd.profiler.profile(use_kineto=False)
+    except (TypeError, RuntimeError, ValueError):
+        return profile(activities=[ProfilerActivity.CPU])
 
 
 def _qualify_version() -> str:

@@ -13,6 +13,7 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -40,33 +41,45 @@ def _param_seed(seed: int, name: str) -> int:
 
 def _init_value(name: str, p: torch.Tensor, gen: torch.Generator, num_layers: int) -> torch.Tensor:
     """Scaled init so hidden states stay O(1) through the stack and greedy text is stable."""
-    dev = p.device
+    return _init_tensor(name, tuple(p.shape), p.device, gen, num_layers)
+
+
+def _init_tensor(
+    name: str, shape: tuple[int, ...], dev: torch.device, gen: torch.Generator, num_layers: int
+) -> torch.Tensor:
     if name.endswith("norm.weight") or name.endswith("norm_weight"):
-        return torch.ones(p.shape, device=dev)
+        return torch.ones(shape, device=dev)
     if name.endswith("A_log"):
-        return torch.empty(p.shape, device=dev).uniform_(0.0, math.log(16.0), generator=gen)
+        return torch.empty(shape, device=dev).uniform_(0.0, math.log(16.0), generator=gen)
     if name.endswith("dt_bias"):
-        return torch.empty(p.shape, device=dev).uniform_(-2.0, 0.0, generator=gen)
+        return torch.empty(shape, device=dev).uniform_(-2.0, 0.0, generator=gen)
     if name.endswith("conv_weight"):
-        return torch.randn(p.shape, device=dev, generator=gen) / math.sqrt(p.shape[-1])
+        return torch.randn(shape, device=dev, generator=gen) / math.sqrt(shape[-1])
     if name == "embed.weight":
-        return torch.randn(p.shape, device=dev, generator=gen)
-    std = 1.0 / math.sqrt(p.shape[-1])
+        return torch.randn(shape, device=dev, generator=gen)
+    std = 1.0 / math.sqrt(shape[-1])
     if name == "lm_head.weight":
         std *= 4.0  # wider logits: fewer near ties between the top two tokens, so greedy text is stable
     if any(k in name for k in ("out_proj", "o_proj", "down")):
         std /= math.sqrt(2.0 * num_layers)  # residual branches: keep the residual stream's growth bounded
-    return torch.randn(p.shape, device=dev, generator=gen) * std
+    return torch.randn(shape, device=dev, generator=gen) * std
+
+
+def generate_one(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int, num_layers: int
+) -> torch.Tensor:
+    """One parameter's seeded value (its own stream: independent of the order parameters are visited in)."""
+    gen = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+    return _init_tensor(name, tuple(shape), device, gen, num_layers).to(dtype)
 
 
 def generate(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Fresh weights for every parameter of `model` (on the model's device, in each parameter's dtype)."""
     num_layers = len(getattr(model, "layers", [])) or 1
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        gen = torch.Generator(device=p.device).manual_seed(_param_seed(seed, name))
-        out[name] = _init_value(name, p, gen, num_layers).to(p.dtype)
-    return out
+    return {
+        name: generate_one(name, tuple(p.shape), p.dtype, p.device, seed, num_layers)
+        for name, p in model.named_parameters()
+    }
 
 
 def canonical_bytes(data: bytes) -> tuple[bytes, memoryview]:
@@ -93,6 +106,92 @@ def save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | 
         f.write(body)
     del body, data
     os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def seeded_layout(
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]], metadata: dict[str, str]
+) -> tuple[bytes, list[str]]:
+    """The canonical header (length and JSON, as `save` writes it) of a seeded weights file whose tensors
+    have these shapes and dtypes, and the order their bytes follow it in: the order is the library's own
+    (asked of it with one-element stand-ins), so the file is the one `save` would write."""
+    probe = save_bytes({n: torch.zeros(1, dtype=dt) for n, (_, dt) in params.items()}, metadata=metadata)
+    placed = json.loads(probe[8 : 8 + int.from_bytes(probe[:8], "little")])
+    order = sorted(params, key=lambda n: int(placed[n]["data_offsets"][0]))
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        shape, dtype = params[name]
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text, order
+
+
+def write_seeded(
+    model: nn.Module, seed: int, out: BinaryIO, device: torch.device, metadata: dict[str, str]
+) -> int:
+    """Write the seeded weights file of `model`'s parameters (shapes and dtypes only: it may live on the
+    meta device) to `out` as it is generated, one parameter at a time on `device`: the bytes `save` writes
+    for `generate(model, seed)` on `device`, without holding the file in memory or writing it twice
+    (a harness reading a pipe hashes it as it comes). The bytes written."""
+    num_layers = len(getattr(model, "layers", [])) or 1
+    params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    head, order = seeded_layout(params, metadata)
+    written = _write_all(out, head)
+    bufs: list[torch.Tensor] = []
+    for name in order:
+        shape, dtype = params[name]
+        t = generate_one(name, shape, dtype, device, seed, num_layers).contiguous().reshape(-1)
+        flat = t.view(torch.uint8)
+        if flat.is_cuda:
+            if not bufs:
+                bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            written += _write_device(out, flat, bufs)
+        else:
+            written += _write_all(out, memoryview(flat.numpy()))
+        del t, flat
+    return written
+
+
+def _write_all(out: BinaryIO, data: bytes | memoryview) -> int:
+    view = memoryview(data)
+    while view:
+        n = out.write(view)
+        if n is None:  # a non-blocking stream with no room: never ours
+            raise OSError("the weights stream would block")
+        view = view[n:]
+    return len(data)
+
+
+def _write_device(out: BinaryIO, flat: torch.Tensor, bufs: list[torch.Tensor]) -> int:
+    """A CUDA tensor's bytes through two pinned buffers: chunk k+1 is copied while chunk k is written."""
+    spans = [(o, min(CHUNK_BYTES, flat.numel() - o)) for o in range(0, flat.numel(), CHUNK_BYTES)]
+    ready = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def issue(i: int) -> None:
+        o, n = spans[i]
+        bufs[i % 2][:n].copy_(flat[o : o + n], non_blocking=True)
+        ready[i % 2].record()
+
+    if spans:
+        issue(0)
+    for i, (_, n) in enumerate(spans):
+        ready[i % 2].synchronize()
+        view = memoryview(bufs[i % 2].numpy())[:n]
+        if i + 1 < len(spans):
+            # the other buffer's chunk was written the iteration before: copy the next one into it now
+            issue(i + 1)
+        _write_all(out, view)
+    return flat.numel()
 
 
 def load_into(model: nn.Module, path: str | Path) -> None:

@@ -43,36 +43,22 @@ KEEP_ENTRIES = 8  # kept caches per folder (one per reference engine build and c
 ORIGIN = "compiled by the reference engine's warm step (python -m qualify.engine warm), cached by the harness"
 
 
-# The warm step loads the weights beside the engine under test: it runs only where the smallest GPU holds
-# this many times the weights (both engines' weights, their caches and workspaces), else it is skipped.
+# The warm step builds an engine beside the engine under test: it runs only where the smallest GPU holds
+# this many times the weights (both engines' weights, their caches and workspaces). The step itself
+# applies the rule (`warm --room-factor`: it knows the weights' size before they are seeded) and exits
+# EXIT_NO_ROOM, saying why, where the GPU is smaller.
 WARM_MEMORY_FACTOR = 4
+EXIT_NO_ROOM = 3
 
 
-def no_room(weights_bytes: int) -> str | None:
-    """Why the warm step may not share the GPU with the engine under test (None: it may): the smallest
-    GPU NVML sees holds less than WARM_MEMORY_FACTOR x the weights. Without NVML nothing is known: it may."""
+def precompile_jobs() -> int:
+    """The warm step's compile workers: the CPUs the harness may run on, less two (the engine under test
+    boots and the harness keeps the seeded weights beside it), at least one."""
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    try:
-        totals = [
-            int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
-            for i in range(pynvml.nvmlDeviceGetCount())
-        ]
-    except Exception:
-        return None
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
-    if totals and min(totals) < WARM_MEMORY_FACTOR * weights_bytes:
-        return (
-            f"no warm step: the weights ({weights_bytes / 2**30:.1f} GiB) leave no room for a second engine "
-            f"beside the engine under test on a {min(totals) / 2**30:.0f} GiB GPU"
-        )
-    return None
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - 2)
 
 
 class KernelCacheError(RuntimeError):
@@ -201,6 +187,125 @@ def give(cached: Path, home: Path, owner: tuple[int, int] | None) -> dict[str, A
     return {"digest": digest, "files": manifest.get("files"), "bytes": nbytes}
 
 
+def _subdir(parent_fd: int, name: str, owner: tuple[int, int] | None) -> int:
+    """`name` under the directory `parent_fd` as a directory fd, made if missing; never through a link."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+        made = True
+    except FileExistsError:
+        made = False
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+    if made and owner is not None:
+        os.fchown(fd, *owner)
+    return fd
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def give_live(cached: Path, home: Path, owner: tuple[int, int] | None) -> dict[str, Any]:
+    """The kept cache copied into the Triton cache of an engine that is already running (`home` is its
+    writable HOME): entry by entry, each built under a name of the harness's and renamed into place, so
+    the engine sees an entry whole or not at all, and one it compiled itself meanwhile stays its own.
+    The engine can write there: every step goes through directory descriptors and never follows a link
+    (O_NOFOLLOW, files created with O_EXCL), so nothing it planted moves a write out of its scratch dir.
+    Checked against the manifest's digest as it is read; what the receipt says about it."""
+    manifest = read_manifest(cached)
+    files = [(rel, src) for rel, src in _walk(cached) if rel != MANIFEST]
+    h = hashlib.sha256()
+    nbytes = 0
+    entries: dict[str, list[tuple[str, bytes]]] = {}
+    for rel, src in files:
+        data = src.read_bytes()
+        nbytes += len(data)
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\0")
+        top, _, rest = rel.partition("/")
+        entries.setdefault(top, []).append((rest, data))
+    digest = "sha256:" + h.hexdigest()
+    if digest != manifest["digest"]:
+        raise KernelCacheError(
+            f"the kernel cache {cached} does not match its manifest ({digest} != {manifest['digest']})"
+        )
+    given = kept_own = 0
+    root = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    fds = [root]
+    try:
+        for part in Path(CACHE_SUBDIR).parts:
+            fds.append(_subdir(fds[-1], part, owner))
+        cache = fds[-1]
+        for key, members in sorted(entries.items()):
+            if any("/" in rest or not rest for rest, _ in members):
+                continue  # Triton's entries are one level deep: anything else is not given late
+            if _exists(key, cache):  # the engine compiled this one itself: its own stays
+                kept_own += 1
+                continue
+            tmp = f".qualify-given.{key}"
+            try:
+                os.mkdir(tmp, 0o755, dir_fd=cache)
+            except FileExistsError:
+                kept_own += 1
+                continue
+            entry = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cache)
+            try:
+                for rest, data in members:
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                    fd = os.open(rest, flags, 0o644, dir_fd=entry)
+                    try:
+                        with open(fd, "wb", closefd=False) as f:
+                            f.write(data)
+                        if owner is not None:
+                            os.fchown(fd, *owner)
+                    finally:
+                        os.close(fd)
+                if owner is not None:
+                    os.fchown(entry, *owner)
+                try:
+                    os.rename(tmp, key, src_dir_fd=cache, dst_dir_fd=cache)
+                    given += 1
+                except OSError:  # the engine compiled this one itself meanwhile: its own stays
+                    kept_own += 1
+                    for rest, _ in members:  # what was built goes (through the descriptor: never a link)
+                        with contextlib.suppress(OSError):
+                            os.unlink(rest, dir_fd=entry)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(tmp, dir_fd=cache)
+            finally:
+                os.close(entry)
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+    return {"digest": digest, "files": manifest.get("files"), "bytes": nbytes, "entries": given,
+            "entries_it_had": kept_own}  # fmt: skip
+
+
+def compiled_itself(home: Path, given: set[str], limit: int = 30) -> dict[str, Any]:
+    """What an engine compiled into its own Triton cache beyond the entries it was given (read at its stop:
+    names only, never following a link, bounded): the kernels the warm step did not compile for it."""
+    root = home / CACHE_SUBDIR
+    names: set[str] = set()
+    count = 0
+    try:
+        with os.scandir(root) as it:
+            for e in it:
+                if count >= MAX_FILES:
+                    break
+                if e.name in given or e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+                    continue
+                count += 1
+                with contextlib.suppress(OSError), os.scandir(e.path) as members:
+                    for m in members:
+                        if len(names) < limit and not m.name.startswith("__grp__"):
+                            names.add(m.name.split(".", 1)[0])
+    except OSError:
+        return {"entries": 0}
+    return {"entries": count, "kernels": sorted(names)}
+
+
 class KernelCache:
     """One run's kernel cache: found in the harness's cache, or filled by a warm step in the background
     (`start`); `give` copies it into an engine's scratch, `wait` bounds how long a launcher waits for it."""
@@ -282,10 +387,50 @@ class KernelCache:
             self.given.setdefault(name, record)
         return record
 
+    def has_given(self, name: str) -> bool:
+        with self._lock:
+            return bool(self.given.get(name, {}).get("given"))
+
+    def give_late(
+        self, name: str, home: Path, owner: tuple[int, int] | None, waited_s: float
+    ) -> dict[str, Any]:
+        """Copy the cache (when ready) into the running engine `name` that got none at its start
+        (give_live): the record says it came late, after how long a wait, and why none came at start."""
+        with self._lock:
+            before = dict(self.given.get(name, {}))
+        if before.get("given"):
+            return before
+        if not self.ready:
+            why = self.reason or "the warm step was still running"
+            record: dict[str, Any] = {**before, "late": {"given": False, "waited_s": waited_s, "reason": why}}
+        else:
+            assert self.cached is not None
+            try:
+                late = {"given": True, "waited_s": waited_s, **give_live(self.cached, home, owner)}
+            except (OSError, KernelCacheError) as exc:
+                late = {"given": False, "waited_s": waited_s, "reason": str(exc)}
+            record = {"given": late["given"], "at_start": before.get("reason"), "late": late}
+            if late["given"]:
+                record.update({k: late[k] for k in ("digest", "files", "bytes")})
+        with self._lock:
+            self.given[name] = record
+        return record
+
+    def account(self, name: str, home: Path) -> None:
+        """Record what the engine `name` compiled itself (its scratch's Triton cache, read at its stop)."""
+        given: set[str] = set()
+        if self.ready and self.cached is not None:
+            with contextlib.suppress(OSError):
+                given = {p.name for p in self.cached.iterdir() if p.name != MANIFEST}
+        own = compiled_itself(home, given)
+        with self._lock:
+            if name in self.given:
+                self.given[name]["compiled_itself"] = own
+
     def evidence(self) -> dict[str, Any]:
         m = self.manifest or {}
         with self._lock:
-            given = dict(self.given)
+            given = {k: dict(v) for k, v in self.given.items()}
         return {
             "origin": ORIGIN if self.ready else None,
             "reason": None if self.ready else self.reason,
@@ -294,6 +439,9 @@ class KernelCache:
             "bytes": m.get("bytes"),
             "filled_this_run": self.filled_this_run,
             "warm_step_s": self.warm_step_s,
+            # how the step compiled (precompile.py: the workers, the specializations, the seconds), as the
+            # step that filled this cache reported it (an earlier run's when this run found it kept)
+            "precompile": m.get("precompile"),
             "waited_before_timed_checks_s": self.settled_s,
             "path": f"$HOME/{CACHE_SUBDIR}",
             "given": given,

@@ -16,6 +16,7 @@ process gets a copy of the Triton cache it left (launch/kernels.py).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -46,7 +47,14 @@ from qualify.launch.base import (
     RefusalOutcome,
     describe_exit,
 )
-from qualify.launch.kernels import CACHE_SUBDIR, WARM_STEP_TIMEOUT_S, KernelCache, no_room
+from qualify.launch.kernels import (
+    CACHE_SUBDIR,
+    EXIT_NO_ROOM,
+    WARM_MEMORY_FACTOR,
+    WARM_STEP_TIMEOUT_S,
+    KernelCache,
+    precompile_jobs,
+)
 from qualify.launch.monitor import EngineMonitor, monitor_command, monitor_enabled
 from qualify.launch.sandbox import (
     SANDBOX_GID,
@@ -96,6 +104,57 @@ class HandedWeights:
 
 
 COPY_BLOCK = 1 << 24
+MAX_HEADER_BYTES = 64 << 20  # a safetensors header (names, shapes, offsets): far below this
+MAX_WEIGHTS_BYTES = 1 << 40  # what the harness takes from a seeding step at most
+PIPE_BYTES = 1 << 20  # the stream's pipe: Linux's default ceiling for an unprivileged F_SETPIPE_SZ
+
+
+def _read_exact(src: IO[bytes], n: int) -> bytes:
+    data = src.read(n)
+    if data is None or len(data) != n:
+        raise ValueError(f"the weights stream ended after {0 if data is None else len(data)} of {n} bytes")
+    return data
+
+
+def receive_weights(src: IO[bytes], tmp: Path) -> tuple[str, int]:
+    """Keep the safetensors file a seeding step streams (`src`: the read end of its pipe) as `tmp`, hashing
+    it as it is written: a file of the harness's own, never one the step wrote (so nothing the step runs
+    can change it afterwards), hashed once. Exactly the length its header declares (8-byte length, JSON
+    header, data to the largest end offset), then the end of the stream; a short, malformed or overlong
+    stream raises ValueError. The next block is read while this one is hashed (hashlib releases the GIL)
+    and written. (sha256 hex, bytes)."""
+    head = _read_exact(src, 8)
+    n = int.from_bytes(head, "little")
+    if not 0 < n <= MAX_HEADER_BYTES:
+        raise ValueError(f"the weights stream's header is {n} bytes long")
+    text = _read_exact(src, n)
+    try:
+        header = json.loads(text)
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise ValueError(f"the weights stream's header is not a safetensors header: {exc}") from exc
+    if not all(isinstance(e, int) and 0 <= e <= MAX_WEIGHTS_BYTES for e in ends):
+        raise ValueError("the weights stream's header names offsets out of bounds")
+    left = max(ends, default=0)
+    h = hashlib.sha256(head)
+    h.update(text)
+    with open(tmp, "xb") as dst, ThreadPoolExecutor(1, "weights-hash") as pool:
+        dst.write(head)
+        dst.write(text)
+        pending = None
+        while left:
+            block = _read_exact(src, min(COPY_BLOCK, left))
+            hashed = pool.submit(h.update, block)
+            dst.write(block)
+            if pending is not None:
+                pending.result()
+            pending = hashed
+            left -= len(block)
+        if pending is not None:
+            pending.result()
+    if src.read(1):
+        raise ValueError("the weights stream went on past the end its header declares")
+    return h.hexdigest(), 8 + n + max(ends, default=0)
 
 
 def keep_seeded(made: Path, cached: Path) -> str:
@@ -123,6 +182,16 @@ def keep_seeded(made: Path, cached: Path) -> str:
     digests.store(str(cached), cached.stat(), h.hexdigest())
     digests.save()
     return h.hexdigest()
+
+
+def keep_weights(tmp: Path, cached: Path, digest: str) -> None:
+    """The received file into the harness's cache, read-only, its digest recorded under its own stat (the
+    harness hashed what it wrote: nothing reads it again)."""
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, cached)
+    digests = DigestCache(cache_dir() / "weights-digests.json")
+    digests.store(str(cached), cached.stat(), digest)
+    digests.save()
 
 
 def hand_over(cached: Path, engine_path: str, origin: str) -> HandedWeights:
@@ -159,8 +228,13 @@ class LocalLauncher(Launcher):
         self.weights = weights
         # False: this engine writes its own weights (a foreign engine, its launch document's create true)
         self.hand_weights = True
-        # Where preparing the weights went (seconds): the sandboxed seeding step, the copy into the cache.
+        # Where preparing the weights went (seconds): the sandboxed seeding step (the harness receiving and
+        # hashing its stream beside it), keeping the received file.
         self.weights_phases: dict[str, float] = {}
+        # The harness's cache file the weights will be kept as, named before they are seeded (plan_weights):
+        # the launch document names it, and the warm step starts before the file exists.
+        self._planned: tuple[Path, str, list[str]] | None = None
+        self._steps: set[subprocess.Popen[Any]] = set()  # the reference engine's steps running now
         # The compiled kernels every engine process gets a copy of (launch/kernels.py); a reference engine
         # shares its parent's (and waits for its warm step), the first launcher starts one.
         self.kernels: KernelCache | None = None
@@ -250,15 +324,11 @@ class LocalLauncher(Launcher):
         return env
 
     # ------------------------------------------------------------ weights
-    def prepare_weights(
-        self, timeout_s: float = WEIGHTS_STEP_TIMEOUT_S, dtype: str | None = None
-    ) -> HandedWeights | None:
-        """The seeded weights of this configuration in the harness's cache (written once, by the reference
-        engine in a sandboxed first step), hashed by the harness: the file every engine of this run loads.
-        None when the reference engine refuses the configuration itself (the engine under test will be
-        asked, and its refusal is the answer; without a handed file the boot check fails closed)."""
+    def plan_weights(self, dtype: str | None = None) -> str:
+        """The path the engine will see the handed weights at (the harness's cache file of this
+        configuration's seeded weights, whether or not it exists yet): what the launch document names."""
         if self.weights is not None:
-            return self.weights
+            return self.weights.engine_path
         code, _ = tree_digest([str(REFERENCE_ENGINE), str(REFERENCE_KERNELS)])
         serve = self.options.serve_args(kda_backend="auto")  # the backend changes no weight
         if dtype is not None:  # the launch document's: weights of another dtype would be refused
@@ -266,19 +336,43 @@ class LocalLauncher(Launcher):
         key_src = json.dumps([serve, code, self.sandbox.gpu if self.sandbox else None])
         key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
         cached = cache_dir() / "weights" / f"seeded-{self.options.preset}-{key}.safetensors"
+        engine_path = Sandbox.weights_path(cached) if self.sandbox is not None else str(cached)
+        self._planned = (cached, engine_path, serve)
+        return engine_path
+
+    def prepare_weights(
+        self, timeout_s: float = WEIGHTS_STEP_TIMEOUT_S, dtype: str | None = None
+    ) -> HandedWeights | None:
+        """The seeded weights of this configuration in the harness's cache (written once, by the reference
+        engine in a sandboxed first step that streams them to the harness), hashed by the harness: the file
+        every engine of this run loads. None when the reference engine refuses the configuration itself
+        (the engine under test will be asked, and its refusal is the answer; without a handed file the
+        boot check fails closed)."""
+        if self.weights is not None:
+            return self.weights
+        if self._planned is None:
+            self.plan_weights(dtype)
+        assert self._planned is not None
+        cached, engine_path, serve = self._planned
         origin = f"seeded by the reference engine (python -m {DEFAULT_ENGINE_MODULE} weights), cached"
         if not cached.is_file() and not self._seed(cached, serve, timeout_s):
             return None
-        engine_path = Sandbox.weights_path(cached) if self.sandbox is not None else str(cached)
         self.weights = hand_over(cached, engine_path, origin)
         return self.weights
 
     def _seed(self, cached: Path, serve: list[str], timeout_s: float) -> bool:
+        """The reference engine's `weights` verb in the sandbox, streaming the file through a pipe the
+        harness reads as it comes (receive_weights): the harness's copy is written and hashed while the
+        step generates, and kept once the step exits 0 with the whole file sent."""
         scratch = self.run_dir / "weights-step"
-        made = scratch / "seeded.safetensors"
-        out_inside = f"{SCRATCH}/{made.name}" if self.sandbox is not None else str(made)
         scratch.mkdir(parents=True, exist_ok=True)
-        argv = [self.python, "-m", DEFAULT_ENGINE_MODULE, "weights", *serve[1:], "--out", out_inside]
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        tmp.unlink(missing_ok=True)
+        read_fd, write_fd = os.pipe()
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+        argv = [self.python, "-m", DEFAULT_ENGINE_MODULE, "weights", *serve[1:], "--out-fd", str(write_fd)]
         env = {k: v for k, v in self.env.items() if k not in (FAULT_ENV, ENGINE_MODULE_ENV)}
         if self.sandbox is None:
             env["QUALIFY_HOME"] = str(scratch / "home")
@@ -287,35 +381,55 @@ class LocalLauncher(Launcher):
             # The reference engine's own `weights` verb, with the sandbox's code path: on a host that runs
             # the checkout in place (a GPU host), that path is what holds qualify and its wheels.
             sub_env = self.sandbox.engine_env(env)
+        got: dict[str, Any] = {}
+
+        def receive() -> None:
+            try:
+                with open(read_fd, "rb", buffering=COPY_BLOCK) as src:
+                    got["kept"] = receive_weights(src, tmp)
+            except BaseException as exc:  # noqa: BLE001 - the step's outcome says what it means
+                got["error"] = exc
+
+        reader = threading.Thread(target=receive, name="weights-receive", daemon=True)
+        reader.start()
         t0 = time.monotonic()
-        rc = self._run_step(argv, scratch, sub_env, self.run_dir / "weights-step.log", timeout_s)
-        self.weights_phases["seeding_step"] = round(time.monotonic() - t0, 3)
-        if rc == EXIT_REFUSED:
+        log = self.run_dir / "weights-step.log"
+        try:
+            rc = self._run_step(argv, scratch, sub_env, log, timeout_s, hand=(write_fd,))
+            self.weights_phases["seeding_step"] = round(time.monotonic() - t0, 3)
+            t0 = time.monotonic()
+            reader.join(30.0)  # the step is gone: its end of the pipe is closed
+            kept = got.get("kept") if not reader.is_alive() else None
+            if rc == EXIT_REFUSED:
+                return False
+            if rc != 0 or kept is None:
+                tail = _last_line(log.read_text(errors="replace"))
+                why = describe_exit(rc) or "timed out"
+                if rc == 0:
+                    why = f"its stream was not kept: {got.get('error') or 'still being read'}"
+                raise RuntimeError(f"the harness could not seed the engine's weights ({why}): {tail}")
+            keep_weights(tmp, cached, kept[0])
+            self.weights_phases["kept_after_step"] = round(time.monotonic() - t0, 3)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
             shutil.rmtree(scratch, ignore_errors=True)
-            return False
-        if rc != 0 or not made.is_file():
-            tail = _last_line((self.run_dir / "weights-step.log").read_text(errors="replace"))
-            shutil.rmtree(scratch, ignore_errors=True)
-            why = describe_exit(rc) or "timed out"
-            raise RuntimeError(f"the harness could not seed the engine's weights ({why}): {tail}")
-        t0 = time.monotonic()
-        keep_seeded(made, cached)
-        self.weights_phases["copied_and_hashed"] = round(time.monotonic() - t0, 3)
-        shutil.rmtree(scratch, ignore_errors=True)
-        return True
 
     # ------------------------------------------------------------ kernels
     def prepare_kernels(self) -> KernelCache:
         """The run's kernel cache (launch/kernels.py): found in the harness's cache, or filled by the
-        reference engine's warm step, started here in the background; none without a GPU sandbox."""
+        reference engine's warm step, started here in the background (before the weights are seeded: the
+        step loads none); none without a GPU sandbox, or for an engine that is handed no weights."""
         if self.kernels is not None:
             return self.kernels
         if self.sandbox is None:
             self.kernels = KernelCache(None, "unsandboxed (--no-sandbox): no kernel cache is given")
         elif not self.sandbox.gpu:
             self.kernels = KernelCache(None, "a cpu target: its engines compile no kernels")
-        elif self.weights is None:
-            self.kernels = KernelCache(None, "no handed weights for a warm step to load")
+        elif not self.hand_weights or (self.weights is None and self._planned is None):
+            self.kernels = KernelCache(
+                None, "no handed weights: the engine is not the reference engine's kind"
+            )
         else:
             self.kernels = self._kernel_cache()
         return self.kernels
@@ -328,47 +442,51 @@ class LocalLauncher(Launcher):
         for dist in ("torch", "triton"):
             with contextlib.suppress(metadata.PackageNotFoundError):
                 versions[dist] = metadata.version(dist)
+        # The launch document names the weights file (its name keys the configuration and the reference
+        # code); their values are never read by the step (it records shapes), so their digest is no key.
         launch = self.options.launch_text() if self.options.launch is not None else None
-        # Keyed by what decides the compiled kernels: the reference engine's code, the configuration, the
-        # compiler's versions. Not by the weights' bytes, which no compile reads (their shapes and dtype
-        # follow from the configuration): the next build's weights on this host find the kept cache.
         key_src = json.dumps([self.options.serve_args(), launch, code, versions])
         key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
         kernels = KernelCache(cache_dir() / "kernels" / f"{self.options.preset}-{key}")
-        if not kernels.ready:  # a step to run: only where the GPU holds a second engine beside this one
-            crowded = no_room(self.weights.bytes)
-            if crowded is not None:
-                return KernelCache(None, crowded)
         facts = {"reference_code": code, "versions": versions}
         kernels.start(lambda: self._warm_step(facts), cleanup=self._warm_cleanup)
         return kernels
 
     def _warm_step(self, facts: dict[str, Any]) -> tuple[Path | None, str | None, dict[str, Any]]:
-        """`python -m qualify.engine warm` (the reference engine, never the module under test) in the sandbox,
-        with the launch document and the handed weights the engine under test gets: the cache it left."""
-        assert self.sandbox is not None and self.weights is not None
+        """`python -m qualify.engine warm --jobs N` (the reference engine, never the module under test) in
+        the sandbox, with the launch document the engine under test gets: it records what its work would
+        compile and compiles that in N processes (qualify/engine/precompile.py); the cache it left, and
+        what it said of its work (the last JSON line of its output: the workers, the specializations, the
+        seconds). It applies the room rule itself (exit EXIT_NO_ROOM: its GPU holds no second engine)."""
+        assert self.sandbox is not None
         scratch = self.run_dir / "warm-step"
         scratch.mkdir(parents=True, exist_ok=True)
+        jobs = precompile_jobs()
         if self.options.launch is not None:
             (scratch / "launch.json").write_text(self.options.launch_text())
             os.chmod(scratch / "launch.json", 0o444)
             args = ["warm", "--launch", f"{SCRATCH}/launch.json"]
         else:
-            args = ["warm", *self.options.serve_args()[1:], "--weights", self.weights.engine_path]
+            args = ["warm", *self.options.serve_args()[1:]]
+        args += ["--jobs", str(jobs), "--room-factor", str(WARM_MEMORY_FACTOR)]
         argv = [self.python, "-m", DEFAULT_ENGINE_MODULE, *args]
         env = {k: v for k, v in self.env.items() if k not in (FAULT_ENV, ENGINE_MODULE_ENV)}
         log = self.run_dir / "warm-step.log"
         rc = self._run_step(argv, scratch, self.sandbox.engine_env(env), log, WARM_STEP_TIMEOUT_S)
         rc = rc if rc is None else _exit_status(rc, True)
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        if rc == EXIT_NO_ROOM:
+            return None, _last_line(text), {}
         if rc != 0:
             why = describe_exit(rc) or f"timed out after {WARM_STEP_TIMEOUT_S:g} s"
-            tail = _last_line(log.read_text(errors="replace"))
-            return None, f"{why}: {tail}", {}
+            return None, f"{why}: {_last_line(text)}", {}
+        said = _last_json(text)
         # What else the step's process left in its home (other compile caches would show here), in words.
         home = scratch / "home"
         facts = {**facts, "step_home": sorted(
             str(p.relative_to(home)) for p in home.glob("*/*") if not p.is_symlink()
-        )[:50]}  # fmt: skip
+        )[:50], "precompile": said.get("precompile"), "warm": said.get("warm"),
+            "step_boot_s": said.get("boot_seconds")}  # fmt: skip
         return home / CACHE_SUBDIR, None, facts
 
     def _warm_cleanup(self) -> None:
@@ -382,6 +500,21 @@ class LocalLauncher(Launcher):
         owner = (SANDBOX_UID, SANDBOX_GID) if self.sandbox.root else None
         self.kernels.give(self.kernels_name, scratch / "home", owner)
 
+    def give_kernels_late(self, timeout_s: float) -> dict[str, Any] | None:
+        """The engine under test started before the warm step was done (it is not kept from booting for
+        it): before its first request, wait (bounded) for the step and copy the cache into its running
+        scratch dir (kernels.give_live). None where there is nothing to give late; else the record."""
+        cache = self.kernels
+        if cache is None or self.sandbox is None or cache.has_given(self.kernels_name):
+            return None
+        if cache.cached is None:  # no cache this run (a CPU target, no room...): nothing will come
+            return None
+        t0 = time.monotonic()
+        cache.wait(max(0.0, timeout_s))
+        waited = round(time.monotonic() - t0, 3)
+        owner = (SANDBOX_UID, SANDBOX_GID) if self.sandbox.root else None
+        return cache.give_late(self.kernels_name, self.scratch / "home", owner, waited)
+
     def settle(self, timeout_s: float) -> float:
         """Wait (bounded) for a warm step still running, so that it shares the GPU with no check that times
         the engine; the seconds waited."""
@@ -394,20 +527,41 @@ class LocalLauncher(Launcher):
         return waited
 
     def _run_step(
-        self, argv: list[str], scratch: Path, env: dict[str, str], log_path: Path, timeout_s: float
+        self,
+        argv: list[str],
+        scratch: Path,
+        env: dict[str, str],
+        log_path: Path,
+        timeout_s: float,
+        hand: tuple[int, ...] = (),
     ) -> int | None:
         """One of the reference engine's steps (seeding the weights, warming the kernels) in this
-        launcher's sandbox, its output in `log_path`: its exit code, None when it ran past `timeout_s`."""
-        with log_path.open("w") as log:
-            proc, _ = self._popen(
-                argv, scratch, env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )  # fmt: skip
-            try:
-                return proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _terminate(proc, 1.0)
-                return None
+        launcher's sandbox, its output in `log_path`: its exit code, None when it ran past `timeout_s`.
+        The descriptors in `hand` go to the step and are closed here once it has them (whatever happens).
+        A step still running when the run is interrupted, or when the launcher stops, is ended."""
+        try:
+            with log_path.open("w") as log:
+                proc, _ = self._popen(
+                    argv, scratch, env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, pass_fds=hand,
+                )  # fmt: skip
+        finally:
+            for fd in hand:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        with self._lock:
+            self._steps.add(proc)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _terminate(proc, 1.0)
+            return None
+        except BaseException:  # interrupted (a signal in the main thread): the step goes with the run
+            _terminate(proc, 1.0)
+            raise
+        finally:
+            with self._lock:
+                self._steps.discard(proc)
 
     def _launch_file(self, kda_backend: str | None = None) -> str | None:
         """Write the launch document (the refusal probe's beside it) into the run dir, and in a sandbox into
@@ -427,13 +581,15 @@ class LocalLauncher(Launcher):
         return f"{SCRATCH}/{name}"
 
     def launch_paths(self, weights_name: str) -> tuple[str, str]:
-        """The handed weights where the engine sees them (prepare_weights has run: boot's prepare_launch),
+        """The handed weights where the engine sees them (planned or seeded: boot's prepare_launch),
         else a file the engine writes: in a sandbox under its scratch dir, unsandboxed in the data dir."""
         from qualify import settings
 
         scratch = SCRATCH if self.sandbox is not None else str(self.scratch)
         if self.weights is not None:
             return self.weights.engine_path, scratch
+        if self._planned is not None and self.hand_weights:  # planned, seeded after the document is built
+            return self._planned[1], scratch
         if self.sandbox is not None:
             return f"{SCRATCH}/weights/{weights_name}", scratch
         return str(settings.data_dir() / "weights" / weights_name), scratch
@@ -631,7 +787,13 @@ class LocalLauncher(Launcher):
         self.monitor.close()
         with self._lock:
             self._swept.extend(sweep_stale_shm())
+            steps = list(self._steps)
+        for step in steps:  # a step of this launcher's still running (a short run): it ends with the run
+            _terminate(step, 1.0)
         if self.sandbox is not None:
+            if self.kernels is not None and self._boots:
+                with contextlib.suppress(Exception):  # evidence only: what the engine compiled itself
+                    self.kernels.account(self.kernels_name, self.scratch / "home")
             shutil.rmtree(self.scratch, ignore_errors=True)  # the engine's writes go with it
         with self._lock:
             old = self._netns
@@ -894,6 +1056,18 @@ def _terminate(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S, inner
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=5)
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    """The last line of a step's output that is a JSON object (what the reference engine's step says of
+    its work: evidence, never trusted for a verdict), else {}."""
+    for line in reversed(text[-(1 << 16) :].splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                said = json.loads(line)
+                if isinstance(said, dict):
+                    return said
+    return {}
 
 
 def _last_line(text: str) -> str:

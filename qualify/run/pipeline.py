@@ -234,6 +234,8 @@ class Pipeline:
         self.cgroup_oom_before = cgroup_oom_kills()
         self._ctx: Context | None = None  # set once the run starts: what progress.json records
         self._code_subject: tuple[str | None, str] | None = None
+        self._code_thread: threading.Thread | None = None  # computing the code subject (_start_code_subject)
+        self._code_error: BaseException | None = None
         self._sandbox_info: dict[str, Any] | None = None
         self.run_deadline = float("inf")
 
@@ -259,11 +261,14 @@ class Pipeline:
         try:
             with _signals_raise(self.signalled):
                 self.rundir.claim(self.req.request_info(), self.req.db_url, self.started, __version__)
+                self._start_code_subject()
                 self.kmsg.start()
                 self.nvml.start()
                 ctx.target = self._expected_target()
                 self._ctx = ctx
                 self._progress(None)
+                # the harness's own seconds before its first check (the code digest goes on beside boot)
+                ctx.facts["before_first_check_s"] = round(time.monotonic() - t0, 3)
                 self._checks(ctx, run_deadline)
                 self._stop_if_signalled()  # a signal whose exception was dropped after the last check
         except (KeyboardInterrupt, RunInterrupted) as exc:
@@ -406,7 +411,10 @@ class Pipeline:
         ctx = self._ctx
         if ctx is None:
             return
-        engine, weights = self._engine(ctx)  # before boot: what was asked, and the image or code on disk
+        engine: dict[str, Any] | None = None
+        weights = None
+        if self._code_ready():  # before boot: what was asked, and the image or code on disk
+            engine, weights = self._engine(ctx)
         restarts = 0
         with contextlib.suppress(Exception):
             restarts = self.launcher.status().restart_count
@@ -601,6 +609,28 @@ class Pipeline:
                 self._sandbox_info = _json_safe(info())
         return self._sandbox_info
 
+    def _start_code_subject(self) -> None:
+        """The local code subject (a stat of every file the engine can import, tens of thousands on a GPU
+        host, and bytecode for any source changed since) on a thread of its own from the run's start, beside
+        the manifest, the seeding and the engine's boot instead of before them: a progress record written
+        before it is done names no engine (a run recovered from then names the code on disk, as one killed
+        before its first progress record does), and the receipt waits for it."""
+        code = getattr(self.launcher, "code_subject", None)
+        if self.launcher.kind != "local" or code is None or self._code_subject is not None:
+            return
+
+        def work() -> None:
+            try:
+                self._code_subject = code()
+            except BaseException as exc:  # noqa: BLE001 - raised where the subject is needed
+                self._code_error = exc
+
+        self._code_thread = threading.Thread(target=work, name="code-subject", daemon=True)
+        self._code_thread.start()
+
+    def _code_ready(self) -> bool:
+        return self._code_thread is None or not self._code_thread.is_alive()
+
     def _code(self, d: Any) -> tuple[str | None, str]:
         """Local: the harness's tree digest of every file the engine can import in its sandbox (the
         interpreter, the installed distributions, the engine's packages and, for QUALIFY_ENGINE_MODULE, the
@@ -608,6 +638,11 @@ class Pipeline:
         is the identity there)."""
         code = getattr(self.launcher, "code_subject", None)
         if self.launcher.kind == "local" and code is not None:
+            if self._code_thread is not None:
+                self._code_thread.join()
+                self._code_thread = None
+                if self._code_error is not None:
+                    raise self._code_error
             if self._code_subject is None:
                 self._code_subject = code()
             return self._code_subject

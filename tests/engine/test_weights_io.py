@@ -91,3 +91,112 @@ def test_reload_state_copies_all_or_nothing() -> None:
     assert old.checksums == before.checksums
     assert all(torch.equal(p, state[n]) for n, p in model.named_parameters())
     assert new.pointers == before.pointers
+
+
+def test_the_seeded_file_streamed_as_it_is_generated_is_the_file_save_writes(tmp_path: Path) -> None:
+    import io
+
+    from safetensors.torch import load
+
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.model import HybridModel
+    from qualify.engine.weights import generate, write_seeded
+
+    cfg = EngineConfig(preset="tiny", device="cpu", dtype="bfloat16")
+    meta = {"seed": "5", "preset": "tiny"}
+    model = HybridModel(cfg, torch.device("cpu"))
+    save(generate(model, 5), tmp_path / "w.safetensors", meta)
+    want = (tmp_path / "w.safetensors").read_bytes()
+    out = io.BytesIO()
+    n = write_seeded(HybridModel(cfg, torch.device("meta")), 5, out, torch.device("cpu"), meta)
+    assert (
+        len({p.dtype for p in model.parameters()}) > 1
+    )  # bf16 beside fp32: the library's order across dtypes
+    assert out.getvalue() == want and n == len(want)
+    assert set(load(out.getvalue())) == {name for name, _ in model.named_parameters()}
+
+
+def _stream(tmp_path: Path, data: bytes) -> tuple[str, int]:
+    import io
+
+    from qualify.launch.local import receive_weights
+
+    tmp = tmp_path / "w.tmp"
+    tmp.unlink(missing_ok=True)
+    return receive_weights(io.BufferedReader(io.BytesIO(data)), tmp)
+
+
+def test_the_harness_keeps_exactly_the_file_the_stream_declares(tmp_path: Path) -> None:
+    state = _state()
+    save(state, tmp_path / "w.safetensors", {"seed": "1"})
+    data = (tmp_path / "w.safetensors").read_bytes()
+    digest, n = _stream(tmp_path, data)
+    assert digest == hashlib.sha256(data).hexdigest() and n == len(data)
+    assert (tmp_path / "w.tmp").read_bytes() == data
+    for bad, why in (
+        (data[:-1], "ended after"),  # short: the step died mid-tensor
+        (data + b"x", "past the end"),  # more than the header declares
+        (b"\x00" * 8 + data[8:], "header is 0 bytes"),
+        ((5).to_bytes(8, "little") + b"notjs", "not a safetensors header"),
+        ((200 << 20).to_bytes(8, "little"), "header is"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            _stream(tmp_path, bad)
+
+
+def test_an_unsandboxed_launcher_seeds_through_the_stream_and_hashes_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qualify.launch import local
+    from qualify.launch.base import EngineOptions
+    from qualify.launch.sandbox import DigestCache
+
+    monkeypatch.setenv("QUALIFY_CACHE_DIR", str(tmp_path / "cache"))
+    launcher = local.LocalLauncher(
+        EngineOptions("tiny", "torch", extra_args=("--device", "cpu")), tmp_path / "run", sandbox=None
+    )
+    planned = launcher.plan_weights()
+    handed = launcher.prepare_weights(120)
+    assert handed is not None and str(handed.path) == planned
+    assert handed.path.stat().st_mode & 0o777 == 0o444
+    data = handed.path.read_bytes()
+    assert handed.digest == "sha256:" + hashlib.sha256(data).hexdigest() and handed.bytes == len(data)
+    digests = DigestCache(tmp_path / "cache" / "weights-digests.json")
+    assert "sha256:" + str(digests.lookup(str(handed.path), handed.path.stat())) == handed.digest
+    assert {"seeding_step", "kept_after_step"} <= set(launcher.weights_phases)
+    assert not list(handed.path.parent.glob("*.tmp*")) and not (tmp_path / "run" / "weights-step").exists()
+    # the file is the one `save` writes for these weights
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.model import HybridModel
+    from qualify.engine.weights import generate
+
+    model = HybridModel(EngineConfig(preset="tiny", device="cpu"), torch.device("cpu"))
+    save(generate(model, 0), tmp_path / "want.safetensors", {"seed": "0", "preset": "tiny"})
+    assert data == (tmp_path / "want.safetensors").read_bytes()
+
+
+def test_a_seeding_step_that_dies_mid_stream_keeps_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    from qualify.launch import local
+    from qualify.launch.base import EngineOptions
+
+    monkeypatch.setenv("QUALIFY_CACHE_DIR", str(tmp_path / "cache"))
+    launcher = local.LocalLauncher(EngineOptions("tiny", "torch"), tmp_path / "run", sandbox=None)
+    cached = Path(launcher.plan_weights())
+
+    def popen(argv, scratch, env, **kw):  # writes a header and half a tensor, then dies
+        fd = int(argv[argv.index("--out-fd") + 1])
+        head = b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
+        code = (
+            f"import os; os.write({fd}, {len(head).to_bytes(8, 'little') + head + bytes(8)!r}); os._exit(9)"
+        )
+        return subprocess.Popen([sys.executable, "-c", code], pass_fds=kw["pass_fds"]), None
+
+    monkeypatch.setattr(launcher, "_popen", popen)
+    with pytest.raises(RuntimeError, match="could not seed"):
+        launcher.prepare_weights(60)
+    assert not cached.exists() and not list(cached.parent.glob("*"))

@@ -1,6 +1,9 @@
 """The harness's kernel cache (qualify/launch/kernels.py): filled only by the reference engine's warm step,
 kept with a digest, and copied (never shared) into each engine process's scratch dir, so that what the
-engine under test writes into its copy reaches neither the harness's cache nor a reference engine's."""
+engine under test writes into its copy reaches neither the harness's cache nor a reference engine's. An
+engine under test that started before the step was done gets the cache late, into its running scratch
+dir, through descriptors that never follow what it planted there; what each engine compiled itself is
+counted at its stop."""
 
 from __future__ import annotations
 
@@ -8,13 +11,24 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from qualify.launch import kernels
+from qualify.launch import kernels, local
 from qualify.launch.base import EngineOptions
-from qualify.launch.kernels import CACHE_SUBDIR, MANIFEST, KernelCache, KernelCacheError, give, keep
+from qualify.launch.kernels import (
+    CACHE_SUBDIR,
+    EXIT_NO_ROOM,
+    MANIFEST,
+    KernelCache,
+    KernelCacheError,
+    compiled_itself,
+    give,
+    give_live,
+    keep,
+)
 from qualify.launch.local import DEFAULT_ENGINE_MODULE, ENGINE_MODULE_ENV, HandedWeights, LocalLauncher
 
 from .conftest import ROOT
@@ -132,17 +146,24 @@ def test_the_cache_is_filled_by_the_reference_engine_even_when_a_liar_is_under_t
     )
     ran: list[list[str]] = []
 
+    said = {"warm": {"ran": ["eager b=1 n=6"]}, "precompile": {"jobs": 3, "specializations": 1}}
+
     def popen(argv, scratch, env, **kw):  # the warm step: it compiles into its scratch's Triton cache
         ran.append(argv)
         made = scratch / "home" / CACHE_SUBDIR / "KEY"
         made.mkdir(parents=True)
         (made / "k.cubin").write_bytes(b"compiled")
+        kw["stdout"].write(f"compiling\n{json.dumps(said)}\n")
         return subprocess.Popen([sys.executable, "-c", "pass"]), None
 
     monkeypatch.setattr(launcher, "_popen", popen)
+    monkeypatch.setattr(local, "precompile_jobs", lambda: 3)
     cache = launcher.prepare_kernels()
     assert cache.wait(30) and cache.ready and cache.filled_this_run
     assert len(ran) == 1 and ran[0][1:4] == ["-m", DEFAULT_ENGINE_MODULE, "warm"]  # never the liar
+    assert ran[0][-4:] == ["--jobs", "3", "--room-factor", str(kernels.WARM_MEMORY_FACTOR)]
+    assert "--weights" not in ran[0]  # the step records shapes: it loads no weights
+    assert cache.evidence()["precompile"] == said["precompile"]  # what the step said of its compile
     assert not (tmp_path / "run" / "warm-step").exists()  # the step's scratch is removed once kept
     # The engine under test and a reference engine each get a copy of their own.
     launcher._give_kernels(launcher.scratch)
@@ -210,34 +231,151 @@ def test_the_harness_keeps_only_the_newest_caches(tmp_path: Path) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["not-a-cache", "proxy-3", "proxy-4"]
 
 
-def test_no_warm_step_runs_where_the_gpu_holds_no_second_engine(tmp_path: Path, monkeypatch) -> None:
+def test_a_warm_step_that_finds_no_room_on_its_gpu_leaves_no_cache_and_says_why(
+    tmp_path: Path, monkeypatch
+) -> None:
     monkeypatch.setenv("QUALIFY_CACHE_DIR", str(tmp_path / "harness-cache"))
-    weights = tmp_path / "w.safetensors"
-    weights.write_bytes(b"w")
-    handed = HandedWeights(weights, "sha256:w", 40 << 30, "/w", "test")
-    launcher = LocalLauncher(
-        EngineOptions("tiny", "torch"), tmp_path / "run", env={}, sandbox=_FakeSandbox(), weights=handed
-    )
-    monkeypatch.setattr(launcher, "_popen", lambda *a, **k: pytest.fail("a warm step was started"))
-    import qualify.launch.local as local
+    launcher = _gpu_launcher(tmp_path)
+    line = "no room: the weights (40.0 GiB) leave no room for a second engine beside the engine under test"
 
-    monkeypatch.setattr(local, "no_room", lambda n: f"no warm step: {n >> 30} GiB")
-    ev = launcher.prepare_kernels().evidence()
-    assert ev["reason"] == "no warm step: 40 GiB" and ev["origin"] is None
+    def popen(argv, scratch, env, **kw):
+        kw["stdout"].write(line + "\n")
+        return subprocess.Popen([sys.executable, "-c", f"raise SystemExit({EXIT_NO_ROOM})"]), None
+
+    monkeypatch.setattr(launcher, "_popen", popen)
+    cache = launcher.prepare_kernels()
+    assert cache.wait(30) and not cache.ready
+    ev = cache.evidence()
+    assert ev["reason"] == f"the warm step left no kernel cache: {line}" and ev["origin"] is None
 
 
-def test_the_room_rule_compares_the_weights_with_the_smallest_gpu(monkeypatch) -> None:
-    import sys as _sys
-    from types import SimpleNamespace
+def _gpu_launcher(tmp_path: Path, name: str = "run") -> LocalLauncher:
+    """A launcher of a GPU sandbox whose weights are planned (the warm step starts before they exist)."""
+    launcher = LocalLauncher(EngineOptions("tiny", "torch"), tmp_path / name, env={}, sandbox=_FakeSandbox())
+    launcher.plan_weights()
+    return launcher
 
-    fake = SimpleNamespace(
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: 2,
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=(80 << 30) if h else (140 << 30)),
-    )
-    monkeypatch.setitem(_sys.modules, "pynvml", fake)
-    assert kernels.no_room(15 << 30) is None  # 4 x 15 GiB fits the 80 GiB GPU
-    why = kernels.no_room(30 << 30)
-    assert why is not None and "30.0 GiB" in why and "80 GiB GPU" in why
+
+def _running_engine_home(tmp_path: Path) -> Path:
+    home = tmp_path / "engine-scratch" / "home"
+    home.mkdir(parents=True)
+    return home
+
+
+def test_a_cache_given_to_a_running_engine_arrives_whole_and_leaves_what_it_compiled_its_own(
+    tmp_path: Path,
+) -> None:
+    kept = tmp_path / "kept"
+    m = keep(_step_cache(tmp_path / "step"), kept, {})
+    home = _running_engine_home(tmp_path)
+    own = home / CACHE_SUBDIR / "BBBB"  # the engine compiled this one itself before the cache came
+    own.mkdir(parents=True)
+    (own / "m.cubin").write_bytes(b"its own")
+    got = give_live(kept, home, None)
+    assert got["digest"] == m["digest"] and got["entries"] == 1 and got["entries_it_had"] == 1
+    assert (home / CACHE_SUBDIR / "AAAA" / "k.cubin").read_bytes() == b"AAAA/k.cubin" * 10
+    assert (own / "m.cubin").read_bytes() == b"its own" and not (own / "m.json").exists()
+    assert not list((home / CACHE_SUBDIR).glob(".qualify-given*"))
+    assert not (home / CACHE_SUBDIR / MANIFEST).exists()
+
+
+def test_links_a_running_engine_plants_never_move_a_late_give_out_of_its_scratch(tmp_path: Path) -> None:
+    kept = tmp_path / "kept"
+    keep(_step_cache(tmp_path / "step"), kept, {})
+    outside = tmp_path / "operator-dir"
+    outside.mkdir()
+    # Its whole Triton folder a link to a folder of the operator's: nothing is written through it.
+    home = _running_engine_home(tmp_path)
+    (home / ".triton").symlink_to(outside)
+    with pytest.raises(OSError):
+        give_live(kept, home, None)
+    assert list(outside.iterdir()) == []
+    # A link where an entry, or the harness's name for an entry being built, goes: left alone.
+    home2 = tmp_path / "other" / "home"
+    cache = home2 / CACHE_SUBDIR
+    cache.mkdir(parents=True)
+    (cache / "AAAA").symlink_to(outside)
+    (cache / ".qualify-given.BBBB").symlink_to(outside)
+    got = give_live(kept, home2, None)
+    assert got["entries"] == 0 and got["entries_it_had"] == 2
+    assert list(outside.iterdir()) == []
+    assert (cache / "AAAA").is_symlink()  # the rename replaced nothing of the operator's either
+
+
+def test_the_engine_under_test_gets_the_cache_late_when_the_step_is_not_done_at_its_start(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import threading
+
+    monkeypatch.setenv("QUALIFY_CACHE_DIR", str(tmp_path / "harness-cache"))
+    launcher = _gpu_launcher(tmp_path)
+    release = threading.Event()
+
+    def popen(argv, scratch, env, **kw):  # a warm step that finishes only when released
+        made = scratch / "home" / CACHE_SUBDIR / "KEY"
+        made.mkdir(parents=True)
+        (made / "k.cubin").write_bytes(b"compiled")
+        release.wait(30)
+        return subprocess.Popen([sys.executable, "-c", "pass"]), None
+
+    monkeypatch.setattr(launcher, "_popen", popen)
+    cache = launcher.prepare_kernels()
+    launcher._give_kernels(launcher.scratch)  # the engine under test starts while the step runs
+    assert cache.evidence()["given"]["engine"]["given"] is False
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    record = launcher.give_kernels_late(30)
+    assert record is not None and record["given"] is True
+    assert record["late"]["waited_s"] >= 0.2 and record["late"]["entries"] == 1
+    assert "still running" in record["at_start"]
+    assert (launcher.scratch / "home" / CACHE_SUBDIR / "KEY" / "k.cubin").read_bytes() == b"compiled"
+    assert launcher.give_kernels_late(30) is None  # once given, never again
+    # What the engine compiled beyond what it was given is counted when it stops.
+    extra = launcher.scratch / "home" / CACHE_SUBDIR / "MINE"
+    extra.mkdir()
+    (extra / "_missed_kernel.cubin").write_bytes(b"x")
+    (extra / "__grp___missed_kernel.json").write_bytes(b"{}")
+    launcher._boots = 1
+    launcher.stop(0.1)
+    own = cache.evidence()["given"]["engine"]["compiled_itself"]
+    assert own == {"entries": 1, "kernels": ["_missed_kernel"]}
+
+
+def test_what_an_engine_compiled_itself_is_counted_by_name_without_following_links(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    cache = home / CACHE_SUBDIR
+    for key, names in {
+        "GIVEN": ["a.cubin"],
+        "NEW1": ["k1.json", "k1.cubin"],
+        "NEW2": ["__triton_launcher.so"],
+    }.items():
+        (cache / key).mkdir(parents=True)
+        for n in names:
+            (cache / key / n).write_bytes(b"x")
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "operator.key").write_bytes(b"k")
+    (cache / "LINK").symlink_to(secret)
+    assert compiled_itself(home, {"GIVEN"}) == {"entries": 2, "kernels": ["__triton_launcher", "k1"]}
+    assert compiled_itself(tmp_path / "nothing", set()) == {"entries": 0}
+
+
+def test_a_step_still_running_ends_with_the_launcher(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("QUALIFY_CACHE_DIR", str(tmp_path / "harness-cache"))
+    launcher = _gpu_launcher(tmp_path)
+    started: list[subprocess.Popen] = []
+
+    def popen(argv, scratch, env, **kw):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        started.append(proc)
+        return proc, None
+
+    monkeypatch.setattr(launcher, "_popen", popen)
+    cache = launcher.prepare_kernels()
+    for _ in range(100):
+        if launcher._steps:
+            break
+        time.sleep(0.05)
+    launcher.stop(0.1)
+    assert started and started[0].poll() is not None  # gone with the run, not left compiling
+    assert cache.wait(10) and not cache.ready

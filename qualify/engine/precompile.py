@@ -1,0 +1,249 @@
+"""The warm step's parallel compile (`python -m qualify.engine warm --jobs N`).
+
+The serial warm step ran the checks' kinds of work once and let Triton compile each kernel specialization
+as a launch first asked for it: one after another in one process (on the H200, 2026-12-04: 475 files,
+about 80 compiles and their launchers, 50.7 s). Here the same work runs once in recording mode instead:
+Triton's `jit_cache_hook` sees every specialization a launch would compile (the kernel, its argument
+types, the constexprs, the divisibility attributes, the compile options) before anything is compiled, and
+returning True from it skips the compile and the launch. Each new specialization goes at once to a pool
+of worker processes, which compile it for the same target with the same options into the same Triton
+cache directory (the JIT's own key: source, specialization, options, target, Triton version), and build
+its launcher (Triton builds one per signature with the C compiler at a kernel's first launch). A later
+process that runs the same work finds every kernel and launcher there and compiles nothing.
+
+Recording runs the engine's host code with no Triton kernel launched: what those kernels would have
+written is whatever the memory held, so values are garbage (token ids stay in range: they come from
+argmax and top-k). What a launch asks for depends on shapes, dtypes, strides, alignment and constants,
+which the host code decides, so the specializations are the ones the real run compiles; a specialization
+that only some data would reach is compiled, as before, by the engine that reaches it (the harness counts
+those per engine: launch/kernels.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import threading
+import time
+from concurrent.futures import Future, ProcessPoolExecutor, wait
+from typing import Any
+
+# The reference engine's kernel modules, imported by each worker as it starts (beside the recording pass),
+# so a specialization's compile does not wait for the import.
+KERNEL_MODULES = ("kernels.fused", "kernels.kda.decode", "kernels.kda.chunk", "kernels.kda.chunk_intra")
+COMPILE_WAIT_S = 300.0  # every compile is done within this (the warm step's own bound is the harness's)
+
+
+def default_jobs() -> int:
+    """Worker processes: the CPUs this process may run on, less two (the engine under test boots and the
+    harness hashes the weights beside the warm step), at least one."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - 2)
+
+
+def _jit_function(module: str, qualname: str):  # type: ignore[no-untyped-def]
+    """The JITFunction `module`.`qualname` (a kernel wrapped by heuristics or an autotuner: its `.fn`)."""
+    from triton.runtime.jit import JITFunction
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):
+        obj = obj.fn
+    if not isinstance(obj, JITFunction):
+        raise TypeError(f"{module}.{qualname} is not a Triton kernel")
+    return obj
+
+
+def compile_spec(module: str, qualname: str, data: str, target: Any, launcher: bool = True) -> dict[str, Any]:
+    """Compile one recorded specialization (`data`: Triton's specialization_data JSON) for `target` into
+    this process's Triton cache, as JITFunction.preload does but for a given target (no device needed),
+    then build its launcher where `launcher` and the target is CUDA. Never raises: the outcome."""
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"kernel": qualname}
+    try:
+        import triton
+        import triton.language as tl
+        from triton.compiler import ASTSource, make_backend
+        from triton.runtime.jit import convert_to_tuple_if_list
+
+        fn = _jit_function(module, qualname)
+        spec = json.loads(data)
+        constexprs = {
+            tuple(k): tl.dtype(v)
+            if tl.dtype.is_dtype(v)
+            else tl.constexpr(v["constexpr"])
+            if isinstance(v, dict) and "constexpr" in v
+            else v
+            for k, v in zip(spec["constant_keys"], spec["constant_vals"], strict=True)
+        }
+        attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"], strict=True)}
+        signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+        options = make_backend(target).parse_options(options)
+        src = ASTSource(fn, signature, constexprs, attrs)
+        kernel = triton.compile(src, target=target, options=options.__dict__)
+        out["hash"] = kernel.hash
+        out["compile_s"] = round(time.perf_counter() - t0, 3)
+        if launcher and target.backend == "cuda":
+            t1 = time.perf_counter()
+            try:
+                from triton.backends.nvidia.driver import CudaLauncher
+
+                CudaLauncher(kernel.src, kernel.metadata)  # compiles (or finds) and loads its launcher
+                out["launcher_s"] = round(time.perf_counter() - t1, 3)
+            except Exception as exc:  # no libcuda here (a CPU machine): the engine builds its own
+                out["launcher_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def driver_utils() -> dict[str, Any]:
+    """Build Triton's CUDA driver helper module (cuda_utils, one per host) into the cache: the recording
+    process would otherwise compile it serially at its first kernel."""
+    t0 = time.perf_counter()
+    try:
+        from triton.backends.nvidia.driver import CudaUtils
+
+        CudaUtils()
+        return {"seconds": round(time.perf_counter() - t0, 3)}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300], "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _outcome(future: Future) -> dict[str, Any] | None:
+    """A compile's outcome: its result, an error for a worker that died under it, None while unfinished."""
+    if not future.done() or future.cancelled():
+        return None
+    try:
+        return future.result()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def _worker_start(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+class Precompiler:
+    """A pool of `jobs` compile workers (started at once: each imports Triton and the kernel modules while
+    the caller builds its engine) and, inside `recording()`, the hook that sends each new specialization
+    to them and keeps the launch from compiling or running."""
+
+    def __init__(self, jobs: int, modules: tuple[str, ...] = KERNEL_MODULES, launchers: bool = True) -> None:
+        import multiprocessing
+
+        self.jobs = max(1, jobs)
+        self.launchers = launchers
+        self.t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._futures: list[tuple[dict[str, Any], Future]] = []
+        self._target: Any = None
+        self.record_s: float | None = None
+        self.record_error: str | None = None
+        # spawn: a fork of a process that holds a CUDA context is unusable, and the workers need none
+        self.pool = ProcessPoolExecutor(
+            self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
+            initargs=(modules,),
+        )  # fmt: skip
+        self._utils = self.pool.submit(driver_utils) if launchers else None
+        for _ in range(self.jobs - 1):
+            self.pool.submit(_ready)  # every worker starts now, not at the first specialization
+
+    def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002, ARG002
+        jit = fn.jit_function
+        data = compile["specialization_data"]
+        record = {"module": jit.fn.__module__, "kernel": jit.fn.__qualname__}
+        with self._lock:
+            if data in self._seen:
+                return True
+            self._seen.add(data)
+            if self._target is None:
+                from triton.runtime.driver import driver
+
+                self._target = driver.active.get_current_target()
+            try:
+                future = self.pool.submit(
+                    compile_spec, record["module"], record["kernel"], data, self._target, self.launchers
+                )
+            except Exception as exc:  # a broken pool (a worker died): this one is the engines' to compile
+                future = Future()
+                future.set_exception(exc)
+            self._futures.append((record, future))
+        return True  # compiled by a worker: nothing compiles or launches here
+
+    @contextlib.contextmanager
+    def recording(self):  # type: ignore[no-untyped-def]
+        """Inside: every Triton launch records its specialization for the workers and runs nothing."""
+        from triton import knobs
+
+        before = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._hook
+        t0 = time.perf_counter()
+        try:
+            yield self
+        finally:
+            knobs.runtime.jit_cache_hook = before
+            self.record_s = round(time.perf_counter() - t0, 3)
+
+    def finish(self, timeout_s: float = COMPILE_WAIT_S) -> dict[str, Any]:
+        """Wait (bounded) for every compile; what was compiled, how long, and what failed."""
+        t0 = time.perf_counter()
+        with self._lock:
+            futures = list(self._futures)
+        pending = [f for _, f in futures] + ([self._utils] if self._utils is not None else [])
+        _, not_done = wait(pending, timeout=timeout_s)
+        results = [_outcome(f) for _, f in futures]
+        if not_done:
+            self.close()
+        else:
+            self.pool.shutdown(wait=True)
+        failed = [
+            {**rec, "error": (r or {}).get("error", f"not compiled within {timeout_s:g} s")}
+            for (rec, _), r in zip(futures, results, strict=True)
+            if r is None or "error" in r
+        ]
+        done = [r for r in results if r is not None and "error" not in r]
+        launcher_errors = sorted({r["launcher_error"] for r in done if "launcher_error" in r})
+        utils = _outcome(self._utils) if self._utils is not None else None
+        slowest = sorted(done, key=lambda r: -r["seconds"])[:5]
+        return {
+            "jobs": self.jobs,
+            "specializations": len(futures),
+            "compiled": len(done),
+            "failed_count": len(failed),
+            "failed": failed[:20],
+            "kernels": sorted({rec["kernel"] for rec, _ in futures}),
+            "launchers_built": sum(1 for r in done if "launcher_s" in r),
+            "launcher_errors": launcher_errors[:3],
+            "driver_utils": utils,
+            "record_s": self.record_s,
+            "record_error": self.record_error,
+            "wait_after_record_s": round(time.perf_counter() - t0, 3),
+            "compile_cpu_s": round(sum(r["seconds"] for r in done), 3),
+            "slowest": [{"kernel": r["kernel"], "seconds": r["seconds"]} for r in slowest],
+            "seconds": round(time.perf_counter() - self.t0, 3),
+        }
+
+    def close(self) -> None:
+        """Stop the workers now (an interrupted step, compiles past their bound): queued compiles are
+        dropped and running ones killed, so the step's exit waits for none of them."""
+        procs = list((getattr(self.pool, "_processes", None) or {}).values())
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.kill()

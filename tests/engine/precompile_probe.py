@@ -1,0 +1,124 @@
+"""`python -m tests.engine.precompile_probe record|jit` (TRITON_INTERPRET off, TRITON_CACHE_DIR set): the
+warm step's parallel compile (qualify/engine/precompile.py) driven on a machine without a GPU.
+
+Triton's JIT asks its active driver for the device, the stream and the target; here a driver that answers
+for an H200 (sm_90) stands in, so the reference engine's decode step (its Triton glue: kernels/fused.py,
+on CPU tensors) runs through the real JIT path up to the launch. `record` runs it in recording mode and
+compiles what it recorded in two worker processes; `jit` runs it as an engine would, the JIT compiling
+(or finding in the cache) each kernel and its launcher, with the launch itself a no-op. Each prints one
+JSON line: what was recorded and compiled, or every compile the JIT made and whether it was a cache hit,
+and whether each launcher's module was in the cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class _Utils:
+    @staticmethod
+    def get_device_properties(device: int) -> dict:
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536}
+
+    @staticmethod
+    def load_binary(name, kernel, shared, device):  # type: ignore[no-untyped-def]
+        return 0, 0, 64, 0, 1024  # module, function, registers, spills, max threads
+
+
+LAUNCHERS: list[bool] = []
+
+
+class _Launcher:
+    """Records whether the launcher module the real driver would build for this kernel is in the cache."""
+
+    def __init__(self, src, metadata) -> None:  # type: ignore[no-untyped-def]
+        from triton.backends.nvidia.driver import make_launcher
+        from triton.runtime.build import platform_key
+        from triton.runtime.cache import get_cache_manager
+
+        constants = src.constants if hasattr(src, "constants") else {}
+        arg = lambda x: (src.fn.arg_names.index(x),) if isinstance(x, str) else x  # noqa: E731
+        constants = {arg(k): v for k, v in constants.items()}
+        code = make_launcher(constants, dict(src.signature), getattr(metadata, "tensordesc_meta", None))
+        key = hashlib.sha256((code + platform_key()).encode()).hexdigest()
+        LAUNCHERS.append(get_cache_manager(key).get_file("__triton_launcher" + _suffix()) is not None)
+
+    def __call__(self, *args) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+
+def _suffix() -> str:
+    import sysconfig
+
+    return sysconfig.get_config_var("EXT_SUFFIX")
+
+
+class FakeH200Driver:
+    """As much of Triton's CUDA driver as the JIT asks of it before a launch, for an sm_90 device."""
+
+    launcher_cls = _Launcher
+    utils = _Utils()
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+
+def work() -> None:
+    """The decode step's glue of the tiny reference engine, fused (kernels/fused.py), at two batch sizes:
+    what Engine.warm reaches for these kernels, in a few steps."""
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.engine import Engine
+    from qualify.engine.tokenizer import BOS
+
+    cfg = EngineConfig(preset="tiny", device="cpu", kda_decode_backend="torch", cudagraph_mode="none")
+    engine = Engine(cfg, weights=False)
+    engine.model.set_fused(True)
+    try:
+        for b in (1, 3):
+            engine.generate([[BOS, *[65 + (i + j) % 26 for j in range(5)]] for i in range(b)], 2, "eager")
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    driver.set_active(FakeH200Driver())
+    if sys.argv[1] == "record":
+        from qualify.engine.precompile import Precompiler
+
+        pre = Precompiler(2)
+        try:
+            with pre.recording():
+                work()
+            facts = pre.finish()
+        except BaseException:
+            pre.close()
+            raise
+        print(json.dumps(facts), flush=True)
+        return
+    compiles: list[dict] = []
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:  # type: ignore[no-untyped-def]
+        compiles.append({"kernel": src.name, "cache_hit": cache_hit})
+
+    knobs.compilation.listener = listener
+    work()
+    print(json.dumps({"compiles": compiles, "launchers_in_cache": LAUNCHERS}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

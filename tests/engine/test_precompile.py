@@ -1,0 +1,99 @@
+"""The warm step's parallel compile (qualify/engine/precompile.py): a recording pass of the engine's work
+compiles nothing and launches nothing, worker processes compile what it recorded, and a process that then
+runs the same work through Triton's JIT finds every kernel and every launcher in the cache (the JIT's own
+keys), where one with an empty cache finds none. Driven on CPU tensors with a stand-in for an H200's
+driver (tests/engine/precompile_probe.py); the room rule the step applies before it builds anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qualify.engine.__main__ import room_reason
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="Triton's bundled ptxas ships for Linux"
+)
+
+
+def _probe(mode: str, cache: Path, tmp_path: Path, libcuda: Path | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the JIT must compile
+    env.update(TRITON_CACHE_DIR=str(cache), QUALIFY_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
+    if libcuda is not None:
+        env["TRITON_LIBCUDA_PATH"] = str(libcuda)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.engine.precompile_probe", mode],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _stub_libcuda(tmp_path: Path) -> Path | None:
+    """A libcuda.so.1 with no symbols: Triton builds each launcher against it (the module is cached), it
+    just cannot load it here. None without a C compiler."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    d = tmp_path / "libcuda"
+    d.mkdir()
+    (d / "stub.c").write_text("void qualify_stub(void) {}\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(d / "libcuda.so.1"), str(d / "stub.c")], check=True)
+    return d
+
+
+def test_recorded_specializations_compiled_by_workers_are_the_ones_the_jit_then_finds(tmp_path: Path) -> None:
+    cache = tmp_path / "triton-cache"
+    libcuda = _stub_libcuda(tmp_path)
+    rec = _probe("record", cache, tmp_path, libcuda)
+    assert rec["jobs"] == 2 and rec["failed"] == [] and rec["record_error"] is None
+    assert rec["specializations"] == rec["compiled"] >= 6
+    assert {"_rmsnorm_kernel", "_attn_decode_kernel", "_rope_kv_kernel"} <= set(rec["kernels"])
+    assert rec["record_s"] is not None and rec["seconds"] >= rec["wait_after_record_s"]
+    jit = _probe("jit", cache, tmp_path)
+    assert jit["compiles"], "the JIT compiled nothing: the work ran no Triton kernel"
+    # every kernel the work launches was compiled by the workers under the JIT's own key
+    assert all(c["cache_hit"] for c in jit["compiles"]), jit["compiles"]
+    assert len(jit["compiles"]) == rec["specializations"]
+    if libcuda is not None:  # and so was every launcher module, from the same signature and constants
+        assert jit["launchers_in_cache"] and all(jit["launchers_in_cache"])
+    # the control: the same work over an empty cache finds nothing
+    cold = _probe("jit", tmp_path / "empty-cache", tmp_path)
+    assert cold["compiles"] and not any(c["cache_hit"] for c in cold["compiles"])
+    assert not any(cold["launchers_in_cache"])
+
+
+def test_the_room_rule_compares_the_weights_with_the_smallest_gpu() -> None:
+    assert room_reason(15 << 30, [140 << 30, 80 << 30], 4) is None  # 4 x 15 GiB fits the 80 GiB GPU
+    why = room_reason(30 << 30, [140 << 30, 80 << 30], 4)
+    assert why is not None and "30.0 GiB" in why and "80 GiB GPU" in why
+    assert room_reason(30 << 30, [], 4) is None  # no GPU seen: nothing to decide
+
+
+def test_the_warm_step_exits_before_building_anything_on_a_gpu_without_room(monkeypatch, capsys) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from qualify.engine import __main__ as main
+    from qualify.engine.config import EngineConfig
+
+    cfg = EngineConfig(preset="tiny", device="cpu").model_copy(update={"device": "cuda"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    totals = {0: 1 << 30, 1: 8 << 20}  # the tiny preset's weights are about 1.3 MiB
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=totals[i])
+    )
+    with pytest.raises(SystemExit) as stop:
+        main._check_room(cfg, 8)
+    assert stop.value.code == main.EXIT_NO_ROOM
+    assert "no room" in capsys.readouterr().err
+    main._check_room(cfg, 4)  # 4 x 1.3 MiB fits the smallest: the step goes on

@@ -1,0 +1,55 @@
+"""bench/qualify_run.py's fresh-host summary reads the boot phases and the receipt's kernel-cache record as
+the harness writes them: the warm step's workers and specializations, the engine that got the kernels late
+(and after how long a wait), and what each engine compiled itself."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.qualify_run import _fresh_host  # noqa: E402
+
+
+def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines_compiled() -> None:
+    phases = {"prepare": 5.9, "prepare_weights_seeding_step_s": 5.1, "kernels_given_after_ready": 1.4}
+    kc = {
+        "warm_step_s": 12.5,
+        "filled_this_run": True,
+        "files": 480,
+        "waited_before_timed_checks_s": 0.0,
+        "precompile": {
+            "jobs": 14,
+            "specializations": 61,
+            "compiled": 60,
+            "failed": [{"kernel": "k"}],
+            "record_s": 2.1,
+            "record_error": "RuntimeError: CUDA error: device-side assert triggered",
+            "kernels": ["_attn_decode_kernel", "_gate_kernel"],
+            "launcher_errors": [],
+            "seconds": 11.0,
+            "launchers_built": 58,
+        },  # fmt: skip
+        "given": {
+            "engine": {
+                "given": True,
+                "at_start": "still running",
+                "late": {"given": True, "waited_s": 1.2, "entries": 70, "entries_it_had": 1},
+                "compiled_itself": {"entries": 2, "kernels": ["_missed"]},
+            },  # fmt: skip
+            "fresh-reference": {"given": True, "digest": "sha256:x", "compiled_itself": {"entries": 0}},
+        },
+    }
+    got = _fresh_host(phases, kc)
+    assert got["precompile_workers"] == 14 and got["precompile_specializations"] == 61
+    assert got["precompile_failed"] == 1 and got["warm_step_s"] == 12.5
+    assert got["precompile_record_error"].startswith("RuntimeError: CUDA error")
+    assert got["precompile_kernels"] == ["_attn_decode_kernel", "_gate_kernel"]
+    assert got["weights_seeding_step_s"] == 5.1 and got["kernels_given_after_ready_s"] == 1.4
+    eng, ref = got["engines"]["engine"], got["engines"]["fresh-reference"]
+    assert eng["at_start"] is False and eng["late_waited_s"] == 1.2 and eng["compiled_itself"] == 2
+    assert eng["compiled_itself_kernels"] == ["_missed"]
+    assert ref["at_start"] is True and ref["late_waited_s"] is None and ref["compiled_itself"] == 0
+    assert _fresh_host({}, {})["engines"] == {}
