@@ -1,5 +1,5 @@
-"""`python -m tests.engine.precompile_probe record|jit` (TRITON_INTERPRET off, TRITON_CACHE_DIR set): the
-warm step's parallel compile (qualify/engine/precompile.py) driven on a machine without a GPU.
+"""`python -m tests.engine.precompile_probe record|jit|census` (TRITON_INTERPRET off, TRITON_CACHE_DIR
+set): the warm step's parallel compile (qualify/engine/precompile.py) driven on a machine without a GPU.
 
 Triton's JIT asks its active driver for the device, the stream and the target; here a driver that answers
 for an H200 (sm_90) stands in, so the reference engine's decode step (its Triton glue: kernels/fused.py,
@@ -94,9 +94,54 @@ def work() -> None:
         engine.close()
 
 
+def _poisoned_empty() -> None:
+    """torch.empty and torch.empty_like fill what they return (NaN, -1, True): a recording pass's values
+    are whatever memory held, and on a GPU's caching allocator that is anything, not a fresh page's zeros."""
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype.is_floating_point:
+            return t.fill_(float("nan"))
+        return t.fill_(True if t.dtype == torch.bool else -1)
+
+    empty, empty_like = torch.empty, torch.empty_like
+    torch.empty = lambda *a, **k: poison(empty(*a, **k))  # type: ignore[assignment]
+    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))  # type: ignore[assignment]
+
+
+def census() -> None:
+    """Every kind of work of the warm step (Engine.warm: eager and speculative batches of every size) on the
+    Triton backend with the fused glue, weights not loaded, every launch recorded and skipped, every empty
+    buffer poisoned: which kinds of work completed and which kernels were recorded (no compile)."""
+    import kernels.kda.backend as kb
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.engine import Engine
+
+    kb._interpreting = lambda: True  # the triton backend on CPU tensors (its kernels are only recorded)
+    _poisoned_empty()
+    seen: dict[str, set[str]] = {}
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002, ARG001
+        seen.setdefault(fn.jit_function.fn.__qualname__, set()).add(compile["specialization_data"])
+        return True
+
+    knobs.runtime.jit_cache_hook = hook
+    cfg = EngineConfig(preset="tiny", device="cpu", kda_decode_backend="triton", num_spec=3)
+    engine = Engine(cfg, weights=False)
+    engine.model.set_fused(True)
+    try:
+        out = engine.warm()
+    finally:
+        engine.close()
+    kernels = {k: len(v) for k, v in sorted(seen.items())}
+    print(json.dumps({"ran": out["ran"], "kernels": kernels}), flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     driver.set_active(FakeH200Driver())
+    if sys.argv[1] == "census":
+        census()
+        return
     if sys.argv[1] == "record":
         from qualify.engine.precompile import Precompiler
 

@@ -97,3 +97,22 @@ def test_the_warm_step_exits_before_building_anything_on_a_gpu_without_room(monk
     assert stop.value.code == main.EXIT_NO_ROOM
     assert "no room" in capsys.readouterr().err
     main._check_room(cfg, 4)  # 4 x 1.3 MiB fits the smallest: the step goes on
+
+
+@pytest.mark.slow
+def test_a_recording_pass_runs_every_kind_of_the_warm_steps_work_on_poisoned_memory(tmp_path: Path) -> None:
+    """The whole of Engine.warm in recording mode (nothing launched, every empty buffer NaN or -1, weights
+    not loaded) reaches every kind of work and records every kernel family the checks launch: host code
+    that read a kernel's output as an index or a count would stop it here, as it would on a GPU."""
+    got = _probe("census", tmp_path / "cache", tmp_path)
+    sizes = (1, 2, 3, 8)
+    assert {f"eager b={b} n=6" for b in sizes} | {f"speculative b={b} n=6" for b in sizes} <= set(got["ran"])
+    assert len(got["ran"]) == 16
+    families = {
+        "_gate_kernel", "diag_kernel", "inter_solve_kernel", "wu_kernel", "_state_kernel",
+        "_gated_norm_kernel", "_kda_decode_kernel", "_gated_rmsnorm_kernel", "_conv_gates_decode_kernel",
+        "_rope_kv_kernel",
+        "_pool_kernel", "_select_kernel", "_attn_decode_kernel", "_rmsnorm_kernel", "_silu_mul_kernel",
+    }  # fmt: skip
+    assert families <= set(got["kernels"]), sorted(families - set(got["kernels"]))
+    assert sum(got["kernels"].values()) >= 30
