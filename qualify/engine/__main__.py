@@ -611,7 +611,16 @@ def warm(args: argparse.Namespace) -> None:
                 try:
                     ran = engine.warm()
                 except Exception as exc:  # keep what was recorded; the engines compile the rest themselves
-                    pre.record_error = f"{type(exc).__name__}: {exc}"[:500]
+                    import traceback
+
+                    # where it stopped: the innermost frames of the engine's code, file:line, innermost last
+                    frames = [
+                        f"{os.path.basename(f.filename)}:{f.lineno}"
+                        for f in traceback.extract_tb(exc.__traceback__)
+                        if "/qualify/" in f.filename or "/kernels/" in f.filename
+                    ][-4:]
+                    at = f" (at {' < '.join(reversed(frames))})" if frames else ""
+                    pre.record_error = f"{type(exc).__name__}: {exc}"[:400] + at
                     ran = {"error": pre.record_error}
         finally:
             boot_seconds = engine.boot_seconds
