@@ -155,6 +155,7 @@ class Precompiler:
         self._target: Any = None
         self.record_s: float | None = None
         self.record_error: str | None = None
+        self.compiled_here: list[str] = []  # manual warmups, compiled in this process (see _hook)
         # spawn: a fork of a process that holds a CUDA context is unusable, and the workers need none
         self.pool = ProcessPoolExecutor(
             self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
@@ -168,6 +169,14 @@ class Precompiler:
         jit = fn.jit_function
         data = compile["specialization_data"]
         record = {"module": jit.fn.__module__, "kernel": jit.fn.__qualname__}
+        if is_manual_warmup:
+            # kernel.warmup(...) hands the compiled kernel to its caller, who keeps it and launches it
+            # (b12x prepares its decode kernels so): skipped, the caller got None and stopped the pass (an
+            # H100, 2026-12-05: "'NoneType' object is not subscriptable" in b12x's binding). Compiled
+            # here, as without the hook, and counted; what the caller then launches runs for real.
+            with self._lock:
+                self.compiled_here.append(record["kernel"])
+            return False
         with self._lock:
             if data in self._seen:
                 return True
@@ -188,7 +197,8 @@ class Precompiler:
 
     @contextlib.contextmanager
     def recording(self):  # type: ignore[no-untyped-def]
-        """Inside: every Triton launch records its specialization for the workers and runs nothing."""
+        """Inside: every Triton launch records its specialization for the workers and runs nothing (a manual
+        warmup compiles here: _hook)."""
         from triton import knobs
 
         before = knobs.runtime.jit_cache_hook
@@ -233,6 +243,7 @@ class Precompiler:
             "driver_utils": utils,
             "record_s": self.record_s,
             "record_error": self.record_error,
+            "compiled_here": sorted(self.compiled_here),
             "wait_after_record_s": round(time.perf_counter() - t0, 3),
             "compile_cpu_s": round(sum(r["seconds"] for r in done), 3),
             "slowest": [{"kernel": r["kernel"], "seconds": r["seconds"]} for r in slowest],

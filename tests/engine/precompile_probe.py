@@ -16,6 +16,8 @@ import json
 import sys
 
 import torch
+import triton
+import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
@@ -75,6 +77,13 @@ class FakeH200Driver:
 
     def get_current_target(self) -> GPUTarget:
         return TARGET
+
+
+@triton.jit
+def _warmup_probe_kernel(x, y, N: tl.constexpr):
+    """A kernel outside the engine's modules that its caller compiles with .warmup(), as b12x does."""
+    i = tl.arange(0, N)
+    tl.store(y + i, tl.load(x + i) * 2)
 
 
 def work() -> None:
@@ -149,10 +158,13 @@ def main() -> None:
         try:
             with pre.recording():
                 work()
+                x, y = torch.zeros(16), torch.zeros(16)
+                warmed = _warmup_probe_kernel.warmup(x, y, N=16, grid=(1,))
             facts = pre.finish()
         except BaseException:
             pre.close()
             raise
+        facts["warmup_returned"] = type(warmed).__name__
         print(json.dumps(facts), flush=True)
         return
     compiles: list[dict] = []
