@@ -163,7 +163,25 @@ class Runner:
 
     @torch.no_grad()
     def prefill(self, reqs: list[Request]) -> Tensor:
-        """Run whole prompts varlen; returns fp32 logits of each prompt's last token [N, vocab]."""
+        """fp32 logits of each prompt's last token [N, vocab], each prompt prefilled on its own, so that a
+        prompt's logits never depend on the batch it came in. The harness compares answers given in
+        batches of different composition (fillers, decoys, a drafted batch of one), and a batched prefill's
+        sums depend on the batch's row count: the fused glue's projections take linear_small up to
+        kernels.fused.SMALL_M rows and cuBLAS past them, and cuBLAS chooses its kernels by the row count.
+        Batched, a prompt's logits moved by up to 0.109 among fillers (bench/batch_variance.py, H100,
+        2026-12-05), twice the coherence rule's epsilon, and an honest engine was once rejected on it.
+        Each prompt's last hidden state is kept in `prefill_hidden`, rows in order."""
+        if len(reqs) <= 1:
+            return self._prefill_varlen(reqs)
+        logits, hidden = [], []
+        for r in reqs:
+            logits.append(self._prefill_varlen([r]))
+            hidden.append(self.prefill_hidden)
+        self.prefill_hidden = torch.cat(hidden)
+        return torch.cat(logits)
+
+    def _prefill_varlen(self, reqs: list[Request]) -> Tensor:
+        """Run whole prompts varlen in one forward; returns fp32 logits of each prompt's last token."""
         a, cfg = self.arena, self.cfg
         lens = [len(r.prompt) for r in reqs]
         cu = [0]

@@ -29,6 +29,34 @@ def test_greedy_generation_is_deterministic_and_batch_independent(tiny_engine):
     assert all(len(g.token_ids) == len(g.top2_gaps) for g in gens1)
 
 
+def _prefill_row(r, batch, at, one_forward=False):
+    reqs = [r.admit(p, 1) for p in batch]
+    try:
+        logits = (r._prefill_varlen if one_forward else r.prefill)(reqs)
+        return logits[at].clone(), r.prefill_hidden[at].clone()
+    finally:
+        for q in reqs:
+            r.release(q)
+
+
+def test_a_prompts_prefill_is_bit_identical_alone_and_among_fillers(tiny_engine):
+    # The harness compares answers given in batches of different composition; a prompt's logits must not
+    # move with the batch around it. One varlen forward over the batch (the engine's prefill before
+    # 2026-12-05) moves them on this CPU too: the fp32 head's sums change order with its row count.
+    r = tiny_engine.runner
+    fillers = [TOK.encode(t) for t in ("a filler of another length", "f", "more filler text, longer")]
+    moved = 0.0
+    for p in PROMPTS:
+        alone, h_alone = _prefill_row(r, [p], 0)
+        for at in range(len(fillers) + 1):
+            batch = [*fillers[:at], p, *fillers[at:]]
+            got, h_got = _prefill_row(r, batch, at)
+            assert torch.equal(got, alone) and torch.equal(h_got, h_alone)
+            one, _ = _prefill_row(r, batch, at, one_forward=True)
+            moved = max(moved, float((one - alone).abs().max()))
+    assert moved > 0.0  # what the per-prompt prefill removes, seen here so the equality above can fail
+
+
 def test_decode_agrees_with_prefill_of_the_generated_text(tiny_engine):
     prompt = TOK.encode("Prefill and decode must agree on every step, well past the selector's dense range")
     gen = tiny_engine.generate([prompt], 8)[0][0]

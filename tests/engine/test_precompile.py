@@ -119,4 +119,5 @@ def test_a_recording_pass_runs_every_kind_of_the_warm_steps_work_on_poisoned_mem
         "_pool_kernel", "_select_kernel", "_attn_decode_kernel", "_rmsnorm_kernel", "_silu_mul_kernel",
     }  # fmt: skip
     assert families <= set(got["kernels"]), sorted(families - set(got["kernels"]))
-    assert sum(got["kernels"].values()) >= 30
+    # 28 specializations since each prompt is prefilled on its own (30 with batched prefills)
+    assert sum(got["kernels"].values()) >= 28
