@@ -192,6 +192,7 @@ def _fresh_host(phases: dict, kc: dict) -> dict:
         "kernels_given_after_ready_s": phases.get("kernels_given_after_ready"),
         "warm_step_s": kc.get("warm_step_s"),
         "warm_step_filled_this_run": kc.get("filled_this_run"),
+        "warm_seconds_each": kc.get("warm_seconds_each"),
         "precompile_workers": pre.get("jobs"),
         "precompile_specializations": pre.get("specializations"),
         "precompile_compiled": pre.get("compiled"),

@@ -17,6 +17,7 @@ def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines
     phases = {"prepare": 5.9, "prepare_weights_seeding_step_s": 5.1, "kernels_given_after_ready": 1.4}
     kc = {
         "warm_step_s": 12.5,
+        "warm_seconds_each": {"eager b=1 n=6": 0.4, "capture": 6.0},
         "filled_this_run": True,
         "files": 480,
         "waited_before_timed_checks_s": 0.0,
@@ -46,6 +47,7 @@ def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines
     got = _fresh_host(phases, kc)
     assert got["precompile_workers"] == 14 and got["precompile_specializations"] == 61
     assert got["precompile_failed"] == 1 and got["warm_step_s"] == 12.5
+    assert got["warm_seconds_each"] == {"eager b=1 n=6": 0.4, "capture": 6.0}
     assert got["precompile_record_error"].startswith("RuntimeError: CUDA error")
     assert got["precompile_kernels"] == ["_attn_decode_kernel", "_gate_kernel"]
     assert got["precompile_compiled_here"] == ["_packed_sequential_kda_decode_kernel"]

@@ -241,27 +241,42 @@ class Engine:
         cfg = self.cfg
         sizes = sorted({1, 2, 3, cfg.max_num_seqs})
         ran: list[str] = []
+        each: dict[str, float] = {}  # seconds per kind of work (a recording pass: where its time goes)
+        mark = time.perf_counter()
+
+        def done(what: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            ran.append(what)
+            each[what] = round(now - mark, 3)
+            mark = now
+
         for b in sizes:
-            for n in (5, 16 * max(1, b) - 1):  # total tokens (BOS + n per prompt): an odd and a 16k count
+            # each prompt of BOS + n tokens, prefilled on its own: a length that is not a multiple of 16,
+            # and one that is
+            for n in (5, 16 * max(1, b) - 1):
                 prompts = [[BOS, *[65 + (i + j) % 26 for j in range(n)]] for i in range(b)]
                 self.generate(prompts, 3, "eager")
-                ran.append(f"eager b={b} n={n + 1}")
+                done(f"eager b={b} n={n + 1}")
                 if cfg.num_spec > 0:
                     speculative_generate(self, prompts, 3, "eager")
-                    ran.append(f"speculative b={b} n={n + 1}")
+                    done(f"speculative b={b} n={n + 1}")
         captured = self.capture()
+        each["capture"] = round(time.perf_counter() - mark, 3)
+        mark = time.perf_counter()
         if captured.get("captured"):
             for b in sizes:
                 prompts = [[BOS, 65 + i, 66] for i in range(b)]
                 self.generate(prompts, 3, "graph")
                 if cfg.num_spec > 0:
                     speculative_generate(self, prompts, 3, "graph")
-            ran.append(f"graph replay b in {sizes}")
+            done(f"graph replay b in {sizes}")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {
             "seconds": round(time.perf_counter() - t0, 3),
             "ran": ran,
+            "seconds_each": each,
             "captured": {k: captured.get(k) for k in ("captured", "sizes", "reason")},
         }
 

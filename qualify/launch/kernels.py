@@ -442,6 +442,8 @@ class KernelCache:
             # how the step compiled (precompile.py: the workers, the specializations, the seconds), as the
             # step that filled this cache reported it (an earlier run's when this run found it kept)
             "precompile": m.get("precompile"),
+            # the step's own seconds per kind of work (its recording pass: where the step's time goes)
+            "warm_seconds_each": (m.get("warm") or {}).get("seconds_each"),
             "waited_before_timed_checks_s": self.settled_s,
             "path": f"$HOME/{CACHE_SUBDIR}",
             "given": given,

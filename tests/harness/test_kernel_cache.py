@@ -146,7 +146,10 @@ def test_the_cache_is_filled_by_the_reference_engine_even_when_a_liar_is_under_t
     )
     ran: list[list[str]] = []
 
-    said = {"warm": {"ran": ["eager b=1 n=6"]}, "precompile": {"jobs": 3, "specializations": 1}}
+    said = {
+        "warm": {"ran": ["eager b=1 n=6"], "seconds_each": {"eager b=1 n=6": 0.5, "capture": 2.0}},
+        "precompile": {"jobs": 3, "specializations": 1},
+    }
 
     def popen(argv, scratch, env, **kw):  # the warm step: it compiles into its scratch's Triton cache
         ran.append(argv)
@@ -164,6 +167,7 @@ def test_the_cache_is_filled_by_the_reference_engine_even_when_a_liar_is_under_t
     assert ran[0][-4:] == ["--jobs", "3", "--room-factor", str(kernels.WARM_MEMORY_FACTOR)]
     assert "--weights" not in ran[0]  # the step records shapes: it loads no weights
     assert cache.evidence()["precompile"] == said["precompile"]  # what the step said of its compile
+    assert cache.evidence()["warm_seconds_each"] == said["warm"]["seconds_each"]  # and where its time went
     assert not (tmp_path / "run" / "warm-step").exists()  # the step's scratch is removed once kept
     # The engine under test and a reference engine each get a copy of their own.
     launcher._give_kernels(launcher.scratch)
@@ -215,6 +219,8 @@ def test_the_reference_engines_warm_verb_runs_each_kind_of_request_and_exits(tmp
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])["warm"]
     assert "eager b=1 n=6" in out["ran"] and "speculative b=8 n=128" in out["ran"]
+    each = out["seconds_each"]  # seconds per kind of work, and the capture's
+    assert set(each) == {*out["ran"], "capture"} and all(v >= 0 for v in each.values())
     assert out["captured"]["captured"] is False  # no CUDA: nothing captured, and why
     assert out["captured"]["reason"]
 
