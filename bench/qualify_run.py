@@ -6,7 +6,9 @@ activity monitor switched off (QUALIFY_MONITOR=off; that run cannot qualify on a
 times and every check's seconds side by side: the monitor's cost. --again runs it a second time as it was
 (the harness's caches, the seeded weights and the warm step's kernels, kept from the first): the next build
 qualified on a host that has qualified one, reported beside the first. --logs-out copies the run dirs' logs
-(the engine's, the warm step's) into a folder."""
+(the engine's, the warm step's) into a folder. `engines_compiled_here` lists, per engine log, each kernel
+that engine compiled itself with its specialization (the lines qualify/engine/precompile.py's
+log_own_compiles writes)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench._common import write_result  # noqa: E402
+from qualify.engine.precompile import OWN_COMPILE_LINE  # noqa: E402
 
 CLI = ["-m", "qualify.cli", "run", "--layout", "2304,2304,2304,9216", "--preset", "proxy", "--json"]
 
@@ -49,6 +52,7 @@ def main() -> None:
         **receipt,
     }
     _logs(report, args.logs_out, "first")
+    result["engines_compiled_here"] = own_compiles(report.get("run_dir"))
     if args.again:
         r2, wall2, second = _run([sys.executable, *cli], args.timeout, {})
         _logs(second, args.logs_out, "again")
@@ -110,6 +114,31 @@ def _logs(report: dict, folder: str | None, name: str) -> None:
                 rel = os.path.relpath(os.path.join(base, f), run_dir)
                 os.makedirs(os.path.dirname(os.path.join(folder, name, rel)), exist_ok=True)
                 shutil.copyfile(os.path.join(base, f), os.path.join(folder, name, rel))
+
+
+def own_compiles(run_dir: str | None) -> dict[str, list[dict]]:
+    """Per engine log below the run dir (the engine under test's engine.log, a reference's), the kernels
+    that engine compiled itself, each with its specialization (qualify/engine/precompile.py,
+    log_own_compiles): what the warm step's recording did not reach, and why."""
+    out: dict[str, list[dict]] = {}
+    if not run_dir or not os.path.isdir(run_dir):
+        return out
+    for base, _, files in os.walk(run_dir):
+        for f in sorted(files):
+            if not f.endswith(".log"):
+                continue
+            path = os.path.join(base, f)
+            found = []
+            with open(path, errors="replace") as fh:
+                for line in fh:
+                    if line.startswith(OWN_COMPILE_LINE):
+                        try:
+                            found.append(json.loads(line[len(OWN_COMPILE_LINE) :]))
+                        except json.JSONDecodeError:
+                            found.append({"unreadable": line[len(OWN_COMPILE_LINE) :][:200]})
+            if found:
+                out[os.path.relpath(path, run_dir)] = found
+    return out
 
 
 def _receipt(receipt_id: str | None, show_out: str | None) -> dict:

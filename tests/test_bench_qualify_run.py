@@ -4,13 +4,15 @@ the harness writes them: the warm step's workers and specializations, the engine
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.qualify_run import _fresh_host  # noqa: E402
+from bench.qualify_run import _fresh_host, own_compiles  # noqa: E402
+from qualify.engine.precompile import OWN_COMPILE_LINE  # noqa: E402
 
 
 def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines_compiled() -> None:
@@ -57,3 +59,17 @@ def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines
     assert eng["compiled_itself_kernels"] == ["_missed"]
     assert ref["at_start"] is True and ref["late_waited_s"] is None and ref["compiled_itself"] == 0
     assert _fresh_host({}, {})["engines"] == {}
+
+
+def test_the_kernels_an_engine_compiled_itself_are_read_from_each_engine_log(tmp_path: Path) -> None:
+    (tmp_path / "fresh-reference").mkdir()
+    rec = {"kernel": "_norm_head_kernel", "constexprs": {"BM": 16}, "divisible_by_16": ["x"]}
+    (tmp_path / "engine.log").write_text(
+        f"# engine startup (s): {{}}\n{OWN_COMPILE_LINE}{json.dumps(rec)}\n{OWN_COMPILE_LINE}{{cut\n"
+    )
+    (tmp_path / "fresh-reference" / "engine.log").write_text("nothing compiled here\n")
+    (tmp_path / "warm-step.log").write_text("{}\n")
+    got = own_compiles(str(tmp_path))
+    assert list(got) == ["engine.log"]  # only logs with such lines
+    assert got["engine.log"][0] == rec and got["engine.log"][1] == {"unreadable": "{cut\n"}
+    assert own_compiles(None) == {} and own_compiles(str(tmp_path / "gone")) == {}

@@ -410,6 +410,11 @@ def _serve(args: argparse.Namespace) -> None:
         _fail(str(e))
     cfg = _config(args)
     _cpu_threads(cfg)
+    if cfg.device != "cpu":  # each kernel compiled here, not found in the cache given: one log line
+        with contextlib.suppress(ImportError):
+            from .precompile import log_own_compiles
+
+            log_own_compiles(sys.stderr)
     group = followers = lockstep = None
     if cfg.dcp_ranks > 1:
         from .dcp import DcpGroup

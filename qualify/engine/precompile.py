@@ -138,6 +138,66 @@ def _ready() -> int:
     return os.getpid()
 
 
+# The line an engine logs for each kernel it compiles itself (not found in the cache it was given): the
+# specialization the warm step's recording did not reach. bench/qualify_run.py gathers these lines.
+OWN_COMPILE_LINE = "# compiled here: "
+OWN_COMPILE_LIMIT = 60  # lines per process, at most
+
+
+def _plain(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def own_compile_record(src: Any, metadata: dict[str, Any]) -> dict[str, Any]:
+    """One compile's specialization, in words: the kernel, its constexprs, the arguments Triton treated as
+    divisible by 16, the other integers and pointers' types, and the launch options."""
+    fn = getattr(src, "fn", None)
+    names = list(getattr(fn, "arg_names", None) or [])
+
+    def name_of(key: Any) -> str:
+        i = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+        return names[i] if isinstance(i, int) and 0 <= i < len(names) else str(key)
+
+    attrs = getattr(src, "attrs", None) or {}
+    divisible = sorted(
+        name_of(k) for k, v in attrs.items() if any(a and a[0] == "tt.divisibility" for a in v or ())
+    )
+    signature = {k: _plain(v) for k, v in (getattr(src, "signature", None) or {}).items() if v != "constexpr"}
+    return {
+        "kernel": getattr(src, "name", "?"),
+        "module": getattr(getattr(fn, "fn", None), "__module__", None),
+        "constexprs": {name_of(k): _plain(v) for k, v in (getattr(src, "constants", None) or {}).items()},
+        "divisible_by_16": divisible,
+        "signature": signature,
+        "num_warps": metadata.get("num_warps"),
+        "num_stages": metadata.get("num_stages"),
+    }
+
+
+def log_own_compiles(stream: Any, limit: int = OWN_COMPILE_LIMIT) -> None:
+    """From now on, each Triton kernel this process compiles (a cache miss) is written to `stream` as one
+    OWN_COMPILE_LINE with its own_compile_record, at most `limit` lines; a listener already set still runs."""
+    from triton import knobs
+
+    before = knobs.compilation.listener
+    written = [0]
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:  # type: ignore[no-untyped-def]
+        if before is not None:
+            before(
+                src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit
+            )
+        if cache_hit or written[0] >= limit:
+            return
+        written[0] += 1
+        with contextlib.suppress(Exception):  # a diagnosis: it never stops a compile
+            record = own_compile_record(src, metadata)
+            stream.write(OWN_COMPILE_LINE + json.dumps(record, default=str)[:4000] + "\n")
+            stream.flush()
+
+    knobs.compilation.listener = listener
+
+
 class Precompiler:
     """A pool of `jobs` compile workers (started at once: each imports Triton and the kernel modules while
     the caller builds its engine) and, inside `recording()`, the hook that sends each new specialization

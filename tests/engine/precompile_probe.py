@@ -151,6 +151,22 @@ def main() -> None:
     if sys.argv[1] == "census":
         census()
         return
+    if sys.argv[1] == "ownlog":  # an engine's log of the kernels it compiles itself (log_own_compiles)
+        import io
+
+        from bench import sm90
+        from qualify.engine.precompile import log_own_compiles
+
+        earlier: list[bool] = []
+        knobs.compilation.listener = lambda **kw: earlier.append(kw["cache_hit"])
+        out = io.StringIO()
+        log_own_compiles(out, limit=5)
+        _, fn, sig, constexprs, warps = next(c for c in sm90._decode_cases() if c[0] == "decode gated norm")
+        sm90.compile_sm90(fn, sig, constexprs, warps)
+        sm90.compile_sm90(fn, sig, constexprs, warps)  # found in the cache: no line
+        lines = out.getvalue().splitlines()
+        print(json.dumps({"earlier": earlier, "lines": lines, "constexprs": constexprs, "warps": warps}))
+        return
     if sys.argv[1] == "record":
         from qualify.engine.precompile import Precompiler
 

@@ -121,3 +121,17 @@ def test_a_recording_pass_runs_every_kind_of_the_warm_steps_work_on_poisoned_mem
     assert families <= set(got["kernels"]), sorted(families - set(got["kernels"]))
     # 28 specializations since each prompt is prefilled on its own (30 with batched prefills)
     assert sum(got["kernels"].values()) >= 28
+
+
+def test_an_engine_logs_each_kernel_it_compiles_itself_with_its_specialization(tmp_path: Path) -> None:
+    # a real compile for sm_90 (Triton's ptxas, no GPU) through a listener set before: it still runs, a
+    # cache miss is one line naming the kernel's constexprs and 16-divisible arguments, a hit none
+    from qualify.engine.precompile import OWN_COMPILE_LINE
+
+    got = _probe("ownlog", tmp_path / "cache", tmp_path)
+    assert got["earlier"] == [False, True]
+    assert len(got["lines"]) == 1 and got["lines"][0].startswith(OWN_COMPILE_LINE)
+    rec = json.loads(got["lines"][0][len(OWN_COMPILE_LINE) :])
+    assert rec["kernel"] == "_gated_rmsnorm_kernel" and rec["module"] == "kernels.kda.decode"
+    assert rec["constexprs"] == got["constexprs"] and rec["num_warps"] == got["warps"]
+    assert "out" in rec["divisible_by_16"] and rec["signature"]["out"] == "*bf16"
