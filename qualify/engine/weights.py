@@ -39,14 +39,10 @@ def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def _init_value(name: str, p: torch.Tensor, gen: torch.Generator, num_layers: int) -> torch.Tensor:
-    """Scaled init so hidden states stay O(1) through the stack and greedy text is stable."""
-    return _init_tensor(name, tuple(p.shape), p.device, gen, num_layers)
-
-
 def _init_tensor(
     name: str, shape: tuple[int, ...], dev: torch.device, gen: torch.Generator, num_layers: int
 ) -> torch.Tensor:
+    """Scaled init so hidden states stay O(1) through the stack and greedy text is stable."""
     if name.endswith("norm.weight") or name.endswith("norm_weight"):
         return torch.ones(shape, device=dev)
     if name.endswith("A_log"):
