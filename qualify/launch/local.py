@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,23 +136,20 @@ def receive_weights(src: IO[bytes], tmp: Path) -> tuple[str, int]:
         raise ValueError(f"the weights stream's header is not a safetensors header: {exc}") from exc
     if not all(isinstance(e, int) and 0 <= e <= MAX_WEIGHTS_BYTES for e in ends):
         raise ValueError("the weights stream's header names offsets out of bounds")
-    left = max(ends, default=0)
     h = hashlib.sha256(head)
     h.update(text)
-    with open(tmp, "xb") as dst, ThreadPoolExecutor(1, "weights-hash") as pool:
-        dst.write(head)
-        dst.write(text)
-        pending = None
+
+    def blocks() -> Iterator[bytes]:
+        left = max(ends, default=0)
         while left:
             block = _read_exact(src, min(COPY_BLOCK, left))
-            hashed = pool.submit(h.update, block)
-            dst.write(block)
-            if pending is not None:
-                pending.result()
-            pending = hashed
             left -= len(block)
-        if pending is not None:
-            pending.result()
+            yield block
+
+    with open(tmp, "xb") as dst:
+        dst.write(head)
+        dst.write(text)
+        _write_hashing(blocks(), dst, h)
     if src.read(1):
         raise ValueError("the weights stream went on past the end its header declares")
     return h.hexdigest(), 8 + n + max(ends, default=0)
@@ -166,22 +164,25 @@ def keep_seeded(made: Path, cached: Path) -> str:
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".tmp{os.getpid()}")
     h = hashlib.sha256()
-    with open(made, "rb") as src, open(tmp, "wb") as dst, ThreadPoolExecutor(1, "weights-hash") as pool:
+    with open(made, "rb") as src, open(tmp, "wb") as dst:
+        _write_hashing(iter(lambda: src.read(COPY_BLOCK), b""), dst, h)
+    keep_weights(tmp, cached, h.hexdigest())
+    return h.hexdigest()
+
+
+def _write_hashing(blocks: Iterable[bytes], dst: IO[bytes], h: Any) -> None:
+    """Write each block to `dst` while a second thread hashes it into `h` (hashlib releases the GIL for
+    large blocks): block k is hashed while it is written, and k+1 read meanwhile."""
+    with ThreadPoolExecutor(1, "weights-hash") as pool:
         pending = None
-        while block := src.read(COPY_BLOCK):
-            hashed = pool.submit(h.update, block)  # hashlib releases the GIL for large blocks
+        for block in blocks:
+            hashed = pool.submit(h.update, block)
             dst.write(block)
             if pending is not None:
                 pending.result()
             pending = hashed
         if pending is not None:
             pending.result()
-    os.chmod(tmp, 0o444)
-    os.replace(tmp, cached)
-    digests = DigestCache(cache_dir() / "weights-digests.json")
-    digests.store(str(cached), cached.stat(), h.hexdigest())
-    digests.save()
-    return h.hexdigest()
 
 
 def keep_weights(tmp: Path, cached: Path, digest: str) -> None:
