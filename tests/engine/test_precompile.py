@@ -135,3 +135,14 @@ def test_an_engine_logs_each_kernel_it_compiles_itself_with_its_specialization(t
     assert rec["kernel"] == "_gated_rmsnorm_kernel" and rec["module"] == "kernels.kda.decode"
     assert rec["constexprs"] == got["constexprs"] and rec["num_warps"] == got["warps"]
     assert "out" in rec["divisible_by_16"] and rec["signature"]["out"] == "*bf16"
+
+
+def test_the_harness_and_the_warm_step_agree_on_the_steps_exit_and_its_workers() -> None:
+    # The sandboxed engine imports nothing of the harness's, so each side keeps its own copy: the step's
+    # "no room" exit status and the rule for how many compile workers it runs.
+    from qualify.engine import __main__ as main
+    from qualify.engine.precompile import default_jobs
+    from qualify.launch import kernels
+
+    assert kernels.EXIT_NO_ROOM == main.EXIT_NO_ROOM
+    assert kernels.precompile_jobs() == default_jobs()
