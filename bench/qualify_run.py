@@ -231,7 +231,7 @@ def _fresh_host(phases: dict, kc: dict) -> dict:
         # CPU recording of the proxy records 30 without the projections; its error was not kept), and
         # which kernels it recorded and which launchers failed to build.
         "precompile_record_error": pre.get("record_error"),
-        "precompile_compiled_here": pre.get("compiled_here"),
+        "precompile_deferred": pre.get("deferred"),
         "precompile_kernels": pre.get("kernels"),
         "precompile_launcher_errors": pre.get("launcher_errors"),
         "precompile_wait_after_record_s": pre.get("wait_after_record_s"),

@@ -31,7 +31,7 @@ def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines
             "record_s": 2.1,
             "record_error": "RuntimeError: CUDA error: device-side assert triggered",
             "kernels": ["_attn_decode_kernel", "_gate_kernel"],
-            "compiled_here": ["_packed_sequential_kda_decode_kernel"],
+            "deferred": ["_packed_sequential_kda_decode_kernel"],
             "launcher_errors": [],
             "seconds": 11.0,
             "launchers_built": 58,
@@ -52,7 +52,7 @@ def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines
     assert got["warm_seconds_each"] == {"eager b=1 n=6": 0.4, "capture": 6.0}
     assert got["precompile_record_error"].startswith("RuntimeError: CUDA error")
     assert got["precompile_kernels"] == ["_attn_decode_kernel", "_gate_kernel"]
-    assert got["precompile_compiled_here"] == ["_packed_sequential_kda_decode_kernel"]
+    assert got["precompile_deferred"] == ["_packed_sequential_kda_decode_kernel"]
     assert got["weights_seeding_step_s"] == 5.1 and got["kernels_given_after_ready_s"] == 1.4
     eng, ref = got["engines"]["engine"], got["engines"]["fresh-reference"]
     assert eng["at_start"] is False and eng["late_waited_s"] == 1.2 and eng["compiled_itself"] == 2

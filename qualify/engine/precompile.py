@@ -198,6 +198,28 @@ def log_own_compiles(stream: Any, limit: int = OWN_COMPILE_LIMIT) -> None:
     knobs.compilation.listener = listener
 
 
+class DeferredKernel:
+    """What a manual `.warmup()` returns inside a recording pass: its specialization went to the workers
+    (nothing compiled here), and a launch through it runs nothing, as every launch in the pass runs nothing.
+    b12x compiles its decode kernels so, keeps what warmup returns, launches it (`kernel[grid](...)`) and
+    reads its compiler keys through `__b12x_programs__` (none here). Anything else a caller reads from it
+    stops the pass, naming what was read, and the engines then compile the rest themselves."""
+
+    __b12x_programs__ = ()
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any):  # noqa: ANN204
+        return lambda *args, **kwargs: None
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"{self.kernel} was compiled by the warm step's workers, not in its recording pass: the "
+            f"pass has no {name!r} to give"
+        )
+
+
 class Precompiler:
     """A pool of `jobs` compile workers (started at once: each imports Triton and the kernel modules while
     the caller builds its engine) and, inside `recording()`, the hook that sends each new specialization
@@ -215,7 +237,7 @@ class Precompiler:
         self._target: Any = None
         self.record_s: float | None = None
         self.record_error: str | None = None
-        self.compiled_here: list[str] = []  # manual warmups, compiled in this process (see _hook)
+        self.deferred: list[str] = []  # manual warmups, compiled by the workers (see _hook)
         # spawn: a fork of a process that holds a CUDA context is unusable, and the workers need none
         self.pool = ProcessPoolExecutor(
             self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
@@ -229,18 +251,17 @@ class Precompiler:
         jit = fn.jit_function
         data = compile["specialization_data"]
         record = {"module": jit.fn.__module__, "kernel": jit.fn.__qualname__}
-        if is_manual_warmup:
-            # kernel.warmup(...) hands the compiled kernel to its caller, who keeps it and launches it
-            # (b12x prepares its decode kernels so): skipped, the caller got None and stopped the pass (an
-            # H100, 2026-12-05: "'NoneType' object is not subscriptable" in b12x's binding). Compiled
-            # here, as without the hook, and counted; what the caller then launches runs for real.
-            with self._lock:
-                self.compiled_here.append(record["kernel"])
-            return False
         with self._lock:
             if data in self._seen:
                 return True
             self._seen.add(data)
+            if is_manual_warmup:
+                # kernel.warmup(...) hands the compiled kernel to its caller, who keeps it and launches it
+                # (b12x prepares its decode kernels so, one per batch shape). Compiled here they came one
+                # after another: on an H100 (2026-12-05) the first request of each batch shape took 10.3 of
+                # the recording's 14.8 s. Sent to the workers like any other specialization; the caller
+                # gets a DeferredKernel (recording(): the patched warmup).
+                self.deferred.append(record["kernel"])
             if self._target is None:
                 from triton.runtime.driver import driver
 
@@ -257,17 +278,25 @@ class Precompiler:
 
     @contextlib.contextmanager
     def recording(self):  # type: ignore[no-untyped-def]
-        """Inside: every Triton launch records its specialization for the workers and runs nothing (a manual
-        warmup compiles here: _hook)."""
+        """Inside: every Triton launch records its specialization for the workers and runs nothing, and a
+        manual warmup does the same and returns a DeferredKernel."""
         from triton import knobs
+        from triton.runtime.jit import JITFunction
 
-        before = knobs.runtime.jit_cache_hook
+        before, warmup = knobs.runtime.jit_cache_hook, JITFunction.warmup
+
+        def deferred_warmup(fn, *args, **kwargs):  # noqa: ANN001, ANN202
+            got = warmup(fn, *args, **kwargs)
+            return DeferredKernel(fn.fn.__qualname__) if got is None else got
+
         knobs.runtime.jit_cache_hook = self._hook
+        JITFunction.warmup = deferred_warmup  # type: ignore[method-assign]
         t0 = time.perf_counter()
         try:
             yield self
         finally:
             knobs.runtime.jit_cache_hook = before
+            JITFunction.warmup = warmup  # type: ignore[method-assign]
             self.record_s = round(time.perf_counter() - t0, 3)
 
     def finish(self, timeout_s: float = COMPILE_WAIT_S) -> dict[str, Any]:
@@ -303,7 +332,7 @@ class Precompiler:
             "driver_utils": utils,
             "record_s": self.record_s,
             "record_error": self.record_error,
-            "compiled_here": sorted(self.compiled_here),
+            "deferred": sorted(self.deferred),
             "wait_after_record_s": round(time.perf_counter() - t0, 3),
             "compile_cpu_s": round(sum(r["seconds"] for r in done), 3),
             "slowest": [{"kernel": r["kernel"], "seconds": r["seconds"]} for r in slowest],

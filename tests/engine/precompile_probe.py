@@ -86,6 +86,14 @@ def _warmup_probe_kernel(x, y, N: tl.constexpr):
     tl.store(y + i, tl.load(x + i) * 2)
 
 
+def _probe_kernel():  # noqa: ANN202
+    """_warmup_probe_kernel as imported by its module's name (run with -m, this file is __main__, a name
+    a compile worker cannot import)."""
+    from tests.engine import precompile_probe
+
+    return precompile_probe._warmup_probe_kernel
+
+
 def work() -> None:
     """The decode step's glue of the tiny reference engine, fused (kernels/fused.py), at two batch sizes:
     what Engine.warm reaches for these kernels, in a few steps."""
@@ -174,13 +182,15 @@ def main() -> None:
         try:
             with pre.recording():
                 work()
-                x, y = torch.zeros(16), torch.zeros(16)
-                warmed = _warmup_probe_kernel.warmup(x, y, N=16, grid=(1,))
+                x, y = torch.ones(16), torch.zeros(16)
+                warmed = _probe_kernel().warmup(x, y, N=16, grid=(1,))
+                warmed[(1,)](x, y)  # as b12x launches what its warmup returned: runs nothing here
             facts = pre.finish()
         except BaseException:
             pre.close()
             raise
         facts["warmup_returned"] = type(warmed).__name__
+        facts["launch_wrote"] = bool(y.any())
         print(json.dumps(facts), flush=True)
         return
     compiles: list[dict] = []
@@ -190,6 +200,7 @@ def main() -> None:
 
     knobs.compilation.listener = listener
     work()
+    _probe_kernel().warmup(torch.ones(16), torch.zeros(16), N=16, grid=(1,))  # b12x's way, in an engine
     print(json.dumps({"compiles": compiles, "launchers_in_cache": LAUNCHERS}), flush=True)
 
 
