@@ -101,6 +101,70 @@ def step_latency(engine, batch: int, steps: int) -> dict:
             r.release(q)
 
 
+def host_profile(engine, steps: int = 20, top: int = 25) -> dict:
+    """Where an eager step's host time goes: cProfile over `steps` eager decode steps at batch 1 and over as
+    many one-prompt prefills (each synced), the `top` functions by own time, in microseconds per call of the
+    profiled unit (a step or a prefill). The eager step is host-bound: what its launches and glue cost."""
+    import cProfile
+    import pstats
+
+    r = engine.runner
+    reqs = [r.admit(p, 8) for p in _prompts(1)]
+    try:
+        toks, gaps = r.pick(r.prefill(reqs))
+        for q, t, gap in zip(reqs, toks, gaps, strict=True):
+            r._append(q, t, gap)
+
+        def step() -> None:
+            r.stage_decode(reqs, 1)
+            r.forward_decode_static(1)
+            _sync()
+
+        def prefill() -> None:
+            fresh = [r.admit(p, 8) for p in _prompts(1)]
+            try:
+                r.prefill(fresh)
+                _sync()
+            finally:
+                for q in fresh:
+                    r.release(q)
+
+        out: dict = {}
+        for name, fn in (("eager_step_b1", step), ("prefill_one_prompt", prefill)):
+            for _ in range(3):
+                fn()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(steps):
+                fn()
+            prof.disable()
+            wall = (time.perf_counter() - t0) / steps
+            st = pstats.Stats(prof)
+            rows = []
+            for (file, line, func), (_, ncalls, tottime, cumtime, _) in st.stats.items():  # type: ignore[attr-defined]
+                rel = os.path.relpath(file, ROOT) if file.startswith(ROOT) else os.path.basename(file)
+                rows.append((tottime, f"{rel}:{line}({func})", ncalls, cumtime))
+            rows.sort(reverse=True)
+            out[name] = {
+                "wall_us": round(wall * 1e6, 1),
+                "profiled_units": steps,
+                "top_own_time": [
+                    {
+                        "function": f,
+                        "calls_each": round(n / steps, 2),
+                        "own_us_each": round(t / steps * 1e6, 1),
+                        "cumulative_us_each": round(c / steps * 1e6, 1),
+                    }
+                    for t, f, n, c in rows[:top]
+                ],
+            }
+        return out
+    finally:
+        for q in reqs:
+            r.release(q)
+
+
 def step_bytes(engine, context_tokens: int, batch: int = 1) -> dict[str, int]:
     """The fewest bytes one decode step of `batch` requests must read from device memory: every weight the
     step multiplies by, once (the embedding's rows; the MTP head is not used by a plain step), each KDA
@@ -215,6 +279,8 @@ def main() -> None:
     result["backend"] = plain.resolution.name
     max_batch = plain.cfg.max_num_seqs
     result["step_latency"] = {str(b): step_latency(plain, b, args.steps) for b in sorted({1, 4, max_batch})}
+    # cProfile slows what it watches: its figures say where host time goes, not how long a step takes.
+    result["host_profile"] = host_profile(plain)
     result["target_replay_speedup_at_batch_1"] = 3.0
     result["target_met"] = result["step_latency"]["1"]["speedup"] >= 3.0
     result["roofline_batch_1"] = roofline(plain, result["copy_TBps"], args.steps)

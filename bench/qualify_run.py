@@ -189,6 +189,9 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         # waits for the step.
         "fresh_host": _fresh_host(ev_of("boot").get("phases") or {}, kernel_cache or {}),
         "check_details": _details(checks),
+        # Every seconds figure the checks' evidence records (peer runs, reloads, the fresh engine...), by
+        # its path in the evidence: where a check's time went beyond its waits on the engine.
+        "evidence_seconds": {c.get("name"): evidence_seconds(c.get("evidence") or {}) for c in checks},
         # The harness's wait on the engine under test per endpoint inside each check (the rest of a
         # check's seconds is the harness's own work and other engines it booted).
         "check_waits": {
@@ -261,6 +264,37 @@ def _drafts(comparisons: dict) -> list[list[dict]]:
         for one in prompts
         if one
     ]
+
+
+MAX_EVIDENCE_SECONDS = 80  # per check: the bound on what evidence_seconds lists
+
+
+def _names_seconds(key: object) -> bool:
+    return isinstance(key, str) and (
+        key == "seconds" or key.startswith("seconds_") or key.endswith(("_seconds", "_s"))
+    )
+
+
+def evidence_seconds(evidence: dict) -> dict[str, float]:
+    """The numbers in a check's evidence under a key that names seconds ("seconds", "seconds_*",
+    "*_seconds", "*_s") or inside a mapping under one ("seconds_each": {"load": ...}), by their path
+    ("a.b[2].seconds"), in the evidence's order, at most MAX_EVIDENCE_SECONDS of them."""
+    out: dict[str, float] = {}
+
+    def walk(path: str, node: object, in_seconds: bool, depth: int) -> None:
+        pairs = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, v in pairs:
+            if len(out) >= MAX_EVIDENCE_SECONDS or depth > 12:
+                return
+            sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+            named = in_seconds or _names_seconds(key)
+            if named and isinstance(v, int | float) and not isinstance(v, bool):
+                out[sub] = round(float(v), 4)
+            else:
+                walk(sub, v, named and isinstance(v, dict), depth + 1)
+
+    walk("", evidence, False, 0)
+    return out
 
 
 def _details(checks: list[dict]) -> dict:

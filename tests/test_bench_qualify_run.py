@@ -11,6 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import qualify_run  # noqa: E402
 from bench.qualify_run import _fresh_host, own_compiles  # noqa: E402
 from qualify.engine.precompile import OWN_COMPILE_LINE  # noqa: E402
 
@@ -73,3 +74,20 @@ def test_the_kernels_an_engine_compiled_itself_are_read_from_each_engine_log(tmp
     assert list(got) == ["engine.log"]  # only logs with such lines
     assert got["engine.log"][0] == rec and got["engine.log"][1] == {"unreadable": "{cut\n"}
     assert own_compiles(None) == {} and own_compiles(str(tmp_path / "gone")) == {}
+
+
+def test_evidence_seconds_lists_the_seconds_figures_by_path_and_stops_at_its_bound() -> None:
+    ev = {
+        "total_seconds_count": 1,  # not a seconds key
+        "fresh_engine": {"seconds": {"boot": 5.0}, "peer_s": 1.25, "seconds_each": {"load": 0.5}},
+        "runs": [{"label": "apply", "seconds": 1.5}, {"flag_s": True, "inner": {"wait_seconds": 2}}],
+    }
+    assert qualify_run.evidence_seconds(ev) == {
+        "fresh_engine.seconds.boot": 5.0,
+        "fresh_engine.peer_s": 1.25,
+        "fresh_engine.seconds_each.load": 0.5,
+        "runs[0].seconds": 1.5,
+        "runs[1].inner.wait_seconds": 2.0,
+    }
+    many = {f"k{i}_s": float(i) for i in range(qualify_run.MAX_EVIDENCE_SECONDS + 10)}
+    assert len(qualify_run.evidence_seconds(many)) == qualify_run.MAX_EVIDENCE_SECONDS

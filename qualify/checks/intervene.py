@@ -109,6 +109,16 @@ def _prompts() -> tuple[list[list[int]], list[int]]:
     return prompts, [r.randrange(lo, hi), r.randrange(lo, hi)]
 
 
+def peer_seconds(report: dict[str, Any]) -> dict[str, float]:
+    """The peer's own account of its seconds (waiting for its order, CUDA's start, the handles' opening, the
+    work), numbers only and at most eight: a diagnostic beside the harness's own timing of the run."""
+    got = report.get("seconds_each")
+    if not isinstance(got, dict):
+        return {}
+    nums = [(str(k)[:40], float(v)) for k, v in got.items() if type(v) in (int, float)]
+    return dict(nums[:8])
+
+
 class _Peer:
     """Runs the harness's peer in swap mode on every rank's allocations (one process per swap set)."""
 
@@ -159,6 +169,7 @@ class _Peer:
             "label": label,
             "exit_code": out.exit_code,
             "seconds": round(out.seconds, 3),
+            "peer_seconds": peer_seconds(report),
             "problems": problems,
             "identical": same,
             "ranks": report.get("ranks"),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qualify.checks.base import Check, Context, Outcome, engine_says, fail_unless, observed
-from qualify.checks.intervene import all_hold, intervene
+from qualify.checks.intervene import all_hold, intervene, peer_seconds
 from qualify.client import EngineError
 from qualify.protocol import KV_PROBE_BYTES, KvEchoRequest, KvFillRequest, KvHandle, pattern_bytes
 from qualify.run.geometry import geometry_for
@@ -102,6 +102,7 @@ def _peer(
         "engine_fills": fills,
         "exit_code": out.exit_code,
         "seconds": round(out.seconds, 3),
+        "peer_seconds": peer_seconds(out.report or {}),
         "error": out.error,
         "output": out.output[-400:] or None,
     }

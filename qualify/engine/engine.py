@@ -163,11 +163,16 @@ class Engine:
                 target = beside / target.name  # else (a read-only weights mount): under the data dir
         if seed is None:
             target = Path(path) if path is not None else Path(self.weights_path)
+        phases: dict[str, float] = {}  # seconds of each part (diagnostic: what a reload costs)
+        t_wait = time.perf_counter()
         self._saved(target)  # the file being written in the background, if this reload reads or writes it
+        phases["wait_for_background_save"] = round(time.perf_counter() - t_wait, 4)
         if seed is not None and not target.is_file():
             # Loaded from the generated tensors; the file (the same bytes) is written beside the checks.
+            t_gen = time.perf_counter()
             state = generate(self.model, seed)
-            before, after = reload_state(self.model, state)
+            phases["generate"] = round(time.perf_counter() - t_gen, 4)
+            before, after = reload_state(self.model, state, phases)
             meta = {"seed": str(seed), "preset": self.cfg.preset}
             self._saved()  # one background write at a time
             failed: list[BaseException] = []
@@ -182,7 +187,7 @@ class Engine:
             thread.start()
             self._saving = (thread, target, failed)
         else:
-            before, after = reload(self.model, target)
+            before, after = reload(self.model, target, phases)
         self.weights_path = target
         self.weights_digest = after.digest
         changed = sorted(n for n in after.checksums if after.checksums[n] != before.checksums[n])
@@ -199,6 +204,7 @@ class Engine:
                 "graph_addresses_moved": moved,
             },
             "seconds": time.perf_counter() - t0,
+            "seconds_each": phases,
             "weights_path": str(target),
         }
 

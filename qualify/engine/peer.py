@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -201,7 +202,11 @@ class CudaBuffer(Buffer):
         import torch  # only here: a CPU run's peer never pays torch's import
 
         self.torch = torch
-        torch.cuda._lazy_init()
+        t0 = time.perf_counter()
+        if not torch.cuda.is_initialized():
+            torch.cuda._lazy_init()
+            SECONDS["cuda_init"] = round(time.perf_counter() - t0, 4)
+        t1 = time.perf_counter()
         dev, ev = handle["device_index"], handle["event_handle"]
         self.storage = torch.UntypedStorage._new_shared_cuda(
             dev,
@@ -218,6 +223,7 @@ class CudaBuffer(Buffer):
         )
         uuid = str(getattr(torch.cuda.get_device_properties(self.t.device), "uuid", ""))
         self.device = {"type": "cuda", "uuid": uuid}
+        SECONDS["opens"] = round(SECONDS.get("opens", 0.0) + time.perf_counter() - t1, 4)
 
     def __len__(self) -> int:
         return int(self.t.numel())
@@ -480,6 +486,10 @@ def acting_as(ids: str | None):
         os.setgroups(groups)
 
 
+# Where a peer's seconds went (its report's seconds_each): waiting for its order, CUDA's start, the handles'
+# opening, the whole of the work; diagnostics for the harness's evidence.
+SECONDS: dict[str, float] = {}
+
 MAX_ORDER_BYTES = 1 << 16  # the one line a waiting peer reads: {"spec": PATH, "out": PATH}
 
 
@@ -501,13 +511,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.wait:
         import torch  # noqa: F401  (the slow part of a start, done before the spec is known)
 
+        t_wait = time.perf_counter()
         line = sys.stdin.readline(MAX_ORDER_BYTES)
+        SECONDS["waited_for_order"] = round(time.perf_counter() - t_wait, 4)
         if not line.strip():
             return 0  # not needed after all (the run ended, or the harness went away)
         order = json.loads(line)
         args.spec, args.out = str(order["spec"]), str(order["out"])
     if args.spec is None:
         p.error("--spec is required (or --wait)")
+    t_work = time.perf_counter()
     try:
         with open(args.spec) as f:
             spec = json.load(f)
@@ -523,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             "unexpected": [],
             "error": f"{type(e).__name__}: {e}",
         }
+    SECONDS["work"] = round(time.perf_counter() - t_work, 4)
+    report["seconds_each"] = dict(SECONDS)
     text = json.dumps(report)
     if args.out:
         tmp = args.out + ".tmp"

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import queue
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,14 +335,37 @@ def snapshot(model: nn.Module) -> Snapshot:
     return Snapshot({n: p.data_ptr() for n, p in params.items()}, {n: sums[n] for n in params})
 
 
-def reload(model: nn.Module, path: str | Path) -> tuple[Snapshot, Snapshot]:
-    """In-place reload: copy the file into the same parameters, refresh derived tensors, census both sides."""
+def reload(
+    model: nn.Module, path: str | Path, phases: dict[str, float] | None = None
+) -> tuple[Snapshot, Snapshot]:
+    """In-place reload: copy the file into the same parameters, refresh derived tensors, census both sides
+    (`phases`, when given, gets the seconds of each: census_before, load, census_after)."""
+    t = _Phases(phases)
     before = snapshot(model)
+    t.mark("census_before")
     load_into(model, path)
-    return before, _refreshed(model)
+    t.mark("load")
+    after = _refreshed(model)
+    t.mark("census_after")
+    return before, after
 
 
-def reload_state(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[Snapshot, Snapshot]:
+class _Phases:
+    """Seconds between marks, into a caller's dict (none kept when it gave none)."""
+
+    def __init__(self, into: dict[str, float] | None) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.into is not None:
+            self.into[name] = round(now - self.t, 4)
+        self.t = now
+
+
+def reload_state(
+    model: nn.Module, state: dict[str, torch.Tensor], phases: dict[str, float] | None = None
+) -> tuple[Snapshot, Snapshot]:
     """`reload` from tensors in memory (weights just generated, the bytes their file will hold): every
     parameter named, of its shape and dtype, else WeightsError and nothing copied."""
     params = dict(model.named_parameters())
@@ -351,11 +375,16 @@ def reload_state(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[Snap
         if tuple(state[name].shape) != tuple(p.shape) or state[name].dtype != p.dtype:
             raise WeightsError(f"{name}: {tuple(state[name].shape)} {state[name].dtype}, the model wants "
                                f"{tuple(p.shape)} {p.dtype}")  # fmt: skip
+    t = _Phases(phases)
     before = snapshot(model)
+    t.mark("census_before")
     with torch.no_grad():
         for name, p in params.items():
             p.data.copy_(state[name])
-    return before, _refreshed(model)
+    t.mark("load")
+    after = _refreshed(model)
+    t.mark("census_after")
+    return before, after
 
 
 def _refreshed(model: nn.Module) -> Snapshot:

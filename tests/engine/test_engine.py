@@ -81,7 +81,11 @@ def test_reload_keeps_addresses_and_changes_outputs_only_when_weights_change(fre
     assert same["census"]["addresses_unchanged"] and same["census"]["changed"] == []
     assert same["census"]["before_digest"] == same["census"]["after_digest"]
     assert tokens(e) == before
+    parts = ["wait_for_background_save", "census_before", "load", "census_after"]
+    assert list(same["seconds_each"]) == parts  # where a reload's seconds go (a diagnostic)
+    assert sum(same["seconds_each"].values()) <= same["seconds"]
     new = e.reload(seed=1234)
+    assert list(new["seconds_each"]) == ["wait_for_background_save", "generate", *parts[1:]]
     c = new["census"]
     assert c["addresses_unchanged"] and c["arena_addresses_unchanged"]
     assert "lm_head.weight" in c["changed"] and c["before_digest"] != c["after_digest"]

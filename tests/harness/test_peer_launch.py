@@ -165,6 +165,8 @@ def test_peers_started_ahead_take_their_spec_on_stdin_and_unused_ones_exit_at_st
     spec.write_text("{}")
     out = launcher.run_peer(spec, 60.0)
     assert out.report is not None and "KeyError" in (out.report.get("error") or ""), out
+    # its own account of its seconds: the wait for the order, then the work (no CUDA on this host)
+    assert set(out.report["seconds_each"]) == {"waited_for_order", "work"}
     assert out.exit_code == 1 and "--wait" in out.command and str(spec) in out.command[-1]
     assert (launcher.run_dir / "peer-spec.log").is_file()  # the spare's log, under the spec's name
     assert not (launcher.run_dir / "peer-spare-0.log").exists()
