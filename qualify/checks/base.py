@@ -97,6 +97,9 @@ class Context:
     probes: Probes = field(default_factory=Probes)
     # What a check's `prepare` started early, by check name; the check takes it, the pipeline closes the rest
     prepared: dict[str, Any] = field(default_factory=dict)
+    # Called by boot once the engine answers, before boot's own requests: the `prepare` of checks marked
+    # prepare_at_ready (the pipeline sets it; a --fail-fast run leaves it a no-op)
+    engine_up: Callable[[], None] = lambda: None
     last_batch: CompletionResponse | None = None
 
     def remaining(self) -> float:
@@ -201,6 +204,9 @@ class Check:
     # Called once boot passed, with the run's time left: start work that may overlap the checks before
     # this one, kept in ctx.prepared[name] (it must have close()).
     prepare: Callable[[Context, float], None] | None = None
+    # True: `prepare` also runs as soon as the engine answers (Context.engine_up), beside boot's own
+    # requests, for work that needs only a running engine (the layout check's peers import torch then).
+    prepare_at_ready: bool = False
     # True: the check times the engine's steps, so nothing the harness started beside the engine (a warm
     # step compiling, launch/kernels.py) may share the GPU with it: the pipeline waits for that first.
     times_engine: bool = False

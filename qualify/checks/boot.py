@@ -271,6 +271,7 @@ def run(ctx: Context) -> Outcome:
         )
     ready_s = time.monotonic() - t0
     started_s = ready_s - prepared_s
+    ctx.engine_up()  # later checks' work that needs only a running engine starts now, beside boot's
     # The engine under test boots while the warm step compiles (launch/kernels.py): before its first request
     # the harness waits (bounded) for the step and gives it the kernels the step compiled.
     late = getattr(ctx.launcher, "give_kernels_late", None)

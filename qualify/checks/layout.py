@@ -150,8 +150,10 @@ PEERS_AHEAD = 3  # the layout check's peer and the intervention's two swaps (one
 
 
 def prefetch(ctx: Context, boot_s: float) -> None:
-    """On a GPU target, start this check's peers once the engine is up (each imports torch, most of a
-    peer's start), beside the backend check; each then waits for its spec (launch/local.py)."""
+    """On a GPU target, start this check's peers once the engine answers (each imports torch, most of a
+    peer's start: on an H100 host, 2026-12-05, a peer started after boot was still importing when the
+    check began, 4.2 s for 0.2 of work), beside boot's own requests; each then waits for its spec
+    (launch/local.py). Called again after boot, it tops up the peers that died waiting."""
     start = getattr(ctx.launcher, "prepare_peers", None)
     if ctx.target == "gpu" and start is not None:
         start(PEERS_AHEAD)
@@ -336,4 +338,4 @@ def run(ctx: Context) -> Outcome:
     return fail_unless(conditions, evidence)
 
 
-CHECK = Check("layout", run, timeout_s=150.0, prepare=prefetch)
+CHECK = Check("layout", run, timeout_s=150.0, prepare=prefetch, prepare_at_ready=True)

@@ -257,6 +257,8 @@ class Engine:
             each[what] = round(now - mark, 3)
             mark = now
 
+        snapshot(self.model)  # the reload census's kernel (a CUDA engine's boot and every reload run it)
+        done("census")
         for b in sizes:
             # each prompt of BOS + n tokens, prefilled on its own: a length that is not a multiple of 16,
             # and one that is

@@ -32,7 +32,9 @@ from typing import Any
 
 # The reference engine's kernel modules, imported by each worker as it starts (beside the recording pass),
 # so a specialization's compile does not wait for the import.
-KERNEL_MODULES = ("kernels.fused", "kernels.kda.decode", "kernels.kda.chunk", "kernels.kda.chunk_intra")
+KERNEL_MODULES = (
+    "kernels.fused", "kernels.kda.decode", "kernels.kda.chunk", "kernels.kda.chunk_intra", "kernels.census",
+)  # fmt: skip
 COMPILE_WAIT_S = 300.0  # every compile is done within this (the warm step's own bound is the harness's)
 
 

@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 import os
-import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -247,55 +247,31 @@ def checksum(t: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(data)).hexdigest()
 
 
-# A CUDA census copies through pinned host buffers in chunks on a stream of its own per thread, hashing one
-# chunk while the next is copied: the plain `.cpu()` of every parameter went through pageable memory, one
-# copy at a time.
+# The seeded weights' stream copies device tensors to the host through pinned buffers of this size.
 CHUNK_BYTES = 16 << 20
 
 
-# Pinned buffer pairs, made on the first census and kept for the process's life: a census (a reload's
-# included) then allocates no memory, pinned or on the device, that the harness's monitor would count.
-_PINNED: queue.SimpleQueue = queue.SimpleQueue()
+# A CUDA census hashes on the device (kernels/census.py: one launch per parameter, one copy of the block
+# words to the host): through the host, each parameter copied through pinned buffers and hashed with
+# sha256 in eight threads, one census of the proxy preset took 0.36-0.54 s on an H100 (2026-12-05), two per
+# reload. The block words' buffer is made at the first census of a set of parameters and kept: a later
+# census (a reload's) allocates no device memory that the harness's monitor would count.
+_CENSUS_WORDS: dict[tuple[object, tuple[int, ...]], torch.Tensor] = {}
+_CENSUS_LOCK = threading.Lock()
 
 
 def _device_checksums(tensors: list[torch.Tensor]) -> list[str]:
-    """`checksum` of each CUDA tensor (the same digests), for one worker thread."""
+    """The census digest of each CUDA tensor (kernels/census.py), all on the first one's device."""
+    from kernels import census
+
+    sizes = tuple(t.numel() * t.element_size() for t in tensors)
     dev = tensors[0].device
-    torch.cuda.set_device(dev)
-    stream = torch.cuda.Stream(dev)
-    try:
-        bufs = _PINNED.get_nowait()
-    except queue.Empty:
-        bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    try:
-        return _hash_through(tensors, bufs, stream)
-    finally:
-        _PINNED.put(bufs)
-
-
-def _hash_through(tensors: list[torch.Tensor], bufs: list[torch.Tensor], stream) -> list[str]:  # type: ignore[no-untyped-def]
-    ready = [torch.cuda.Event(), torch.cuda.Event()]
-    out = []
-    with torch.cuda.stream(stream):
-        for t in tensors:
-            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            spans = [(o, min(CHUNK_BYTES, flat.numel() - o)) for o in range(0, flat.numel(), CHUNK_BYTES)]
-
-            def issue(i: int, flat: torch.Tensor = flat, spans: list = spans) -> None:
-                o, n = spans[i]
-                bufs[i % 2][:n].copy_(flat[o : o + n], non_blocking=True)
-                ready[i % 2].record(stream)
-
-            h = hashlib.sha256()
-            if spans:
-                issue(0)
-            for i, (_, n) in enumerate(spans):
-                ready[i % 2].synchronize()
-                if i + 1 < len(spans):
-                    issue(i + 1)  # into the other buffer, whose chunk was hashed the iteration before
-                h.update(memoryview(bufs[i % 2].numpy())[:n])
-            out.append(h.hexdigest())
-    return out
+    with _CENSUS_LOCK, torch.cuda.device(dev):
+        words = _CENSUS_WORDS.get((dev, sizes))
+        if words is None:
+            words = torch.empty(census.words_needed(sizes), dtype=torch.int64, device=dev)
+            _CENSUS_WORDS[(dev, sizes)] = words
+        return census.digests(tensors, words)
 
 
 @dataclass
@@ -309,8 +285,7 @@ class Snapshot:
         return "sha256:" + hashlib.sha256(blob).hexdigest()
 
 
-# Checksums run side by side: the copy to the host and hashlib's sha256 both release the GIL, and a
-# single thread hashed the proxy preset's 2.9 GB in several seconds, twice per reload.
+# Host checksums run side by side (hashlib's sha256 releases the GIL for large buffers).
 CHECKSUM_THREADS = 8
 
 
@@ -320,14 +295,10 @@ def snapshot(model: nn.Module) -> Snapshot:
     sums: dict[str, str] = {}
     cuda = [n for n, p in params.items() if p.is_cuda]
     if cuda:
-        torch.cuda.synchronize()  # every write to the parameters is done before the census streams read them
-        # Largest first, dealt round-robin: each thread gets about the same number of bytes.
-        order = sorted(cuda, key=lambda n: -params[n].numel() * params[n].element_size())
-        shares = [order[i::workers] for i in range(workers) if order[i::workers]]
-        with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="census") as pool:
-            done = pool.map(lambda names: _device_checksums([params[n] for n in names]), shares)
-            for names, got in zip(shares, done, strict=True):
-                sums.update(zip(names, got, strict=True))
+        torch.cuda.synchronize()  # every write to the parameters is done before the census reads them
+        for dev in {params[n].device for n in cuda}:
+            names = [n for n in cuda if params[n].device == dev]
+            sums.update(zip(names, _device_checksums([params[n] for n in names]), strict=True))
     host = [n for n in params if n not in sums]
     if host:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="census") as pool:

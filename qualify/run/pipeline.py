@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -269,6 +269,8 @@ class Pipeline:
                 self._progress(None)
                 # the harness's own seconds before its first check (the code digest goes on beside boot)
                 ctx.facts["before_first_check_s"] = round(time.monotonic() - t0, 3)
+                if not self.req.fail_fast:
+                    ctx.engine_up = self._at_ready(ctx, run_deadline)
                 self._checks(ctx, run_deadline)
                 self._stop_if_signalled()  # a signal whose exception was dropped after the last check
         except (KeyboardInterrupt, RunInterrupted) as exc:
@@ -286,6 +288,18 @@ class Pipeline:
     def _stop_if_signalled(self) -> None:
         if self.signalled:
             raise RunInterrupted(f"received {self.signalled[0]}")
+
+    def _at_ready(self, ctx: Context, run_deadline: float) -> Callable[[], None]:
+        """What boot calls once the engine answers: the `prepare` of every check marked prepare_at_ready.
+        Work started early to save time: a failure here is not boot's, and the call after boot retries."""
+        early = [c.prepare for c in checks_for(self.req) if c.prepare_at_ready and c.prepare is not None]
+
+        def engine_up() -> None:
+            for prepare in early:
+                with contextlib.suppress(Exception):
+                    prepare(ctx, max(1.0, run_deadline - time.monotonic()))
+
+        return engine_up
 
     def _checks(self, ctx: Context, run_deadline: float) -> None:
         engine_down: str | None = None

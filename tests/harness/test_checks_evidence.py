@@ -273,8 +273,11 @@ def test_an_engine_on_the_cpu_of_a_gpu_host_fails_boot() -> None:
 
 
 def test_boot_hashes_the_weights_file_itself_and_records_the_config_it_sent() -> None:
-    out = boot.run(_context(Engine()))
-    assert out.status == "pass"
+    ctx = _context(Engine())
+    up: list[bool] = []
+    ctx.engine_up = lambda: up.append(ctx.url is not None)  # later checks' early work, once it answers
+    out = boot.run(ctx)
+    assert out.status == "pass" and up == [True]
     w = out.evidence["weights_file"]
     assert w["hashed"] and w["digest"] == file_digest(weights_file()) != W0  # not the engine's digest
     assert out.conditions["weights_file_hashed"].source == "observed"

@@ -182,3 +182,31 @@ def test_a_waiting_peer_that_reads_eof_exits_quietly() -> None:
         [sys.executable, "-I", str(PEER_FILE), "--wait"], input=b"", capture_output=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout == b""
+
+
+def test_the_layout_checks_peers_start_when_the_engine_answers_and_a_failure_there_is_not_boots() -> None:
+    """The pipeline hands boot (Context.engine_up) the prepare of every check marked prepare_at_ready: the
+    layout check's, which starts its peers on a GPU target; an exception there is swallowed (the call
+    after boot tries again) rather than failing boot."""
+    from types import SimpleNamespace
+
+    from qualify.checks import layout
+    from qualify.run.pipeline import Pipeline
+
+    assert layout.CHECK.prepare_at_ready and layout.CHECK.prepare is layout.prefetch
+    asked: list[int] = []
+    launcher = SimpleNamespace(prepare_peers=asked.append)
+    pipeline = object.__new__(Pipeline)
+    pipeline.req = SimpleNamespace(dcp=None)
+    ctx = SimpleNamespace(target="gpu", launcher=launcher)
+    pipeline._at_ready(ctx, float("inf"))()  # type: ignore[arg-type]
+    assert asked == [layout.PEERS_AHEAD]
+    ctx.target = "cpu"  # a CPU target's peer needs no torch: none ahead
+    pipeline._at_ready(ctx, float("inf"))()  # type: ignore[arg-type]
+    assert asked == [layout.PEERS_AHEAD]
+
+    def broken(n: int) -> int:
+        raise OSError("no room for another process")
+
+    ctx.target, launcher.prepare_peers = "gpu", broken
+    pipeline._at_ready(ctx, float("inf"))()  # type: ignore[arg-type]  # nothing raised
