@@ -184,19 +184,26 @@ def _head_x_tile(x, stride_x, res, stride_r, g, s_out, stride_s, rstd, m, k, mas
 
 # Rows of the reductions a projection's epilogue (and the head's first pass) computes per row: every
 # launch sums a row's squares in [*, RB] or [RB, *] register tiles, one per RB rows of its tensor-core
-# tile (BM = RB or 2 * RB), so that a row's bits do not depend on how many rows share the launch.
-RB = tl.constexpr(16)
+# tile (BM = RB or 2 * RB), so that a row's bits do not depend on how many rows share the launch. Each
+# @jit function that needs it declares `RB: tl.constexpr = 16` itself: a constexpr global read by a helper
+# entered its callers' Triton keys only for the callers asked for after the helper (Triton 3.6 merges a
+# callee's globals before computing them), so processes that first launched kernels in different orders
+# disagreed on their keys, and engines missed kernels the warm step had compiled
+# (tests/kernels/test_cache_keys.py).
+RB_ROWS = 16
 
 
 @triton.jit
 def _cat_rows(lo, hi):
     """[2 * RB] from the per-row values of rows 0..RB-1 (lo) and RB..2*RB-1 (hi)."""
+    RB: tl.constexpr = 16  # RB_ROWS
     return tl.reshape(tl.permute(tl.join(lo, hi), (1, 0)), [2 * RB])
 
 
 @triton.jit
 def _sq_partials(sq, M, T, r0: tl.constexpr, TP: tl.constexpr):
     """Rows r0..r0+RB-1's sums of their T partial sums of squares sq [T, M], in a fixed order."""
+    RB: tl.constexpr = 16  # RB_ROWS
     TC: tl.constexpr = 64 if TP > 64 else TP
     mr = r0 + tl.arange(0, RB)
     tot = tl.zeros([RB], dtype=tl.float32)
@@ -210,6 +217,7 @@ def _sq_partials(sq, M, T, r0: tl.constexpr, TP: tl.constexpr):
 @triton.jit
 def _sq_tile(s_out, stride_s, sq, M, N, n, tile, r0: tl.constexpr):
     """Rows r0..r0+RB-1 of this column tile's sums of squares, from the stored sum read back."""
+    RB: tl.constexpr = 16  # RB_ROWS
     mr = r0 + tl.arange(0, RB)
     rmask = (mr[:, None] < M) & (n[None, :] < N)
     sr = tl.load(s_out + mr[:, None] * stride_s + n[None, :], mask=rmask, other=0.0).to(tl.float32)
@@ -221,6 +229,7 @@ def _head_sq(x, stride_x, res, stride_r, M, r0: tl.constexpr, K: tl.constexpr, P
     """norm_head's first pass for rows r0..r0+RB-1: (x + residual) rounded as torch's add is, its squares
     summed over the row in chunks of PBK columns (a loop without a dot is not software-pipelined, so each
     chunk is a round trip)."""
+    RB: tl.constexpr = 16  # RB_ROWS
     mr = r0 + tl.arange(0, RB)
     sq_h = tl.zeros([RB], dtype=tl.float32)
     for kb in range(0, K, PBK):
@@ -256,6 +265,7 @@ def _epilogue(
 ):  # fmt: skip
     """What a launch computes from its tile's fp32 x @ W.T (rows m, column tile `tile`), once per output.
     ADD: 1 the residual add and the next norm, 2 the same from r_pre and g_pre (ADD_SQ_IN_REGS)."""
+    RB: tl.constexpr = 16  # RB_ROWS
     dt = x.dtype.element_ty
     if RSTD:  # the deferred norm: 1/rms of each row from the T partial sums of squares sq [T, M]
         rs = 1.0 / tl.sqrt(_sq_partials(sq, M, T, 0, TP) / K + eps)
@@ -337,6 +347,7 @@ def _linear_body(
     PDL: tl.constexpr,
     PF: tl.constexpr,
 ):
+    RB: tl.constexpr = 16  # RB_ROWS
     pid = tl.program_id(0)
     tile = pid // SPLIT
     ks = pid % SPLIT
