@@ -31,6 +31,9 @@ SAVE_WAIT_S = 300.0  # a seeded weights file written in the background is done w
 _ENGINE_DIR = Path(__file__).resolve().parent
 
 
+WARM_EVERY_BATCH_MAX = 16  # the warm step's decode steps at every request count up to this
+
+
 class EngineConfigError(ValueError):
     """The engine cannot be constructed as configured (one line: what and what to do)."""
 
@@ -269,6 +272,17 @@ class Engine:
                 if cfg.num_spec > 0:
                     speculative_generate(self, prompts, 3, "eager")
                     done(f"speculative b={b} n={n + 1}")
+        # A batch shrinks as its requests finish, so eager steps run at every count of requests up to
+        # max_num_seqs, and a backend may compile per count: b12x compiles a decode kernel per number of
+        # requests and tokens each (an engine on an H100, 2026-12-05, compiled one for 5 requests itself).
+        every = [b for b in range(1, min(cfg.max_num_seqs, WARM_EVERY_BATCH_MAX) + 1) if b not in sizes]
+        for b in every:
+            prompts = [[BOS, *[65 + (i + j) % 26 for j in range(5)]] for i in range(b)]
+            self.generate(prompts, 2, "eager")  # one decode step of b requests
+            if cfg.num_spec > 0:
+                speculative_generate(self, prompts, 2, "eager")  # one verify step of b requests
+        if every:
+            done(f"eager and speculative steps b in {every}")
         captured = self.capture()
         each["capture"] = round(time.perf_counter() - mark, 3)
         mark = time.perf_counter()

@@ -111,7 +111,8 @@ def test_a_recording_pass_runs_every_kind_of_the_warm_steps_work_on_poisoned_mem
     got = _probe("census", tmp_path / "cache", tmp_path)
     sizes = (1, 2, 3, 8)
     assert {f"eager b={b} n=6" for b in sizes} | {f"speculative b={b} n=6" for b in sizes} <= set(got["ran"])
-    assert len(got["ran"]) == 17 and got["ran"][0] == "census"
+    assert len(got["ran"]) == 18 and got["ran"][0] == "census"
+    assert "eager and speculative steps b in [4, 5, 6, 7]" in got["ran"]
     families = {
         "_gate_kernel", "diag_kernel", "inter_solve_kernel", "wu_kernel", "_state_kernel",
         "_gated_norm_kernel", "_kda_decode_kernel", "_gated_rmsnorm_kernel", "_conv_gates_decode_kernel",
