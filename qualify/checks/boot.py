@@ -378,6 +378,7 @@ def run(ctx: Context) -> Outcome:
             if "before_first_check_s" in ctx.facts
             else {}
         ),
+        **{f"harness_before_boot_{k}_s": v for k, v in ctx.facts.get("before_first_check_each", {}).items()},
         **{f"prepare_{k}_at": v for k, v in (ctx.facts.get("boot_phases") or {}).items()},
         # durations inside the weights mark: the sandboxed seeding step, the harness's copy and hash
         **{f"prepare_weights_{k}_s": v for k, v in getattr(ctx.launcher, "weights_phases", {}).items()},

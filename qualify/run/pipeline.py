@@ -260,15 +260,32 @@ class Pipeline:
             ctx.procs = ProcessWatch(self._launched_pid, self.nvml.compute_pids)
         try:
             with _signals_raise(self.signalled):
+                # where the harness's seconds before its first check go: the process's start and imports up
+                # to here, then each step (a diagnostic kept in boot's phases)
+                marks = {"process_start_and_imports": round(time.monotonic() - t0, 3)}
+                t_mark = time.monotonic()
+
+                def mark(name: str) -> None:
+                    nonlocal t_mark
+                    now = time.monotonic()
+                    marks[name] = round(now - t_mark, 3)
+                    t_mark = now
+
                 self.rundir.claim(self.req.request_info(), self.req.db_url, self.started, __version__)
+                mark("run_dir")
                 self._start_code_subject()
+                mark("code_digest_started")
                 self.kmsg.start()
+                mark("kernel_log_watch")
                 self.nvml.start()
+                mark("nvml_watch")
                 ctx.target = self._expected_target()
                 self._ctx = ctx
                 self._progress(None)
+                mark("target_and_progress")
                 # the harness's own seconds before its first check (the code digest goes on beside boot)
                 ctx.facts["before_first_check_s"] = round(time.monotonic() - t0, 3)
+                ctx.facts["before_first_check_each"] = marks
                 if not self.req.fail_fast:
                     ctx.engine_up = self._at_ready(ctx, run_deadline)
                 self._checks(ctx, run_deadline)
