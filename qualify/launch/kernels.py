@@ -14,7 +14,11 @@ give a lying engine a channel to them (and a place to plant binaries that the re
   and a digest over every file;
 - each engine process gets a fresh copy in its own scratch dir (`$HOME/.triton/cache`), checked against the
   manifest's digest as it is copied: what one process writes there reaches no other;
-- the receipt names the copy each process got (its digest, where it came from, or why there was none).
+- the receipt names the copy each process got (its digest, where it came from, or why there was none);
+- an engine that starts while the step still runs gets the entries the step has finished so far (its
+  b12x conformance check's kernels, compiled first, among them), read without following a link, and the
+  rest before its first request (`give_live`); once the step is kept, the receipt says whether what it got
+  early is what was kept.
 
 A kernel in the cache is used only when Triton's own key matches (the kernel's source and its
 dependencies, the Triton version, the target and the compile options), so an engine whose kernels differ
@@ -28,6 +32,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -187,6 +192,108 @@ def give(cached: Path, home: Path, owner: tuple[int, int] | None) -> dict[str, A
     return {"digest": digest, "files": manifest.get("files"), "bytes": nbytes}
 
 
+class _Read:
+    """Bytes already read, where `_copy` expects a path to read."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def read_bytes(self) -> bytes:
+        return self.data
+
+
+def _read_at(name: str, dir_fd: int) -> bytes | None:
+    """A regular file's bytes under the directory `dir_fd`, never through a link; None if it is not one."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            return f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)
+
+
+def finished_entries(step_cache: Path) -> list[tuple[str, bytes]]:
+    """The files of the entries a warm step still running has finished in its Triton cache, read through
+    directory descriptors that never follow a link: a kernel's folder once Triton wrote its group file
+    (`__grp__*.json`, written after every file it names, each renamed into place) and every file the group
+    names is there; a folder of one shared library (a launcher module or the driver's helper, written by
+    one rename). Triton's temporary folders are not entries. Bounded as a kept cache is."""
+    out: list[tuple[str, bytes]] = []
+    total = 0
+    try:
+        root = os.open(step_cache, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    try:
+        for key in sorted(os.listdir(root)):
+            if key.startswith((".", "tmp.")):
+                continue
+            try:
+                entry = os.open(key, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root)
+            except OSError:
+                continue  # not a folder (or a link)
+            try:
+                files = {n: _read_at(n, entry) for n in sorted(os.listdir(entry))}
+            finally:
+                os.close(entry)
+            if any(data is None for data in files.values()):
+                continue
+            groups = [n for n in files if n.startswith("__grp__")]
+            if groups:
+                try:
+                    named = json.loads(files[groups[0]] or b"")["child_paths"].values()
+                    if not all(Path(str(p)).name in files for p in named):
+                        continue
+                except (ValueError, KeyError, AttributeError, TypeError):
+                    continue
+            elif not (len(files) == 1 and next(iter(files)).endswith(".so")):
+                continue  # a kernel whose group is not written yet
+            for n, data in files.items():
+                assert data is not None
+                total += len(data)
+                out.append((f"{key}/{n}", data))
+            if len(out) > MAX_FILES or total > MAX_BYTES:
+                raise KernelCacheError(
+                    f"the warm step's cache at {step_cache} holds more than {MAX_FILES} files or "
+                    f"{MAX_BYTES >> 20} MiB"
+                )
+    finally:
+        os.close(root)
+    return out
+
+
+def give_partial(step_cache: Path, home: Path, owner: tuple[int, int] | None) -> dict[str, Any]:
+    """The entries a warm step still running has finished (finished_entries), copied into `home`'s Triton
+    cache (which must not exist yet) before an engine's first process; what the receipt says about them.
+    `rels` (the files' relative paths) stays with the caller to check against the kept cache later."""
+    files = finished_entries(step_cache)
+    dest = home / CACHE_SUBDIR
+    if dest.exists() or dest.is_symlink():
+        raise KernelCacheError(f"{dest} exists already: a kernel cache is only given to a new scratch dir")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if owner is not None:
+        os.chown(dest.parent, *owner)
+    digest, nbytes = _copy([(rel, _Read(data)) for rel, data in files], dest, owner)  # type: ignore[misc]
+    entries = len({rel.split("/", 1)[0] for rel, _ in files})
+    return {"entries": entries, "files": len(files), "bytes": nbytes, "digest": digest,
+            "rels": [rel for rel, _ in files]}  # fmt: skip
+
+
+def matches_kept(cached: Path, rels: list[str], digest: str) -> bool:
+    """Whether the kept cache's files at `rels` are the bytes given early (the digest give_partial took)."""
+    h = hashlib.sha256()
+    for rel in rels:
+        try:
+            data = (cached / rel).read_bytes()
+        except OSError:
+            return False
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\0")
+    return "sha256:" + h.hexdigest() == digest
+
+
 def _subdir(parent_fd: int, name: str, owner: tuple[int, int] | None) -> int:
     """`name` under the directory `parent_fd` as a directory fd, made if missing; never through a link."""
     try:
@@ -318,6 +425,8 @@ class KernelCache:
         self.warm_step_s: float | None = None
         self.given: dict[str, Any] = {}
         self.settled_s: float | None = None  # how long the harness waited for the warm step (settle)
+        self.live: Path | None = None  # the running warm step's Triton cache (what it finished so far)
+        self._early: dict[str, tuple[list[str], str]] = {}  # per engine: the files given early, their digest
         self._done = threading.Event()
         self._lock = threading.Lock()
         if cached is None:
@@ -377,6 +486,16 @@ class KernelCache:
         if not self.ready:
             why = self.reason or "the warm step was still running when this engine started"
             record: dict[str, Any] = {"given": False, "reason": why}
+            if self.live is not None and not self._done.is_set():
+                try:
+                    early = give_partial(self.live, home, owner)
+                    rels = early.pop("rels")
+                    if early["files"]:
+                        record["early"] = early
+                        with self._lock:
+                            self._early[name] = (rels, early["digest"])
+                except (OSError, KernelCacheError) as exc:
+                    record["early"] = {"error": str(exc)[:300]}
         else:
             assert self.cached is not None
             try:
@@ -410,6 +529,12 @@ class KernelCache:
             except (OSError, KernelCacheError) as exc:
                 late = {"given": False, "waited_s": waited_s, "reason": str(exc)}
             record = {"given": late["given"], "at_start": before.get("reason"), "late": late}
+            if "early" in before:
+                record["early"] = before["early"]
+                with self._lock:
+                    early = self._early.get(name)
+                if early is not None:  # what came early, held against what the step left in the end
+                    record["early"]["matches_kept"] = matches_kept(self.cached, *early)
             if late["given"]:
                 record.update({k: late[k] for k in ("digest", "files", "bytes")})
         with self._lock:

@@ -450,6 +450,8 @@ class LocalLauncher(Launcher):
         key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
         kernels = KernelCache(cache_dir() / "kernels" / f"{self.options.preset}-{key}")
         facts = {"reference_code": code, "versions": versions}
+        # where the running step compiles: an engine that starts meanwhile gets what it finished so far
+        kernels.live = self.run_dir / "warm-step" / "home" / CACHE_SUBDIR
         kernels.start(lambda: self._warm_step(facts), cleanup=self._warm_cleanup)
         return kernels
 

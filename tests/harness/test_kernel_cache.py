@@ -347,6 +347,60 @@ def test_the_engine_under_test_gets_the_cache_late_when_the_step_is_not_done_at_
     assert own == {"entries": 1, "kernels": ["_missed_kernel"]}
 
 
+@pytest.mark.parametrize("changed_after", [False, True])
+def test_an_engine_that_starts_while_the_step_runs_gets_its_finished_entries_first(
+    tmp_path: Path, monkeypatch, changed_after: bool
+) -> None:
+    """Only entries the step has finished come early (a kernel once its group file names every file there,
+    a launcher's one library), never through a link; the rest come late; and the record says whether the
+    early files are what the step left in the end."""
+    import threading
+
+    monkeypatch.setenv("QUALIFY_CACHE_DIR", str(tmp_path / "harness-cache"))
+    launcher = _gpu_launcher(tmp_path)
+    release, written = threading.Event(), threading.Event()
+    secret = tmp_path / "secret"
+    secret.write_text("the operator's key")
+
+    def popen(argv, scratch, env, **kw):  # a warm step part way through its compiles
+        cache = scratch / "home" / CACHE_SUBDIR
+        done = cache / "DONE"
+        done.mkdir(parents=True)
+        (done / "k.cubin").write_bytes(b"compiled")
+        (done / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.cubin": str(done / "k.cubin")}}))
+        (cache / "LAUNCHER").mkdir()
+        (cache / "LAUNCHER" / "__triton_launcher.so").write_bytes(b"\x7fELF")
+        (cache / "HALF").mkdir()
+        (cache / "HALF" / "h.cubin").write_bytes(b"no group yet")
+        (cache / "LINK").mkdir()
+        (cache / "LINK" / "__triton_launcher.so").symlink_to(secret)
+        (cache / "ELSEWHERE").symlink_to(tmp_path)
+        written.set()
+        release.wait(30)
+        (cache / "HALF" / "__grp__h.json").write_text(json.dumps({"child_paths": {}}))
+        if changed_after:
+            (done / "k.cubin").write_bytes(b"recompiled")
+        return subprocess.Popen([sys.executable, "-c", "pass"]), None
+
+    monkeypatch.setattr(launcher, "_popen", popen)
+    cache = launcher.prepare_kernels()
+    assert written.wait(30)
+    launcher._give_kernels(launcher.scratch)  # the engine under test starts while the step runs
+    given = launcher.scratch / "home" / CACHE_SUBDIR
+    assert sorted(p.name for p in given.iterdir()) == ["DONE", "LAUNCHER"]
+    early = cache.evidence()["given"]["engine"]
+    assert early["given"] is False and early["early"]["entries"] == 2 and early["early"]["files"] == 3
+    release.set()
+    record = launcher.give_kernels_late(30)
+    assert record is not None and record["given"] is True
+    assert (given / "HALF" / "h.cubin").read_bytes() == b"no group yet"  # came late
+    assert not (given / "LINK").exists() and not (given / "ELSEWHERE").exists()
+    assert record["early"]["matches_kept"] is (not changed_after)
+    launcher._boots = 1
+    launcher.stop(0.1)
+    assert cache.evidence()["given"]["engine"]["compiled_itself"]["entries"] == 0  # early ones were given
+
+
 def test_what_an_engine_compiled_itself_is_counted_by_name_without_following_links(tmp_path: Path) -> None:
     home = tmp_path / "home"
     cache = home / CACHE_SUBDIR
