@@ -58,7 +58,8 @@ def main() -> None:
         _logs(second, args.logs_out, "again")
         receipt2 = _receipt(second.get("receipt_id"), None)
         keys = ("verdict", "boot_phases", "check_seconds", "check_details", "check_waits", "kernel_cache",
-                "fresh_host", "spec_drafts", "acceptance_histogram", "monitor_window_costs_s")  # fmt: skip
+                "fresh_host", "spec_drafts", "acceptance_histogram", "monitor_window_costs_s",
+                "capture_step_timing", "evidence_seconds", "conditions")  # fmt: skip
         result["again"] = {
             "exit_code": r2.returncode,
             "wall_s": round(wall2, 2),
@@ -192,6 +193,9 @@ def _receipt(receipt_id: str | None, show_out: str | None) -> dict:
         # Every seconds figure the checks' evidence records (peer runs, reloads, the fresh engine...), by
         # its path in the evidence: where a check's time went beyond its waits on the engine.
         "evidence_seconds": {c.get("name"): evidence_seconds(c.get("evidence") or {}) for c in checks},
+        # The capture check's timing rule as it was decided: per captured size, the eager and graph per-step
+        # samples (seconds, in the order taken), their medians, the rank p and the rounds.
+        "capture_step_timing": step_timing(ev_of("capture")),
         # The harness's wait on the engine under test per endpoint inside each check (the rest of a
         # check's seconds is the harness's own work and other engines it booted).
         "check_waits": {
@@ -295,6 +299,16 @@ def evidence_seconds(evidence: dict) -> dict[str, float]:
 
     walk("", evidence, False, 0)
     return out
+
+
+def step_timing(capture: dict) -> dict:
+    """The capture check's graph-versus-eager timing per request count: samples, medians, p, rounds."""
+    keys = ("eager_samples_s", "graph_samples_s", "eager_step_s", "graph_step_s", "bound_s", "rank_p",
+            "rounds", "first_rounds")  # fmt: skip
+    timing = capture.get("step_timing")
+    if not isinstance(timing, dict):
+        return {}
+    return {n: {k: f.get(k) for k in keys} for n, f in timing.items() if isinstance(f, dict)}
 
 
 def _details(checks: list[dict]) -> dict:

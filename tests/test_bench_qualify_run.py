@@ -91,3 +91,12 @@ def test_evidence_seconds_lists_the_seconds_figures_by_path_and_stops_at_its_bou
     }
     many = {f"k{i}_s": float(i) for i in range(qualify_run.MAX_EVIDENCE_SECONDS + 10)}
     assert len(qualify_run.evidence_seconds(many)) == qualify_run.MAX_EVIDENCE_SECONDS
+
+
+def test_the_capture_timing_is_kept_with_its_samples() -> None:
+    capture = {"step_timing": {"1": {"eager_samples_s": [5e-3, 6e-3], "graph_samples_s": [1e-3, 4e-3],
+                                     "rank_p": 0.2, "rounds": 9, "first_rounds": {"rank_p": 0.03},
+                                     "rule": "..."}}}  # fmt: skip
+    got = qualify_run.step_timing(capture)
+    assert got["1"]["graph_samples_s"] == [1e-3, 4e-3] and got["1"]["rounds"] == 9 and "rule" not in got["1"]
+    assert qualify_run.step_timing({}) == {}
