@@ -2,8 +2,9 @@
 
 Graphs: a replayed CUDA graph step must be measurably faster than an eager step of the same batch (an
 engine that answers `mode_used: "graph"` from eager steps runs at eager speed). Per-step time is measured
-by difference, (time of a request of `long` tokens - time of one of `short` tokens) / (long - short), which
-cancels the HTTP round trip and the prefill; the graph steps must beat the eager steps by the medians and
+by difference, (time of a request of `long` tokens - time of one of `short` tokens) / (long - short), the
+fastest of two pairs (checks/capture.py), which cancels the HTTP round trip and the prefill and leaves out
+a pause of the host in one request; the graph steps must beat the eager steps by the medians and
 by ranks (`graph_rule`), over more rounds where the first do not decide (`graph_decision`).
 
 Speculation: drafts that are all accepted must finish the same sequence in fewer engine steps than plain

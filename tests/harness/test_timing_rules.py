@@ -126,3 +126,32 @@ def test_speculation_simulated_on_plain_decoding_takes_as_long_as_plain_decoding
         and facts["measured_ratio"] > 1.5 * facts["expected_ratio"] + 0.1
     )
     assert not spec_rule(first=[], plain=[1.0], none=[1.0], every=[1.0], max_tokens=12, num_spec=3)[0]
+
+
+def test_a_sample_is_the_fastest_of_two_pairs_each_on_fresh_prompts() -> None:
+    """capture.step_times: a host pause in one request moves no sample (the fastest short and long of two
+    pairs), each pair sends prompts of its own (no request repeats another's: a cache cannot answer it),
+    and both requests of a pair send the same prompts (prefill cancels)."""
+    from types import SimpleNamespace
+
+    from qualify.checks import capture
+
+    now = [0.0]
+    sent: list[tuple[str, tuple, int]] = []
+    drawn = iter(range(10_000))
+
+    def fresh(n: int) -> list[str]:
+        return [f"prompt {next(drawn)}" for _ in range(n)]
+
+    def generate(prompts, *, mode, max_tokens):  # type: ignore[no-untyped-def]
+        sent.append((mode, tuple(prompts), max_tokens))
+        step = 6e-3 if mode == "eager" else 1.5e-3
+        now[0] += 0.05 + max_tokens * step + (0.06 if len(sent) == 4 else 0.0)  # one long request paused
+
+    ctx = SimpleNamespace(fresh=fresh, generate=generate, clock=lambda: now[0])
+    got = capture.step_times(ctx, 8, 3)  # type: ignore[arg-type]
+    assert got["eager"] == pytest.approx([6e-3] * 3) and got["graph"] == pytest.approx([1.5e-3] * 3)
+    assert len(sent) == 3 * 2 * capture.PAIRS_PER_SAMPLE * 2
+    pairs = [sent[i : i + 2] for i in range(0, len(sent), 2)]
+    assert all(a[1] == b[1] and (a[2], b[2]) == (capture.SHORT_TOKENS, capture.LONG_TOKENS) for a, b in pairs)
+    assert len({a[1] for a, _ in pairs}) == len(pairs)  # every pair on prompts of its own
