@@ -610,6 +610,7 @@ def warm(args: argparse.Namespace) -> None:
     try:
         if args.room_factor is not None:
             _check_room(cfg, args.room_factor)
+        _record_b12x_conformance(cfg, pre)
         engine = _build_engine(args, cfg, weights=False)
         try:
             with pre.recording():
@@ -635,6 +636,25 @@ def warm(args: argparse.Namespace) -> None:
         pre.close()
         raise
     print(json.dumps({"warm": ran, "precompile": facts, "boot_seconds": boot_seconds}), flush=True)
+
+
+def _record_b12x_conformance(cfg, pre) -> None:  # type: ignore[no-untyped-def]
+    """Where the engine would consult b12x (requested, or auto with speculation on CUDA), its start-up
+    conformance check runs inside the recording pass: its kernels go to the workers (and reach an engine
+    under test that starts meanwhile, launch/kernels.py) instead of compiling here before the recording."""
+    requested, speculative = cfg.kda_decode_backend, cfg.num_spec > 0
+    consulted = requested == "b12x" or (requested == "auto" and speculative)
+    if not cfg.device.startswith("cuda") or not consulted:
+        return
+    import torch
+
+    from kernels.kda.b12x import record_conformance
+
+    device = torch.device(cfg.device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with pre.recording():
+        record_conformance(device)
 
 
 def write_weights(args: argparse.Namespace) -> None:

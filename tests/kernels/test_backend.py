@@ -22,9 +22,9 @@ from kernels.kda import (
 
 @pytest.fixture
 def fresh_b12x_status():
-    b12x_adapter._status.cache_clear()
+    b12x_adapter._STATUS.clear()
     yield
-    b12x_adapter._status.cache_clear()
+    b12x_adapter._STATUS.clear()
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_b12x_failing_its_conformance_check_is_refused_and_auto_says_why(b12x_im
     monkeypatch.setattr(b12x_adapter, "conformance_check", fail)
     with pytest.raises(BackendUnavailable, match="conformance check .* failed: max"):
         resolve_backend("b12x", speculative=True, device="cuda:0")
-    b12x_adapter._status.cache_clear()
+    b12x_adapter._STATUS.clear()
     r = resolve_backend("auto", speculative=True, device="cuda:0")
     assert r.name == "triton" and "conformance" in r.reason
 
