@@ -657,6 +657,17 @@ def _record_b12x_conformance(cfg, pre) -> None:  # type: ignore[no-untyped-def]
         record_conformance(device)
 
 
+def _process_elapsed_s() -> float:
+    """Seconds since this process started (Linux /proc; 0.0 where it cannot be read)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return round(max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started), 3)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
 def write_weights(args: argparse.Namespace) -> None:
     """The seeded weights a `serve` with these options would generate, written to --out (atomically) or
     streamed to --out-fd as they are generated, one parameter at a time on the configured device (the
@@ -669,14 +680,22 @@ def write_weights(args: argparse.Namespace) -> None:
         cfg = EngineConfig(**_config_fields(args))
     except ValidationError as e:
         _fail(f"invalid engine config: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
+    # where the step's seconds go (its log: what a fresh host's seeding costs): the process's start to here,
+    # torch and the model's imports, the model's shapes, then generating and writing the stream
+    seconds = {"process_start_to_here": _process_elapsed_s()}
+    t0 = time.perf_counter()
     import torch
 
     from .model import HybridModel
     from .weights import write_seeded
 
+    seconds["imports"] = round(time.perf_counter() - t0, 3)
+    t0 = time.perf_counter()
     model = HybridModel(cfg, torch.device("meta"))  # shapes and dtypes: nothing allocated
     meta = {"seed": str(cfg.seed), "preset": cfg.preset}
     device = torch.device(cfg.device)
+    seconds["model"] = round(time.perf_counter() - t0, 3)
+    t0 = time.perf_counter()
     if args.out_fd is not None:
         with open(args.out_fd, "wb", buffering=0, closefd=True) as f:
             nbytes = write_seeded(model, cfg.seed, f, device, meta)
@@ -689,7 +708,9 @@ def write_weights(args: argparse.Namespace) -> None:
             nbytes = write_seeded(model, cfg.seed, f, device, meta)
         os.replace(tmp, out)
         where = args.out
-    print(json.dumps({"weights": where, "bytes": nbytes, "seed": cfg.seed, "preset": cfg.preset}), flush=True)
+    seconds["generate_and_write"] = round(time.perf_counter() - t0, 3)
+    said = {"weights": where, "bytes": nbytes, "seed": cfg.seed, "preset": cfg.preset, "seconds": seconds}
+    print(json.dumps(said), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
