@@ -173,16 +173,22 @@ def read_manifest(cached: Path) -> dict[str, Any]:
     return m
 
 
-def give(cached: Path, home: Path, owner: tuple[int, int] | None) -> dict[str, Any]:
-    """A fresh copy of the kept cache into `home`/CACHE_SUBDIR (which must not exist yet), checked against
-    the manifest's digest; what the receipt says about it."""
-    manifest = read_manifest(cached)
+def _new_cache_dir(home: Path, owner: tuple[int, int] | None) -> Path:
+    """`home`/CACHE_SUBDIR for a copy, which must not exist yet (its parent made, owned by `owner`)."""
     dest = home / CACHE_SUBDIR
     if dest.exists() or dest.is_symlink():
         raise KernelCacheError(f"{dest} exists already: a kernel cache is only given to a new scratch dir")
     dest.parent.mkdir(parents=True, exist_ok=True)
     if owner is not None:
         os.chown(dest.parent, *owner)
+    return dest
+
+
+def give(cached: Path, home: Path, owner: tuple[int, int] | None) -> dict[str, Any]:
+    """A fresh copy of the kept cache into `home`/CACHE_SUBDIR (which must not exist yet), checked against
+    the manifest's digest; what the receipt says about it."""
+    manifest = read_manifest(cached)
+    dest = _new_cache_dir(home, owner)
     digest, nbytes = _copy(_walk(cached), dest, owner)
     if digest != manifest["digest"]:
         shutil.rmtree(dest, ignore_errors=True)
@@ -270,12 +276,7 @@ def give_partial(step_cache: Path, home: Path, owner: tuple[int, int] | None) ->
     cache (which must not exist yet) before an engine's first process; what the receipt says about them.
     `rels` (the files' relative paths) stays with the caller to check against the kept cache later."""
     files = finished_entries(step_cache)
-    dest = home / CACHE_SUBDIR
-    if dest.exists() or dest.is_symlink():
-        raise KernelCacheError(f"{dest} exists already: a kernel cache is only given to a new scratch dir")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if owner is not None:
-        os.chown(dest.parent, *owner)
+    dest = _new_cache_dir(home, owner)
     digest, nbytes = _copy([(rel, _Read(data)) for rel, data in files], dest, owner)  # type: ignore[misc]
     entries = len({rel.split("/", 1)[0] for rel, _ in files})
     return {"entries": entries, "files": len(files), "bytes": nbytes, "digest": digest,
