@@ -216,6 +216,10 @@ def _fresh_host(phases: dict, kc: dict) -> dict:
             "late_waited_s": late.get("waited_s"),
             "late_entries": late.get("entries"),
             "late_entries_it_had": late.get("entries_it_had"),
+            # what it got at its start from a warm step still running (its finished entries), and whether
+            # those are the files the step left in the end
+            "early_entries": (given.get("early") or {}).get("entries"),
+            "early_matches_kept": (given.get("early") or {}).get("matches_kept"),
             "compiled_itself": (given.get("compiled_itself") or {}).get("entries"),
             "compiled_itself_kernels": (given.get("compiled_itself") or {}).get("kernels"),
         }

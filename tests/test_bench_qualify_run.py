@@ -42,6 +42,7 @@ def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines
                 "given": True,
                 "at_start": "still running",
                 "late": {"given": True, "waited_s": 1.2, "entries": 70, "entries_it_had": 1},
+                "early": {"entries": 9, "files": 58, "matches_kept": True},
                 "compiled_itself": {"entries": 2, "kernels": ["_missed"]},
             },  # fmt: skip
             "fresh-reference": {"given": True, "digest": "sha256:x", "compiled_itself": {"entries": 0}},
@@ -58,6 +59,7 @@ def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines
     eng, ref = got["engines"]["engine"], got["engines"]["fresh-reference"]
     assert eng["at_start"] is False and eng["late_waited_s"] == 1.2 and eng["compiled_itself"] == 2
     assert eng["compiled_itself_kernels"] == ["_missed"]
+    assert eng["early_entries"] == 9 and eng["early_matches_kept"] is True
     assert ref["at_start"] is True and ref["late_waited_s"] is None and ref["compiled_itself"] == 0
     assert _fresh_host({}, {})["engines"] == {}
 
