@@ -240,7 +240,8 @@ class AttentionLayer(nn.Module):
 
     def forward_prefill(self, x: Tensor, ctx) -> Tensor:
         q, k, v = self._project(x, ctx.positions)
-        rows_of_token = ctx.block_tables.repeat_interleave(ctx.seq_lens_q, dim=0)  # [total, max_blocks]
+        # [total, max_blocks]; output_size given, so the device's repeat counts are not read back (no sync)
+        rows_of_token = ctx.block_tables.repeat_interleave(ctx.seq_lens_q, dim=0, output_size=x.shape[0])
         self._write_kv(k, v, ctx.positions, rows_of_token)
         outs = []
         for i, (lo, hi) in enumerate(ctx.bounds):
