@@ -657,17 +657,6 @@ def _record_b12x_conformance(cfg, pre) -> None:  # type: ignore[no-untyped-def]
         record_conformance(device)
 
 
-def _process_elapsed_s() -> float:
-    """Seconds since this process started (Linux /proc; 0.0 where it cannot be read)."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
-        return round(max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started), 3)
-    except (OSError, ValueError, IndexError, AttributeError):
-        return 0.0
-
-
 def write_weights(args: argparse.Namespace) -> None:
     """The seeded weights a `serve` with these options would generate, written to --out (atomically) or
     streamed to --out-fd as they are generated, one parameter at a time on the configured device (the
@@ -682,7 +671,8 @@ def write_weights(args: argparse.Namespace) -> None:
         _fail(f"invalid engine config: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
     # where the step's seconds go (its log: what a fresh host's seeding costs): the process's start to here,
     # torch and the model's imports, the model's shapes, then generating and writing the stream
-    seconds = {"process_start_to_here": _process_elapsed_s()}
+    since = _since_process_start()
+    seconds = {"process_start_to_here": None if since is None else round(since, 3)}
     t0 = time.perf_counter()
     import torch
 
