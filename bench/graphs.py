@@ -17,6 +17,7 @@ from the speculative engine's own plain decode, so only a near tie between the p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -64,14 +65,25 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def step_latency(engine, batch: int, steps: int) -> dict:
-    """Median ms per decode step of `batch` live requests: eager launches vs one graph replay."""
-    r, g = engine.runner, engine.runner.graphs
-    reqs = [r.admit(p, 8) for p in _prompts(batch)]
+@contextlib.contextmanager
+def _prefilled(r, prompts):  # type: ignore[no-untyped-def]
+    """Requests of `prompts` admitted to runner `r`, prefilled and their first tokens appended (ready for a
+    decode step); released on the way out."""
+    reqs = [r.admit(p, 8) for p in prompts]
     try:
         toks, gaps = r.pick(r.prefill(reqs))
         for q, t, gap in zip(reqs, toks, gaps, strict=True):
             r._append(q, t, gap)
+        yield reqs
+    finally:
+        for q in reqs:
+            r.release(q)
+
+
+def step_latency(engine, batch: int, steps: int) -> dict:
+    """Median ms per decode step of `batch` live requests: eager launches vs one graph replay."""
+    r, g = engine.runner, engine.runner.graphs
+    with _prefilled(r, _prompts(batch)) as reqs:
         n_pad = g.padded_size(batch, 1)
 
         def eager() -> None:
@@ -96,9 +108,6 @@ def step_latency(engine, batch: int, steps: int) -> dict:
             out[f"{name}_ms"] = round(statistics.median(times), 4)
         out["speedup"] = round(out["eager_ms"] / out["replay_ms"], 2)
         return out
-    finally:
-        for q in reqs:
-            r.release(q)
 
 
 def host_profile(engine, steps: int = 20, top: int = 25) -> dict:
@@ -109,11 +118,7 @@ def host_profile(engine, steps: int = 20, top: int = 25) -> dict:
     import pstats
 
     r = engine.runner
-    reqs = [r.admit(p, 8) for p in _prompts(1)]
-    try:
-        toks, gaps = r.pick(r.prefill(reqs))
-        for q, t, gap in zip(reqs, toks, gaps, strict=True):
-            r._append(q, t, gap)
+    with _prefilled(r, _prompts(1)) as reqs:
 
         def step() -> None:
             r.stage_decode(reqs, 1)
@@ -160,9 +165,6 @@ def host_profile(engine, steps: int = 20, top: int = 25) -> dict:
                 ],
             }
         return out
-    finally:
-        for q in reqs:
-            r.release(q)
 
 
 def step_bytes(engine, context_tokens: int, batch: int = 1) -> dict[str, int]:
@@ -190,11 +192,7 @@ def roofline(engine, copy: dict, steps: int, batch: int = 1, sequence: bool = Fa
     of the step in order with its own time (meaningful where no launch overlaps the one before: no PDL)."""
     r, g = engine.runner, engine.runner.graphs
     prompts = _prompts(batch)
-    reqs = [r.admit(p, 8) for p in prompts]
-    try:
-        toks, gaps = r.pick(r.prefill(reqs))
-        for q, t, gap in zip(reqs, toks, gaps, strict=True):
-            r._append(q, t, gap)
+    with _prefilled(r, prompts) as reqs:
         n_pad = g.padded_size(batch, 1)
         r.stage_decode(reqs, n_pad)
 
@@ -224,9 +222,6 @@ def roofline(engine, copy: dict, steps: int, batch: int = 1, sequence: bool = Fa
             "kernels": kernels[:30],
             **({"launches": launch_sequence(events, 5)} if sequence else {}),
         }
-    finally:
-        for q in reqs:
-            r.release(q)
 
 
 def tokens_per_second(fn, prompts, tokens: int) -> dict:
