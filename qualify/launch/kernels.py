@@ -35,7 +35,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,17 @@ def _walk(root: Path) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
-def _copy(files: list[tuple[str, Path]], dest: Path, owner: tuple[int, int] | None) -> tuple[str, int]:
-    """Copy `files` into `dest` (created), hashing what was read: (digest, bytes). The digest is sha256
-    over (relative path NUL sha256 of the file NUL) in path order."""
+def _hash_file(h: Any, rel: str, data: bytes) -> None:
+    """One file's part of a cache's digest: sha256 over (relative path NUL sha256 of the file NUL) in path
+    order, the same for a kept cache, each copy of it and a step's entries given early."""
+    h.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\0")
+
+
+def _copy(
+    files: Sequence[tuple[str, Path | bytes]], dest: Path, owner: tuple[int, int] | None
+) -> tuple[str, int]:
+    """Copy `files` (each a path to read, or bytes already read) into `dest` (created), hashing what was
+    read: (digest, bytes), the digest as _hash_file makes it."""
     h = hashlib.sha256()
     nbytes = 0
     dest.mkdir(parents=True, exist_ok=True)
@@ -111,11 +119,11 @@ def _copy(files: list[tuple[str, Path]], dest: Path, owner: tuple[int, int] | No
             if d not in dirs:
                 d.mkdir(exist_ok=True)
                 dirs.add(d)
-        data = src.read_bytes()
+        data = src if isinstance(src, bytes) else src.read_bytes()
         nbytes += len(data)
         with open(target, "xb") as f:  # never through a link or over a file already there
             f.write(data)
-        h.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\0")
+        _hash_file(h, rel, data)
     if owner is not None:
         for d in dirs:
             os.chown(d, *owner)
@@ -198,16 +206,6 @@ def give(cached: Path, home: Path, owner: tuple[int, int] | None) -> dict[str, A
     return {"digest": digest, "files": manifest.get("files"), "bytes": nbytes}
 
 
-class _Read:
-    """Bytes already read, where `_copy` expects a path to read."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def read_bytes(self) -> bytes:
-        return self.data
-
-
 def _read_at(name: str, dir_fd: int) -> bytes | None:
     """A regular file's bytes under the directory `dir_fd`, never through a link; None if it is not one."""
     try:
@@ -277,7 +275,7 @@ def give_partial(step_cache: Path, home: Path, owner: tuple[int, int] | None) ->
     `rels` (the files' relative paths) stays with the caller to check against the kept cache later."""
     files = finished_entries(step_cache)
     dest = _new_cache_dir(home, owner)
-    digest, nbytes = _copy([(rel, _Read(data)) for rel, data in files], dest, owner)  # type: ignore[misc]
+    digest, nbytes = _copy(files, dest, owner)
     entries = len({rel.split("/", 1)[0] for rel, _ in files})
     return {"entries": entries, "files": len(files), "bytes": nbytes, "digest": digest,
             "rels": [rel for rel, _ in files]}  # fmt: skip
@@ -291,7 +289,7 @@ def matches_kept(cached: Path, rels: list[str], digest: str) -> bool:
             data = (cached / rel).read_bytes()
         except OSError:
             return False
-        h.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\0")
+        _hash_file(h, rel, data)
     return "sha256:" + h.hexdigest() == digest
 
 
@@ -331,7 +329,7 @@ def give_live(cached: Path, home: Path, owner: tuple[int, int] | None) -> dict[s
     for rel, src in files:
         data = src.read_bytes()
         nbytes += len(data)
-        h.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\0")
+        _hash_file(h, rel, data)
         top, _, rest = rel.partition("/")
         entries.setdefault(top, []).append((rest, data))
     digest = "sha256:" + h.hexdigest()
