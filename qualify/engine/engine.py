@@ -24,7 +24,16 @@ from .model.attention import AttentionRuntime
 from .model.kda_layer import KdaRuntime
 from .runner import Runner
 from .tokenizer import BOS
-from .weights import default_weights_path, ensure_weights, generate, reload, reload_state, save, snapshot
+from .weights import (
+    Phases,
+    default_weights_path,
+    ensure_weights,
+    generate,
+    reload,
+    reload_state,
+    save,
+    snapshot,
+)
 
 ENGINE_NAME = "qualify-reference-engine"
 SAVE_WAIT_S = 300.0  # a seeded weights file written in the background is done within this
@@ -167,14 +176,13 @@ class Engine:
         if seed is None:
             target = Path(path) if path is not None else Path(self.weights_path)
         phases: dict[str, float] = {}  # seconds of each part (diagnostic: what a reload costs)
-        t_wait = time.perf_counter()
+        marks = Phases(phases)
         self._saved(target)  # the file being written in the background, if this reload reads or writes it
-        phases["wait_for_background_save"] = round(time.perf_counter() - t_wait, 4)
+        marks.mark("wait_for_background_save")
         if seed is not None and not target.is_file():
             # Loaded from the generated tensors; the file (the same bytes) is written beside the checks.
-            t_gen = time.perf_counter()
             state = generate(self.model, seed)
-            phases["generate"] = round(time.perf_counter() - t_gen, 4)
+            marks.mark("generate")
             before, after = reload_state(self.model, state, phases)
             meta = {"seed": str(seed), "preset": self.cfg.preset}
             self._saved()  # one background write at a time

@@ -311,7 +311,7 @@ def reload(
 ) -> tuple[Snapshot, Snapshot]:
     """In-place reload: copy the file into the same parameters, refresh derived tensors, census both sides
     (`phases`, when given, gets the seconds of each: census_before, load, census_after)."""
-    t = _Phases(phases)
+    t = Phases(phases)
     before = snapshot(model)
     t.mark("census_before")
     load_into(model, path)
@@ -321,7 +321,7 @@ def reload(
     return before, after
 
 
-class _Phases:
+class Phases:
     """Seconds between marks, into a caller's dict (none kept when it gave none)."""
 
     def __init__(self, into: dict[str, float] | None) -> None:
@@ -346,7 +346,7 @@ def reload_state(
         if tuple(state[name].shape) != tuple(p.shape) or state[name].dtype != p.dtype:
             raise WeightsError(f"{name}: {tuple(state[name].shape)} {state[name].dtype}, the model wants "
                                f"{tuple(p.shape)} {p.dtype}")  # fmt: skip
-    t = _Phases(phases)
+    t = Phases(phases)
     before = snapshot(model)
     t.mark("census_before")
     with torch.no_grad():
