@@ -312,6 +312,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+def consults_b12x(requested: str, *, speculative: bool, device: str | torch.device) -> bool:
+    """Whether resolve_backend asks b12x (imports it and runs its conformance check) for this request: b12x
+    requested, or auto with speculation on CUDA (a warm step records that check where an engine runs it)."""
+    cuda = torch.device(device).type == "cuda"
+    return requested == "b12x" or (requested == "auto" and cuda and speculative)
+
+
 def resolve_backend(requested: str, *, speculative: bool, device: str | torch.device) -> Resolution:
     """Pick the backend for `requested` on `device`; the reason records why (and what prefill uses)."""
     if requested not in BACKENDS:

@@ -642,9 +642,12 @@ def _record_b12x_conformance(cfg, pre) -> None:  # type: ignore[no-untyped-def]
     """Where the engine would consult b12x (requested, or auto with speculation on CUDA), its start-up
     conformance check runs inside the recording pass: its kernels go to the workers (and reach an engine
     under test that starts meanwhile, launch/kernels.py) instead of compiling here before the recording."""
-    requested, speculative = cfg.kda_decode_backend, cfg.num_spec > 0
-    consulted = requested == "b12x" or (requested == "auto" and speculative)
-    if not cfg.device.startswith("cuda") or not consulted:
+    from kernels.kda.backend import consults_b12x
+
+    speculative = cfg.num_spec > 0
+    if not cfg.device.startswith("cuda") or not consults_b12x(
+        cfg.kda_decode_backend, speculative=speculative, device=cfg.device
+    ):
         return
     import torch
 

@@ -5,6 +5,7 @@ consult b12x."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -59,3 +60,25 @@ def test_the_warm_step_records_the_check_only_where_the_engine_would_consult_b12
     cfg = SimpleNamespace(kda_decode_backend=backend, num_spec=num_spec, device=device)
     main._record_b12x_conformance(cfg, Pre())
     assert seen == ([torch.device("cuda", 0)] if records else [])
+
+
+@pytest.mark.parametrize("requested", ["auto", "b12x", "triton", "torch"])
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("device", ["cuda:0", "cpu"])
+def test_the_warm_steps_rule_is_the_one_resolve_backend_follows(
+    monkeypatch, requested: str, speculative: bool, device: str
+) -> None:
+    """consults_b12x says yes exactly where resolve_backend asks b12x for its status."""
+    from kernels.kda import backend
+
+    asked: list[object] = []
+
+    def status(dev):  # noqa: ANN001, ANN202
+        asked.append(dev)
+        return True, "ok"
+
+    monkeypatch.setattr(b12x, "b12x_status", status)
+    monkeypatch.setattr(backend, "_interpreting", lambda: True)  # triton on a cpu device resolves
+    with contextlib.suppress(backend.BackendUnavailable):
+        backend.resolve_backend(requested, speculative=speculative, device=device)
+    assert bool(asked) == backend.consults_b12x(requested, speculative=speculative, device=device)
