@@ -25,6 +25,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench._common import write_result  # noqa: E402
+from qualify.engine import REQUEST_LINE  # noqa: E402
 from qualify.engine.precompile import OWN_COMPILE_LINE  # noqa: E402
 
 CLI = ["-m", "qualify.cli", "run", "--layout", "2304,2304,2304,9216", "--preset", "proxy", "--json"]
@@ -53,6 +54,7 @@ def main() -> None:
     }
     _logs(report, args.logs_out, "first")
     result["engines_compiled_here"] = own_compiles(report.get("run_dir"))
+    result["engine_request_seconds"] = request_seconds(report.get("run_dir"), receipt.get("check_waits"))
     if args.again:
         r2, wall2, second = _run([sys.executable, *cli], args.timeout, {})
         _logs(second, args.logs_out, "again")
@@ -61,6 +63,7 @@ def main() -> None:
                 "fresh_host", "spec_drafts", "acceptance_histogram", "monitor_window_costs_s",
                 "capture_step_timing", "evidence_seconds", "conditions")  # fmt: skip
         result["again"] = {
+            "engine_request_seconds": request_seconds(second.get("run_dir"), receipt2.get("check_waits")),
             "exit_code": r2.returncode,
             "wall_s": round(wall2, 2),
             "note": "the same command run right after the first on the same host: the harness's caches "
@@ -139,6 +142,71 @@ def own_compiles(run_dir: str | None) -> dict[str, list[dict]]:
                             found.append({"unreadable": line[len(OWN_COMPILE_LINE) :][:200]})
             if found:
                 out[os.path.relpath(path, run_dir)] = found
+    return out
+
+
+def _request_lines(path: str) -> list[dict]:
+    out = []
+    with open(path, errors="replace") as fh:
+        for line in fh:
+            if line.startswith(REQUEST_LINE):
+                try:
+                    out.append(json.loads(line[len(REQUEST_LINE) :]))
+                except json.JSONDecodeError:
+                    continue
+    return out
+
+
+def _sum_requests(lines: list[dict]) -> dict:
+    """Count and summed seconds of completions, in all and per (speculative, mode used, prompts)."""
+    keys = ("verb_s", "prefill_s", "handler_s", "prompts")
+
+    def total(rows: list[dict]) -> dict:
+        out = {"requests": len(rows), **{k: round(sum(float(r.get(k) or 0) for r in rows), 4) for k in keys}}
+        out["prefill_s_per_prompt"] = round(out["prefill_s"] / out["prompts"], 5) if out["prompts"] else None
+        return out
+
+    groups: dict[str, list[dict]] = {}
+    for r in lines:
+        groups.setdefault(f"{'spec' if r.get('spec') else 'plain'} {r.get('mode')} n={r.get('n')}", []).append(r)
+    return {"all": total(lines), "by_shape": {k: total(v) for k, v in sorted(groups.items())}}
+
+
+def request_seconds(run_dir: str | None, check_waits: dict | None) -> dict:
+    """Where completions' time went inside each engine (the `# request:` lines its server logs: the verb's
+    seconds on the engine's worker, the prefill's share, the handler's), per engine log; for the engine
+    under test (engine.log) also per check, its lines split in order by the number of completions the
+    receipt's check_waits counts for each check (`aligned` false where the totals differ: a request that
+    failed logs no line)."""
+    out: dict[str, dict] = {}
+    if not run_dir or not os.path.isdir(run_dir):
+        return out
+    run_dir = os.path.normpath(run_dir)
+    for base, _, files in os.walk(run_dir):
+        for f in sorted(files):
+            if not f.endswith(".log"):
+                continue
+            path = os.path.join(base, f)
+            lines = _request_lines(path)
+            if not lines:
+                continue
+            entry = _sum_requests(lines)
+            if base == run_dir and f == "engine.log" and isinstance(check_waits, dict):
+                counts = [
+                    (name, int((w.get("POST /v1/completions") or {}).get("n") or 0))
+                    for name, w in check_waits.items()
+                    if isinstance(w, dict)
+                ]
+                entry["aligned"] = sum(n for _, n in counts) == len(lines)
+                per_check, at = {}, 0
+                for name, n in counts:
+                    if n:
+                        per_check[name] = _sum_requests(lines[at : at + n])["all"]
+                        wait = (check_waits[name].get("POST /v1/completions") or {}).get("s")
+                        per_check[name]["harness_wait_s"] = wait
+                    at += n
+                entry["by_check"] = per_check
+            out[os.path.relpath(path, run_dir)] = entry
     return out
 
 

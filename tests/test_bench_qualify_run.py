@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import qualify_run  # noqa: E402
 from bench.qualify_run import _fresh_host, own_compiles  # noqa: E402
+from qualify.engine import REQUEST_LINE  # noqa: E402
 from qualify.engine.precompile import OWN_COMPILE_LINE  # noqa: E402
 
 
@@ -102,3 +103,36 @@ def test_the_capture_timing_is_kept_with_its_samples() -> None:
     got = qualify_run.step_timing(capture)
     assert got["1"]["graph_samples_s"] == [1e-3, 4e-3] and got["1"]["rounds"] == 9 and "rule" not in got["1"]
     assert qualify_run.step_timing({}) == {}
+
+
+def test_request_seconds_sums_each_engine_log_and_splits_the_engine_under_test_by_check(tmp_path: Path) -> None:
+    def line(n: int, mode: str, verb: float, prefill: float, spec: bool = False) -> str:
+        rec = {"n": n, "max_tokens": 2, "mode": mode, "spec": spec, "verb_s": verb, "prefill_s": prefill,
+               "prompts": n, "handler_s": verb + 0.001}  # fmt: skip
+        return f"{REQUEST_LINE}{json.dumps(rec)}\n"
+
+    (tmp_path / "fresh-reference").mkdir()
+    (tmp_path / "engine.log").write_text(
+        "# engine startup (s): {}\n" + line(3, "eager", 0.05, 0.03) + line(8, "graph", 0.2, 0.08)
+        + line(8, "graph", 0.3, 0.08) + f"{REQUEST_LINE}{{cut\n" + line(1, "graph", 0.1, 0.01, spec=True)
+    )  # fmt: skip
+    (tmp_path / "fresh-reference" / "engine.log").write_text(line(4, "eager", 0.04, 0.02))
+    waits = {
+        "boot": {"POST /v1/completions": {"n": 1, "s": 0.06}, "GET /health": {"n": 1, "s": 0.0}},
+        "layout": {"GET /v1/describe": {"n": 1, "s": 0.0}},
+        "capture": {"POST /v1/completions": {"n": 2, "s": 0.6}},
+        "generation": {"POST /v1/completions": {"n": 1, "s": 0.12}},
+    }
+    got = qualify_run.request_seconds(str(tmp_path), waits)
+    eng = got["engine.log"]
+    assert eng["all"]["requests"] == 4 and eng["all"]["prompts"] == 20 and eng["aligned"] is True
+    assert eng["all"]["prefill_s"] == 0.2 and eng["all"]["prefill_s_per_prompt"] == 0.01
+    assert eng["by_shape"]["plain graph n=8"]["requests"] == 2 and "spec graph n=1" in eng["by_shape"]
+    assert list(eng["by_check"]) == ["boot", "capture", "generation"]
+    assert eng["by_check"]["capture"]["verb_s"] == 0.5 and eng["by_check"]["capture"]["harness_wait_s"] == 0.6
+    assert got["fresh-reference/engine.log"]["all"]["requests"] == 1 and "by_check" not in got[
+        "fresh-reference/engine.log"
+    ]
+    waits["generation"]["POST /v1/completions"]["n"] = 2  # a failed request logs no line
+    assert qualify_run.request_seconds(str(tmp_path), waits)["engine.log"]["aligned"] is False
+    assert qualify_run.request_seconds(None, waits) == {}

@@ -58,6 +58,7 @@ class FreshReference:
         self.error: str | None = None
         self.t0 = time.monotonic()
         self.booted_s: float | None = None
+        self.settled_s = 0.0  # waited for its boot before checks that time the engine under test
         try:
             self.ref: Any = ctx.launcher.sibling(fresh_options(ctx), "fresh-reference")
         except NotImplementedError as exc:
@@ -73,6 +74,15 @@ class FreshReference:
             self.booted_s = time.monotonic() - self.t0
         except Exception as exc:  # a reference that cannot boot fails the comparison, never the run
             self.error = f"{type(exc).__name__}: {exc}"[:400]
+
+    def settle(self, timeout_s: float) -> float:
+        """Wait (bounded) for the boot to end, before a check that times the engine; the seconds waited."""
+        t0 = time.monotonic()
+        if self.ref is not None:
+            self.thread.join(max(0.0, timeout_s))
+        waited = time.monotonic() - t0
+        self.settled_s += waited
+        return waited
 
     def answers(
         self, asked: list[tuple[list[Any], CompletionResponse]]
@@ -94,7 +104,11 @@ class FreshReference:
         finally:
             if client is not None:
                 client.close()
-        seconds = {"boot": round(self.booted_s or 0.0, 3), "total": round(time.monotonic() - self.t0, 3)}
+        seconds = {
+            "boot": round(self.booted_s or 0.0, 3),
+            "total": round(time.monotonic() - self.t0, 3),
+            "settled_before_timed_checks": round(self.settled_s, 3),
+        }
         return out, {
             "url": self.url,
             "launcher": self.ref.identity(),
@@ -121,17 +135,16 @@ def _counts(d: Describe) -> dict[str, int]:
 
 
 def prefetch(ctx: Context, boot_s: float) -> None:
-    """On a CPU target, boot the fresh reference as soon as the engine under test is up, beside the checks
-    before this one (nothing there is timed). On a GPU target it boots with this check. Booted early on the
-    H200 instead (2026-12-03, 6c3e3e4; bench/results/qualify-run-h200-2026-12-03-early-fresh-engine.json),
-    it had finished booting before the capture check, yet that run failed two capture conditions that runs
-    without it pass (eager step times too noisy for the timing rule; one graph replay differed from eager),
-    for a cause not isolated, and it saved about 2 s: the reload check's time is in its reloads. (The same
-    two kinds of failure came later in runs without it, 2026-12-03 bench/results/*-peers-ahead.json and the
-    notes of stop 34: a top-1 flip whose larger gap was just above epsilon, and noisy eager step times on a
-    fresh host.) Since the kernel cache the fresh reference's start is its boot alone (4.6-5.8 s). `run`
-    takes it; the pipeline closes it."""
-    if ctx.target == "cpu" and "reload" not in ctx.prepared:
+    """Boot the fresh reference as soon as boot has passed (the engine under test is up and has its kernels),
+    beside the checks before this one, so that this check no longer waits the 4.6-6.3 s of its boot (most of
+    this check's time, 2026-12-05, H100). On a GPU target a check that times the engine (capture) first
+    waits for that boot to end (`settle`, bounded, the wait in the evidence), so that no boot shares the GPU
+    and the host's cores with a timed step; the idle reference then only holds its memory. (Booted at ready
+    on the H200 on 2026-12-03, before the capture check's sampling took the fastest of two pairs per sample,
+    a run failed two capture conditions whose kinds later also came in runs without it: see
+    bench/results/qualify-run-h200-2026-12-03-early-fresh-engine.json.) `run` takes it; the pipeline closes
+    it."""
+    if "reload" not in ctx.prepared:
         ctx.prepared["reload"] = FreshReference(ctx, boot_s)
 
 

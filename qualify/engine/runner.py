@@ -7,6 +7,7 @@ no host sync), so graphs.py can capture the second and replay it after the first
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -100,6 +101,10 @@ class Runner:
         self.graphs = None  # set by graphs.py: padded_size(n, T) -> int | None, replay(n_pad, T) -> logits
         self._contexts: dict[tuple[int, int], DecodeContext] = {}
         self.prefill_hidden: Tensor | None = None
+        # Seconds spent prefilling (the first token of each prompt picked: synchronized) and the prompts,
+        # since boot: a diagnostic the server logs per request (what a request's time went to).
+        self.prefill_seconds = 0.0
+        self.prefill_prompts = 0
 
     # ------------------------------------------------------------------ admission
 
@@ -327,6 +332,14 @@ class Runner:
         gaps = (top.values[:, 0] - top.values[:, 1]).tolist()
         return top.indices[:, 0].tolist(), gaps, top.indices[:, 1].tolist()
 
+    def timed_prefill(self, batch: list[Request]) -> tuple[list[int], list[float], list[int]]:
+        """`pick_top2(prefill(batch))`, its seconds added to `prefill_seconds` (the pick synchronizes)."""
+        t0 = time.perf_counter()
+        out = self.pick_top2(self.prefill(batch))
+        self.prefill_seconds += time.perf_counter() - t0
+        self.prefill_prompts += len(batch)
+        return out
+
     def _append(self, req: Request, token: int, gap: float, second: int = -1) -> None:
         """Append one generated token with its top-2 gap and runner-up id (-1: not known, test paths)."""
         req.output.append(token)
@@ -360,7 +373,7 @@ class Runner:
                 while waiting and len(waiting[0].prompt) <= budget:
                     budget -= len(waiting[0].prompt)
                     batch.append(waiting.popleft())
-                toks, gaps, seconds = self.pick_top2(self.prefill(batch))
+                toks, gaps, seconds = self.timed_prefill(batch)
                 for r, t, g, t2 in zip(batch, toks, gaps, seconds, strict=True):
                     self._append(r, t, g, t2)
             running = [r for r in reqs if not r.done]

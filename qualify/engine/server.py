@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
+import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,7 +44,7 @@ from qualify.protocol import (
     Usage,
 )
 
-from . import kv_export, sessions
+from . import REQUEST_LINE, kv_export, sessions
 from .arena import CapacityError
 from .engine import Engine
 from .faults import FaultPlan, trigger
@@ -118,14 +121,32 @@ def _kv_handles(engine: Engine) -> dict:
     return {**mine, "ranks": [{"rank": r, "groups": h["groups"]} for r, h in enumerate(every)]}
 
 
+def _timed(engine: Engine, fn, *args):
+    """fn(*args) on the worker, and what it cost: (its result, {seconds, prefill seconds, prompts})."""
+    runner = engine.runner
+    p0, n0, t0 = runner.prefill_seconds, runner.prefill_prompts, time.perf_counter()
+    out = fn(*args)
+    took = {
+        "verb_s": round(time.perf_counter() - t0, 6),
+        "prefill_s": round(runner.prefill_seconds - p0, 6),
+        "prompts": runner.prefill_prompts - n0,
+    }
+    return out, took
+
+
+def log_request(fields: dict) -> None:
+    """A diagnostic line in the engine's log: never part of any answer, never read by a check."""
+    print(REQUEST_LINE + json.dumps(fields, separators=(",", ":")), file=sys.stderr, flush=True)
+
+
 # The verbs that step the model or touch its memory: with distributed DCP every rank runs each of them in
 # lockstep.
 VERBS = {
     "kv_handles": _kv_handles,
     "kv_fill": lambda e, rank, *a: _on_rank(e, rank, kv_export.kv_fill, *a),
     "kv_echo": lambda e, rank, *a: _on_rank(e, rank, kv_export.kv_echo, *a),
-    "generate": lambda e, prompts, max_tokens, mode: e.generate(prompts, max_tokens, mode),
-    "speculative": _speculative,
+    "generate": lambda e, prompts, max_tokens, mode: _timed(e, e.generate, prompts, max_tokens, mode),
+    "speculative": lambda e, *a: _timed(e, _speculative, e, *a),
     "reload": lambda e, path, seed: e.reload(path, seed),
     "capture": lambda e: e.capture(),
     "probe": lambda e: e.probe(),
@@ -207,13 +228,14 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> CompletionResponse:
+        t0 = time.perf_counter()
         prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
         if req.speculative and engine.cfg.num_spec == 0:
             raise ModeUnavailable("speculative decoding needs an engine started with --num-spec > 0")
         if req.speculative:
-            gens, mode_used, _ = await verb("speculative", prompts, req.max_tokens, req.mode, req.drafts)
+            (gens, mode_used, _), took = await verb("speculative", prompts, req.max_tokens, req.mode, req.drafts)
         else:
-            gens, mode_used = await verb("generate", prompts, req.max_tokens, req.mode)
+            (gens, mode_used), took = await verb("generate", prompts, req.max_tokens, req.mode)
         choices = [
             Choice(
                 index=i,
@@ -229,11 +251,14 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
         ]
         pt = sum(g.prompt_tokens for g in gens)
         ct = sum(len(g.token_ids) for g in gens)
-        return CompletionResponse(
+        out = CompletionResponse(
             choices=choices,
             mode_used=mode_used,
             usage=Usage(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct),
         )
+        shape = {"n": len(prompts), "max_tokens": req.max_tokens, "mode": mode_used, "spec": req.speculative}
+        log_request({**shape, **took, "handler_s": round(time.perf_counter() - t0, 6)})
+        return out
 
     @app.post("/qualify/reload")
     async def reload(req: ReloadRequest) -> ReloadResponse:

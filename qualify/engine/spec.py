@@ -112,7 +112,7 @@ def _prefill(runner, reqs: list) -> Tensor:
         while todo and len(todo[0].prompt) <= budget:
             budget -= len(todo[0].prompt)
             batch.append(todo.pop(0))
-        toks, gaps, seconds = runner.pick_top2(runner.prefill(batch))
+        toks, gaps, seconds = runner.timed_prefill(batch)
         hidden.append(runner.prefill_hidden)
         for r, t, g, t2 in zip(batch, toks, gaps, seconds, strict=True):
             runner._append(r, t, g, t2)

@@ -207,6 +207,17 @@ def _json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+def settle_prepared(prepared: dict[str, Any], timeout_s: float) -> None:
+    """Before a check that times the engine: wait (each bounded by timeout_s) for what later checks started
+    early and say may still be busy (`settle`: the reload check's fresh reference booting), which would share
+    the GPU and the host's cores with the timed steps; each records its own wait in its evidence."""
+    for early in list(prepared.values()):
+        settle = getattr(early, "settle", None)
+        if settle is not None:
+            with contextlib.suppress(Exception):
+                settle(timeout_s)
+
+
 class Pipeline:
     def __init__(
         self,
@@ -338,6 +349,8 @@ class Pipeline:
                 # A warm step still compiling beside the engine (launch/kernels.py) would share the GPU
                 # with the steps this check times. The wait is in the receipt.
                 settle(max(0.0, ctx.deadline - time.monotonic()) / 4)
+            if check.times_engine:
+                settle_prepared(ctx.prepared, max(0.0, ctx.deadline - time.monotonic()) / 4)
             ctx.client.take_waited()
             outcome, seconds, trouble = self._one(check, ctx)
             waited = ctx.client.take_waited()

@@ -67,6 +67,19 @@ def test_completions_accept_text_and_token_batches(client):
     assert again["choices"][0]["token_ids"] == body.choices[0].token_ids
 
 
+def test_each_completion_logs_where_its_seconds_went(client, capfd):
+    from qualify.engine import REQUEST_LINE
+
+    capfd.readouterr()
+    r = client.post("/v1/completions", json={"prompt": ["one", "two", "three"], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith(REQUEST_LINE)]
+    assert len(lines) == 1
+    rec = json.loads(lines[0][len(REQUEST_LINE) :])
+    assert rec["n"] == 3 and rec["prompts"] == 3 and rec["mode"] == "eager" and rec["spec"] is False
+    assert 0 < rec["prefill_s"] <= rec["verb_s"] <= rec["handler_s"]
+
+
 @pytest.mark.parametrize(
     "body,status",
     [

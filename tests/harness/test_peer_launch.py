@@ -210,3 +210,45 @@ def test_the_layout_checks_peers_start_when_the_engine_answers_and_a_failure_the
 
     ctx.target, launcher.prepare_peers = "gpu", broken
     pipeline._at_ready(ctx, float("inf"))()  # type: ignore[arg-type]  # nothing raised
+
+
+def test_the_fresh_reference_boots_once_boot_passes_and_a_timed_check_waits_for_that_boot() -> None:
+    """reload.prefetch boots the fresh reference on every target (GPU too) as soon as boot has passed; a check
+    that times the engine first waits, bounded, for that boot to end (settle_prepared), and the reference's
+    evidence records the wait; a second prefetch starts nothing more."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from qualify.checks import reload
+    from qualify.run.pipeline import settle_prepared
+
+    release = threading.Event()
+    started: list[float] = []
+
+    class Ref:
+        netns = None
+
+        def start(self, bound: float) -> str:
+            started.append(bound)
+            release.wait(10.0)
+            return "http://127.0.0.1:1"
+
+        def stop(self, timeout: float) -> None:
+            release.set()
+
+    launcher = SimpleNamespace(sibling=lambda options, name: Ref(), options=reload.EngineOptions(preset="tiny", kda_backend="auto"))
+    ctx = SimpleNamespace(target="gpu", prepared={}, launcher=launcher, remaining=lambda: 60.0)
+    reload.prefetch(ctx, 30.0)  # type: ignore[arg-type]
+    first = ctx.prepared["reload"]
+    reload.prefetch(ctx, 30.0)  # type: ignore[arg-type]
+    assert ctx.prepared["reload"] is first
+    t0 = time.monotonic()
+    settle_prepared(ctx.prepared, 0.2)  # the boot is still going: the wait is bounded
+    assert 0.15 <= time.monotonic() - t0 < 5.0 and first.url is None
+    release.set()
+    settle_prepared(ctx.prepared, 5.0)
+    assert first.url == "http://127.0.0.1:1" and started == [30.0]
+    assert first.settled_s >= 0.15
+    settle_prepared({"other": object()}, 1.0)  # nothing to settle: nothing happens
+    first.close()
