@@ -168,7 +168,8 @@ def _sum_requests(lines: list[dict]) -> dict:
 
     groups: dict[str, list[dict]] = {}
     for r in lines:
-        groups.setdefault(f"{'spec' if r.get('spec') else 'plain'} {r.get('mode')} n={r.get('n')}", []).append(r)
+        key = f"{'spec' if r.get('spec') else 'plain'} {r.get('mode')} n={r.get('n')}"
+        groups.setdefault(key, []).append(r)
     return {"all": total(lines), "by_shape": {k: total(v) for k, v in sorted(groups.items())}}
 
 

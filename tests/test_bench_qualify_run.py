@@ -105,7 +105,7 @@ def test_the_capture_timing_is_kept_with_its_samples() -> None:
     assert qualify_run.step_timing({}) == {}
 
 
-def test_request_seconds_sums_each_engine_log_and_splits_the_engine_under_test_by_check(tmp_path: Path) -> None:
+def test_request_seconds_sum_each_engine_log_and_the_engine_under_tests_per_check(tmp_path: Path) -> None:
     def line(n: int, mode: str, verb: float, prefill: float, spec: bool = False) -> str:
         rec = {"n": n, "max_tokens": 2, "mode": mode, "spec": spec, "verb_s": verb, "prefill_s": prefill,
                "prompts": n, "handler_s": verb + 0.001}  # fmt: skip
@@ -130,9 +130,10 @@ def test_request_seconds_sums_each_engine_log_and_splits_the_engine_under_test_b
     assert eng["by_shape"]["plain graph n=8"]["requests"] == 2 and "spec graph n=1" in eng["by_shape"]
     assert list(eng["by_check"]) == ["boot", "capture", "generation"]
     assert eng["by_check"]["capture"]["verb_s"] == 0.5 and eng["by_check"]["capture"]["harness_wait_s"] == 0.6
-    assert got["fresh-reference/engine.log"]["all"]["requests"] == 1 and "by_check" not in got[
-        "fresh-reference/engine.log"
-    ]
+    assert (
+        got["fresh-reference/engine.log"]["all"]["requests"] == 1
+        and "by_check" not in got["fresh-reference/engine.log"]
+    )
     waits["generation"]["POST /v1/completions"]["n"] = 2  # a failed request logs no line
     assert qualify_run.request_seconds(str(tmp_path), waits)["engine.log"]["aligned"] is False
     assert qualify_run.request_seconds(None, waits) == {}

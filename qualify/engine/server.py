@@ -233,7 +233,8 @@ def create_app(engine: Engine, faults: FaultPlan | None = None, lockstep=None) -
         if req.speculative and engine.cfg.num_spec == 0:
             raise ModeUnavailable("speculative decoding needs an engine started with --num-spec > 0")
         if req.speculative:
-            (gens, mode_used, _), took = await verb("speculative", prompts, req.max_tokens, req.mode, req.drafts)
+            asked = (prompts, req.max_tokens, req.mode, req.drafts)
+            (gens, mode_used, _), took = await verb("speculative", *asked)
         else:
             (gens, mode_used), took = await verb("generate", prompts, req.max_tokens, req.mode)
         choices = [

@@ -237,7 +237,8 @@ def test_the_fresh_reference_boots_once_boot_passes_and_a_timed_check_waits_for_
         def stop(self, timeout: float) -> None:
             release.set()
 
-    launcher = SimpleNamespace(sibling=lambda options, name: Ref(), options=reload.EngineOptions(preset="tiny", kda_backend="auto"))
+    options = reload.EngineOptions(preset="tiny", kda_backend="auto")
+    launcher = SimpleNamespace(sibling=lambda options, name: Ref(), options=options)
     ctx = SimpleNamespace(target="gpu", prepared={}, launcher=launcher, remaining=lambda: 60.0)
     reload.prefetch(ctx, 30.0)  # type: ignore[arg-type]
     first = ctx.prepared["reload"]
