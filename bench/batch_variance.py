@@ -1,15 +1,17 @@
 """How far a prompt's prefill logits move with the batch around it: each prompt prefilled alone, then
 among random fillers at a random position, its last-token logits (and last hidden state) compared, by the
-engine's prefill and (under `one_forward`, same seed) in one varlen forward over each batch. Prints JSON;
---out writes it too.
+engine's prefill and (under `one_forward`, same seed) in one plain varlen forward over each batch. Prints
+JSON; --out writes it too.
 
 Why: the harness compares answers given in batches of different composition; the speculative check holds
 a drafted run, sent as a batch of one, to a plain reference of the same prompt asked among fillers, and
 reads a first token that differs where the reference's top-2 gap is above the harness's epsilon (0.05) as
 a failure. On an H100 (2026-12-05, proxy preset, `--spec mtp:3`) the reference engine failed it so, at a
-gap of 0.069 on the first token, and this script measured the batched prefill's move there: up to 0.109
-(bench/results/batch-variance-h100-2026-12-05.json). The engine now prefills each prompt on its own
-(Runner.prefill); the figure to expect from it is 0, and `one_forward` keeps the batched figure beside it."""
+gap of 0.069 on the first token, and this script measured the plain batched prefill's move there: up to
+0.109 (bench/results/batch-variance-h100-2026-12-05.json). The engine then prefilled each prompt on its
+own; a CUDA engine now prefills a batch in one row-invariant forward (Runner.prefill, rows_invariant).
+The figure to expect from the engine's prefill is 0 either way; `one_forward` keeps the plain batched
+figure beside it."""
 
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ def _prefill(
     runner, batch: list[list[int]], at: int, one_forward: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits and last hidden state of batch[at], prefilled with the rest of `batch` (fp32 copies):
-    by the engine's prefill (each prompt on its own), or with `one_forward` in one varlen forward over the
-    whole batch (the engine's prefill before 2026-12-05)."""
+    by the engine's prefill, or with `one_forward` in one plain varlen forward over the whole batch (the
+    engine's prefill before 2026-12-05)."""
     reqs = [runner.admit(p, 1) for p in batch]
     try:
         logits = (runner._prefill_varlen if one_forward else runner.prefill)(reqs)
@@ -116,7 +118,8 @@ def main() -> None:
         result.update(measure(engine, args.prompts, args.rounds, args.seed))
         # the same prompts, fillers and positions (the same seed) in one varlen forward over each batch
         result["one_forward"] = {
-            "what": "each batch prefilled in one varlen forward, as the engine did before 2026-12-05",
+            "what": "each batch prefilled in one plain varlen forward (cuBLAS's products, one head over "
+            "every row), as the engine did before 2026-12-05",
             **measure(engine, args.prompts, args.rounds, args.seed, one_forward=True),
         }
     finally:

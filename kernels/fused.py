@@ -620,6 +620,56 @@ def linear_small(x: Tensor, weight: Tensor, config=None) -> Tensor:
     return y.view(*x.shape[:-1], N)
 
 
+# linear_rows' one launch shape, for every M: a row's product must not depend on how many rows share the
+# launch or where among them it sits (the prefill of a batch of prompts, tests/engine/test_fused_glue.py),
+# so nothing here is chosen by M, and K is summed in BK steps in one order by the program that owns the
+# tile (no split-K, no stream-K: cuBLAS chooses its kernels, and so its sums, by M).
+ROWS_BM, ROWS_BN, ROWS_BK, ROWS_WARPS, ROWS_STAGES = 64, 128, 64, 4, 3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_rows_kernel(
+    x, w, y, M, N, stride_x, stride_w, stride_y,
+    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    # K is a constexpr: a constant trip count (the interpreter cannot bound a range by a tensor)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BM + tl.arange(0, BM)
+    n = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    x_rows = x + m[:, None].to(tl.int64) * stride_x
+    w_rows = w + n[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + kk
+        xv = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        wv = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc += tl.dot(xv, tl.trans(wv), out_dtype=tl.float32)
+    out = y + m[:, None].to(tl.int64) * stride_y + n[None, :]
+    tl.store(out, acc.to(y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+def linear_rows(x: Tensor, weight: Tensor) -> Tensor:
+    """y = x @ weight.T for any number of rows, each row's bits independent of the others: one launch shape
+    for every M (ROWS_*), fp32 accumulation over K in one order, rounded once to x's dtype. What the batched
+    prefill projects with (qualify/engine/model/norm.py, rows_invariant), where cuBLAS's result for a row
+    depends on how many rows share the call. x [M, K] (rows may be strided); weight [N, K], last dim
+    contiguous; 16-bit dtypes (fp32 under the interpreter too)."""
+    x2 = _rows(x.reshape(-1, x.shape[-1]))
+    N, K = weight.shape
+    assert x2.shape[1] == K and weight.stride(1) == 1 and x2.dtype == weight.dtype
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        grid = (triton.cdiv(M, ROWS_BM), triton.cdiv(N, ROWS_BN))
+        _linear_rows_kernel[grid](
+            x2, weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0),
+            K=K, BM=ROWS_BM, BN=ROWS_BN, BK=ROWS_BK, num_warps=ROWS_WARPS, num_stages=ROWS_STAGES,
+        )  # fmt: skip
+    return y.view(*x.shape[:-1], N)
+
+
 def linear_add_norm(
     x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, config=None
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -212,7 +212,8 @@ class TorchBackend(_NoScratch):
         refuse_capture(t["q"].device, "the torch KDA decode reference")
         decode_reference(**t, lower_bound=c.lower_bound, norm_eps=c.norm_eps)
 
-    def prefill(self, **kwargs) -> None:
+    def prefill(self, *, state_bv: int | None = None, **kwargs) -> None:
+        # state_bv: the Triton state pass's column tile, nothing the reference has
         refuse_capture(kwargs["q"].device, "the torch KDA prefill reference")
         _prefill_reference(**kwargs)
 

@@ -345,6 +345,9 @@ def _gated_norm_kernel(
     tl.store(out + off, y.to(out.dtype.element_ty), mask=m)
 
 
+FIXED_STATE_BV = 64  # the state pass's column tile where it must not follow the sequence count
+
+
 def _state_bv(N: int, H: int, V: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 32
@@ -381,6 +384,7 @@ def prefill(
     scale: float | None = None,
     chunk_size: int = 64,
     scratch: dict[str, torch.Tensor] | None = None,
+    state_bv: int | None = None,
 ) -> None:
     """Varlen chunked KDA prefill with the bounded gate, β = sigmoid(b) and gated RMSNorm, into `out`.
 
@@ -389,8 +393,11 @@ def prefill(
     `num_chunks` is a host int (grid sized exactly) or an int32 device scalar (grid sized at the
     chunk_indices capacity, surplus programs exit): the latter needs no host sync, so it captures.
     `scratch` is caller-owned (see `prefill_scratch_specs`); if None it is allocated here (eager only).
-    Empty sequences read and write nothing; a sequence on slot 0 (the null slot) gets zero output and
-    touches no state. The core output is rounded to bf16 in `out` before the gated norm.
+    `state_bv` fixes the state pass's column tile (else chosen by the sequence count and the device's SMs,
+    `_state_bv`): a batched prefill whose sequences' results must not depend on how many share the call
+    passes one (FIXED_STATE_BV). Empty sequences read and write nothing; a sequence on slot 0 (the null
+    slot) gets zero output and touches no state. The core output is rounded to bf16 in `out` before the
+    gated norm.
     """
     total, H, K = q.shape
     V = v.shape[-1]
@@ -520,7 +527,7 @@ def prefill(
             TRIL=_TRIL_LOADS,
             num_warps=_WU_WARPS,
         )
-    BV = min(V, _STATE_BV or _state_bv(N, H, V, q.device))
+    BV = min(V, _STATE_BV or state_bv or _state_bv(N, H, V, q.device))
     if N > 0:
         grid = (V // BV, H, N) if _STATE_VB_FIRST else (N, H, V // BV)
         _state_kernel[grid](

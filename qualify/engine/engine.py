@@ -31,7 +31,7 @@ from .weights import (
     generate,
     reload,
     reload_state,
-    save,
+    save_streamed,
     snapshot,
 )
 
@@ -190,7 +190,7 @@ class Engine:
 
             def write() -> None:
                 try:
-                    save(state, target, meta)
+                    save_streamed(state, target, meta)
                 except BaseException as exc:  # noqa: BLE001 - raised by the next reload that waits for it
                     failed.append(exc)
 

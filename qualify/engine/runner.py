@@ -18,6 +18,7 @@ from kernels.kda import build_chunk_metadata
 
 from .arena import Arena, CapacityError
 from .model import DecodeContext, HybridModel, PrefillContext
+from .model.norm import rows_invariant
 from .tokenizer import EOS
 
 KDA_CHUNK = 64
@@ -168,14 +169,24 @@ class Runner:
 
     @torch.no_grad()
     def prefill(self, reqs: list[Request]) -> Tensor:
-        """fp32 logits of each prompt's last token [N, vocab], each prompt prefilled on its own, so that a
-        prompt's logits never depend on the batch it came in. The harness compares answers given in
-        batches of different composition (fillers, decoys, a drafted batch of one), and a batched prefill's
-        sums depend on the batch's row count: the fused glue's projections take linear_small up to
-        kernels.fused.SMALL_M rows and cuBLAS past them, and cuBLAS chooses its kernels by the row count.
-        Batched, a prompt's logits moved by up to 0.109 among fillers (bench/batch_variance.py, H100,
-        2026-12-05), twice the coherence rule's epsilon, and an honest engine was once rejected on it.
+        """fp32 logits of each prompt's last token [N, vocab], which never depend on the batch the prompt
+        came in. The harness compares answers given in batches of different composition (fillers, decoys,
+        a drafted batch of one), and a plainly batched prefill's sums depend on the batch's row count: the
+        fused glue's projections take linear_small up to kernels.fused.SMALL_M rows and cuBLAS past them,
+        and cuBLAS chooses its kernels by the row count. Batched so, a prompt's logits moved by up to 0.109
+        among fillers (bench/batch_variance.py, H100, 2026-12-05), twice the coherence rule's epsilon, and an
+        honest engine was once rejected on it.
+
+        A fused engine (CUDA) prefills the batch in one forward under rows_invariant: every projection
+        through kernels.fused.linear_rows (one launch shape for any row count, no split of K), the KDA
+        state pass at a fixed tile, attention and the conv per prompt as always, and each prompt's head on
+        its own row. One forward's host work instead of one per prompt: on an H100 host (2026-12-05)
+        prefill was 19 of 28 s of the engine's work in a qualify run, about 28 ms a prompt, nearly all of
+        it launching. Other engines (the CPU reference) prefill each prompt on its own.
         Each prompt's last hidden state is kept in `prefill_hidden`, rows in order."""
+        if self.model.norm.fused:
+            with rows_invariant():
+                return self._prefill_varlen(reqs, heads_apart=True)
         if len(reqs) <= 1:
             return self._prefill_varlen(reqs)
         logits, hidden = [], []
@@ -185,8 +196,9 @@ class Runner:
         self.prefill_hidden = torch.cat(hidden)
         return torch.cat(logits)
 
-    def _prefill_varlen(self, reqs: list[Request]) -> Tensor:
-        """Run whole prompts varlen in one forward; returns fp32 logits of each prompt's last token."""
+    def _prefill_varlen(self, reqs: list[Request], heads_apart: bool = False) -> Tensor:
+        """Run whole prompts varlen in one forward; returns fp32 logits of each prompt's last token (with
+        `heads_apart`, each prompt's through the head on its own: a one-row product, as alone)."""
         a, cfg = self.arena, self.cfg
         lens = [len(r.prompt) for r in reqs]
         cu = [0]
@@ -228,6 +240,8 @@ class Runner:
         hidden = self.model.forward_hidden(a.view("input_ids", total), ctx, decode=False)
         last = torch.tensor([c - 1 for c in cu[1:]], device=self.device)
         self.prefill_hidden = hidden[last]  # each prompt's last hidden state: what the MTP draft starts from
+        if heads_apart and N > 1:
+            return self.model.logits_apart(self.prefill_hidden)
         return self.model.logits(self.prefill_hidden)
 
     # ------------------------------------------------------------------ capture-ready decode

@@ -5,6 +5,7 @@ checksums before and after (captured graphs keep reading the same parameter stor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -106,6 +107,37 @@ def save(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | 
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def save_streamed(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """The bytes `save` writes for `state`, atomically, without a host copy of the whole file: the header,
+    then each tensor through two pinned buffers (CUDA tensors, copied on a stream of this call's own) or
+    from its own memory (CPU). For a writer beside a serving engine (Engine.reload's background save):
+    `save` copies every tensor to the host on the current stream, which the engine's next steps queue
+    behind, and serializes the file in one call that holds the interpreter; on an H100 host (2026-12-05)
+    the request after a seeded reload waited 2.2 s for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    params = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
+    head, order = seeded_layout(params, metadata)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    on_cuda = [t.device for t in state.values() if t.is_cuda]
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(tmp.open("wb"))
+        bufs: list[torch.Tensor] = []
+        if on_cuda:
+            stack.enter_context(torch.cuda.device(on_cuda[0]))
+            side = torch.cuda.Stream(on_cuda[0])
+            side.wait_stream(torch.cuda.current_stream(on_cuda[0]))  # whatever wrote the tensors comes first
+            stack.enter_context(torch.cuda.stream(side))
+            bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        _write_all(out, head)
+        for name in order:
+            flat = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            if flat.is_cuda:
+                _write_device(out, flat, bufs)
+            else:
+                _write_all(out, memoryview(flat.numpy()))
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
 def seeded_layout(

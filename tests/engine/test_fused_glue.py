@@ -583,3 +583,67 @@ def test_a_fused_decode_step_folds_each_norm_the_activation_and_the_head_into_on
     }, step
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
     assert tokens == ref_tokens
+
+
+def test_linear_rows_equals_the_fp32_product_and_a_rows_bits_never_follow_its_batch():
+    # fp16 and fp32 here: the interpreter's tl.dot misreads bf16 operands (bf16 on the GPU: test_gpu_fused.py)
+    from kernels.fused import ROWS_BM, linear_rows
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float16, torch.float32):
+        w = torch.randn(150, 100, generator=gen).to(dtype)  # N, K no multiple of the tiles
+        x = torch.randn(ROWS_BM + 9, 108, generator=gen).to(dtype)[:, 8:]  # strided rows, two row tiles
+        got = linear_rows(x, w)
+        assert got.dtype == dtype and got.shape == (ROWS_BM + 9, 150)
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), atol=0.05, rtol=2**-7)
+        for lo, hi in ((0, 1), (5, 9), (ROWS_BM - 2, ROWS_BM + 3), (ROWS_BM, ROWS_BM + 9)):
+            assert torch.equal(linear_rows(x[lo:hi], w), got[lo:hi])  # alone, or elsewhere in a tile
+        assert linear_rows(x[:0], w).shape == (0, 150)
+        assert not torch.allclose(linear_rows(x, w[:, torch.randperm(100, generator=gen)]), got)
+
+
+def test_a_fused_engine_prefills_a_batch_in_one_row_invariant_forward(monkeypatch):
+    """A fused engine's prefill: one forward for the whole batch, every projection through linear_rows, and
+    each prompt's logits and last hidden state bit-identical alone and anywhere among fillers; the same
+    batch in one plain forward (cuBLAS's products, one head over every row) moves them."""
+    import kernels.fused
+    from qualify.engine.model import norm as norm_mod
+    from qualify.engine.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    e = make_engine(kda_decode_backend="torch")
+    try:
+        e.model.set_fused(True)
+        r = e.runner
+        forwards, rows_calls = [], []
+        real_forward, real_rows = e.model.forward_hidden, kernels.fused.linear_rows
+        monkeypatch.setattr(
+            e.model, "forward_hidden", lambda *a, **k: forwards.append(1) or real_forward(*a, **k)
+        )
+        monkeypatch.setattr(norm_mod, "linear_rows", lambda *a: rows_calls.append(1) or real_rows(*a))
+
+        def row(batch, at, plain=False):
+            reqs = [r.admit(p, 1) for p in batch]
+            try:
+                logits = r._prefill_varlen(reqs) if plain else r.prefill(reqs)
+                return logits[at].clone(), r.prefill_hidden[at].clone()
+            finally:
+                for q in reqs:
+                    r.release(q)
+
+        prompt = tok.encode("one prompt among fillers")
+        fillers = [tok.encode(t) for t in ("a filler of another length", "f", "more filler text, longer")]
+        alone, h_alone = row([prompt], 0)
+        moved = 0.0
+        for at in (0, 2, 3):
+            batch = [*fillers[:at], prompt, *fillers[at:]]
+            forwards.clear()
+            got, h_got = row(batch, at)
+            assert len(forwards) == 1 and rows_calls  # one forward, its products row-invariant
+            assert torch.equal(got, alone) and torch.equal(h_got, h_alone)
+            plain, _ = row(batch, at, plain=True)
+            moved = max(moved, float((plain - alone).abs().max()))
+        assert moved > 0.0  # what the row-invariant forward removes, seen here so the equality can fail
+        assert not norm_mod.ROWS.on  # off again outside the prefill
+    finally:
+        e.close()

@@ -111,3 +111,31 @@ def test_proxy_boots_registers_layout_over_cuda_ipc_generates_and_reloads(proxy_
     if out:
         with open(os.path.join(out, "gpu_engine.json"), "w") as f:
             json.dump(result, f, indent=2)
+
+
+def test_the_proxys_batched_prefill_gives_a_prompt_the_bits_it_has_alone(proxy_engine):
+    """On the GPU (bf16, the real kernels): a prompt's logits and last hidden state from the batched,
+    row-invariant prefill equal its prefill alone bit for bit, wherever it sits among fillers of other
+    lengths; one plain varlen forward over the same batch (cuBLAS's products) is what moved them."""
+    r = proxy_engine.runner
+    prompt = [256, *b"a prompt the harness compares across batches"]
+    fillers = [[256, *f"filler {i}: {'words ' * (3 * i + 1)}".encode()] for i in range(7)]
+
+    def row(batch, at, plain=False):
+        reqs = [r.admit(p, 1) for p in batch]
+        try:
+            logits = r._prefill_varlen(reqs) if plain else r.prefill(reqs)
+            return logits[at].clone(), r.prefill_hidden[at].clone()
+        finally:
+            for q in reqs:
+                r.release(q)
+
+    alone, h_alone = row([prompt], 0)
+    moved = 0.0
+    for at, n in ((0, 1), (1, 3), (3, 7), (7, 7)):
+        batch = [*fillers[:at], prompt, *fillers[at:n]]
+        got, h_got = row(batch, at)
+        assert torch.equal(got, alone) and torch.equal(h_got, h_alone), (at, n)
+        plain, _ = row(batch, at, plain=True)
+        moved = max(moved, float((plain - alone).abs().max()))
+    print(f"plain batched prefill moved the logits by up to {moved:.4f}")

@@ -40,3 +40,18 @@ def test_the_cuda_census_is_the_reference_digest_of_each_parameters_bytes() -> N
     again = weights.snapshot(model)
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated  # the words' buffer is kept
     assert [n for n in params if again.checksums[n] != snap.checksums[n]] == ["big"]
+
+
+def test_the_background_save_of_device_tensors_writes_the_bytes_save_writes(tmp_path) -> None:
+    """Engine.reload's background save: CUDA tensors through pinned buffers on a stream of its own (chunks
+    of CHUNK_BYTES: one tensor spans several), the same file `save` writes."""
+    state = {
+        "big": torch.randn(weights.CHUNK_BYTES // 2 + 1000, device="cuda", dtype=torch.bfloat16),
+        "f32": torch.randn(33, 65, device="cuda"),
+        "small.norm_weight": torch.ones(7, device="cuda", dtype=torch.bfloat16),
+    }
+    state["big"].mul_(3.0)  # queued on the current stream: the save must see it
+    meta = {"seed": "1", "preset": "proxy"}
+    weights.save(state, tmp_path / "a.safetensors", meta)
+    weights.save_streamed(state, tmp_path / "b.safetensors", meta)
+    assert (tmp_path / "b.safetensors").read_bytes() == (tmp_path / "a.safetensors").read_bytes()

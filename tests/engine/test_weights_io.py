@@ -116,6 +116,23 @@ def test_the_seeded_file_streamed_as_it_is_generated_is_the_file_save_writes(tmp
     assert set(load(out.getvalue())) == {name for name, _ in model.named_parameters()}
 
 
+def test_the_background_save_writes_the_bytes_save_writes(tmp_path: Path) -> None:
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.model import HybridModel
+    from qualify.engine.weights import generate, save_streamed
+
+    cfg = EngineConfig(preset="tiny", device="cpu", dtype="bfloat16")
+    meta = {"seed": "9", "preset": "tiny"}
+    state = generate(HybridModel(cfg, torch.device("cpu")), 9)
+    save(state, tmp_path / "a.safetensors", meta)
+    save_streamed(state, tmp_path / "b.safetensors", meta)
+    assert (tmp_path / "b.safetensors").read_bytes() == (tmp_path / "a.safetensors").read_bytes()
+    assert not list(tmp_path.glob("*.tmp*"))
+    state[next(iter(state))].view(-1)[0] += 1  # a changed tensor: other bytes
+    save_streamed(state, tmp_path / "b.safetensors", meta)
+    assert (tmp_path / "b.safetensors").read_bytes() != (tmp_path / "a.safetensors").read_bytes()
+
+
 def _stream(tmp_path: Path, data: bytes) -> tuple[str, int]:
     import io
 

@@ -128,6 +128,12 @@ class HybridModel(nn.Module):
         # rule's epsilon, so the top-2 gap of a near tie would read as a real disagreement.
         return torch.nn.functional.linear(self.norm(hidden).float(), self.lm_head.weight.float())
 
+    def logits_apart(self, hidden: Tensor) -> Tensor:
+        """`logits` of each row on its own (a one-row product each, the fp32 head converted once): the rows'
+        logits as each alone would get them, whatever the other rows."""
+        w = self.lm_head.weight.float()
+        return torch.cat([torch.nn.functional.linear(self.norm(h[None]).float(), w) for h in hidden])
+
     def draft_logits(self, hidden: Tensor, next_ids: Tensor) -> Tensor:
         """MTP: logits for the token after `next_ids`, from the target's hidden state at that position."""
         return self.lm_head(self.mtp(hidden, self.embed(next_ids))).float()

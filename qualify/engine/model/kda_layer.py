@@ -15,8 +15,9 @@ from torch.profiler import record_function
 
 from kernels.fused import conv_gates_decode, conv_gates_decode_reference
 from kernels.kda import Caps, build_chunk_metadata  # noqa: F401  (metadata builder re-exported for runner)
+from kernels.kda.chunk import FIXED_STATE_BV
 
-from .norm import Linear, Prenormed, param
+from .norm import ROWS, Linear, Prenormed, param
 
 
 @dataclass
@@ -205,6 +206,8 @@ class KdaLayer(nn.Module):
         )
         if rt.prefill_scratch is not None:
             kwargs["scratch"] = rt.prefill_scratch
+        if ROWS.on:  # a batched prefill: no tile chosen by how many prompts share it
+            kwargs["state_bv"] = FIXED_STATE_BV
         with record_function(f"kda::{rt.backend.name}::prefill"):
             rt.backend.prefill(**kwargs)
         return self.out_proj(out.reshape(total, H * K))

@@ -4,6 +4,8 @@ Linear, Embedding, RMSNorm, and the rotary position tables (derived from the con
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,7 @@ from torch import Tensor, nn
 
 from kernels.fused import (
     linear_add_norm,
+    linear_rows,
     linear_small,
     norm_linear,
     rmsnorm,
@@ -21,6 +24,29 @@ from kernels.fused import (
     silu_mul_reference,
     swiglu_linear,
 )
+
+
+class _RowsMode:
+    """Whether projections run row-invariant (rows_invariant): read by every Linear of a fused engine."""
+
+    on = False
+
+
+ROWS = _RowsMode()
+
+
+@contextlib.contextmanager
+def rows_invariant() -> Iterator[None]:
+    """Inside: every projection of a fused engine goes through kernels.fused.linear_rows, whose result for a
+    row depends on that row alone (not on how many rows share the call, nor where among them it sits), and
+    no row count picks another kernel (linear_small's decode-sized launches stay off). What the batched
+    prefill runs under (qualify/engine/runner.py): a prompt's logits never depend on its batch. One engine
+    worker thread steps the model, so a flag on the module is enough."""
+    before, ROWS.on = ROWS.on, True
+    try:
+        yield
+    finally:
+        ROWS.on = before
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -35,18 +61,25 @@ class Linear(nn.Module):
         self.fused = False
 
     def small(self, rows: int) -> bool:
-        """Whether `rows` rows go through kernels.fused's decode-sized projection (fused engines only)."""
-        return self.fused and serves_small(self.weight, rows)
+        """Whether `rows` rows go through kernels.fused's decode-sized projection (fused engines only; never
+        under rows_invariant)."""
+        return self.fused and not ROWS.on and serves_small(self.weight, rows)
+
+    def _product(self, x: Tensor) -> Tensor:
+        """x @ weight.T: linear_rows under rows_invariant (fused engines), else cuBLAS's."""
+        if self.fused and ROWS.on:
+            return linear_rows(x, self.weight)
+        return F.linear(x, self.weight)
 
     def forward(self, x: Tensor | Prenormed) -> Tensor:
         w = self.weight
         if isinstance(x, Prenormed):
             if not self.small(x.rows):
-                return F.linear(x.materialize(), w)
+                return self._product(x.materialize())
             return x.project(w)
         if self.small(x.numel() // w.shape[1]):
             return linear_small(x, w)
-        return F.linear(x, w)
+        return self._product(x)
 
     def swiglu(self, x: Tensor | Prenormed) -> Tensor:
         """silu(gate) * up of this projection of x, [gate | up] (MLP gate_up): the activation in this
@@ -59,7 +92,7 @@ class Linear(nn.Module):
             x = x.materialize()
         elif self.small(x.numel() // w.shape[1]):
             return swiglu_linear(x, w)
-        return (silu_mul if self.fused else silu_mul_reference)(F.linear(x, w))
+        return (silu_mul if self.fused else silu_mul_reference)(self._product(x))
 
     def add_norm(self, x: Tensor, residual: Tensor, norm: RMSNorm) -> Prenormed:
         """residual + this projection of x, handed on unevaluated to `norm` (Prenormed). Where linear_small
