@@ -161,6 +161,24 @@ def test_the_harness_keeps_exactly_the_file_the_stream_declares(tmp_path: Path) 
             _stream(tmp_path, bad)
 
 
+def test_a_stream_of_many_blocks_is_hashed_and_written_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block is hashed and written on threads of their own while the next is read: the digest and the
+    file are still the stream's bytes in order, over many blocks and a last one shorter than the rest."""
+    from qualify.launch import local
+
+    monkeypatch.setattr(local, "COPY_BLOCK", 64)
+    g = torch.Generator().manual_seed(5)
+    state = {f"p{i}.weight": torch.randn(97 + i, generator=g) for i in range(8)}
+    save(state, tmp_path / "w.safetensors", {"seed": "5"})
+    data = (tmp_path / "w.safetensors").read_bytes()
+    assert len(data) > 50 * 64
+    digest, n = _stream(tmp_path, data)
+    assert digest == hashlib.sha256(data).hexdigest() and n == len(data)
+    assert (tmp_path / "w.tmp").read_bytes() == data
+
+
 def test_an_unsandboxed_launcher_seeds_through_the_stream_and_hashes_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
