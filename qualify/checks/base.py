@@ -84,6 +84,8 @@ class Context:
     gpu_pids: Callable[[], dict[int, list[int]] | None] = lambda: None
     # pid -> {GPU index: device memory bytes (None: not reported)}, as NVML lists them; None: no NVML here
     gpu_memory: Callable[[], dict[int, dict[int, int | None]] | None] = lambda: None
+    # GPU index -> (free bytes, total bytes), NVML's; None where it does not run
+    gpu_free: Callable[[], dict[int, tuple[int, int]] | None] = lambda: None
     deadline: float = float("inf")  # monotonic: the current check's budget, within the run's
     # The launched process tree as /proc shows it, sampled during the run (None: not a host process)
     procs: ProcessWatch | None = None

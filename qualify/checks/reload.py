@@ -134,18 +134,53 @@ def _counts(d: Describe) -> dict[str, int]:
     return {"graph_captures": d.counters.graph_captures, "graph_recaptures": d.counters.graph_recaptures}
 
 
+EARLY_FREE_SHARE = 0.5  # an early fresh reference on a GPU: at least this share of each GPU free...
+EARLY_FREE_TIMES = 4  # ...and at least this many times what the engine under test holds there
+
+
+def early_room(ctx: Context) -> tuple[bool, dict[str, Any]]:
+    """Whether the GPU has room to boot the fresh reference beside the engine under test for the rest of
+    the run (it then holds its memory until this check ends, where it held it only during this check):
+    every GPU the engine uses has at least EARLY_FREE_SHARE of its memory free and EARLY_FREE_TIMES what
+    the engine holds there, by NVML. Where it has not, or NVML cannot say, the reference boots with this
+    check: a GPU shared by several runs (tests/harness/test_monitor_gpu.py runs seven at once on one)
+    must not lose a run's fresh engine to memory the harness took early. (whether, the figures)"""
+    free, held = ctx.gpu_free(), ctx.gpu_memory()
+    pid = ctx.launcher.status().detail.get("pid") if ctx.launcher.kind == "local" else None
+    mine = (held or {}).get(pid) if isinstance(pid, int) else None
+    facts: dict[str, Any] = {"free_total_bytes": free, "engine_bytes": mine}
+    if not free or not mine or any(v is None for v in mine.values()):
+        return False, {**facts, "why": "NVML does not say what the engine under test holds and what is free"}
+    short = [
+        i for i, used in mine.items()
+        if i not in free or free[i][0] < max(EARLY_FREE_SHARE * free[i][1], EARLY_FREE_TIMES * (used or 0))
+    ]  # fmt: skip
+    if short:
+        return False, {**facts, "why": f"too little free memory on GPU {short} for an early boot"}
+    return True, facts
+
+
 def prefetch(ctx: Context, boot_s: float) -> None:
-    """Boot the fresh reference as soon as boot has passed (the engine under test is up and has its kernels),
-    beside the checks before this one, so that this check no longer waits the 4.6-6.3 s of its boot (most of
-    this check's time, 2026-12-05, H100). On a GPU target a check that times the engine (capture) first
-    waits for that boot to end (`settle`, bounded, the wait in the evidence), so that no boot shares the GPU
-    and the host's cores with a timed step; the idle reference then only holds its memory. (Booted at ready
-    on the H200 on 2026-12-03, before the capture check's sampling took the fastest of two pairs per sample,
-    a run failed two capture conditions whose kinds later also came in runs without it: see
-    bench/results/qualify-run-h200-2026-12-03-early-fresh-engine.json.) `run` takes it; the pipeline closes
+    """Boot the fresh reference as soon as boot has passed (the engine under test is up and has its
+    kernels), beside the checks before this one, so that this check no longer waits the 4.6-6.3 s of its
+    boot (most of this check's time, 2026-12-05, H100); on a GPU target only where the GPU has room for it
+    for the rest of the run (`early_room`), else it boots with this check. On a GPU target a check that
+    times the engine (capture) first waits for that boot to end (`settle`, bounded, the wait in the
+    evidence), so that no boot shares the GPU and the host's cores with a timed step; the idle reference
+    then only holds its memory. (Booted at ready on the H200 on 2026-12-03, before the capture check's
+    sampling took the fastest of two pairs per sample, a run failed two capture conditions whose kinds later
+    also came in runs without it: see bench/results/qualify-run-h200-2026-12-03-early-fresh-engine.json.
+    Booted early in each of seven runs at once on one H100, one run's reference failed to create its cuBLAS
+    handle for lack of memory, 2026-12-05: hence the room it asks for.) `run` takes it; the pipeline closes
     it."""
-    if "reload" not in ctx.prepared:
-        ctx.prepared["reload"] = FreshReference(ctx, boot_s)
+    if "reload" in ctx.prepared:
+        return
+    if ctx.target != "cpu":
+        room, facts = early_room(ctx)
+        ctx.facts["fresh_reference_early"] = {"booted_early": room, **facts}
+        if not room:
+            return
+    ctx.prepared["reload"] = FreshReference(ctx, boot_s)
 
 
 def run(ctx: Context) -> Outcome:
@@ -214,7 +249,12 @@ def _run(ctx: Context, fresh_ref: FreshReference) -> Outcome:
         "restored_vs_first": coh_back,
         "replay_after_reload_vs_fresh_eager": coh_fresh,
         "graph_addresses_moved": moved,
-        "fresh_engine": {**fresh_info, "after_same_reload": vs_fresh[:1], "restored": vs_fresh[1:]},
+        "fresh_engine": {
+            **fresh_info,
+            "early": ctx.facts.get("fresh_reference_early"),
+            "after_same_reload": vs_fresh[:1],
+            "restored": vs_fresh[1:],
+        },
         "counters": {"before": _counts(d0), "after_same": _counts(d1), "end": _counts(d2)},
     }
     conditions = {

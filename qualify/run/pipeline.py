@@ -266,6 +266,7 @@ class Pipeline:
             xid_watch=self._xid_watch,
             gpu_pids=self.nvml.compute_pids,
             gpu_memory=self.nvml.compute_memory,
+            gpu_free=self.nvml.device_memory,
         )
         if self.launcher.kind == "local":  # a container's processes are docker's to count
             ctx.procs = ProcessWatch(self._launched_pid, self.nvml.compute_pids)

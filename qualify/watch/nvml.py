@@ -106,6 +106,20 @@ class NvmlWatcher:
             return None
         return out
 
+    def device_memory(self) -> dict[int, tuple[int, int]] | None:
+        """GPU index -> (free bytes, total bytes) as the driver counts them; None when NVML is not running
+        here."""
+        if self._nvml is None or not self._device_handles:
+            return None
+        out: dict[int, tuple[int, int]] = {}
+        try:
+            for index, handle in enumerate(self._device_handles):
+                info = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                out[index] = (int(info.free), int(info.total))
+        except self._nvml.NVMLError:
+            return None
+        return out
+
     def compute_memory(self) -> dict[int, dict[int, int | None]] | None:
         """pid -> {GPU index: bytes of device memory it holds there (None where the driver does not say,
         as in some containers)}; None when NVML is not running here."""

@@ -122,7 +122,7 @@ def test_a_failed_background_write_is_reported_by_the_reload_that_needs_the_file
         raise OSError(28, "No space left on device")
 
     e = fresh_engine
-    monkeypatch.setattr(engine_mod, "save", full_disk)
+    monkeypatch.setattr(engine_mod, "save_streamed", full_disk)
     path = e.reload(seed=999)["weights_path"]
     with pytest.raises(RuntimeError, match="No space left on device"):
         e.reload(path=path)

@@ -57,6 +57,7 @@ def _stand_in_pynvml(*, devices: int, refuse_register: set[int], wait_fails: thr
         types.SimpleNamespace(pid=4000, usedGpuMemory=1 << 20),
         types.SimpleNamespace(pid=h, usedGpuMemory=None),
     ]
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(free=(h + 1) << 30, total=80 << 30, used=0)
     return m
 
 
@@ -80,6 +81,7 @@ def test_registered_on_every_gpu_with_a_running_loop_is_live(stand_in) -> None:
         assert w.compute_pids() == {4000: [0, 1], 0: [0], 1: [1]}  # pid -> the GPUs it computes on
         # pid -> {GPU: device memory it holds}, None where the driver does not report it
         assert w.compute_memory() == {4000: {0: 1 << 20, 1: 1 << 20}, 0: {0: None}, 1: {1: None}}
+        assert w.device_memory() == {0: (1 << 30, 80 << 30), 1: (2 << 30, 80 << 30)}  # (free, total)
     finally:
         w.stop()
     assert w.status == "stopped" and w.live()
@@ -128,6 +130,8 @@ def test_nvml_registers_xid_events_on_every_gpu() -> None:
         assert all(d["xid_events"] == "registered" for d in w.devices), w.devices
         assert w.registered_all and w.live()
         assert isinstance(w.compute_pids(), dict)  # the driver answers which processes run on each GPU
+        free = w.device_memory() or {}
+        assert free and all(0 < f <= t for f, t in free.values())  # (free, total) bytes per GPU
         time.sleep(1.2)  # more than two event waits: the loop is still running
         assert w.live(), w.reason
     finally:

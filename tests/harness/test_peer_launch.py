@@ -213,9 +213,10 @@ def test_the_layout_checks_peers_start_when_the_engine_answers_and_a_failure_the
 
 
 def test_the_fresh_reference_boots_once_boot_passes_and_a_timed_check_waits_for_that_boot() -> None:
-    """reload.prefetch boots the fresh reference on every target (GPU too) as soon as boot has passed; a check
-    that times the engine first waits, bounded, for that boot to end (settle_prepared), and the reference's
-    evidence records the wait; a second prefetch starts nothing more."""
+    """reload.prefetch boots the fresh reference as soon as boot has passed, on a GPU target where NVML says
+    the GPU has room for it (early_room); a check that times the engine first waits, bounded, for that boot
+    to end (settle_prepared), and the reference's evidence records the wait; a second prefetch starts
+    nothing more."""
     import threading
     import time
     from types import SimpleNamespace
@@ -238,9 +239,25 @@ def test_the_fresh_reference_boots_once_boot_passes_and_a_timed_check_waits_for_
             release.set()
 
     options = reload.EngineOptions(preset="tiny", kda_backend="auto")
-    launcher = SimpleNamespace(sibling=lambda options, name: Ref(), options=options)
-    ctx = SimpleNamespace(target="gpu", prepared={}, launcher=launcher, remaining=lambda: 60.0)
+    status = SimpleNamespace(detail={"pid": 4242})
+    launcher = SimpleNamespace(
+        sibling=lambda options, name: Ref(), options=options, kind="local", status=lambda: status
+    )
+    gib = 1 << 30
+    free = {0: (70 * gib, 80 * gib)}
+    ctx = SimpleNamespace(
+        target="gpu", prepared={}, facts={}, launcher=launcher, remaining=lambda: 60.0,
+        gpu_free=lambda: free, gpu_memory=lambda: {4242: {0: 6 * gib}, 7: {0: gib}},
+    )  # fmt: skip
+    # Room on the GPU is asked first: too little free (a GPU shared by other runs), or NVML silent, and
+    # the reference boots with the reload check instead.
+    for free_now, held in (((30 * gib, 80 * gib), {4242: {0: 6 * gib}}), ((70 * gib, 80 * gib), None)):
+        ctx.gpu_free, ctx.gpu_memory = (lambda f=free_now: {0: f}), (lambda h=held: h)
+        reload.prefetch(ctx, 30.0)  # type: ignore[arg-type]
+        assert "reload" not in ctx.prepared and ctx.facts["fresh_reference_early"]["booted_early"] is False
+    ctx.gpu_free, ctx.gpu_memory = (lambda: free), (lambda: {4242: {0: 6 * gib}, 7: {0: gib}})
     reload.prefetch(ctx, 30.0)  # type: ignore[arg-type]
+    assert ctx.facts["fresh_reference_early"]["booted_early"] is True
     first = ctx.prepared["reload"]
     reload.prefetch(ctx, 30.0)  # type: ignore[arg-type]
     assert ctx.prepared["reload"] is first
