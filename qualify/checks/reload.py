@@ -135,16 +135,19 @@ def _counts(d: Describe) -> dict[str, int]:
 
 
 EARLY_FREE_SHARE = 0.5  # an early fresh reference on a GPU: at least this share of each GPU free...
-EARLY_FREE_TIMES = 4  # ...and at least this many times what the engine under test holds there
+EARLY_FREE_TIMES = 4  # ...and at least this many times what the engine under test holds there...
+EARLY_OWN_SHARE = 0.5  # ...which holds at least this share of the memory in use there (a GPU not shared)
 
 
 def early_room(ctx: Context) -> tuple[bool, dict[str, Any]]:
     """Whether the GPU has room to boot the fresh reference beside the engine under test for the rest of
-    the run (it then holds its memory until this check ends, where it held it only during this check):
-    every GPU the engine uses has at least EARLY_FREE_SHARE of its memory free and EARLY_FREE_TIMES what
-    the engine holds there, by NVML. Where it has not, or NVML cannot say, the reference boots with this
-    check: a GPU shared by several runs (tests/harness/test_monitor_gpu.py runs seven at once on one)
-    must not lose a run's fresh engine to memory the harness took early. (whether, the figures)"""
+    the run (it then holds its memory until this check ends, where it held it only during this check),
+    and is this run's alone: on every GPU the engine uses, by NVML, at least EARLY_FREE_SHARE of the memory
+    is free, and EARLY_FREE_TIMES what the engine holds, and the engine holds at least EARLY_OWN_SHARE of
+    the memory in use. Where not, or where NVML cannot say, the reference boots with this check: on a GPU
+    shared by several runs (tests/harness/test_monitor_gpu.py runs seven at once on one), a reference
+    booted early takes memory another run's engines need and CPU time from their timed steps. (whether,
+    the figures)"""
     free, held = ctx.gpu_free(), ctx.gpu_memory()
     pid = ctx.launcher.status().detail.get("pid") if ctx.launcher.kind == "local" else None
     mine = (held or {}).get(pid) if isinstance(pid, int) else None
@@ -157,6 +160,12 @@ def early_room(ctx: Context) -> tuple[bool, dict[str, Any]]:
     ]  # fmt: skip
     if short:
         return False, {**facts, "why": f"too little free memory on GPU {short} for an early boot"}
+    shared = [i for i, used in mine.items() if (used or 0) < EARLY_OWN_SHARE * (free[i][1] - free[i][0])]
+    if shared:
+        return False, {
+            **facts,
+            "why": f"GPU {shared} is shared: the engine holds less than half its memory in use",
+        }
     return True, facts
 
 

@@ -251,7 +251,11 @@ def test_the_fresh_reference_boots_once_boot_passes_and_a_timed_check_waits_for_
     )  # fmt: skip
     # Room on the GPU is asked first: too little free (a GPU shared by other runs), or NVML silent, and
     # the reference boots with the reload check instead.
-    for free_now, held in (((30 * gib, 80 * gib), {4242: {0: 6 * gib}}), ((70 * gib, 80 * gib), None)):
+    for free_now, held in (
+        ((30 * gib, 80 * gib), {4242: {0: 6 * gib}}),  # too little free
+        ((46 * gib, 80 * gib), {4242: {0: 5 * gib}}),  # room, but most of the memory in use is others'
+        ((70 * gib, 80 * gib), None),  # NVML silent
+    ):
         ctx.gpu_free, ctx.gpu_memory = (lambda f=free_now: {0: f}), (lambda h=held: h)
         reload.prefetch(ctx, 30.0)  # type: ignore[arg-type]
         assert "reload" not in ctx.prepared and ctx.facts["fresh_reference_early"]["booted_early"] is False
