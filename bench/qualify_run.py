@@ -120,6 +120,20 @@ def _logs(report: dict, folder: str | None, name: str) -> None:
                 shutil.copyfile(os.path.join(base, f), os.path.join(folder, name, rel))
 
 
+def log_records(path: str, prefix: str) -> list[dict]:
+    """The JSON record after `prefix` on each line of one log that starts with it; a record cut short is
+    kept as {"unreadable": its first 200 characters}."""
+    found: list[dict] = []
+    with open(path, errors="replace") as fh:
+        for line in fh:
+            if line.startswith(prefix):
+                try:
+                    found.append(json.loads(line[len(prefix) :]))
+                except json.JSONDecodeError:
+                    found.append({"unreadable": line[len(prefix) :][:200]})
+    return found
+
+
 def own_compiles(run_dir: str | None) -> dict[str, list[dict]]:
     """Per engine log below the run dir (the engine under test's engine.log, a reference's), the kernels
     that engine compiled itself, each with its specialization (qualify/engine/precompile.py,
@@ -132,28 +146,9 @@ def own_compiles(run_dir: str | None) -> dict[str, list[dict]]:
             if not f.endswith(".log"):
                 continue
             path = os.path.join(base, f)
-            found = []
-            with open(path, errors="replace") as fh:
-                for line in fh:
-                    if line.startswith(OWN_COMPILE_LINE):
-                        try:
-                            found.append(json.loads(line[len(OWN_COMPILE_LINE) :]))
-                        except json.JSONDecodeError:
-                            found.append({"unreadable": line[len(OWN_COMPILE_LINE) :][:200]})
+            found = log_records(path, OWN_COMPILE_LINE)
             if found:
                 out[os.path.relpath(path, run_dir)] = found
-    return out
-
-
-def _request_lines(path: str) -> list[dict]:
-    out = []
-    with open(path, errors="replace") as fh:
-        for line in fh:
-            if line.startswith(REQUEST_LINE):
-                try:
-                    out.append(json.loads(line[len(REQUEST_LINE) :]))
-                except json.JSONDecodeError:
-                    continue
     return out
 
 
@@ -188,7 +183,7 @@ def request_seconds(run_dir: str | None, check_waits: dict | None) -> dict:
             if not f.endswith(".log"):
                 continue
             path = os.path.join(base, f)
-            lines = _request_lines(path)
+            lines = [r for r in log_records(path, REQUEST_LINE) if "unreadable" not in r]
             if not lines:
                 continue
             entry = _sum_requests(lines)

@@ -26,6 +26,18 @@ def make_engine(**fields):
     return Engine(EngineConfig(**fields))
 
 
+def prefill_row(runner, batch, at, one_forward=False):
+    """The logits and last hidden state of batch[at], prefilled with the rest of `batch`: by the engine's
+    prefill, or with `one_forward` in one plain varlen forward over the whole batch (no row invariance)."""
+    reqs = [runner.admit(p, 1) for p in batch]
+    try:
+        logits = (runner._prefill_varlen if one_forward else runner.prefill)(reqs)
+        return logits[at].clone(), runner.prefill_hidden[at].clone()
+    finally:
+        for q in reqs:
+            runner.release(q)
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(_engine_home):
     """Shared tiny engine: tests that change its weights must use their own engine."""

@@ -9,6 +9,8 @@ from safetensors.torch import save_file
 from qualify.engine.tokenizer import ByteTokenizer
 from qualify.engine.weights import WeightsError
 
+from .conftest import prefill_row
+
 TOK = ByteTokenizer()
 PROMPTS = [TOK.encode("The quick brown fox"), TOK.encode("hybrid KDA engines"), TOK.encode("x")]
 
@@ -29,16 +31,6 @@ def test_greedy_generation_is_deterministic_and_batch_independent(tiny_engine):
     assert all(len(g.token_ids) == len(g.top2_gaps) for g in gens1)
 
 
-def _prefill_row(r, batch, at, one_forward=False):
-    reqs = [r.admit(p, 1) for p in batch]
-    try:
-        logits = (r._prefill_varlen if one_forward else r.prefill)(reqs)
-        return logits[at].clone(), r.prefill_hidden[at].clone()
-    finally:
-        for q in reqs:
-            r.release(q)
-
-
 def test_a_prompts_prefill_is_bit_identical_alone_and_among_fillers(tiny_engine):
     # The harness compares answers given in batches of different composition; a prompt's logits must not
     # move with the batch around it. One varlen forward over the batch (the engine's prefill before
@@ -47,12 +39,12 @@ def test_a_prompts_prefill_is_bit_identical_alone_and_among_fillers(tiny_engine)
     fillers = [TOK.encode(t) for t in ("a filler of another length", "f", "more filler text, longer")]
     moved = 0.0
     for p in PROMPTS:
-        alone, h_alone = _prefill_row(r, [p], 0)
+        alone, h_alone = prefill_row(r, [p], 0)
         for at in range(len(fillers) + 1):
             batch = [*fillers[:at], p, *fillers[at:]]
-            got, h_got = _prefill_row(r, batch, at)
+            got, h_got = prefill_row(r, batch, at)
             assert torch.equal(got, alone) and torch.equal(h_got, h_alone)
-            one, _ = _prefill_row(r, batch, at, one_forward=True)
+            one, _ = prefill_row(r, batch, at, one_forward=True)
             moved = max(moved, float((one - alone).abs().max()))
     assert moved > 0.0  # what the per-prompt prefill removes, seen here so the equality above can fail
 

@@ -37,7 +37,7 @@ from qualify.engine.model.attention import DcpGeometry, folded_attention
 from qualify.engine.model.norm import apply_rope, rope_tables
 from qualify.engine.model.selector import pool_keys, rows_to_key_mask, select_rows
 
-from .conftest import make_engine
+from .conftest import make_engine, prefill_row
 from .fused_numerics import check_linear_add_norm, check_norm_linear, check_swiglu_linear, exact_norm, rms_err
 
 pytestmark = pytest.mark.skipif(
@@ -622,26 +622,17 @@ def test_a_fused_engine_prefills_a_batch_in_one_row_invariant_forward(monkeypatc
         )
         monkeypatch.setattr(norm_mod, "linear_rows", lambda *a: rows_calls.append(1) or real_rows(*a))
 
-        def row(batch, at, plain=False):
-            reqs = [r.admit(p, 1) for p in batch]
-            try:
-                logits = r._prefill_varlen(reqs) if plain else r.prefill(reqs)
-                return logits[at].clone(), r.prefill_hidden[at].clone()
-            finally:
-                for q in reqs:
-                    r.release(q)
-
         prompt = tok.encode("one prompt among fillers")
         fillers = [tok.encode(t) for t in ("a filler of another length", "f", "more filler text, longer")]
-        alone, h_alone = row([prompt], 0)
+        alone, h_alone = prefill_row(r, [prompt], 0)
         moved = 0.0
         for at in (0, 2, 3):
             batch = [*fillers[:at], prompt, *fillers[at:]]
             forwards.clear()
-            got, h_got = row(batch, at)
+            got, h_got = prefill_row(r, batch, at)
             assert len(forwards) == 1 and rows_calls  # one forward, its products row-invariant
             assert torch.equal(got, alone) and torch.equal(h_got, h_alone)
-            plain, _ = row(batch, at, plain=True)
+            plain, _ = prefill_row(r, batch, at, one_forward=True)
             moved = max(moved, float((plain - alone).abs().max()))
         assert moved > 0.0  # what the row-invariant forward removes, seen here so the equality can fail
         assert not norm_mod.ROWS.on  # off again outside the prefill

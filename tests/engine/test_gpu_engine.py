@@ -117,25 +117,18 @@ def test_the_proxys_batched_prefill_gives_a_prompt_the_bits_it_has_alone(proxy_e
     """On the GPU (bf16, the real kernels): a prompt's logits and last hidden state from the batched,
     row-invariant prefill equal its prefill alone bit for bit, wherever it sits among fillers of other
     lengths; one plain varlen forward over the same batch (cuBLAS's products) is what moved them."""
+    from tests.engine.conftest import prefill_row
+
     r = proxy_engine.runner
     prompt = [256, *b"a prompt the harness compares across batches"]
     fillers = [[256, *f"filler {i}: {'words ' * (3 * i + 1)}".encode()] for i in range(7)]
 
-    def row(batch, at, plain=False):
-        reqs = [r.admit(p, 1) for p in batch]
-        try:
-            logits = r._prefill_varlen(reqs) if plain else r.prefill(reqs)
-            return logits[at].clone(), r.prefill_hidden[at].clone()
-        finally:
-            for q in reqs:
-                r.release(q)
-
-    alone, h_alone = row([prompt], 0)
+    alone, h_alone = prefill_row(r, [prompt], 0)
     moved = 0.0
     for at, n in ((0, 1), (1, 3), (3, 7), (7, 7)):
         batch = [*fillers[:at], prompt, *fillers[at:n]]
-        got, h_got = row(batch, at)
+        got, h_got = prefill_row(r, batch, at)
         assert torch.equal(got, alone) and torch.equal(h_got, h_alone), (at, n)
-        plain, _ = row(batch, at, plain=True)
+        plain, _ = prefill_row(r, batch, at, one_forward=True)
         moved = max(moved, float((plain - alone).abs().max()))
     print(f"plain batched prefill moved the logits by up to {moved:.4f}")
