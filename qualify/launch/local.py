@@ -173,9 +173,9 @@ def keep_seeded(made: Path, cached: Path) -> str:
 def _write_hashing(blocks: Iterable[bytes], dst: IO[bytes], h: Any) -> None:
     """Write each block to `dst` and hash it into `h`, the two side by side on two threads while the next
     block is read (hashlib and file writes release the GIL): a block's hash and write run in order, one
-    block at a time, so the digest is of the bytes in order and the file is written in order. Reading,
-    hashing and writing one after another took the seeding's stream to 0.8 GB/s on an H100 host
-    (2026-12-05), about the sum of the three."""
+    block at a time, so the digest is of the bytes in order and the file is written in order. (On H100
+    hosts, 2026-12-05, the seeding's stream ran at 0.7-0.8 GB/s both before this, when the write came
+    between the reads, and after: its limit is on the step's side of the pipe.)"""
     with ThreadPoolExecutor(2, "weights-hash-write") as pool:
         pending: list[Any] = []
         for block in blocks:
