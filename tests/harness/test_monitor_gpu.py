@@ -3,9 +3,13 @@ monitor): the honest proxy engine qualifies with --spec mtp:3 on triton and on b
 condition present, holding and `monitored`; four lying engines are rejected by the monitored condition that
 catches their lie while their own counters keep telling the story they chose.
 
-The seven runs start at once (one H200 holds them all), each with a data dir of its own; with
-QUALIFY_MONITOR_TRACES=DIR every run's monitor windows, receipt predicate and summary are copied there
-(how tests/data/monitor/ was recorded: tests/data/monitor/README.md)."""
+The runs go in two stages, each with a data dir of its own: the two honest runs side by side, then the
+five others at once. (All seven at once fitted one H200; on one H100 on 2026-12-05 the honest runs, which
+must hold every timed condition, failed `graph_steps_faster_than_eager` or the speculation timing rule with
+the GPU and the host shared seven ways, while every liar was still rejected for its lie. The liars are
+judged by monitored conditions, which no load moves.) With QUALIFY_MONITOR_TRACES=DIR every run's monitor
+windows, receipt predicate and summary are copied there (how tests/data/monitor/ was recorded:
+tests/data/monitor/README.md)."""
 
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ from .conftest import ROOT, check
 
 pytestmark = pytest.mark.gpu
 
-RUN_TIMEOUT_S = 380
+RUN_TIMEOUT_S = 380  # per stage
+STAGES = (("honest-triton", "honest-b12x"),)  # then every other run, at once
 SPEC = ("--spec", "mtp:3", "--layout", "2304,2304,2304,9216")
 RUNS: dict[str, tuple[str | None, tuple[str, ...], dict[str, str]]] = {
     "honest-triton": (None, ("--preset", "proxy", "--kda-backend", "triton", *SPEC), {}),
@@ -79,45 +84,41 @@ def _collect(name: str, home: Path, proc: subprocess.CompletedProcess | None, ou
     return result
 
 
+def _start(name: str, home: Path) -> subprocess.Popen:
+    liar, args, extra = RUNS[name]
+    cmd = [sys.executable, "-m", "qualify.cli", "run", "--json", "--timeout", str(RUN_TIMEOUT_S - 30), *args]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(home, liar, extra)
+    )
+
+
+def stages(wanted: list[str]) -> list[list[str]]:
+    """The runs asked for, in the order they go: each of STAGES' groups (those of it asked for), then the
+    rest at once; empty stages dropped."""
+    first = [[n for n in group if n in wanted] for group in STAGES]
+    rest = [n for n in wanted if not any(n in group for group in STAGES)]
+    return [g for g in (*first, rest) if g]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     traces = os.environ.get("QUALIFY_MONITOR_TRACES")
     out = Path(traces) if traces else None
     only = os.environ.get("QUALIFY_MONITOR_RUNS")
-    wanted = {k: v for k, v in RUNS.items() if not only or k in only.split(",")}
-    procs = {}
-    homes = {}
-    for name, (liar, args, extra) in wanted.items():
-        home = tmp_path_factory.mktemp(name)
-        homes[name] = home
-        cmd = [
-            sys.executable,
-            "-m",
-            "qualify.cli",
-            "run",
-            "--json",
-            "--timeout",
-            str(RUN_TIMEOUT_S - 30),
-            *args,
-        ]
-        procs[name] = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=_env(home, liar, extra),
-        )
+    wanted = [k for k in RUNS if not only or k in only.split(",")]
     results: dict[str, dict] = {}
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    for name, p in procs.items():
-        try:
-            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            stdout, stderr = p.communicate()
-        done = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
-        results[name] = _collect(name, homes[name], done, out)
+    for stage in stages(wanted):
+        homes = {name: tmp_path_factory.mktemp(name) for name in stage}
+        procs = {name: _start(name, homes[name]) for name in stage}
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        for name, p in procs.items():
+            try:
+                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                stdout, stderr = p.communicate()
+            done = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+            results[name] = _collect(name, homes[name], done, out)
     return results
 
 
