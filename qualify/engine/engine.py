@@ -271,8 +271,8 @@ class Engine:
         snapshot(self.model)  # the reload census's kernel (a CUDA engine's boot and every reload run it)
         done("census")
         for b in sizes:
-            # each prompt of BOS + n tokens, prefilled on its own: a length that is not a multiple of 16,
-            # and one that is
+            # each prompt of BOS + n tokens (a CUDA engine prefills a request's prompts together: b prompts
+            # of a length that is not a multiple of 16, and of one that is)
             for n in (5, 16 * max(1, b) - 1):
                 prompts = [[BOS, *[65 + (i + j) % 26 for j in range(n)]] for i in range(b)]
                 self.generate(prompts, 3, "eager")

@@ -12,6 +12,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,25 +119,16 @@ def save_streamed(state: dict[str, torch.Tensor], path: Path, metadata: dict[str
     the request after a seeded reload waited 2.2 s for it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     params = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
-    head, order = seeded_layout(params, metadata)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     on_cuda = [t.device for t in state.values() if t.is_cuda]
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(tmp.open("wb"))
-        bufs: list[torch.Tensor] = []
         if on_cuda:
             stack.enter_context(torch.cuda.device(on_cuda[0]))
             side = torch.cuda.Stream(on_cuda[0])
             side.wait_stream(torch.cuda.current_stream(on_cuda[0]))  # whatever wrote the tensors comes first
             stack.enter_context(torch.cuda.stream(side))
-            bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        _write_all(out, head)
-        for name in order:
-            flat = state[name].detach().contiguous().reshape(-1).view(torch.uint8)
-            if flat.is_cuda:
-                _write_device(out, flat, bufs)
-            else:
-                _write_all(out, memoryview(flat.numpy()))
+        _write_tensors(out, params, metadata, lambda name: state[name].detach())
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
@@ -174,20 +166,36 @@ def write_seeded(
     (a harness reading a pipe hashes it as it comes). The bytes written."""
     num_layers = len(getattr(model, "layers", [])) or 1
     params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+
+    def tensor(name: str) -> torch.Tensor:
+        shape, dtype = params[name]
+        return generate_one(name, shape, dtype, device, seed, num_layers)
+
+    return _write_tensors(out, params, metadata, tensor)
+
+
+def _write_tensors(
+    out: BinaryIO,
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    metadata: dict[str, str],
+    tensor: Callable[[str], torch.Tensor],
+) -> int:
+    """The safetensors file `save` writes for tensors of these shapes and dtypes: the canonical header,
+    then `tensor(name)`'s bytes in the library's order, each asked for when its turn comes and dropped
+    before the next (CUDA tensors through two pinned buffers, on the current stream; CPU tensors from their
+    own memory). The bytes written."""
     head, order = seeded_layout(params, metadata)
     written = _write_all(out, head)
     bufs: list[torch.Tensor] = []
     for name in order:
-        shape, dtype = params[name]
-        t = generate_one(name, shape, dtype, device, seed, num_layers).contiguous().reshape(-1)
-        flat = t.view(torch.uint8)
+        flat = tensor(name).contiguous().reshape(-1).view(torch.uint8)
         if flat.is_cuda:
             if not bufs:
                 bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             written += _write_device(out, flat, bufs)
         else:
             written += _write_all(out, memoryview(flat.numpy()))
-        del t, flat
+        del flat
     return written
 
 

@@ -123,16 +123,18 @@ class HybridModel(nn.Module):
         hidden_out.copy_(hidden)
         logits_out.copy_(self.logits(hidden))
 
-    def logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor, head: Tensor | None = None) -> Tensor:
         # fp32 head: bf16 logits are quantized to 1/16-1/8 at their magnitude, coarser than the coherence
-        # rule's epsilon, so the top-2 gap of a near tie would read as a real disagreement.
-        return torch.nn.functional.linear(self.norm(hidden).float(), self.lm_head.weight.float())
+        # rule's epsilon, so the top-2 gap of a near tie would read as a real disagreement. `head`: the
+        # lm_head weight already in fp32 (logits_apart converts it once for all its rows).
+        w = self.lm_head.weight.float() if head is None else head
+        return torch.nn.functional.linear(self.norm(hidden).float(), w)
 
     def logits_apart(self, hidden: Tensor) -> Tensor:
         """`logits` of each row on its own (a one-row product each, the fp32 head converted once): the rows'
         logits as each alone would get them, whatever the other rows."""
-        w = self.lm_head.weight.float()
-        return torch.cat([torch.nn.functional.linear(self.norm(h[None]).float(), w) for h in hidden])
+        head = self.lm_head.weight.float()
+        return torch.cat([self.logits(h[None], head) for h in hidden])
 
     def draft_logits(self, hidden: Tensor, next_ids: Tensor) -> Tensor:
         """MTP: logits for the token after `next_ids`, from the target's hidden state at that position."""
