@@ -62,22 +62,15 @@ ROUNDS = 10
 # the state pass applying X itself, ran 0.93-1.03x fla+norm on 2026-12-04:
 # bench/results/kda-prefill-h200-2026-12-04-rejected-fused-intra.json.)
 VARIANTS: dict[str, dict[str, object]] = {
-    # The defaults before 2026-12-05 (32-channel gate blocks, no Γ_C prefetch in the state pass, zeros
-    # written right of P's and X's diagonals), timed in the same run as today's.
-    # The other variants of 2026-12-04 (two pipeline stages in the state pass, Diag(β)·K̃ from the diagonal
-    # pass, its solve from registers, whole-row gate blocks at 8 warps, the state pass unpipelined at 32- or
-    # 16-wide V blocks) ran slower or within 0.3% of the default on the H200 on 2026-12-05 (docs/KDA.md).
-    # The variants of 2026-12-05 that lost (the diagonal pass in K slices or with two exponentials per
-    # element, the state V-first, [W; Q̃]·S stacked, the state pass at 8 warps; the diagonal inverse from
-    # 8-row halves, slower beside the lower-triangle loads) were removed:
-    # bench/results/kda-prefill-h100-2026-12-05-variants.json and -tril-halves.json have their times.
-    "ours_before_2026_12_05": {
-        "_GATE_BK": 32,
-        "_STATE_PREFETCH_G": False,
-        "_TRIL_LOADS": False,
-    },
-    # The change kept on 2026-12-05 left out alone.
-    "ours_without_tril_loads": {"_TRIL_LOADS": False},
+    # The variants of 2026-12-05 are in docs/KDA.md with their times (the defaults before that day, timed
+    # as ours_before_2026_12_05, and the lower-triangle loads left out alone, in
+    # bench/results/kda-prefill-h100-2026-12-05.json). These: the off-diagonal blocks of A and P computed by
+    # the diagonal pass (each sub-chunk's program its own row block) and X's blocks by a small merge launch,
+    # in place of the one-program-per-chunk off-diagonal pass (kernels.kda.chunk._OFFDIAG_IN_DIAG); at the
+    # launch shapes bench/sm90.py compiles without spills.
+    "ours_offdiag_in_diag": {"_OFFDIAG_IN_DIAG": True, "_DIAG_STAGES": 2},
+    "ours_offdiag_in_diag_4_warps": {"_OFFDIAG_IN_DIAG": True, "_DIAG_WARPS": 4, "_DIAG_STAGES": 1},
+    "ours_offdiag_in_diag_merge_1_warp": {"_OFFDIAG_IN_DIAG": True, "_DIAG_STAGES": 2, "_MERGE_WARPS": 1},
 }
 
 
@@ -320,8 +313,23 @@ def main() -> None:
         default="",
         help="comma-separated shapes to run, NxTxH as in SHAPES (e.g. 1x8192x64); default: all (recorded)",
     )
+    ap.add_argument(
+        "--profile-calls",
+        type=int,
+        default=0,
+        help="no timing and no JSON: run ours eagerly this many times at the first shape asked for, for a "
+        "profiler that wraps the process (scripts/gpu-check ncu)",
+    )
     args = ap.parse_args()
     shapes = pick_shapes(args.shapes, ap.error)
+    if args.profile_calls > 0:
+        if not torch.cuda.is_available():
+            sys.exit("bench/kda_prefill.py needs a CUDA device")
+        call = _ours(_inputs(*shapes[0]))
+        for _ in range(args.profile_calls):
+            call()
+        _sync()
+        return
     exclude = frozenset(x for x in args.exclude.split(",") if x)
     if not torch.cuda.is_available():
         sys.exit("bench/kda_prefill.py needs a CUDA device")

@@ -233,6 +233,16 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=zero_right)
         name = "prefill diagonal pass" + ("" if zero_right else ", nothing right of the diagonal")
         yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS
+    # _OFFDIAG_IN_DIAG: the diagonal pass also computes its row block's off-diagonal blocks, then the merge
+    # (warps, stages) as bench/kda_prefill.py's variants launch it
+    for warps, stages in ((2, 2), (4, 1)):
+        c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=False, OFFDIAG=True)
+        c["BK"] = min(K, ch._INTER_BK)
+        name = f"prefill diagonal pass with the off-diagonal blocks, {warps} warps, {stages} stage(s)"
+        yield name, ci.diag_kernel, diag, c, warps, (stages, ())
+    merge = {"x_inv": F32, **chunks}
+    c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True)
+    yield "prefill merge of the off-diagonal blocks", ci.merge_kernel, merge, c, ch._MERGE_WARPS
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)
     yield "prefill off-diagonal pass", ci.inter_solve_kernel, inter, c, ch._INTER_WARPS

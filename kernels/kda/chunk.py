@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import _chunk_bounds, diag_kernel, inter_solve_kernel, wu_kernel
+from kernels.kda.chunk_intra import _chunk_bounds, diag_kernel, inter_solve_kernel, merge_kernel, wu_kernel
 from kernels.kda.chunk_ref import chunk_reference
 
 __all__ = ["build_chunk_metadata", "chunk_reference", "prefill", "prefill_scratch_specs"]
@@ -65,6 +65,18 @@ _STATE_PREFETCH_G = True
 # right of the diagonal). Diagonal 227 -> 213 µs, W/U 165 -> 158, state 230 -> 178; the prefill 1.215 ->
 # 1.299x fla+norm at 1x8192, 1.357 -> 1.386 at 8x1024, 1.201 -> 1.288 at 1x32768, 1.274 -> 1.311 at H = 64.
 _TRIL_LOADS = True
+# _OFFDIAG_IN_DIAG: the blocks of A and P left of the diagonal computed by the diagonal pass, each sub-chunk's
+# program its own row block (one K-slice loop over the earlier sub-chunks, after its diagonal work), and a
+# small per-(chunk, head) launch (merge_kernel) turning them into X's blocks, in place of the off-diagonal
+# pass (one program per chunk at 255 registers and 2 warps: four programs per SM). The same arithmetic per
+# block; the norms of earlier sub-chunks' keys are recomputed by the program that needs them.
+_OFFDIAG_IN_DIAG = False
+_MERGE_WARPS = 2
+# Software-pipelining depth of the diagonal pass: its only loop is _OFFDIAG_IN_DIAG's K-slice loop (two
+# iterations). With it, at 2 warps on sm_90 (bench/sm90.py): 3 stages 168 registers and 35 KB of shared
+# memory, 2 stages 168 and 21 KB, 1 stage 217 and 8 KB; at 4 warps 1 stage 155 and 8 KB. Without it every
+# depth compiles alike (162 registers, 8 KB).
+_DIAG_STAGES = 3
 # Measured in the same run and removed (µs at 1x8192, H = 32, against the old default's): the diagonal
 # pass in K slices of 64 / 32 / 16 (251 / 224 / 255 against 227: fewer registers did not make it faster);
 # two exponentials per element there (228); the state held V-first with transposed products (276 against
@@ -488,26 +500,34 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=ap_dt,
             ZERO_RIGHT=not _TRIL_LOADS,
-            num_warps=_DIAG_WARPS,
-        )
-        inter_solve_kernel[(grid_chunks, H)](
-            q,
-            k,
-            b,
-            scratch["gcum"],
-            scratch["p"],
-            scratch["x"],
-            scratch["rn"],
-            *chunks,
-            H=H,
-            K=K,
-            BT=BT,
-            BC=_SUB,
+            OFFDIAG=_OFFDIAG_IN_DIAG,
             BK=min(K, _INTER_BK),
-            DEVICE_COUNT=dev,
-            DT=ap_dt,
-            num_warps=_INTER_WARPS,
+            num_warps=_DIAG_WARPS,
+            num_stages=_DIAG_STAGES,
         )
+        if _OFFDIAG_IN_DIAG:
+            merge_kernel[(grid_chunks, H)](
+                scratch["x"], *chunks, H=H, BT=BT, BC=_SUB, DEVICE_COUNT=dev, num_warps=_MERGE_WARPS
+            )
+        else:
+            inter_solve_kernel[(grid_chunks, H)](
+                q,
+                k,
+                b,
+                scratch["gcum"],
+                scratch["p"],
+                scratch["x"],
+                scratch["rn"],
+                *chunks,
+                H=H,
+                K=K,
+                BT=BT,
+                BC=_SUB,
+                BK=min(K, _INTER_BK),
+                DEVICE_COUNT=dev,
+                DT=ap_dt,
+                num_warps=_INTER_WARPS,
+            )
         wu_kernel[(grid_chunks, H)](
             k,
             v,

@@ -68,11 +68,15 @@ def diag_kernel(
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
     ZERO_RIGHT: tl.constexpr,
+    OFFDIAG: tl.constexpr = False,
+    BK: tl.constexpr = 64,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
     ZERO_RIGHT zeros right of the diagonal block in p and x (without it the readers mask those columns),
-    then (I + A_ii)^{-1} by forward substitution over rows read back from x."""
+    then (I + A_ii)^{-1} by forward substitution over rows read back from x. OFFDIAG: then also the row
+    block's blocks left of the diagonal, P_ij into p and A_ij (scaled) into x, j < i, from BK-wide K slices
+    (_offdiag_blocks); merge_kernel then turns those A_ij into X_ij in place."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -129,6 +133,11 @@ def diag_kernel(
     x_ii = y + eye
     tl.debug_barrier()
     tl.store(xrow + rb[None, :], x_ii, mask=mb[:, None])
+    if OFFDIAG:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if i > 0:
+            _offdiag_blocks(
+                q, k, gcum, p, x_inv, rows, mb, t0, i, h, beta * nk, nq, H, K, BT, BC, BK, DT
+            )  # fmt: skip
 
 
 @triton.jit
@@ -191,6 +200,109 @@ def _beta_nk(b, rn, rows, m):
 
 
 @triton.jit
+def _offdiag_store(k, p, x_inv, rows, m, rows_j, j: tl.constexpr, a, pq, bk, nq, K: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """P_ij ·= nq_i·nk_jᵀ into p and A_ij ·= β_i·nk_i·nk_jᵀ into x, nk_j from sub-chunk j's whole key rows
+    (the diagonal pass's own expression for them)."""
+    kk = tl.load(k + rows_j[:, None] * K + tl.arange(0, K)[None, :]).to(tl.float32)
+    nk_j = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
+    _store_blk(p, rows, m, j * BC, pq * nq[:, None] * nk_j[None, :], BT, BC)
+    _store_blk(x_inv, rows, m, j * BC, a * bk[:, None] * nk_j[None, :], BT, BC)
+
+
+@triton.jit
+def _offdiag_blocks(q, k, gcum, p, x_inv, rows, m, t0, i, h, bk, nq, H: tl.constexpr, K: tl.constexpr,
+                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """Sub-chunk i's blocks left of the diagonal (0 < i < 4), the off-diagonal pass's arithmetic for one
+    row block: A_ij and P_ij split at Γ of the row block's first row (both factors ≤ 1), accumulated over
+    BK-wide slices of K, then scaled by the norms and β (bk = β_i·nk_i) and stored (_offdiag_store). The
+    earlier sub-chunks are whole (they end before row i·BC, which the chunk holds)."""
+    ci = tl.arange(0, BC)
+    whole = ci < BC
+    r0 = (t0 + ci) * H + h
+    r1 = (t0 + BC + ci) * H + h
+    r2 = (t0 + 2 * BC + ci) * H + h
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    a0, p0, a1, p1, a2, p2 = z, z, z, z, z, z
+    for kb in range(K // BK):
+        dk = kb * BK + tl.arange(0, BK)
+        gn = tl.load(gcum + ((t0 + i * BC) * H + h) * K + dk)
+        qi, ki = _qk_rows(q, k, gcum, rows, m, dk, gn, K, DT)
+        a0, p0 = _cross(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, K, DT)
+        if i > 1:
+            a1, p1 = _cross(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, K, DT)
+        if i > 2:
+            a2, p2 = _cross(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, K, DT)
+    _offdiag_store(k, p, x_inv, rows, m, r0, 0, a0, p0, bk, nq, K, BT, BC)
+    if i > 1:
+        _offdiag_store(k, p, x_inv, rows, m, r1, 1, a1, p1, bk, nq, K, BT, BC)
+    if i > 2:
+        _offdiag_store(k, p, x_inv, rows, m, r2, 2, a2, p2, bk, nq, K, BT, BC)
+
+
+@triton.jit
+def _solve_blocks(x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, a31, a32,
+                  BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr):  # fmt: skip
+    """The blocks of X = (I + A)^{-1} left of the diagonal from the scaled blocks A_ij and the diagonal
+    inverses D_i in x: X_ij = −D_i·Σ_{j≤m<i} A_im·X_mj, stored into x."""
+    d0 = _load_diag(x_inv, r0, m0, 0, BT, BC)
+    d1 = _load_diag(x_inv, r1, m1, 1, BT, BC)
+    x10 = -_mm(d1, _mm(a10, d0))
+    _store_blk(x_inv, r1, m1, 0, x10, BT, BC)
+    if NC >= 3:  # noqa: SIM102
+        if n > 2 * BC:
+            d2 = _load_diag(x_inv, r2, m2, 2, BT, BC)
+            x21 = -_mm(d2, _mm(a21, d1))
+            x20 = -_mm(d2, _mm(a20, d0) + _mm(a21, x10))
+            _store_blk(x_inv, r2, m2, 0, x20, BT, BC)
+            _store_blk(x_inv, r2, m2, BC, x21, BT, BC)
+            if NC >= 4:  # noqa: SIM102
+                if n > 3 * BC:
+                    d3 = _load_diag(x_inv, r3, m3, 3, BT, BC)
+                    x32 = -_mm(d3, _mm(a32, d2))
+                    x31 = -_mm(d3, _mm(a31, d1) + _mm(a32, x21))
+                    x30 = -_mm(d3, _mm(a30, d0) + _mm(a31, x10) + _mm(a32, x20))
+                    _store_blk(x_inv, r3, m3, 0, x30, BT, BC)
+                    _store_blk(x_inv, r3, m3, BC, x31, BT, BC)
+                    _store_blk(x_inv, r3, m3, 2 * BC, x32, BT, BC)
+
+
+@triton.jit
+def merge_kernel(
+    x_inv,
+    cu_seqlens,
+    chunk_indices,
+    n_chunks_ptr,
+    n_chunks,
+    H: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
+):
+    """Per (chunk, head), after the diagonal pass with OFFDIAG: X's blocks left of the diagonal from the
+    scaled A_ij that pass left in x (_solve_blocks), in place."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
+    NC: tl.constexpr = BT // BC
+    if n <= BC:
+        return  # one sub-chunk, or none (past the chunk count): nothing off the diagonal
+    r0, m0 = _rows(t0, n, h, 0, H, BC)
+    r1, m1 = _rows(t0, n, h, 1, H, BC)
+    r2, m2 = _rows(t0, n, h, 2, H, BC)
+    r3, m3 = _rows(t0, n, h, 3, H, BC)
+    # Rows past the chunk (and, below four sub-chunks, past BT) are masked: those blocks load as zeros and
+    # _solve_blocks reads them only where the chunk holds their rows.
+    a10 = _load_diag(x_inv, r1, m1, 0, BT, BC)
+    a20 = _load_diag(x_inv, r2, m2 & (NC >= 3), 0, BT, BC)
+    a21 = _load_diag(x_inv, r2, m2 & (NC >= 3), 1, BT, BC)
+    a30 = _load_diag(x_inv, r3, m3 & (NC >= 4), 0, BT, BC)
+    a31 = _load_diag(x_inv, r3, m3 & (NC >= 4), 1, BT, BC)
+    a32 = _load_diag(x_inv, r3, m3 & (NC >= 4), 2, BT, BC)
+    _solve_blocks(x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, a31, a32, BT, BC, NC)
+
+
+@triton.jit
 def inter_solve_kernel(
     q,
     k,
@@ -222,14 +334,12 @@ def inter_solve_kernel(
         return  # one sub-chunk, or none (past the chunk count): nothing off the diagonal
     r0, m0 = _rows(t0, n, h, 0, H, BC)
     r1, m1 = _rows(t0, n, h, 1, H, BC)
+    r2, m2 = _rows(t0, n, h, 2, H, BC)  # past BT below four sub-chunks: masked, never read
+    r3, m3 = _rows(t0, n, h, 3, H, BC)
     z = tl.zeros([BC, BC], dtype=tl.float32)
     a10, p10 = z, z
     a20, p20, a21, p21 = z, z, z, z
     a30, p30, a31, p31, a32, p32 = z, z, z, z, z, z
-    if NC >= 3:
-        r2, m2 = _rows(t0, n, h, 2, H, BC)
-    if NC >= 4:
-        r3, m3 = _rows(t0, n, h, 3, H, BC)
     for kb in range(K // BK):
         dk = kb * BK + tl.arange(0, BK)
         gn1 = tl.load(gcum + ((t0 + BC) * H + h) * K + dk)
@@ -253,10 +363,6 @@ def inter_solve_kernel(
     bk1, nk1, nq1 = _beta_nk(b, rn, r1, m1)
     a10 = a10 * bk1[:, None] * nk0[None, :]
     _store_blk(p, r1, m1, 0, p10 * nq1[:, None] * nk0[None, :], BT, BC)
-    d0 = _load_diag(x_inv, r0, m0, 0, BT, BC)
-    d1 = _load_diag(x_inv, r1, m1, 1, BT, BC)
-    x10 = -_mm(d1, _mm(a10, d0))
-    _store_blk(x_inv, r1, m1, 0, x10, BT, BC)
     if NC >= 3:  # noqa: SIM102
         if n > 2 * BC:
             bk2, nk2, nq2 = _beta_nk(b, rn, r2, m2)
@@ -264,11 +370,6 @@ def inter_solve_kernel(
             a21 = a21 * bk2[:, None] * nk1[None, :]
             _store_blk(p, r2, m2, 0, p20 * nq2[:, None] * nk0[None, :], BT, BC)
             _store_blk(p, r2, m2, BC, p21 * nq2[:, None] * nk1[None, :], BT, BC)
-            d2 = _load_diag(x_inv, r2, m2, 2, BT, BC)
-            x21 = -_mm(d2, _mm(a21, d1))
-            x20 = -_mm(d2, _mm(a20, d0) + _mm(a21, x10))
-            _store_blk(x_inv, r2, m2, 0, x20, BT, BC)
-            _store_blk(x_inv, r2, m2, BC, x21, BT, BC)
             if NC >= 4:  # noqa: SIM102
                 if n > 3 * BC:
                     bk3, nk3, nq3 = _beta_nk(b, rn, r3, m3)
@@ -278,13 +379,7 @@ def inter_solve_kernel(
                     _store_blk(p, r3, m3, 0, p30 * nq3[:, None] * nk0[None, :], BT, BC)
                     _store_blk(p, r3, m3, BC, p31 * nq3[:, None] * nk1[None, :], BT, BC)
                     _store_blk(p, r3, m3, 2 * BC, p32 * nq3[:, None] * nk2[None, :], BT, BC)
-                    d3 = _load_diag(x_inv, r3, m3, 3, BT, BC)
-                    x32 = -_mm(d3, _mm(a32, d2))
-                    x31 = -_mm(d3, _mm(a31, d1) + _mm(a32, x21))
-                    x30 = -_mm(d3, _mm(a30, d0) + _mm(a31, x10) + _mm(a32, x20))
-                    _store_blk(x_inv, r3, m3, 0, x30, BT, BC)
-                    _store_blk(x_inv, r3, m3, BC, x31, BT, BC)
-                    _store_blk(x_inv, r3, m3, 2 * BC, x32, BT, BC)
+    _solve_blocks(x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, a31, a32, BT, BC, NC)
 
 
 @triton.jit

@@ -114,6 +114,12 @@ VARIANTS = {
     "state-without-prefetch-g": {"_STATE_PREFETCH_G": False},
     "gate-channel-blocks-of-32": {"_GATE_BK": 32},
     "zeros-right-of-the-diagonal": {"_TRIL_LOADS": False},
+    "off-diagonal-blocks-in-the-diagonal-pass": {"_OFFDIAG_IN_DIAG": True, "_DIAG_STAGES": 2},
+    "off-diagonal-blocks-in-the-diagonal-pass-four-warps": {
+        "_OFFDIAG_IN_DIAG": True,
+        "_DIAG_WARPS": 4,
+        "_DIAG_STAGES": 1,
+    },
 }
 # The default (on NaN scratch, against itself on fresh scratch) and the variants that change no value any pass
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
