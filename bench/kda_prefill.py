@@ -62,15 +62,14 @@ ROUNDS = 10
 # the state pass applying X itself, ran 0.93-1.03x fla+norm on 2026-12-04:
 # bench/results/kda-prefill-h200-2026-12-04-rejected-fused-intra.json.)
 VARIANTS: dict[str, dict[str, object]] = {
-    # The variants of 2026-12-05 are in docs/KDA.md with their times (the defaults before that day, timed
-    # as ours_before_2026_12_05, and the lower-triangle loads left out alone, in
-    # bench/results/kda-prefill-h100-2026-12-05.json). These: the off-diagonal blocks of A and P computed by
-    # the diagonal pass (each sub-chunk's program its own row block) and X's blocks by a small merge launch,
-    # in place of the one-program-per-chunk off-diagonal pass (kernels.kda.chunk._OFFDIAG_IN_DIAG); at the
-    # launch shapes bench/sm90.py compiles without spills.
-    "ours_offdiag_in_diag": {"_OFFDIAG_IN_DIAG": True, "_DIAG_STAGES": 2},
-    "ours_offdiag_in_diag_4_warps": {"_OFFDIAG_IN_DIAG": True, "_DIAG_WARPS": 4, "_DIAG_STAGES": 1},
-    "ours_offdiag_in_diag_merge_1_warp": {"_OFFDIAG_IN_DIAG": True, "_DIAG_STAGES": 2, "_MERGE_WARPS": 1},
+    # The variants of 2026-12-05 are in docs/KDA.md with their times. The off-diagonal blocks computed by the
+    # diagonal pass became the default on 2026-12-05 (bench/results/kda-prefill-h100-2026-12-05-offdiag.json);
+    # the one-program-per-chunk off-diagonal pass it replaced, timed beside it:
+    "ours_off_diagonal_pass": {"_OFFDIAG_IN_DIAG": False, "_DIAG_STAGES": 3},
+    # X's off-diagonal blocks made by the W/U pass before its products (no merge launch; 126 registers
+    # there against 79, two programs per SM instead of three), and the merge launch at 2 warps.
+    "ours_merge_in_wu": {"_MERGE_IN_WU": True},
+    "ours_merge_2_warps": {"_MERGE_WARPS": 2},
 }
 
 
@@ -187,10 +186,12 @@ def _io_floor(nseq: int, seqlen: int, H: int, copy_TBps: float | None) -> dict:
 
 def _pass_bytes(nseq: int, seqlen: int, H: int) -> dict[str, int]:
     """Bytes each launch of our prefill addresses at the module's defaults (kernels/kda/chunk.py and
-    chunk_intra.py), each element once, for sequences of whole 64-token chunks: rows of P and X hold 64
-    columns, of which the diagonal pass writes its 16-column block and the zeros right of it (40 a row on
-    average over the four sub-chunks), the off-diagonal pass the blocks left of it (24), and the W/U and
-    state passes read whole rows."""
+    chunk_intra.py: the off-diagonal blocks in the diagonal pass, X's lower triangle read), each element
+    once (re-reads, which L2 may serve, are not counted), for sequences of whole 64-token chunks: rows of P
+    and X hold 64 columns; the diagonal pass writes a row's 16-column diagonal block and the blocks left of
+    it (24 columns a row on average over the four sub-chunks), nothing right of it; the merge reads X's
+    blocks on and left of the diagonal and rewrites those left of it; the W/U pass reads X's rows on and left
+    of the diagonal (32.5 a row on average), the state pass P's rows whole."""
     e = nseq * seqlen * H  # (token, head) rows
     bf, f4 = 2, 4
     kb, vb = e * K * bf, e * V * bf  # one bf16 [T, H, 128] tensor
@@ -198,12 +199,12 @@ def _pass_bytes(nseq: int, seqlen: int, H: int) -> dict[str, int]:
     state = nseq * H * V * K * f4
     return {
         "_gate_kernel": kb + H * f4 + H * K * f4 + g,
-        # q, k, Γ, b read; Q̃, K̄, the norms, P's and X's diagonal blocks and zeros right of them written
+        # q, k, Γ, b read; Q̃, K̄, the norms, P's and X's (A's) blocks on and left of the diagonal written
         "diag_kernel": 2 * kb + g + e * bf + 2 * kb + e * 2 * f4 + e * 40 * bf + e * 40 * f4,
-        # q, k, Γ, b, the norms and X's diagonal blocks read; P's and X's blocks left of the diagonal written
-        "inter_solve_kernel": 2 * kb + g + e * bf + e * 2 * f4 + e * 16 * f4 + e * 24 * bf + e * 24 * f4,
-        # X's rows, b, the key norms, k, Γ, v read; W, U written
-        "wu_kernel": e * 64 * f4 + e * bf + e * f4 + kb + g + vb + kb + vb,
+        # X's diagonal and A's off-diagonal blocks read, X's off-diagonal blocks written
+        "merge_kernel": e * 40 * f4 + e * 24 * f4,
+        # X's rows on and left of the diagonal, b, the key norms, k, Γ, v read; W, U written
+        "wu_kernel": e * 65 // 2 * f4 + e * bf + e * f4 + kb + g + vb + kb + vb,
         # Q̃, K̄, W, U, P's rows and Γ at each chunk's last row read, the state read and written, the output
         "_state_kernel": 3 * kb + vb + e * 64 * bf + (e // 64) * K * f4 + 2 * state + vb,
         # the output and z read, the weight, the output written

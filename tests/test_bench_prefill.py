@@ -54,7 +54,7 @@ def test_pass_bytes_name_every_launch_of_ours_and_rates_follow_from_them() -> No
     import kernels.kda.chunk as ch
     import kernels.kda.chunk_intra as ci
 
-    launched = {ch._gate_kernel, ci.diag_kernel, ci.inter_solve_kernel, ci.wu_kernel, ch._state_kernel}
+    launched = {ch._gate_kernel, ci.diag_kernel, ci.merge_kernel, ci.wu_kernel, ch._state_kernel}
     launched.add(ch._gated_norm_kernel)
     nbytes = kp._pass_bytes(1, 8192, 32)
     assert set(nbytes) == {k.fn.__name__ for k in launched}  # the names the profiler reports

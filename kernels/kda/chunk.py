@@ -68,15 +68,25 @@ _TRIL_LOADS = True
 # _OFFDIAG_IN_DIAG: the blocks of A and P left of the diagonal computed by the diagonal pass, each sub-chunk's
 # program its own row block (one K-slice loop over the earlier sub-chunks, after its diagonal work), and a
 # small per-(chunk, head) launch (merge_kernel) turning them into X's blocks, in place of the off-diagonal
-# pass (one program per chunk at 255 registers and 2 warps: four programs per SM). The same arithmetic per
-# block; the norms of earlier sub-chunks' keys are recomputed by the program that needs them.
-_OFFDIAG_IN_DIAG = False
-_MERGE_WARPS = 2
+# pass (one program per chunk at 255 registers and 2 warps: four programs, 8 warps, per SM; Nsight Compute
+# on the H100 found it issuing an instruction every 3.6 cycles per scheduler, bound by latency). The same
+# arithmetic per block (the same bits on the interpreter); the norms of earlier sub-chunks' keys are
+# recomputed by the program that needs them. On an H100 (2026-12-05, 49c7d5b, one run,
+# bench/results/kda-prefill-h100-2026-12-05-offdiag.json, graph-timed against fla+norm) the prefill ran
+# 0.9063 / 0.8993 / 3.6522 / 1.6849 ms at 1x8192 / 8x1024 / 1x32768 (H = 32) / 1x8192 (H = 64) against
+# 0.9233 / 0.9139 / 3.6500 / 1.7389 with the off-diagonal pass (1.325 / 1.387 / 1.287 / 1.343x fla+norm
+# against 1.300 / 1.365 / 1.288 / 1.302): the diagonal pass took 360 us at 1x8192 against 216, the merge 47,
+# the off-diagonal pass it replaced 218. At 4 warps (1 stage, 155 registers) the diagonal pass took 464.
+_OFFDIAG_IN_DIAG = True
+_MERGE_WARPS = 1
+# With _OFFDIAG_IN_DIAG, _MERGE_IN_WU: the W/U pass makes X's off-diagonal blocks itself before its products
+# (no merge launch).
+_MERGE_IN_WU = False
 # Software-pipelining depth of the diagonal pass: its only loop is _OFFDIAG_IN_DIAG's K-slice loop (two
 # iterations). With it, at 2 warps on sm_90 (bench/sm90.py): 3 stages 168 registers and 35 KB of shared
 # memory, 2 stages 168 and 21 KB, 1 stage 217 and 8 KB; at 4 warps 1 stage 155 and 8 KB. Without it every
 # depth compiles alike (162 registers, 8 KB).
-_DIAG_STAGES = 3
+_DIAG_STAGES = 2
 # Measured in the same run and removed (µs at 1x8192, H = 32, against the old default's): the diagonal
 # pass in K slices of 64 / 32 / 16 (251 / 224 / 255 against 227: fewer registers did not make it faster);
 # two exponentials per element there (228); the state held V-first with transposed products (276 against
@@ -505,11 +515,7 @@ def prefill(
             num_warps=_DIAG_WARPS,
             num_stages=_DIAG_STAGES,
         )
-        if _OFFDIAG_IN_DIAG:
-            merge_kernel[(grid_chunks, H)](
-                scratch["x"], *chunks, H=H, BT=BT, BC=_SUB, DEVICE_COUNT=dev, num_warps=_MERGE_WARPS
-            )
-        else:
+        if not _OFFDIAG_IN_DIAG:
             inter_solve_kernel[(grid_chunks, H)](
                 q,
                 k,
@@ -528,6 +534,10 @@ def prefill(
                 DT=ap_dt,
                 num_warps=_INTER_WARPS,
             )
+        elif not _MERGE_IN_WU:  # (with it, wu_kernel makes X's off-diagonal blocks: MERGE below)
+            merge_kernel[(grid_chunks, H)](
+                scratch["x"], *chunks, H=H, BT=BT, BC=_SUB, DEVICE_COUNT=dev, num_warps=_MERGE_WARPS
+            )
         wu_kernel[(grid_chunks, H)](
             k,
             v,
@@ -545,6 +555,8 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=tl.float32 if _INTERPRET else _WU_DT,
             TRIL=_TRIL_LOADS,
+            MERGE=_OFFDIAG_IN_DIAG and _MERGE_IN_WU,
+            BC=_SUB,
             num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or state_bv or _state_bv(N, H, V, q.device))

@@ -114,7 +114,7 @@ def test_a_recording_pass_runs_every_kind_of_the_warm_steps_work_on_poisoned_mem
     assert len(got["ran"]) == 18 and got["ran"][0] == "census"
     assert "eager and speculative steps b in [4, 5, 6, 7]" in got["ran"]
     families = {
-        "_gate_kernel", "diag_kernel", "inter_solve_kernel", "wu_kernel", "_state_kernel",
+        "_gate_kernel", "diag_kernel", "merge_kernel", "wu_kernel", "_state_kernel",
         "_gated_norm_kernel", "_kda_decode_kernel", "_gated_rmsnorm_kernel", "_conv_gates_decode_kernel",
         "_rope_kv_kernel",
         "_pool_kernel", "_select_kernel", "_attn_decode_kernel", "_rmsnorm_kernel", "_silu_mul_kernel",
