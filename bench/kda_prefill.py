@@ -66,10 +66,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     # diagonal pass became the default on 2026-12-05 (bench/results/kda-prefill-h100-2026-12-05-offdiag.json);
     # the one-program-per-chunk off-diagonal pass it replaced, timed beside it:
     "ours_off_diagonal_pass": {"_OFFDIAG_IN_DIAG": False, "_DIAG_STAGES": 3},
-    # X's off-diagonal blocks made by the W/U pass before its products (no merge launch; 126 registers
-    # there against 79, two programs per SM instead of three), and the merge launch at 2 warps.
-    "ours_merge_in_wu": {"_MERGE_IN_WU": True},
-    "ours_merge_2_warps": {"_MERGE_WARPS": 2},
+    # (X's blocks made by the W/U pass instead, no merge launch, ran slower and was removed; the merge at 1
+    # warp spills: kernels/kda/chunk.py.)
 }
 
 

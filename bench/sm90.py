@@ -251,8 +251,6 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     for tril in (False, True):  # _TRIL_LOADS
         c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT, TRIL=tril)
         yield "prefill W/U" + (", X's lower triangle" if tril else ""), ci.wu_kernel, wu, c, ch._WU_WARPS
-    c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT, TRIL=True, MERGE=True, BC=BC)
-    yield "prefill W/U, X's off-diagonal blocks merged first", ci.wu_kernel, wu, c, ch._WU_WARPS
     state = {n: BF16 for n in ("q_tilde", "k_bar", "w", "u", "p", "out")}
     state = {"gcum": F32, **state, "state": F32, "cu_seqlens": I32, "chunk_offsets": I32, "slots": I32}
     state["has_initial"] = "*u8"

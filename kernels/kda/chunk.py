@@ -72,16 +72,22 @@ _TRIL_LOADS = True
 # on the H100 found it issuing an instruction every 3.6 cycles per scheduler, bound by latency). The same
 # arithmetic per block (the same bits on the interpreter); the norms of earlier sub-chunks' keys are
 # recomputed by the program that needs them. On an H100 (2026-12-05, 49c7d5b, one run,
-# bench/results/kda-prefill-h100-2026-12-05-offdiag.json, graph-timed against fla+norm) the prefill ran
-# 0.9063 / 0.8993 / 3.6522 / 1.6849 ms at 1x8192 / 8x1024 / 1x32768 (H = 32) / 1x8192 (H = 64) against
-# 0.9233 / 0.9139 / 3.6500 / 1.7389 with the off-diagonal pass (1.325 / 1.387 / 1.287 / 1.343x fla+norm
-# against 1.300 / 1.365 / 1.288 / 1.302): the diagonal pass took 360 us at 1x8192 against 216, the merge 47,
-# the off-diagonal pass it replaced 218. At 4 warps (1 stage, 155 registers) the diagonal pass took 464.
+# bench/results/kda-prefill-h100-2026-12-05-offdiag.json, graph-timed against fla+norm, the variant
+# ours_offdiag_in_diag: these settings) the prefill ran 0.9068 / 0.8978 / 3.6606 / 1.6977 ms at 1x8192 /
+# 8x1024 / 1x32768 (H = 32) / 1x8192 (H = 64) against 0.9233 / 0.9139 / 3.6500 / 1.7389 with the
+# off-diagonal pass (1.324 / 1.389 / 1.284 / 1.333x fla+norm against 1.300 / 1.365 / 1.288 / 1.302): the
+# diagonal pass took 362 us at 1x8192 against 216, the merge 49, the off-diagonal pass it replaced 218. In a
+# second run (868b1b8, -offdiag-default.json, ours_merge_2_warps) 1.329 / 1.389 / 1.286x against 1.303 /
+# 1.362 / 1.286. At 4 warps (1 stage, 155 registers) the diagonal pass took 464 us.
 _OFFDIAG_IN_DIAG = True
-_MERGE_WARPS = 1
-# With _OFFDIAG_IN_DIAG, _MERGE_IN_WU: the W/U pass makes X's off-diagonal blocks itself before its products
-# (no merge launch).
-_MERGE_IN_WU = False
+# The merge at 2 warps (208 registers): at 1 warp it spills on sm_90 (bench/sm90.py) and ran within 0.1% of
+# 2 warps (868b1b8's run, below).
+_MERGE_WARPS = 2
+# Measured and removed (H100, 2026-12-05, 868b1b8, one run:
+# bench/results/kda-prefill-h100-2026-12-05-offdiag-default.json): the W/U pass making X's off-diagonal
+# blocks itself before its products, no merge launch (126 registers there against 79, two programs per SM
+# instead of three): W/U 214 us at 1x8192 against 163 + the merge's 47, the prefill 0.9036 / 0.8906 /
+# 3.6320 ms against 0.9003 / 0.8878 / 3.6107 (the merge at 1 warp; at 2 warps 0.9005 / 0.8891 / 3.6172).
 # Software-pipelining depth of the diagonal pass: its only loop is _OFFDIAG_IN_DIAG's K-slice loop (two
 # iterations). With it, at 2 warps on sm_90 (bench/sm90.py): 3 stages 168 registers and 35 KB of shared
 # memory, 2 stages 168 and 21 KB, 1 stage 217 and 8 KB; at 4 warps 1 stage 155 and 8 KB. Without it every
@@ -534,7 +540,7 @@ def prefill(
                 DT=ap_dt,
                 num_warps=_INTER_WARPS,
             )
-        elif not _MERGE_IN_WU:  # (with it, wu_kernel makes X's off-diagonal blocks: MERGE below)
+        else:
             merge_kernel[(grid_chunks, H)](
                 scratch["x"], *chunks, H=H, BT=BT, BC=_SUB, DEVICE_COUNT=dev, num_warps=_MERGE_WARPS
             )
@@ -555,8 +561,6 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=tl.float32 if _INTERPRET else _WU_DT,
             TRIL=_TRIL_LOADS,
-            MERGE=_OFFDIAG_IN_DIAG and _MERGE_IN_WU,
-            BC=_SUB,
             num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or state_bv or _state_bv(N, H, V, q.device))

@@ -284,15 +284,9 @@ def merge_kernel(
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
-    if n > BC:  # else one sub-chunk, or none (past the chunk count): nothing off the diagonal
-        _merge_chunk(x_inv, t0, n, h, H, BT, BC)
-
-
-@triton.jit
-def _merge_chunk(x_inv, t0, n, h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """X's blocks left of the diagonal of the chunk at row t0 (n > BC rows) from the scaled A_ij the
-    diagonal pass left in x, in place (merge_kernel, or wu_kernel with MERGE)."""
     NC: tl.constexpr = BT // BC
+    if n <= BC:
+        return  # one sub-chunk, or none (past the chunk count): nothing off the diagonal
     r0, m0 = _rows(t0, n, h, 0, H, BC)
     r1, m1 = _rows(t0, n, h, 1, H, BC)
     r2, m2 = _rows(t0, n, h, 2, H, BC)
@@ -409,23 +403,14 @@ def wu_kernel(
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
     TRIL: tl.constexpr,
-    MERGE: tl.constexpr = False,
-    BC: tl.constexpr = 16,
 ):
     """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products, k normalised by
-    the inverse norms the diagonal pass stored in rn. TRIL: X is read on and left of its diagonal only.
-    MERGE: X's blocks left of the diagonal are first made here from the A_ij the diagonal pass left in x
-    (its OFFDIAG; _merge_chunk), stored, and read back with the rest after a barrier, in place of
-    merge_kernel's launch."""
+    the inverse norms the diagonal pass stored in rn. TRIL: X is read on and left of its diagonal only."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
     if n <= 0:
         return
-    if MERGE:
-        if n > BC:
-            _merge_chunk(x_inv, t0, n, h, H, BT, BC)
-        tl.debug_barrier()  # the program's own stores to x, seen by all its threads' loads below
     r = tl.arange(0, BT)
     mr = (r < n)[:, None]
     rows = (t0 + r) * H + h

@@ -203,7 +203,6 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_STATE_BV": 16},
         {"_TRIL_LOADS": False, "_STATE_BV": 16},
         {"_OFFDIAG_IN_DIAG": False},
-        {"_MERGE_IN_WU": True},
     ],
     ids=[
         "default",
@@ -213,7 +212,6 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "state-v-blocks-of-16",
         "zeros-right-of-the-diagonal-v-blocks-of-16",
         "the-off-diagonal-pass",
-        "x-merged-by-the-w-u-pass",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -292,17 +290,16 @@ def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, mon
     torch.testing.assert_close(out1[live].float(), o_ref[live].float(), **OUT_TOL)
 
 
-@pytest.mark.parametrize("merge_in_wu", [False, True], ids=["merge-launch", "merge-in-wu"])
 @pytest.mark.parametrize(("chunk_size", "K"), [(64, 16), (32, 16), (64, 128)])
 def test_off_diagonal_blocks_from_the_diagonal_pass_give_the_off_diagonal_pass_bits(
-    chunk_size, K, merge_in_wu, monkeypatch
+    chunk_size, K, monkeypatch
 ) -> None:
     # _OFFDIAG_IN_DIAG (the default) moved the blocks of A and P left of the diagonal from the per-chunk
     # off-diagonal pass into the per-sub-chunk diagonal pass and X's blocks into merge_kernel: the same
     # products over the same K slices, so on the interpreter (fp32 operands) the bits must be the
     # off-diagonal pass's, on scratch filled with NaN (the merge reading a block no program wrote would
-    # show), whether X's blocks are made by merge_kernel or by the W/U pass (_MERGE_IN_WU). Four and two
-    # sub-chunks a chunk; K = 128 gives two 64-wide slices; lengths end inside every sub-chunk of a chunk.
+    # show). Four and two sub-chunks a chunk; K = 128 gives two 64-wide slices; lengths end inside every
+    # sub-chunk of a chunk.
     import kernels.kda.chunk as chunk
 
     lens, slots = [1, 17, 33, 49, 64, 70, 130], [1, 2, 3, 0, 4, 5, 0]  # two on the null slot
@@ -313,7 +310,6 @@ def test_off_diagonal_blocks_from_the_diagonal_pass_give_the_off_diagonal_pass_b
         lens, slots, has_init, chunk=chunk_size, device_count=True, nan_scratch=True, **case
     )
     monkeypatch.setattr(chunk, "_OFFDIAG_IN_DIAG", True)
-    monkeypatch.setattr(chunk, "_MERGE_IN_WU", merge_in_wu)
     out1, _, pool1, _, _ = _run_prefill(
         lens, slots, has_init, chunk=chunk_size, device_count=True, nan_scratch=True, **case
     )
