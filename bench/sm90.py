@@ -241,8 +241,10 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         name = f"prefill diagonal pass with the off-diagonal blocks, {warps} warps, {stages} stage(s)"
         yield name, ci.diag_kernel, diag, c, warps, (stages, ())
     merge = {"x_inv": F32, **chunks}
-    c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True)
+    c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True, PREC=ch._MERGE_PRECISION)
     yield "prefill merge of the off-diagonal blocks", ci.merge_kernel, merge, c, ch._MERGE_WARPS
+    c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True, PREC="tf32x3")  # bench/kda_prefill.py's ours_merge_tf32x3
+    yield "prefill merge of the off-diagonal blocks, tf32x3 at 1 warp", ci.merge_kernel, merge, c, 1
     inter = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "p": BF16, "x_inv": F32, "rn": F32, **chunks}
     c = dict(H=H, K=K, BT=BT, BC=BC, BK=min(K, ch._INTER_BK), DEVICE_COUNT=True, DT=tl.bfloat16)
     yield "prefill off-diagonal pass", ci.inter_solve_kernel, inter, c, ch._INTER_WARPS

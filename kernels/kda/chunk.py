@@ -83,6 +83,10 @@ _OFFDIAG_IN_DIAG = True
 # The merge at 2 warps (208 registers): at 1 warp it spills on sm_90 (bench/sm90.py) and ran within 0.1% of
 # 2 warps (868b1b8's run, below).
 _MERGE_WARPS = 2
+# The merge's 16x16 products: "ieee" (fp32 on the FMA units: 208 registers at 2 warps, four programs per SM)
+# or "tf32x3" (tensor cores, three tf32 products per fp32 one: 163 registers at 1 warp, twelve per SM;
+# bench/sm90.py). bench/kda_prefill.py times the latter as a variant; not yet run on a GPU.
+_MERGE_PRECISION = "ieee"
 # Measured and removed (H100, 2026-12-05, 868b1b8, one run:
 # bench/results/kda-prefill-h100-2026-12-05-offdiag-default.json): the W/U pass making X's off-diagonal
 # blocks itself before its products, no merge launch (126 registers there against 79, two programs per SM
@@ -542,8 +546,9 @@ def prefill(
             )
         else:
             merge_kernel[(grid_chunks, H)](
-                scratch["x"], *chunks, H=H, BT=BT, BC=_SUB, DEVICE_COUNT=dev, num_warps=_MERGE_WARPS
-            )
+                scratch["x"], *chunks, H=H, BT=BT, BC=_SUB, DEVICE_COUNT=dev, PREC=_MERGE_PRECISION,
+                num_warps=_MERGE_WARPS,
+            )  # fmt: skip
         wu_kernel[(grid_chunks, H)](
             k,
             v,

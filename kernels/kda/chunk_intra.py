@@ -141,9 +141,11 @@ def diag_kernel(
 
 
 @triton.jit
-def _mm(x, y):
-    # The merge's 16×16 products stay full fp32: their errors would be amplified through the inverse.
-    return tl.dot(x, y, input_precision="ieee")
+def _mm(x, y, PREC: tl.constexpr):
+    # The merge's 16×16 products stay (about) full fp32: their errors would be amplified through the inverse.
+    # "ieee" multiplies in fp32 on the FMA units; "tf32x3" on the tensor cores, each operand split into two
+    # tf32 parts and three products summed (about fp32's precision, fewer registers).
+    return tl.dot(x, y, input_precision=PREC)
 
 
 @triton.jit
@@ -242,26 +244,28 @@ def _offdiag_blocks(q, k, gcum, p, x_inv, rows, m, t0, i, h, bk, nq, H: tl.const
 
 @triton.jit
 def _solve_blocks(x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, a31, a32,
-                  BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr):  # fmt: skip
+                  BT: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr,
+                  PREC: tl.constexpr):  # fmt: skip
     """The blocks of X = (I + A)^{-1} left of the diagonal from the scaled blocks A_ij and the diagonal
     inverses D_i in x: X_ij = −D_i·Σ_{j≤m<i} A_im·X_mj, stored into x."""
     d0 = _load_diag(x_inv, r0, m0, 0, BT, BC)
     d1 = _load_diag(x_inv, r1, m1, 1, BT, BC)
-    x10 = -_mm(d1, _mm(a10, d0))
+    x10 = -_mm(d1, _mm(a10, d0, PREC), PREC)
     _store_blk(x_inv, r1, m1, 0, x10, BT, BC)
     if NC >= 3:  # noqa: SIM102
         if n > 2 * BC:
             d2 = _load_diag(x_inv, r2, m2, 2, BT, BC)
-            x21 = -_mm(d2, _mm(a21, d1))
-            x20 = -_mm(d2, _mm(a20, d0) + _mm(a21, x10))
+            x21 = -_mm(d2, _mm(a21, d1, PREC), PREC)
+            x20 = -_mm(d2, _mm(a20, d0, PREC) + _mm(a21, x10, PREC), PREC)
             _store_blk(x_inv, r2, m2, 0, x20, BT, BC)
             _store_blk(x_inv, r2, m2, BC, x21, BT, BC)
             if NC >= 4:  # noqa: SIM102
                 if n > 3 * BC:
                     d3 = _load_diag(x_inv, r3, m3, 3, BT, BC)
-                    x32 = -_mm(d3, _mm(a32, d2))
-                    x31 = -_mm(d3, _mm(a31, d1) + _mm(a32, x21))
-                    x30 = -_mm(d3, _mm(a30, d0) + _mm(a31, x10) + _mm(a32, x20))
+                    x32 = -_mm(d3, _mm(a32, d2, PREC), PREC)
+                    x31 = -_mm(d3, _mm(a31, d1, PREC) + _mm(a32, x21, PREC), PREC)
+                    p30 = _mm(a30, d0, PREC) + _mm(a31, x10, PREC) + _mm(a32, x20, PREC)
+                    x30 = -_mm(d3, p30, PREC)
                     _store_blk(x_inv, r3, m3, 0, x30, BT, BC)
                     _store_blk(x_inv, r3, m3, BC, x31, BT, BC)
                     _store_blk(x_inv, r3, m3, 2 * BC, x32, BT, BC)
@@ -278,9 +282,10 @@ def merge_kernel(
     BT: tl.constexpr,
     BC: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Per (chunk, head), after the diagonal pass with OFFDIAG: X's blocks left of the diagonal from the
-    scaled A_ij that pass left in x (_solve_blocks), in place."""
+    scaled A_ij that pass left in x (_solve_blocks, its products at input precision PREC), in place."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
@@ -299,7 +304,9 @@ def merge_kernel(
     a30 = _load_diag(x_inv, r3, m3 & (NC >= 4), 0, BT, BC)
     a31 = _load_diag(x_inv, r3, m3 & (NC >= 4), 1, BT, BC)
     a32 = _load_diag(x_inv, r3, m3 & (NC >= 4), 2, BT, BC)
-    _solve_blocks(x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, a31, a32, BT, BC, NC)
+    _solve_blocks(
+        x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, a31, a32, BT, BC, NC, PREC
+    )  # fmt: skip
 
 
 @triton.jit
@@ -379,7 +386,9 @@ def inter_solve_kernel(
                     _store_blk(p, r3, m3, 0, p30 * nq3[:, None] * nk0[None, :], BT, BC)
                     _store_blk(p, r3, m3, BC, p31 * nq3[:, None] * nk1[None, :], BT, BC)
                     _store_blk(p, r3, m3, 2 * BC, p32 * nq3[:, None] * nk2[None, :], BT, BC)
-    _solve_blocks(x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, a31, a32, BT, BC, NC)
+    _solve_blocks(
+        x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, a31, a32, BT, BC, NC, "ieee"
+    )  # fmt: skip
 
 
 @triton.jit

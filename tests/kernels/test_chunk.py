@@ -203,6 +203,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_STATE_BV": 16},
         {"_TRIL_LOADS": False, "_STATE_BV": 16},
         {"_OFFDIAG_IN_DIAG": False},
+        {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
     ],
     ids=[
         "default",
@@ -212,6 +213,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "state-v-blocks-of-16",
         "zeros-right-of-the-diagonal-v-blocks-of-16",
         "the-off-diagonal-pass",
+        "merge-in-tf32x3",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:

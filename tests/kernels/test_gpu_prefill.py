@@ -115,6 +115,7 @@ VARIANTS = {
     "gate-channel-blocks-of-32": {"_GATE_BK": 32},
     "zeros-right-of-the-diagonal": {"_TRIL_LOADS": False},
     "the-off-diagonal-pass": {"_OFFDIAG_IN_DIAG": False, "_DIAG_STAGES": 3},
+    "merge-in-tf32x3-at-1-warp": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
 }
 # The default (on NaN scratch, against itself on fresh scratch) and the variants that change no value any pass
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
