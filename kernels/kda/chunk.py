@@ -85,7 +85,10 @@ _OFFDIAG_IN_DIAG = True
 _MERGE_WARPS = 2
 # The merge's 16x16 products: "ieee" (fp32 on the FMA units: 208 registers at 2 warps, four programs per SM)
 # or "tf32x3" (tensor cores, three tf32 products per fp32 one: 163 registers at 1 warp, twelve per SM;
-# bench/sm90.py). bench/kda_prefill.py times the latter as a variant; not yet run on a GPU.
+# bench/sm90.py). tf32x3 at 1 warp ran the prefill 0.9021 ms at 1x8192 against 0.9055 for the default
+# (H100, 2026-12-05, 6e3bb89, one run of that shape alone:
+# bench/results/kda-prefill-h100-2026-12-05-merge-tf32x3.json), 0.4%, at less than fp32's precision: the
+# default stays; bench/kda_prefill.py times it as a variant.
 _MERGE_PRECISION = "ieee"
 # Measured and removed (H100, 2026-12-05, 868b1b8, one run:
 # bench/results/kda-prefill-h100-2026-12-05-offdiag-default.json): the W/U pass making X's off-diagonal
