@@ -1,12 +1,14 @@
-"""The intra-chunk half of the KDA prefill (docs/KDA.md, chunked prefill) in two launches, the structure fla
-uses: a diagonal pass with one program per 16-row sub-chunk (its diagonal blocks of A and P, Q̃, K̄, the
-row norms, and the sub-chunk's own (I + A_ii)^{-1}), then one program per chunk for the off-diagonal
-blocks (K in BK-wide slices, so few registers) and the merged inverse X = (I + A)^{-1}; a third launch
-applies it, W = X·Diag(β)·K̃ and U = X·Diag(β)·V, as whole-chunk products.
+"""The intra-chunk half of the KDA prefill (docs/KDA.md, chunked prefill). By default
+(kernels.kda.chunk._OFFDIAG_IN_DIAG) in two launches: a diagonal pass with one program per 16-row sub-chunk
+(its diagonal blocks of A and P, Q̃, K̄, the row norms, the sub-chunk's own (I + A_ii)^{-1}, then its row
+block's blocks of A and P left of the diagonal, K in BK-wide slices), and a merge with one program per
+chunk (the inverse X = (I + A)^{-1} from those blocks); a third launch applies X, W = X·Diag(β)·K̃ and
+U = X·Diag(β)·V, as whole-chunk products. Without it, fla's split: the diagonal pass stops after its own
+blocks and one program per chunk (inter_solve_kernel) makes the blocks left of the diagonal and X.
 
 Norms factor out of every product: A_rj = β_r·n_r·n_j·Σ_d k_r[d]·k_j[d]·e^{Γ_r[d]−Γ_j[d]} with n the
-inverse L2 norm of the raw key row, so the off-diagonal pass multiplies raw q and k and scales the 16×16
-results by the norms the diagonal pass stored; it never holds a K-wide normalised tile.
+inverse L2 norm of the raw key row, so the blocks left of the diagonal are products of raw q and k, their
+16×16 results scaled by the norms; no K-wide normalised tile is held for them.
 
 Scratch rows are token rows (the chunk's rows only: rows past the chunk's end belong to the next one):
 p [total, H, BT] gets P (bf16), x [total, H, BT] gets X (fp32; wu_kernel applies it), each on and left of
@@ -264,8 +266,8 @@ def _solve_blocks(x_inv, n, r0, m0, r1, m1, r2, m2, r3, m3, a10, a20, a21, a30, 
                     d3 = _load_diag(x_inv, r3, m3, 3, BT, BC)
                     x32 = -_mm(d3, _mm(a32, d2, PREC), PREC)
                     x31 = -_mm(d3, _mm(a31, d1, PREC) + _mm(a32, x21, PREC), PREC)
-                    p30 = _mm(a30, d0, PREC) + _mm(a31, x10, PREC) + _mm(a32, x20, PREC)
-                    x30 = -_mm(d3, p30, PREC)
+                    s30 = _mm(a30, d0, PREC) + _mm(a31, x10, PREC) + _mm(a32, x20, PREC)
+                    x30 = -_mm(d3, s30, PREC)
                     _store_blk(x_inv, r3, m3, 0, x30, BT, BC)
                     _store_blk(x_inv, r3, m3, BC, x31, BT, BC)
                     _store_blk(x_inv, r3, m3, 2 * BC, x32, BT, BC)
