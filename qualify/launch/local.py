@@ -117,13 +117,14 @@ def _read_exact(src: IO[bytes], n: int) -> bytes:
     return data
 
 
-def receive_weights(src: IO[bytes], tmp: Path) -> tuple[str, int]:
+def receive_weights(src: IO[bytes], tmp: Path, times: dict[str, float] | None = None) -> tuple[str, int]:
     """Keep the safetensors file a seeding step streams (`src`: the read end of its pipe) as `tmp`, hashing
     it as it is written: a file of the harness's own, never one the step wrote (so nothing the step runs
     can change it afterwards), hashed once. Exactly the length its header declares (8-byte length, JSON
     header, data to the largest end offset), then the end of the stream; a short, malformed or overlong
     stream raises ValueError. The next block is read while this one is hashed (hashlib releases the GIL)
-    and written. (sha256 hex, bytes)."""
+    and written. (sha256 hex, bytes); `times`, where given, gets the seconds the stream's data spent in
+    each stage (_write_hashing's)."""
     head = _read_exact(src, 8)
     n = int.from_bytes(head, "little")
     if not 0 < n <= MAX_HEADER_BYTES:
@@ -149,7 +150,7 @@ def receive_weights(src: IO[bytes], tmp: Path) -> tuple[str, int]:
     with open(tmp, "xb") as dst:
         dst.write(head)
         dst.write(text)
-        _write_hashing(blocks(), dst, h)
+        _write_hashing(blocks(), dst, h, times)
     if src.read(1):
         raise ValueError("the weights stream went on past the end its header declares")
     return h.hexdigest(), 8 + n + max(ends, default=0)
@@ -170,20 +171,45 @@ def keep_seeded(made: Path, cached: Path) -> str:
     return h.hexdigest()
 
 
-def _write_hashing(blocks: Iterable[bytes], dst: IO[bytes], h: Any) -> None:
+def _timed(fn: Any, spent: list[float]) -> Any:
+    def call(arg: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(arg)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    return call
+
+
+def _write_hashing(
+    blocks: Iterable[bytes], dst: IO[bytes], h: Any, times: dict[str, float] | None = None
+) -> None:
     """Write each block to `dst` and hash it into `h`, the two side by side on two threads while the next
     block is read (hashlib and file writes release the GIL): a block's hash and write run in order, one
     block at a time, so the digest is of the bytes in order and the file is written in order. (On H100
     hosts, 2026-12-05, the seeding's stream ran at 0.7-0.8 GB/s both before this, when the write came
-    between the reads, and after: its limit is on the step's side of the pipe.)"""
+    between the reads, and after. One core's sha256 may be that limit: this 2-core machine's, with SHA
+    instructions, hashes 0.9 GB/s.) `times`, where given, gets the seconds spent waiting for blocks
+    (`read`), hashing (`hash`) and writing (`write`): whichever is near the whole is the limit."""
+    read, hashed, wrote = [0.0], [0.0], [0.0]
+    update, write = _timed(h.update, hashed), _timed(dst.write, wrote)
+    it = iter(blocks)
     with ThreadPoolExecutor(2, "weights-hash-write") as pool:
         pending: list[Any] = []
-        for block in blocks:
+        while True:
+            t0 = time.perf_counter()
+            block = next(it, None)
+            read[0] += time.perf_counter() - t0
+            if block is None:
+                break
             for f in pending:  # the previous block is hashed and written before this one starts
                 f.result()
-            pending = [pool.submit(h.update, block), pool.submit(dst.write, block)]
+            pending = [pool.submit(update, block), pool.submit(write, block)]
         for f in pending:
             f.result()
+    if times is not None:
+        times.update(read=round(read[0], 3), hash=round(hashed[0], 3), write=round(wrote[0], 3))
 
 
 def keep_weights(tmp: Path, cached: Path, digest: str) -> None:
@@ -384,11 +410,12 @@ class LocalLauncher(Launcher):
             # the checkout in place (a GPU host), that path is what holds qualify and its wheels.
             sub_env = self.sandbox.engine_env(env)
         got: dict[str, Any] = {}
+        stream: dict[str, float] = {}
 
         def receive() -> None:
             try:
                 with open(read_fd, "rb", buffering=COPY_BLOCK) as src:
-                    got["kept"] = receive_weights(src, tmp)
+                    got["kept"] = receive_weights(src, tmp, stream)
             except BaseException as exc:  # noqa: BLE001 - the step's outcome says what it means
                 got["error"] = exc
 
@@ -412,6 +439,8 @@ class LocalLauncher(Launcher):
                 raise RuntimeError(f"the harness could not seed the engine's weights ({why}): {tail}")
             keep_weights(tmp, cached, kept[0])
             self.weights_phases["kept_after_step"] = round(time.monotonic() - t0, 3)
+            # where the stream's time went on the harness's side: waiting on the step, hashing, writing
+            self.weights_phases.update({f"stream_{k}": v for k, v in stream.items()})
             return True
         finally:
             tmp.unlink(missing_ok=True)

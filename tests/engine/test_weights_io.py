@@ -144,11 +144,19 @@ def _stream(tmp_path: Path, data: bytes) -> tuple[str, int]:
 
 
 def test_the_harness_keeps_exactly_the_file_the_stream_declares(tmp_path: Path) -> None:
+    import io
+
+    from qualify.launch.local import receive_weights
+
     state = _state()
     save(state, tmp_path / "w.safetensors", {"seed": "1"})
     data = (tmp_path / "w.safetensors").read_bytes()
     digest, n = _stream(tmp_path, data)
     assert digest == hashlib.sha256(data).hexdigest() and n == len(data)
+    times: dict[str, float] = {}  # where the stream's seconds went, as the seeding's evidence records them
+    (tmp_path / "w.tmp").unlink()
+    assert receive_weights(io.BufferedReader(io.BytesIO(data)), tmp_path / "w.tmp", times) == (digest, n)
+    assert set(times) == {"read", "hash", "write"} and all(v >= 0 for v in times.values())
     assert (tmp_path / "w.tmp").read_bytes() == data
     for bad, why in (
         (data[:-1], "ended after"),  # short: the step died mid-tensor
@@ -198,7 +206,10 @@ def test_an_unsandboxed_launcher_seeds_through_the_stream_and_hashes_once(
     assert handed.digest == "sha256:" + hashlib.sha256(data).hexdigest() and handed.bytes == len(data)
     digests = DigestCache(tmp_path / "cache" / "weights-digests.json")
     assert "sha256:" + str(digests.lookup(str(handed.path), handed.path.stat())) == handed.digest
-    assert {"seeding_step", "kept_after_step"} <= set(launcher.weights_phases)
+    phases = launcher.weights_phases
+    assert {"seeding_step", "kept_after_step", "stream_read", "stream_hash", "stream_write"} <= set(phases)
+    # the stream's stages ran beside each other: none took longer than the step that fed them
+    assert max(phases[f"stream_{k}"] for k in ("hash", "write")) <= phases["seeding_step"] + 0.5
     assert not list(handed.path.parent.glob("*.tmp*")) and not (tmp_path / "run" / "weights-step").exists()
     # the file is the one `save` writes for these weights
     from qualify.engine.config import EngineConfig

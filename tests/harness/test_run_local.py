@@ -58,8 +58,10 @@ def test_local_run_qualifies_on_cpu_and_signs_a_verifiable_receipt(home: Home) -
     # Where boot's time went, step by step (what a faster qualification starts from).
     phases = check(p, "boot")["evidence"]["phases"]
     # With a cold weights cache the seeding step (its stream kept and hashed beside it) and the keeping of
-    # the received file are timed too. The warm step starts (on a GPU target) before the weights are seeded.
+    # the received file are timed too, and the stream's seconds on the harness's side (waiting on the step,
+    # hashing, writing). The warm step starts (on a GPU target) before the weights are seeded.
     timed = {"prepare_weights_seeding_step_s", "prepare_weights_kept_after_step_s"}
+    timed |= {f"prepare_weights_stream_{k}_s" for k in ("read", "hash", "write")}
     steps = ("process_start_and_imports", "run_dir", "code_digest_started", "kernel_log_watch", "nvml_watch",
              "target_and_progress")  # fmt: skip
     before = {f"harness_before_boot_{k}_s" for k in steps}
