@@ -291,6 +291,11 @@ def _fresh_host(phases: dict, kc: dict) -> dict:
         "harness_before_boot_s": phases.get("harness_before_boot"),
         "weights_seeding_step_s": phases.get("prepare_weights_seeding_step_s"),
         "weights_kept_after_step_s": phases.get("prepare_weights_kept_after_step_s"),
+        # the stream's seconds on the harness's side: waiting on the step, hashing, writing
+        **{
+            f"weights_stream_{k}_s": phases.get(f"prepare_weights_stream_{k}_s")
+            for k in ("read", "hash", "write")
+        },
         "prepare_s": phases.get("prepare"),
         "engine_start_to_ready_s": phases.get("engine_start_to_ready"),
         "kernels_given_after_ready_s": phases.get("kernels_given_after_ready"),
