@@ -323,17 +323,15 @@ def main() -> None:
     )
     args = ap.parse_args()
     shapes = pick_shapes(args.shapes, ap.error)
+    if not torch.cuda.is_available():
+        sys.exit("bench/kda_prefill.py needs a CUDA device")
     if args.profile_calls > 0:
-        if not torch.cuda.is_available():
-            sys.exit("bench/kda_prefill.py needs a CUDA device")
         call = _ours(_inputs(*shapes[0]))
         for _ in range(args.profile_calls):
             call()
         _sync()
         return
     exclude = frozenset(x for x in args.exclude.split(",") if x)
-    if not torch.cuda.is_available():
-        sys.exit("bench/kda_prefill.py needs a CUDA device")
     try:
         from fla.ops.kda import chunk_kda as fla
     except Exception as exc:  # the peer is optional: record why it is missing

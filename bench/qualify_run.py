@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -134,21 +135,25 @@ def log_records(path: str, prefix: str) -> list[dict]:
     return found
 
 
+def _run_logs(run_dir: str | None) -> Iterator[str]:
+    """Every .log file below the run dir (normalized), in a fixed order; none where there is no run dir."""
+    if not run_dir or not os.path.isdir(run_dir):
+        return
+    for base, _, files in os.walk(os.path.normpath(run_dir)):
+        for f in sorted(files):
+            if f.endswith(".log"):
+                yield os.path.join(base, f)
+
+
 def own_compiles(run_dir: str | None) -> dict[str, list[dict]]:
     """Per engine log below the run dir (the engine under test's engine.log, a reference's), the kernels
     that engine compiled itself, each with its specialization (qualify/engine/precompile.py,
     log_own_compiles): what the warm step's recording did not reach, and why."""
     out: dict[str, list[dict]] = {}
-    if not run_dir or not os.path.isdir(run_dir):
-        return out
-    for base, _, files in os.walk(run_dir):
-        for f in sorted(files):
-            if not f.endswith(".log"):
-                continue
-            path = os.path.join(base, f)
-            found = log_records(path, OWN_COMPILE_LINE)
-            if found:
-                out[os.path.relpath(path, run_dir)] = found
+    for path in _run_logs(run_dir):
+        found = log_records(path, OWN_COMPILE_LINE)
+        if found:
+            out[os.path.relpath(path, run_dir)] = found
     return out
 
 
@@ -175,34 +180,28 @@ def request_seconds(run_dir: str | None, check_waits: dict | None) -> dict:
     receipt's check_waits counts for each check (`aligned` false where the totals differ: a request that
     failed logs no line)."""
     out: dict[str, dict] = {}
-    if not run_dir or not os.path.isdir(run_dir):
-        return out
-    run_dir = os.path.normpath(run_dir)
-    for base, _, files in os.walk(run_dir):
-        for f in sorted(files):
-            if not f.endswith(".log"):
-                continue
-            path = os.path.join(base, f)
-            lines = [r for r in log_records(path, REQUEST_LINE) if "unreadable" not in r]
-            if not lines:
-                continue
-            entry = _sum_requests(lines)
-            if base == run_dir and f == "engine.log" and isinstance(check_waits, dict):
-                counts = [
-                    (name, int((w.get("POST /v1/completions") or {}).get("n") or 0))
-                    for name, w in check_waits.items()
-                    if isinstance(w, dict)
-                ]
-                entry["aligned"] = sum(n for _, n in counts) == len(lines)
-                per_check, at = {}, 0
-                for name, n in counts:
-                    if n:
-                        per_check[name] = _sum_requests(lines[at : at + n])["all"]
-                        wait = (check_waits[name].get("POST /v1/completions") or {}).get("s")
-                        per_check[name]["harness_wait_s"] = wait
-                    at += n
-                entry["by_check"] = per_check
-            out[os.path.relpath(path, run_dir)] = entry
+    for path in _run_logs(run_dir):
+        lines = [r for r in log_records(path, REQUEST_LINE) if "unreadable" not in r]
+        if not lines:
+            continue
+        entry = _sum_requests(lines)
+        rel = os.path.relpath(path, run_dir)
+        if rel == "engine.log" and isinstance(check_waits, dict):
+            counts = [
+                (name, int((w.get("POST /v1/completions") or {}).get("n") or 0))
+                for name, w in check_waits.items()
+                if isinstance(w, dict)
+            ]
+            entry["aligned"] = sum(n for _, n in counts) == len(lines)
+            per_check, at = {}, 0
+            for name, n in counts:
+                if n:
+                    per_check[name] = _sum_requests(lines[at : at + n])["all"]
+                    wait = (check_waits[name].get("POST /v1/completions") or {}).get("s")
+                    per_check[name]["harness_wait_s"] = wait
+                at += n
+            entry["by_check"] = per_check
+        out[rel] = entry
     return out
 
 
