@@ -157,6 +157,17 @@ def _rows(t0, n, h, j: tl.constexpr, H: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _row_blocks(t0, n, h, H: tl.constexpr, BC: tl.constexpr):
+    """The token rows and masks of a chunk's four sub-chunks (rows past the chunk, or past BT below four
+    sub-chunks, masked)."""
+    r0, m0 = _rows(t0, n, h, 0, H, BC)
+    r1, m1 = _rows(t0, n, h, 1, H, BC)
+    r2, m2 = _rows(t0, n, h, 2, H, BC)
+    r3, m3 = _rows(t0, n, h, 3, H, BC)
+    return r0, m0, r1, m1, r2, m2, r3, m3
+
+
+@triton.jit
 def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
     """Raw key rows of an earlier sub-chunk times e^{Γ_n − Γ_j} (≤ 1), transposed for the product."""
     off = rows[:, None] * K + dk[None, :]
@@ -294,10 +305,7 @@ def merge_kernel(
     NC: tl.constexpr = BT // BC
     if n <= BC:
         return  # one sub-chunk, or none (past the chunk count): nothing off the diagonal
-    r0, m0 = _rows(t0, n, h, 0, H, BC)
-    r1, m1 = _rows(t0, n, h, 1, H, BC)
-    r2, m2 = _rows(t0, n, h, 2, H, BC)
-    r3, m3 = _rows(t0, n, h, 3, H, BC)
+    r0, m0, r1, m1, r2, m2, r3, m3 = _row_blocks(t0, n, h, H, BC)
     # Rows past the chunk (and, below four sub-chunks, past BT) are masked: those blocks load as zeros and
     # _solve_blocks reads them only where the chunk holds their rows.
     a10 = _load_diag(x_inv, r1, m1, 0, BT, BC)
@@ -341,10 +349,7 @@ def inter_solve_kernel(
     NC: tl.constexpr = BT // BC
     if n <= BC:
         return  # one sub-chunk, or none (past the chunk count): nothing off the diagonal
-    r0, m0 = _rows(t0, n, h, 0, H, BC)
-    r1, m1 = _rows(t0, n, h, 1, H, BC)
-    r2, m2 = _rows(t0, n, h, 2, H, BC)  # past BT below four sub-chunks: masked, never read
-    r3, m3 = _rows(t0, n, h, 3, H, BC)
+    r0, m0, r1, m1, r2, m2, r3, m3 = _row_blocks(t0, n, h, H, BC)
     z = tl.zeros([BC, BC], dtype=tl.float32)
     a10, p10 = z, z
     a20, p20, a21, p21 = z, z, z, z
