@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # The protocol's version: the engine reports it in `describe` (and in its manifest), the receipt records it,
 # and the harness refuses an engine that speaks another one (docs/PROTOCOL.md, "Versions").
@@ -318,6 +326,8 @@ class ReloadResponse(_Reply):
 
 KV_ALIGNMENT = 256  # every view and the probe page start on this many bytes
 KV_PROBE_BYTES = 4096  # the page at the end of each allocation: engine-written half, peer-written half
+# The most a launch document may ask an engine to wait for its weights file (LaunchWeights.wait_s).
+WEIGHTS_WAIT_MAX_S = 3600.0
 KV_ECHO_MAX_BYTES = 1 << 20  # the most bytes one kv-echo may hash
 
 
@@ -560,11 +570,24 @@ class LaunchGroup(_Msg):
 
 class LaunchWeights(_Msg):
     """The weights file: load it; when it does not exist and `create` is true, write seeded weights there
-    first (seed `seed`). The harness hashes this file (sha256 of its bytes) for the receipt's subject."""
+    first (seed `seed`). The harness hashes this file (sha256 of its bytes) for the receipt's subject.
+    `wait_s` (with `create` false): the harness may start the engine before the file is in place (it is
+    seeding it), so the engine waits up to this many seconds for the file to appear before loading it; the
+    file appears whole (it is renamed or linked into place)."""
 
     path: str
     seed: int = Field(0, ge=0)
     create: bool = True
+    wait_s: float = Field(0.0, ge=0.0, le=WEIGHTS_WAIT_MAX_S)
+
+    @model_serializer(mode="wrap")
+    def _no_wait_unless_asked(self, handler: Any) -> Any:
+        # wait_s is written only where the harness asks for a wait: a document without one reads as before
+        # to an engine that checks its fields strictly against an earlier schema.
+        out = handler(self)
+        if isinstance(out, dict) and not self.wait_s:
+            out.pop("wait_s", None)
+        return out
 
 
 class LaunchDocument(_Msg):

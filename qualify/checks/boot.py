@@ -178,37 +178,51 @@ def prepare_launch(ctx: Context) -> tuple[dict[str, Any], str | None]:
     # Another engine's weights are its own: it writes them where the document says (create true).
     # A launcher that can name the file before it exists (plan_weights) gets the document first, so the
     # reference engine's warm step (which reads the document, not the weights) starts beside the seeding.
+    # A launcher that can also start the engine beside the seeding (begin_weights) tells the engine, in the
+    # document, to wait for the file (weights.wait_s); the seeding's outcome is then the launcher's start's.
     prepare = getattr(ctx.launcher, "prepare_weights", None)
     plan = getattr(ctx.launcher, "plan_weights", None)
+    begin = getattr(ctx.launcher, "begin_weights", None)
     reference = prepare is not None and manifest.name == launch_doc.REFERENCE_ENGINE_NAME
+    beside = reference and plan is not None and begin is not None
     if reference and plan is not None:
         plan(dtype=kv)
-        _launch_document(ctx, manifest, name, evidence, create=False)
+        wait_s = float(getattr(ctx.launcher, "weights_wait_s", 0.0)) if beside else 0.0
+        _launch_document(ctx, manifest, name, evidence, create=False, wait_s=wait_s)
         kernels = getattr(ctx.launcher, "prepare_kernels", None)
         if kernels is not None:
             kernels()
         ctx.facts["boot_phases"]["kernels_started"] = round(time.monotonic() - t0, 3)
     if reference:
         try:
-            prepare(max(1.0, ctx.remaining()), dtype=kv)
+            if beside:
+                begin(max(1.0, ctx.remaining()), dtype=kv)
+            else:
+                prepare(max(1.0, ctx.remaining()), dtype=kv)
         except RuntimeError as exc:  # the seeding step failed: the engine cannot be handed its weights
             return evidence, str(exc)
     elif hasattr(ctx.launcher, "weights"):
         ctx.launcher.weights = None  # type: ignore[attr-defined]
         ctx.launcher.hand_weights = False  # type: ignore[attr-defined]
-    ctx.facts["boot_phases"]["weights_seeded_and_hashed"] = round(time.monotonic() - t0, 3)
+    # seeding beside the engine's start (the launcher's start takes its outcome), or done (cached, handed)
+    begun = beside and getattr(ctx.launcher, "weights", None) is None
+    mark = "weights_seeding_begun" if begun else "weights_seeded_and_hashed"
+    ctx.facts["boot_phases"][mark] = round(time.monotonic() - t0, 3)
     if "launch_document" not in ctx.facts:
         _launch_document(ctx, manifest, name, evidence, create=getattr(ctx.launcher, "weights", None) is None)
     return evidence, None
 
 
-def _launch_document(ctx: Context, manifest: Any, name: str, evidence: dict[str, Any], create: bool) -> None:
-    """Build the launch document (the weights where the launcher hands or lets the engine write them) and
-    give it to the launcher's options."""
+def _launch_document(
+    ctx: Context, manifest: Any, name: str, evidence: dict[str, Any], create: bool, wait_s: float = 0.0
+) -> None:
+    """Build the launch document (the weights where the launcher hands or lets the engine write them; wait_s:
+    how long the engine waits for a handed file still being seeded) and give it to the launcher's options."""
     weights, scratch = ctx.launcher.launch_paths(name)
     doc = launch_doc.build(
-        ctx.request, manifest, ctx.target, weights_path=weights, scratch_dir=scratch, weights_create=create
-    )
+        ctx.request, manifest, ctx.target, weights_path=weights, scratch_dir=scratch, weights_create=create,
+        weights_wait_s=wait_s,
+    )  # fmt: skip
     ctx.facts["launch_document"] = doc
     options = getattr(ctx.launcher, "options", None)
     if options is not None:

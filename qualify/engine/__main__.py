@@ -175,7 +175,7 @@ def _launch_fields(path: str) -> dict:
         "max_num_seqs": c.max_num_seqs, "max_model_len": c.max_model_len,
         "max_num_batched_tokens": c.max_num_batched_tokens, "num_spec": c.num_spec,
         "capture_sizes": c.capture_sizes, "weights": doc.weights.path, "weights_create": doc.weights.create,
-        "scratch_dir": doc.scratch_dir,
+        "weights_wait_s": doc.weights.wait_s, "scratch_dir": doc.scratch_dir,
     }  # fmt: skip
 
 

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from qualify.protocol import WEIGHTS_WAIT_MAX_S
+
 KDA_BACKENDS = ("auto", "b12x", "triton", "torch")
 NUM_SPECIALS = 4  # BOS, EOS, PAD, one reserved: see tokenizer.py
 
@@ -83,6 +85,8 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, ge=0)
     weights: str | None = None  # safetensors path; default under the data dir
     weights_create: bool = False  # a named weights file that does not exist yet: write seeded weights there
+    # a named weights file the harness puts in place after the engine starts: wait up to this long for it
+    weights_wait_s: float = Field(0.0, ge=0.0, le=WEIGHTS_WAIT_MAX_S)
     scratch_dir: str | None = None  # where seeded reloads write their weights (the launch document's)
     selector_pool: int = Field(64, ge=1)  # tokens pooled into one selector row
     selector_topk: int = Field(16, ge=1)  # pooled rows a query attends to (own row included)

@@ -33,6 +33,7 @@ from .weights import (
     reload_state,
     save_streamed,
     snapshot,
+    wait_for_file,
 )
 
 ENGINE_NAME = "qualify-reference-engine"
@@ -146,6 +147,9 @@ class Engine:
         self.weights_path: Path | None = None
         self.weights_digest: str | None = None
         if self._load_weights:
+            if cfg.weights and not cfg.weights_create and cfg.weights_wait_s > 0:
+                wait_for_file(Path(cfg.weights), cfg.weights_wait_s)  # the harness still seeding it
+                self._phase("weights_wait")
             self.weights_path = ensure_weights(self.model, cfg)
             self._phase("weights")
             self.weights_digest = snapshot(self.model).digest

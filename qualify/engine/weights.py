@@ -267,13 +267,31 @@ def load_into(model: nn.Module, path: str | Path) -> None:
                 p.data.copy_(f.get_tensor(name))
 
 
+# How often an engine told to wait for its weights file (the launch document's weights.wait_s) looks again.
+WEIGHTS_POLL_S = 0.02
+
+
+def wait_for_file(path: Path, timeout_s: float) -> bool:
+    """True once `path` is a file (the harness renames or links it into place whole), within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(WEIGHTS_POLL_S)
+    return True
+
+
 def ensure_weights(model: nn.Module, cfg) -> Path:
-    """Load the configured weights; generate and save them first if this is the first boot."""
+    """Load the configured weights; generate and save them first if this is the first boot. A named file the
+    harness is still seeding (cfg.weights_wait_s) is waited for, bounded."""
     path = Path(cfg.weights) if cfg.weights else default_weights_path(cfg)
+    if cfg.weights and not cfg.weights_create and cfg.weights_wait_s > 0:
+        wait_for_file(path, cfg.weights_wait_s)
     if not path.is_file():
         if cfg.weights and not cfg.weights_create:
+            waited = f" after waiting {cfg.weights_wait_s:g} s for it" if cfg.weights_wait_s > 0 else ""
             raise WeightsError(
-                f"weights file {path} does not exist; omit --weights to generate seeded weights"
+                f"weights file {path} does not exist{waited}; omit --weights to generate seeded weights"
             )
         path.parent.mkdir(parents=True, exist_ok=True)
         save(generate(model, cfg.seed), path, {"seed": str(cfg.seed), "preset": cfg.preset})

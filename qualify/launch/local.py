@@ -79,6 +79,13 @@ STOP_GRACE_S = 5.0
 ENGINE_MODULE_ENV = "QUALIFY_ENGINE_MODULE"
 DEFAULT_ENGINE_MODULE = "qualify.engine"
 WEIGHTS_STEP_TIMEOUT_S = 600.0  # seeding the proxy's 2.9 GB on a GPU takes tens of seconds
+# An engine started beside the seeding of its weights waits this long for the file at most (the launch
+# document's weights.wait_s); the harness stops it sooner where the seeding fails.
+WEIGHTS_WAIT_S = WEIGHTS_STEP_TIMEOUT_S
+# Where the seeding step refused the configuration while the engine under test was already starting: how
+# long the harness waits for that engine's own answer (a refusal at construction) before stopping it.
+REFUSAL_ANSWER_WAIT_S = 60.0
+HANDOFF_PREFIX = "handoff-"  # a launcher's folder in the weights cache: the file, linked in once kept
 REFERENCE_ENGINE = Path(__file__).resolve().parents[1] / "engine"
 REFERENCE_KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
@@ -230,8 +237,46 @@ def hand_over(cached: Path, engine_path: str, origin: str) -> HandedWeights:
     return HandedWeights(cached, digest, cached.stat().st_size, engine_path, origin)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def handoff_dir(cached: Path) -> Path:
+    """A new, empty folder beside the weights cache file (the same file system: the kept file is linked in,
+    not copied) that the engine's sandbox binds read-only where its weights file will be, before the file
+    exists. Folders of harness processes that are gone (a killed run) are removed first."""
+    for old in cached.parent.glob(f"{HANDOFF_PREFIX}*"):
+        pid = old.name[len(HANDOFF_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    made = cached.parent / f"{HANDOFF_PREFIX}{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+    made.mkdir(mode=0o755)
+    return made
+
+
+@dataclass
+class _Seeding:
+    """A seeding step running beside the engine's start (LocalLauncher.begin_weights)."""
+
+    thread: threading.Thread
+    cached: Path
+    engine_path: str
+    handoff: Path | None  # the sandbox's weights folder (None unsandboxed: the engine reads the cache file)
+    result: dict[str, Any]
+
+
 class LocalLauncher(Launcher):
     kind = "local"
+    # How long this launcher's engine may be asked to wait for a handed weights file (begin_weights): the
+    # launch document's weights.wait_s where the harness seeds the reference engine's weights.
+    weights_wait_s = WEIGHTS_WAIT_S
 
     def __init__(
         self,
@@ -262,6 +307,8 @@ class LocalLauncher(Launcher):
         # The harness's cache file the weights will be kept as, named before they are seeded (plan_weights):
         # the launch document names it, and the warm step starts before the file exists.
         self._planned: tuple[Path, str, list[str]] | None = None
+        self._seeding: _Seeding | None = None  # a seeding step running beside the engine's start
+        self._handoff: Path | None = None  # its folder in the weights cache, removed at stop
         self._steps: set[subprocess.Popen[Any]] = set()  # the reference engine's steps running now
         # The compiled kernels every engine process gets a copy of (launch/kernels.py); a reference engine
         # shares its parent's (and waits for its warm step), the first launcher starts one.
@@ -325,7 +372,12 @@ class LocalLauncher(Launcher):
         info_r, info_w = os.pipe()
         try:
             weights = self.weights.path if self.weights is not None else None
-            cmd = self.sandbox.command(argv, scratch, env, weights=weights, info_fd=info_w)
+            seeding = self._seeding
+            # Before the seeded file is kept, the engine gets the (empty) folder it will be linked into.
+            folder = seeding.handoff if weights is None and seeding is not None else None
+            cmd = self.sandbox.command(
+                argv, scratch, env, weights=weights, weights_folder=folder, info_fd=info_w
+            )
             proc = subprocess.Popen(  # type: ignore[call-overload]
                 cmd, env=self.sandbox.bwrap.exec_env(), pass_fds=(*fds, info_w), **kw
             )
@@ -387,6 +439,84 @@ class LocalLauncher(Launcher):
             return None
         self.weights = hand_over(cached, engine_path, origin)
         return self.weights
+
+    def begin_weights(self, timeout_s: float = WEIGHTS_STEP_TIMEOUT_S, dtype: str | None = None) -> None:
+        """prepare_weights without waiting for a seeding: a cached file is handed over at once; otherwise the
+        seeding step runs on a thread of its own, start() starts the engine beside it (the launch document's
+        weights.wait_s has the engine wait for the file, which appears whole: renamed into the cache, then
+        linked into the sandbox's folder), and start() takes the step's outcome (_join_seeding). The engine
+        imports, reaches its device and lays out its caches while the harness receives and hashes."""
+        if self.weights is not None or self._seeding is not None:
+            return
+        if self._planned is None:
+            self.plan_weights(dtype)
+        assert self._planned is not None
+        cached, engine_path, serve = self._planned
+        if cached.is_file() or self._document_wait_s() <= 0:  # cached, or the engine is not told to wait
+            self.prepare_weights(timeout_s, dtype)
+            return
+        handoff = handoff_dir(cached) if self.sandbox is not None else None
+        self._handoff = handoff
+        result: dict[str, Any] = {}
+
+        def seed() -> None:
+            try:
+                result["seeded"] = self._seed(cached, serve, timeout_s)
+                if result["seeded"] and handoff is not None:
+                    os.link(cached, handoff / cached.name)
+            except BaseException as exc:  # noqa: BLE001 - start() turns it into the boot's reason
+                result["error"] = exc
+            result["done_at"] = time.monotonic()
+
+        thread = threading.Thread(target=seed, name="weights-seed", daemon=True)
+        self._seeding = _Seeding(thread, cached, engine_path, handoff, result)
+        thread.start()
+
+    def _document_wait_s(self) -> float:
+        """How long the launch document tells the engine to wait for its weights file (0: no document)."""
+        if self.options.launch is None:
+            return 0.0
+        weights = json.loads(self.options.launch).get("weights") or {}
+        return float(weights.get("wait_s") or 0.0)
+
+    def _join_seeding(self, deadline: float) -> None:
+        """Wait (to the deadline) for the seeding begun beside the engine's start, and hand its file over.
+        A failed seeding stops the engine and raises RuntimeError (TimeoutError past the deadline). Where
+        the reference engine refused the configuration, the engine under test's own answer is awaited
+        (bounded): a refusal at construction is left to start() to report, as without a seeding beside."""
+        seeding = self._seeding
+        assert seeding is not None
+        t0 = time.monotonic()
+        seeding.thread.join(max(0.0, deadline - t0))
+        self.weights_phases["start_waited_for_seeding"] = round(time.monotonic() - t0, 3)
+        if seeding.thread.is_alive():
+            self._halt()
+            raise TimeoutError(f"the engine's weights were not seeded in time; see {self.run_dir}")
+        error = seeding.result.get("error")
+        if error is not None:
+            self._halt()
+            why = str(error) if isinstance(error, RuntimeError) else f"the harness could not seed: {error!r}"
+            raise RuntimeError(why)
+        if not seeding.result.get("seeded"):
+            self._done.wait(max(0.0, min(REFUSAL_ANSWER_WAIT_S, deadline - time.monotonic())))
+            if not self._refused:
+                self._halt()
+                raise RuntimeError(
+                    "the reference engine refused this configuration when seeding its weights, and the "
+                    f"engine under test did not refuse it at construction: it has no weights to load: "
+                    f"{_last_line((self.run_dir / 'weights-step.log').read_text(errors='replace'))}"
+                )
+            return
+        origin = f"seeded by the reference engine (python -m {DEFAULT_ENGINE_MODULE} weights), cached"
+        self.weights = hand_over(seeding.cached, seeding.engine_path, origin)
+
+    def _halt(self) -> None:
+        """Stop the engine (and its supervisor's restarts) for good; stop() does the rest later."""
+        with self._lock:
+            self._stopping = True
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            _terminate(proc, STOP_GRACE_S, self._pid if self.sandbox is not None else None)
 
     def _seed(self, cached: Path, serve: list[str], timeout_s: float) -> bool:
         """The reference engine's `weights` verb in the sandbox, streaming the file through a pipe the
@@ -666,7 +796,7 @@ class LocalLauncher(Launcher):
     def start(self, timeout_s: float) -> str:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        if self.hand_weights:
+        if self.hand_weights and self._seeding is None:
             self.prepare_weights(timeout_s)
         self.prepare_kernels()
         if self._kernels_wait and self.kernels is not None:  # a reference engine: the warm step's cache
@@ -675,6 +805,8 @@ class LocalLauncher(Launcher):
         self._thread = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
+        if self._seeding is not None and self.weights is None:
+            self._join_seeding(deadline)  # the engine starts beside the seeding of its weights
         while time.monotonic() < deadline:
             if self._ready.wait(0.05):
                 assert self._url is not None
@@ -823,6 +955,10 @@ class LocalLauncher(Launcher):
             steps = list(self._steps)
         for step in steps:  # a step of this launcher's still running (a short run): it ends with the run
             _terminate(step, 1.0)
+        if self._seeding is not None:
+            self._seeding.thread.join(5.0)  # its step was just stopped: the thread ends with it
+        if self._handoff is not None:  # the link into the sandbox's weights folder (the cache keeps the file)
+            shutil.rmtree(self._handoff, ignore_errors=True)
         if self.sandbox is not None:
             if self.kernels is not None and self._boots:
                 with contextlib.suppress(Exception):  # evidence only: what the engine compiled itself

@@ -685,9 +685,12 @@ class Sandbox:
         env: dict[str, str],
         *,
         weights: Path | None = None,
+        weights_folder: Path | None = None,
         info_fd: int | None = None,
     ) -> list[str]:
-        """`argv` (python -m MODULE ...) inside the sandbox; `weights` appears read-only at weights_path()."""
+        """`argv` (python -m MODULE ...) inside the sandbox; `weights` appears read-only at weights_path(), or
+        (before the file exists) `weights_folder`, where the harness links it in later, read-only at
+        WEIGHTS_DIR."""
         b = self.bwrap
         cmd = [b.path, "--die-with-parent", "--new-session", *_namespace_args(b), "--hostname", HOSTNAME]
         if b.userns:
@@ -734,13 +737,16 @@ class Sandbox:
         # below /tmp (a checkout cloned there, the GPU host's unpacked wheels in /tmp/site) lands on top of
         # the private /tmp, with traversable parents, instead of being hidden by it.
         cmd += ["--bind", str(scratch), SCRATCH, "--bind", str(scratch / "tmp"), "/tmp"]
-        parents(*self.code.mounts, *([self.weights_path(weights)] if weights is not None else []))
+        handed = [self.weights_path(weights)] if weights is not None else []
+        parents(*self.code.mounts, *handed, *([WEIGHTS_DIR] if weights_folder is not None else []))
         for m in self.code.mounts:
             cmd += ["--ro-bind", m, m]
         for h in self.code.hidden:
             cmd += ["--tmpfs", h, "--remount-ro", h]
         if weights is not None:
             cmd += ["--ro-bind", str(weights), self.weights_path(weights)]
+        elif weights_folder is not None:
+            cmd += ["--ro-bind", str(weights_folder), WEIGHTS_DIR]
         pyc = pycache_dir()
         pyc.mkdir(parents=True, exist_ok=True)
         cmd += ["--ro-bind", str(pyc), PYCACHE_DIR]
@@ -763,7 +769,8 @@ class Sandbox:
         checkout = Path(__file__).resolve().parents[2]
         return [
             f"the operator's data dir {settings.data_dir()} (keys, store, run dirs)",
-            f"the harness's cache {cache_dir()}",
+            f"the harness's cache {cache_dir()}, but for the handed weights file (read-only; before it is "
+            "kept, a folder of its own, empty until the file is linked in)",
             f"the project checkout {checkout}, but for the code mounts",
             "every other host path outside /usr, /sys, /dev and the code mounts",
         ]

@@ -120,11 +120,14 @@ def build(
     weights_path: str,
     scratch_dir: str,
     weights_create: bool = True,
+    weights_wait_s: float = 0.0,
     kda_backend: str | None = None,
     dcp: tuple[int, int] | None = None,
 ) -> LaunchDocument:
     """The document for this request. `dcp` = (dcp_size, dcp_ranks) overrides the request's (the DCP 1
-    reference engine); `kda_backend` the backend (the refusal probe). The manifest must name the preset."""
+    reference engine); `kda_backend` the backend (the refusal probe); `weights_wait_s` how long the engine
+    waits for a handed file the harness may still be seeding when it starts. The manifest must name the
+    preset."""
     h = harness_geometry(req)
     dims = manifest.presets[req.preset]
     size, ranks = dcp if dcp is not None else (h.dcp_size, h.dcp_ranks)
@@ -153,7 +156,7 @@ def build(
         geometry=geometry,
         capacity=capacity,
         kv_groups=kv_groups(geometry, capacity, dims),
-        weights=LaunchWeights(path=weights_path, seed=0, create=weights_create),
+        weights=LaunchWeights(path=weights_path, seed=0, create=weights_create, wait_s=weights_wait_s),
         scratch_dir=scratch_dir,
     )
 

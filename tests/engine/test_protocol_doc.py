@@ -164,3 +164,15 @@ def test_the_reference_engine_refuses_a_launch_document_it_cannot_honour(tmp_pat
                            capture_output=True, text=True, timeout=120)  # fmt: skip
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
+
+
+def test_a_launch_documents_weights_wait_is_written_only_where_the_harness_asks_for_one():
+    """An engine that reads its launch document strictly against the schema before weights.wait_s sees the
+    same document as before unless the harness starts it beside the seeding of its weights."""
+    from qualify.protocol import LaunchWeights
+
+    assert json.loads(LaunchWeights(path="/w").model_dump_json()) == {"path": "/w", "seed": 0, "create": True}
+    asked = json.loads(LaunchWeights(path="/w", create=False, wait_s=600).model_dump_json())
+    assert asked["wait_s"] == 600 and LaunchWeights.model_validate(asked).wait_s == 600
+    with pytest.raises(ValueError):
+        LaunchWeights(path="/w", wait_s=-1)

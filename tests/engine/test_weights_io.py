@@ -246,3 +246,34 @@ def test_a_seeding_step_that_dies_mid_stream_keeps_nothing(
     with pytest.raises(RuntimeError, match="could not seed"):
         launcher.prepare_weights(60)
     assert not cached.exists() and not list(cached.parent.glob("*"))
+
+
+def test_an_engine_told_to_wait_loads_a_file_that_appears_later_and_refuses_one_that_never_does(
+    tmp_path: Path,
+) -> None:
+    """The launch document's weights.wait_s (the harness still seeding the file when the engine starts):
+    the file renamed into place while the engine waits is loaded; past the wait, a missing file is the
+    refusal it always was, saying it waited."""
+    import threading
+
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.model import HybridModel
+    from qualify.engine.weights import WeightsError, ensure_weights, generate
+
+    model = HybridModel(EngineConfig(preset="tiny", device="cpu"), torch.device("cpu"))
+    state = generate(model, 4)
+    save(state, tmp_path / "made.safetensors", {"seed": "4", "preset": "tiny"})
+    path = tmp_path / "handed" / "w.safetensors"
+    path.parent.mkdir()
+    cfg = EngineConfig(preset="tiny", device="cpu", weights=str(path), weights_wait_s=30.0)
+    later = threading.Timer(0.5, lambda: (tmp_path / "made.safetensors").rename(path))
+    later.start()
+    try:
+        assert ensure_weights(model, cfg) == path
+    finally:
+        later.cancel()
+    assert all(torch.equal(p, state[n]) for n, p in model.state_dict().items() if n in state)
+    gone = EngineConfig(preset="tiny", device="cpu", weights=str(tmp_path / "never.safetensors"),
+                        weights_wait_s=0.3)  # fmt: skip
+    with pytest.raises(WeightsError, match="does not exist after waiting 0.3 s"):
+        ensure_weights(model, gone)
