@@ -70,6 +70,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     # warp spills: kernels/kda/chunk.py.) The merge's products on the tensor cores in three tf32 passes,
     # at 1 warp (163 registers: twelve programs per SM against four; 0.4% faster at 1x8192 in its one run).
     "ours_merge_tf32x3": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
+    # The earlier sub-chunks' key norms in the diagonal pass from the K slices' squares (no second load of
+    # their whole rows; not yet timed).
+    "ours_norms_from_slices": {"_OFFDIAG_NORMS_FROM_SLICES": True},
 }
 
 

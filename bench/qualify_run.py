@@ -8,7 +8,8 @@ times and every check's seconds side by side: the monitor's cost. --again runs i
 qualified on a host that has qualified one, reported beside the first. --logs-out copies the run dirs' logs
 (the engine's, the warm step's) into a folder. `engines_compiled_here` lists, per engine log, each kernel
 that engine compiled itself with its specialization (the lines qualify/engine/precompile.py's
-log_own_compiles writes)."""
+log_own_compiles writes); `engine_startup` each engine's own account of its start-up's seconds, and
+`weights_step` the seeding step's (what a fresh host's boot spends where)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench._common import write_result  # noqa: E402
-from qualify.engine import REQUEST_LINE  # noqa: E402
+from qualify.engine import REQUEST_LINE, STARTUP_LINE  # noqa: E402
 from qualify.engine.precompile import OWN_COMPILE_LINE  # noqa: E402
 
 CLI = ["-m", "qualify.cli", "run", "--layout", "2304,2304,2304,9216", "--preset", "proxy", "--json"]
@@ -55,6 +56,8 @@ def main() -> None:
     }
     _logs(report, args.logs_out, "first")
     result["engines_compiled_here"] = own_compiles(report.get("run_dir"))
+    result["engine_startup"] = engine_startup(report.get("run_dir"))
+    result["weights_step"] = weights_step(report.get("run_dir"))
     result["engine_request_seconds"] = request_seconds(report.get("run_dir"), receipt.get("check_waits"))
     if args.again:
         r2, wall2, second = _run([sys.executable, *cli], args.timeout, {})
@@ -65,6 +68,7 @@ def main() -> None:
                 "capture_step_timing", "evidence_seconds", "conditions")  # fmt: skip
         result["again"] = {
             "engine_request_seconds": request_seconds(second.get("run_dir"), receipt2.get("check_waits")),
+            "engine_startup": engine_startup(second.get("run_dir")),
             "exit_code": r2.returncode,
             "wall_s": round(wall2, 2),
             "note": "the same command run right after the first on the same host: the harness's caches "
@@ -155,6 +159,31 @@ def own_compiles(run_dir: str | None) -> dict[str, list[dict]]:
         if found:
             out[os.path.relpath(path, run_dir)] = found
     return out
+
+
+def engine_startup(run_dir: str | None) -> dict[str, list[dict]]:
+    """Per engine log below the run dir, each boot's own account of where its start-up's seconds went
+    (imports, backend, allocations, waiting for its weights, loading them: the STARTUP_LINE records)."""
+    out: dict[str, list[dict]] = {}
+    for path in _run_logs(run_dir):
+        found = log_records(path, STARTUP_LINE)
+        if found:
+            out[os.path.relpath(path, run_dir)] = found
+    return out
+
+
+def weights_step(run_dir: str | None) -> dict | None:
+    """The seeding step's own account (the last JSON line of the run dir's weights-step.log: its seconds to
+    start, configure, import, generate and stream); None where no step ran (the weights were cached)."""
+    path = os.path.join(run_dir or "", "weights-step.log")
+    if not run_dir or not os.path.isfile(path):
+        return None
+    with open(path, errors="replace") as fh:
+        lines = [ln for ln in fh if ln.startswith("{")]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return {"unreadable": lines[-1][:200]}
 
 
 def _sum_requests(lines: list[dict]) -> dict:

@@ -187,6 +187,33 @@ def weight_loop(cubin: bytes) -> dict[str, int]:
     return {"instructions": len(body), **{op: body.count(op) for op in LOOP_OPS}}
 
 
+# What a prefill pass's static SASS is made of: op families by their first word's stem (static counts: a loop
+# body counts once however often it runs), a proxy for issue-bound passes' instruction mix before any GPU.
+SASS_FAMILIES = {
+    "tensor": ("HMMA",),
+    "special": ("MUFU",),
+    "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL"),
+    "int_and_address": ("IMAD", "IADD3", "LEA", "ISETP", "SHF", "LOP3", "SEL", "IABS", "IMNMX", "PRMT"),
+    "convert": ("F2F", "F2FP", "I2F", "F2I"),
+    "global_memory": ("LDG", "STG", "LDGSTS", "RED", "ATOM"),
+    "shared_memory": ("LDS", "STS", "LDSM"),
+    "shuffle_and_barrier": ("SHFL", "BAR"),
+}
+
+
+def sass_mix(cubin: bytes) -> dict[str, int]:
+    """Static instruction counts of `cubin`'s SASS: the total and each of SASS_FAMILIES."""
+    stems: list[str] = []
+    for line in _sass(cubin).splitlines():
+        if m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            op = re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip())
+            stems.append(op.split()[0].split(".")[0] if op else "")
+    out = {"instructions": len(stems)}
+    for family, names in SASS_FAMILIES.items():
+        out[family] = sum(stems.count(n) for n in names)
+    return out
+
+
 def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     import importlib
 
@@ -240,6 +267,11 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         c["BK"] = min(K, ch._INTER_BK)
         name = f"prefill diagonal pass with the off-diagonal blocks, {warps} warps, {stages} stage(s)"
         yield name, ci.diag_kernel, diag, c, warps, (stages, ())
+    # _OFFDIAG_NORMS_FROM_SLICES (bench/kda_prefill.py's ours_norms_from_slices), at the default launch
+    c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=False, OFFDIAG=True)
+    c.update(BK=min(K, ch._INTER_BK), NK_SLICES=True)
+    name = "prefill diagonal pass with the off-diagonal blocks, their key norms from the K slices"
+    yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
     merge = {"x_inv": F32, **chunks}
     c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True, PREC=ch._MERGE_PRECISION)
     yield "prefill merge of the off-diagonal blocks", ci.merge_kernel, merge, c, ch._MERGE_WARPS
@@ -393,6 +425,8 @@ def report(which: tuple[str, ...] = tuple(CASES)) -> list[dict]:
                 row["pdl"] = pdl_report(k.asm["ptx"], list(sig), pointers)
             if len(launch) > 1:  # a projection: its kind, shape and weight loop
                 row |= {"projection": launch[1], "weight_loop": weight_loop(k.asm["cubin"])}
+            if group == "prefill":
+                row["sass"] = sass_mix(k.asm["cubin"])
             rows.append(row)
     return rows
 

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import qualify_run  # noqa: E402
-from bench.qualify_run import _fresh_host, own_compiles  # noqa: E402
-from qualify.engine import REQUEST_LINE  # noqa: E402
+from bench.qualify_run import _fresh_host, engine_startup, own_compiles, weights_step  # noqa: E402
+from qualify.engine import REQUEST_LINE, STARTUP_LINE  # noqa: E402
 from qualify.engine.precompile import OWN_COMPILE_LINE  # noqa: E402
 
 
@@ -79,6 +79,23 @@ def test_the_kernels_an_engine_compiled_itself_are_read_from_each_engine_log(tmp
     assert list(got) == ["engine.log"]  # only logs with such lines
     assert got["engine.log"][0] == rec and got["engine.log"][1] == {"unreadable": "{cut\n"}
     assert own_compiles(None) == {} and own_compiles(str(tmp_path / "gone")) == {}
+
+
+def test_each_engines_start_up_and_the_seeding_steps_own_seconds_are_read_from_their_logs(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "fresh-reference").mkdir()
+    boot = {"at_serve": 0.05, "weights_wait": 1.25, "weights": 0.4, "at_ready": 3.1}
+    (tmp_path / "engine.log").write_text(f"# qualify: boot 1\n{STARTUP_LINE}{json.dumps(boot)}\n")
+    (tmp_path / "fresh-reference" / "engine.log").write_text(f"{STARTUP_LINE}{{cut\n")
+    (tmp_path / "warm-step.log").write_text("{}\n")
+    got = engine_startup(str(tmp_path))
+    assert got == {"engine.log": [boot], "fresh-reference/engine.log": [{"unreadable": "{cut\n"}]}
+    assert weights_step(str(tmp_path)) is None  # cached weights: no step ran
+    said = {"weights": "fd 9", "bytes": 10, "seconds": {"process_start_to_here": 0.1, "config": 1.9}}
+    (tmp_path / "weights-step.log").write_text(f"a line of the step's\n{json.dumps(said)}\n")
+    assert weights_step(str(tmp_path)) == said
+    assert engine_startup(None) == {} and weights_step(None) is None
 
 
 def test_evidence_seconds_lists_the_seconds_figures_by_path_and_stops_at_its_bound() -> None:

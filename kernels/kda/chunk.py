@@ -100,6 +100,12 @@ _MERGE_PRECISION = "ieee"
 # memory, 2 stages 168 and 21 KB, 1 stage 217 and 8 KB; at 4 warps 1 stage 155 and 8 KB. Without it every
 # depth compiles alike (162 registers, 8 KB).
 _DIAG_STAGES = 2
+# The diagonal pass's norms of the earlier sub-chunks' keys (_OFFDIAG_IN_DIAG): False, from their whole
+# rows loaded again after the K-slice loop (the default, the diagonal pass's own expression); True, from
+# the squares of the slices that loop loads anyway (no second load of 16 x K keys per earlier sub-chunk,
+# the same norms summed in another order). Not yet timed on a GPU; bench/kda_prefill.py times it as a
+# variant.
+_OFFDIAG_NORMS_FROM_SLICES = False
 # Measured in the same run and removed (µs at 1x8192, H = 32, against the old default's): the diagonal
 # pass in K slices of 64 / 32 / 16 (251 / 224 / 255 against 227: fewer registers did not make it faster);
 # two exponentials per element there (228); the state held V-first with transposed products (276 against
@@ -525,6 +531,7 @@ def prefill(
             ZERO_RIGHT=not _TRIL_LOADS,
             OFFDIAG=_OFFDIAG_IN_DIAG,
             BK=min(K, _INTER_BK),
+            NK_SLICES=_OFFDIAG_NORMS_FROM_SLICES,
             num_warps=_DIAG_WARPS,
             num_stages=_DIAG_STAGES,
         )

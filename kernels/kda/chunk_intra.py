@@ -72,13 +72,16 @@ def diag_kernel(
     ZERO_RIGHT: tl.constexpr,
     OFFDIAG: tl.constexpr = False,
     BK: tl.constexpr = 64,
+    NK_SLICES: tl.constexpr = False,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
     ZERO_RIGHT zeros right of the diagonal block in p and x (without it the readers mask those columns),
     then (I + A_ii)^{-1} by forward substitution over rows read back from x. OFFDIAG: then also the row
     block's blocks left of the diagonal, P_ij into p and A_ij (scaled) into x, j < i, from BK-wide K slices
-    (_offdiag_blocks); merge_kernel then turns those A_ij into X_ij in place."""
+    (_offdiag_blocks); merge_kernel then turns those A_ij into X_ij in place. NK_SLICES: the earlier
+    sub-chunks' key norms from the squares of the K slices that loop loads anyway, not from their whole rows
+    loaded again (the same norms, summed in another order)."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -138,7 +141,7 @@ def diag_kernel(
     if OFFDIAG:  # noqa: SIM102 (a constexpr test, then a runtime one)
         if i > 0:
             _offdiag_blocks(
-                q, k, gcum, p, x_inv, rows, mb, t0, i, h, beta * nk, nq, H, K, BT, BC, BK, DT
+                q, k, gcum, p, x_inv, rows, mb, t0, i, h, beta * nk, nq, H, K, BT, BC, BK, DT, NK_SLICES
             )  # fmt: skip
 
 
@@ -177,6 +180,16 @@ def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _ktile_ss(k, gcum, rows, m, dk, gn, ss, K: tl.constexpr, DT: tl.constexpr):
+    """_ktile, and the rows' sums of squares of this slice of the raw keys added to ss."""
+    off = rows[:, None] * K + dk[None, :]
+    kj = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
+    gj = tl.load(gcum + off, mask=m[:, None], other=0.0)
+    kt = tl.trans((kj * tl.exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")))).to(DT))
+    return kt, ss + tl.sum(kj * kj, axis=1)
+
+
+@triton.jit
 def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
     """Raw query and key rows of sub-chunk i times e^{Γ_r − Γ_n} (≤ 1), n its first row."""
     off = rows[:, None] * K + dk[None, :]
@@ -192,6 +205,13 @@ def _cross(qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, K: tl.constexpr, DT: tl.c
     """One K slice of A_ij and P_ij (unscaled) added to the accumulators a and p."""
     kt = _ktile(k, gcum, rows_j, m_j, dk, gn, K, DT)
     return tl.dot(ki, kt, a), tl.dot(qi, kt, p)
+
+
+@triton.jit
+def _cross_ss(qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, ss, K: tl.constexpr, DT: tl.constexpr):
+    """_cross, and sub-chunk j's sums of squares of this K slice added to ss."""
+    kt, ss = _ktile_ss(k, gcum, rows_j, m_j, dk, gn, ss, K, DT)
+    return tl.dot(ki, kt, a), tl.dot(qi, kt, p), ss
 
 
 @triton.jit
@@ -215,19 +235,24 @@ def _beta_nk(b, rn, rows, m):
 
 
 @triton.jit
-def _offdiag_store(k, p, x_inv, rows, m, rows_j, j: tl.constexpr, a, pq, bk, nq, K: tl.constexpr,
-                   BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+def _offdiag_store(k, p, x_inv, rows, m, rows_j, j: tl.constexpr, a, pq, bk, nq, ss_j, K: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr, NK_SLICES: tl.constexpr):  # fmt: skip
     """P_ij ·= nq_i·nk_jᵀ into p and A_ij ·= β_i·nk_i·nk_jᵀ into x, nk_j from sub-chunk j's whole key rows
-    (the diagonal pass's own expression for them)."""
-    kk = tl.load(k + rows_j[:, None] * K + tl.arange(0, K)[None, :]).to(tl.float32)
-    nk_j = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
+    (the diagonal pass's own expression for them), or with NK_SLICES from ss_j, their sums of squares
+    gathered slice by slice."""
+    if NK_SLICES:
+        nk_j = 1.0 / tl.sqrt(ss_j + 1e-6)
+    else:
+        kk = tl.load(k + rows_j[:, None] * K + tl.arange(0, K)[None, :]).to(tl.float32)
+        nk_j = 1.0 / tl.sqrt(tl.sum(kk * kk, axis=1) + 1e-6)
     _store_blk(p, rows, m, j * BC, pq * nq[:, None] * nk_j[None, :], BT, BC)
     _store_blk(x_inv, rows, m, j * BC, a * bk[:, None] * nk_j[None, :], BT, BC)
 
 
 @triton.jit
 def _offdiag_blocks(q, k, gcum, p, x_inv, rows, m, t0, i, h, bk, nq, H: tl.constexpr, K: tl.constexpr,
-                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                    NK_SLICES: tl.constexpr):  # fmt: skip
     """Sub-chunk i's blocks left of the diagonal (0 < i < 4), the off-diagonal pass's arithmetic for one
     row block: A_ij and P_ij split at Γ of the row block's first row (both factors ≤ 1), accumulated over
     BK-wide slices of K, then scaled by the norms and β (bk = β_i·nk_i) and stored (_offdiag_store). The
@@ -239,20 +264,29 @@ def _offdiag_blocks(q, k, gcum, p, x_inv, rows, m, t0, i, h, bk, nq, H: tl.const
     r2 = (t0 + 2 * BC + ci) * H + h
     z = tl.zeros([BC, BC], dtype=tl.float32)
     a0, p0, a1, p1, a2, p2 = z, z, z, z, z, z
+    s0 = tl.zeros([BC], dtype=tl.float32)
+    s1, s2 = s0, s0
     for kb in range(K // BK):
         dk = kb * BK + tl.arange(0, BK)
         gn = tl.load(gcum + ((t0 + i * BC) * H + h) * K + dk)
         qi, ki = _qk_rows(q, k, gcum, rows, m, dk, gn, K, DT)
-        a0, p0 = _cross(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, K, DT)
-        if i > 1:
-            a1, p1 = _cross(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, K, DT)
-        if i > 2:
-            a2, p2 = _cross(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, K, DT)
-    _offdiag_store(k, p, x_inv, rows, m, r0, 0, a0, p0, bk, nq, K, BT, BC)
+        if NK_SLICES:
+            a0, p0, s0 = _cross_ss(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, s0, K, DT)
+            if i > 1:
+                a1, p1, s1 = _cross_ss(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, s1, K, DT)
+            if i > 2:
+                a2, p2, s2 = _cross_ss(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, s2, K, DT)
+        else:
+            a0, p0 = _cross(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, K, DT)
+            if i > 1:
+                a1, p1 = _cross(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, K, DT)
+            if i > 2:
+                a2, p2 = _cross(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, K, DT)
+    _offdiag_store(k, p, x_inv, rows, m, r0, 0, a0, p0, bk, nq, s0, K, BT, BC, NK_SLICES)
     if i > 1:
-        _offdiag_store(k, p, x_inv, rows, m, r1, 1, a1, p1, bk, nq, K, BT, BC)
+        _offdiag_store(k, p, x_inv, rows, m, r1, 1, a1, p1, bk, nq, s1, K, BT, BC, NK_SLICES)
     if i > 2:
-        _offdiag_store(k, p, x_inv, rows, m, r2, 2, a2, p2, bk, nq, K, BT, BC)
+        _offdiag_store(k, p, x_inv, rows, m, r2, 2, a2, p2, bk, nq, s2, K, BT, BC, NK_SLICES)
 
 
 @triton.jit

@@ -463,12 +463,14 @@ def _serve(args: argparse.Namespace) -> None:
     def announce() -> None:
         while not server.started:
             time.sleep(0.01)
+        from . import STARTUP_LINE
+
         ready = _since_process_start()
         # Where this boot's seconds went (the log only: the harness times the boot itself).
         phases = {"at_serve": started, "at_engine_build": before_engine, **getattr(engine, "boot_phases", {})}
         phases.update(engine=engine.boot_seconds, at_engine_built=after_engine, at_ready=ready)
         print(
-            f"# engine startup (s): {json.dumps({k: v and round(v, 3) for k, v in phases.items()})}",
+            f"{STARTUP_LINE}{json.dumps({k: v and round(v, 3) for k, v in phases.items()})}",
             file=sys.stderr,
             flush=True,
         )
@@ -668,14 +670,17 @@ def write_weights(args: argparse.Namespace) -> None:
 
     from .config import EngineConfig
 
+    # where the step's seconds go (its log: what a fresh host's seeding costs): the process's start to here,
+    # the configuration (its validation imports torch to resolve the device), the model's imports, the
+    # model's shapes, then generating and writing the stream
+    since = _since_process_start()
+    seconds = {"process_start_to_here": None if since is None else round(since, 3)}
+    t0 = time.perf_counter()
     try:
         cfg = EngineConfig(**_config_fields(args))
     except ValidationError as e:
         _fail(f"invalid engine config: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
-    # where the step's seconds go (its log: what a fresh host's seeding costs): the process's start to here,
-    # torch and the model's imports, the model's shapes, then generating and writing the stream
-    since = _since_process_start()
-    seconds = {"process_start_to_here": None if since is None else round(since, 3)}
+    seconds["config"] = round(time.perf_counter() - t0, 3)
     t0 = time.perf_counter()
     import torch
 

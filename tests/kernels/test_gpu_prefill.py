@@ -116,6 +116,7 @@ VARIANTS = {
     "zeros-right-of-the-diagonal": {"_TRIL_LOADS": False},
     "the-off-diagonal-pass": {"_OFFDIAG_IN_DIAG": False, "_DIAG_STAGES": 3},
     "merge-in-tf32x3-at-1-warp": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
+    "norms-from-slices": {"_OFFDIAG_NORMS_FROM_SLICES": True},
 }
 # The default (on NaN scratch, against itself on fresh scratch) and the variants that change no value any pass
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
