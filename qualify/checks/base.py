@@ -102,6 +102,9 @@ class Context:
     # Called by boot once the engine answers, before boot's own requests: the `prepare` of checks marked
     # prepare_at_ready (the pipeline sets it; a --fail-fast run leaves it a no-op)
     engine_up: Callable[[], None] = lambda: None
+    # Called by the launcher (on a thread of its own) once the engine's first process exists, before it
+    # answers: the `prepare` of checks marked prepare_at_spawn (the pipeline sets it, as engine_up)
+    engine_spawned: Callable[[], None] = lambda: None
     last_batch: CompletionResponse | None = None
 
     def remaining(self) -> float:
@@ -209,6 +212,9 @@ class Check:
     # True: `prepare` also runs as soon as the engine answers (Context.engine_up), beside boot's own
     # requests, for work that needs only a running engine (the layout check's peers import torch then).
     prepare_at_ready: bool = False
+    # True: `prepare` runs even earlier, as soon as the engine's first process exists (Context.
+    # engine_spawned, where the launcher can say so), for work that needs only that process's namespaces.
+    prepare_at_spawn: bool = False
     # True: the check times the engine's steps, so nothing the harness started beside the engine (a warm
     # step compiling, launch/kernels.py) may share the GPU with it: the pipeline waits for that first.
     times_engine: bool = False

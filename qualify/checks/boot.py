@@ -273,6 +273,8 @@ def run(ctx: Context) -> Outcome:
     prepared_s = time.monotonic() - t0
     if refusal is not None:
         return Outcome("fail", prep, refusal, {"engine_manifest_accepted": observed(False, refusal)})
+    if hasattr(ctx.launcher, "on_spawn"):  # work that needs only the engine's process starts with it
+        ctx.launcher.on_spawn = ctx.engine_spawned  # type: ignore[attr-defined]
     try:
         ctx.url = ctx.launcher.start(ctx.remaining())
     except TimeoutError as exc:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,6 +308,9 @@ class LocalLauncher(Launcher):
         # the launch document names it, and the warm step starts before the file exists.
         self._planned: tuple[Path, str, list[str]] | None = None
         self._seeding: _Seeding | None = None  # a seeding step running beside the engine's start
+        # Called (on a thread of its own) once the engine's first process exists: boot's Context.
+        # engine_spawned, work that needs only the engine's namespaces (the layout check's peers ahead)
+        self.on_spawn: Callable[[], None] | None = None
         self._handoff: Path | None = None  # its folder in the weights cache, removed at stop
         self._steps: set[subprocess.Popen[Any]] = set()  # the reference engine's steps running now
         # The compiled kernels every engine process gets a copy of (launch/kernels.py); a reference engine
@@ -857,6 +860,9 @@ class LocalLauncher(Launcher):
                     self._pids.append(self._pid)
                     where = f" in bwrap pid {self._sandbox_pid}, NSpid {self._ns_pid}" if self.sandbox else ""
                     log.write(f"# qualify: engine host pid {self._pid}{where}\n")
+                    first = self._boots == 1
+                if first and self.on_spawn is not None:
+                    threading.Thread(target=self._spawned, name="engine-spawned", daemon=True).start()
                 self._pump(self._proc.stdout, log)
                 rc = _exit_status(self._proc.wait(), self.sandbox is not None)
                 log.write(f"# qualify: engine {describe_exit(rc)}\n")
@@ -875,6 +881,11 @@ class LocalLauncher(Launcher):
                     self._restarts += 1  # on-failure policy: a crash earns a restart
                 time.sleep(0.2)
         self._done.set()
+
+    def _spawned(self) -> None:
+        with contextlib.suppress(Exception):  # work started early to save time: its own failure is no boot's
+            assert self.on_spawn is not None
+            self.on_spawn()
 
     def _pump(self, stream: IO[str] | None, log: IO[str]) -> None:
         assert stream is not None

@@ -300,6 +300,7 @@ class Pipeline:
                 ctx.facts["before_first_check_each"] = marks
                 if not self.req.fail_fast:
                     ctx.engine_up = self._at_ready(ctx, run_deadline)
+                    ctx.engine_spawned = self._at_ready(ctx, run_deadline, spawned=True)
                 self._checks(ctx, run_deadline)
                 self._stop_if_signalled()  # a signal whose exception was dropped after the last check
         except (KeyboardInterrupt, RunInterrupted) as exc:
@@ -318,10 +319,16 @@ class Pipeline:
         if self.signalled:
             raise RunInterrupted(f"received {self.signalled[0]}")
 
-    def _at_ready(self, ctx: Context, run_deadline: float) -> Callable[[], None]:
-        """What boot calls once the engine answers: the `prepare` of every check marked prepare_at_ready.
-        Work started early to save time: a failure here is not boot's, and the call after boot retries."""
-        early = [c.prepare for c in checks_for(self.req) if c.prepare_at_ready and c.prepare is not None]
+    def _at_ready(self, ctx: Context, run_deadline: float, spawned: bool = False) -> Callable[[], None]:
+        """What boot calls once the engine answers: the `prepare` of every check marked prepare_at_ready
+        (spawned: what the launcher calls once the engine's first process exists, those marked
+        prepare_at_spawn). Work started early to save time: a failure here is not boot's, and the call
+        after boot retries."""
+        early = [
+            c.prepare
+            for c in checks_for(self.req)
+            if (c.prepare_at_spawn if spawned else c.prepare_at_ready) and c.prepare is not None
+        ]
 
         def engine_up() -> None:
             for prepare in early:

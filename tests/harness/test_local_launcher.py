@@ -67,3 +67,25 @@ def test_a_bogus_backend_is_refused_at_construction(tmp_path: Path) -> None:
     out = launcher.run_refusal("bogus", 60)
     assert out.exit_code not in (None, 0)
     assert "bogus" in out.output and all(c in out.output for c in ("auto", "b12x", "triton", "torch"))
+
+
+def test_on_spawn_is_called_once_when_the_first_process_exists_before_it_answers(tmp_path: Path) -> None:
+    """Boot's Context.engine_spawned (the layout check's peers started ahead on a GPU target) runs once the
+    engine's first process exists, its pid known, before the engine is ready; not again on a restart."""
+    launcher = LocalLauncher(
+        EngineOptions(preset="tiny", kda_backend="torch"),
+        tmp_path / "run",
+        max_restarts=1,
+        env=_env(tmp_path, QUALIFY_ENGINE_FAULT="crash-after-boot:1.5"),
+    )
+    seen: list[tuple[int | None, bool]] = []
+    launcher.on_spawn = lambda: seen.append((launcher.status().detail["pid"], launcher._ready.is_set()))
+    try:
+        launcher.start(60)
+        deadline = time.monotonic() + 60
+        while launcher.status().detail["boots"] < 2:  # the crash and its restart
+            assert time.monotonic() < deadline, launcher.status()
+            time.sleep(0.1)
+    finally:
+        st = launcher.stop()
+    assert seen == [(st.detail["pids"][0], False)]
