@@ -73,6 +73,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     # The earlier sub-chunks' key norms in the diagonal pass from the K slices' squares (no second load of
     # their whole rows; not yet timed).
     "ours_norms_from_slices": {"_OFFDIAG_NORMS_FROM_SLICES": True},
+    # The diagonal inverse's forward substitution with the rows of A_ii from the registers (the same bits; no
+    # L2 round trip on its 14 dependent steps; not yet timed).
+    "ours_rows_in_regs": {"_DIAG_ROWS_IN_REGS": True},
 }
 
 

@@ -272,6 +272,10 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     c.update(BK=min(K, ch._INTER_BK), NK_SLICES=True)
     name = "prefill diagonal pass with the off-diagonal blocks, their key norms from the K slices"
     yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
+    # _DIAG_ROWS_IN_REGS (ours_rows_in_regs): the substitution's rows of A_ii from the registers
+    c = dict(c, NK_SLICES=False, ROWS_IN_REGS=True)
+    name = "prefill diagonal pass with the off-diagonal blocks, the substitution's rows from the registers"
+    yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
     merge = {"x_inv": F32, **chunks}
     c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True, PREC=ch._MERGE_PRECISION)
     yield "prefill merge of the off-diagonal blocks", ci.merge_kernel, merge, c, ch._MERGE_WARPS

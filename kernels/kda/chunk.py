@@ -106,6 +106,11 @@ _DIAG_STAGES = 2
 # the same norms summed in another order). Not yet timed on a GPU; bench/kda_prefill.py times it as a
 # variant.
 _OFFDIAG_NORMS_FROM_SLICES = False
+# The diagonal pass's forward substitution for (I + A_ii)^{-1}: False, each of its 14 dependent steps loads
+# row s of A_ii back from x (stored just before: an L2 round trip on the chain); True, the row from the
+# registers by a masked sum over the tile's rows (the same values exactly, so the same bits), and A_ii is
+# not stored at all. Not yet timed on a GPU; bench/kda_prefill.py times it as a variant.
+_DIAG_ROWS_IN_REGS = False
 # Measured in the same run and removed (µs at 1x8192, H = 32, against the old default's): the diagonal
 # pass in K slices of 64 / 32 / 16 (251 / 224 / 255 against 227: fewer registers did not make it faster);
 # two exponentials per element there (228); the state held V-first with transposed products (276 against
@@ -532,6 +537,7 @@ def prefill(
             OFFDIAG=_OFFDIAG_IN_DIAG,
             BK=min(K, _INTER_BK),
             NK_SLICES=_OFFDIAG_NORMS_FROM_SLICES,
+            ROWS_IN_REGS=_DIAG_ROWS_IN_REGS,
             num_warps=_DIAG_WARPS,
             num_stages=_DIAG_STAGES,
         )

@@ -73,6 +73,7 @@ def diag_kernel(
     OFFDIAG: tl.constexpr = False,
     BK: tl.constexpr = 64,
     NK_SLICES: tl.constexpr = False,
+    ROWS_IN_REGS: tl.constexpr = False,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
@@ -81,7 +82,9 @@ def diag_kernel(
     block's blocks left of the diagonal, P_ij into p and A_ij (scaled) into x, j < i, from BK-wide K slices
     (_offdiag_blocks); merge_kernel then turns those A_ij into X_ij in place. NK_SLICES: the earlier
     sub-chunks' key norms from the squares of the K slices that loop loads anyway, not from their whole rows
-    loaded again (the same norms, summed in another order)."""
+    loaded again (the same norms, summed in another order). ROWS_IN_REGS: the forward substitution takes
+    each row of A_ii from the registers (a masked sum over the rows: the same values, exactly) instead of
+    storing A_ii and loading it back row by row, a round trip to L2 on each of its 14 dependent steps."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -123,7 +126,8 @@ def diag_kernel(
     if ZERO_RIGHT:
         tl.store(prow + cols[None, :], tl.zeros([BC, BT], dtype=p.dtype.element_ty), mask=right)
     xrow = x_inv + rows[:, None] * BT
-    tl.store(xrow + rb[None, :], a, mask=mb[:, None])
+    if not ROWS_IN_REGS:
+        tl.store(xrow + rb[None, :], a, mask=mb[:, None])
     if ZERO_RIGHT:
         tl.store(xrow + cols[None, :], tl.zeros([BC, BT], dtype=tl.float32), mask=right)
     tl.debug_barrier()
@@ -131,8 +135,11 @@ def diag_kernel(
     # Y = (I + A_ii)^{-1} − I, row by row: Y_s = −A_s − Σ_{m<s} A_sm·Y_m (rows 0 and 1 are −A's own).
     y = -a
     for s in range(2, BC):
-        row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
-        a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
+        if ROWS_IN_REGS:  # row s of A (zero from column s on, and past the chunk's end: a's own zeros)
+            a_s = tl.sum(tl.where((ci == s)[:, None], a, 0.0), axis=0)
+        else:
+            row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
+            a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
         y_s = -a_s - tl.sum(a_s[:, None] * y, axis=0)
         y = tl.where((ci == s)[:, None], y_s[None, :], y)
     x_ii = y + eye

@@ -205,6 +205,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_OFFDIAG_IN_DIAG": False},
         {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
         {"_OFFDIAG_NORMS_FROM_SLICES": True},
+        {"_DIAG_ROWS_IN_REGS": True, "_TRIL_LOADS": False},
     ],
     ids=[
         "default",
@@ -216,6 +217,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "the-off-diagonal-pass",
         "merge-in-tf32x3",
         "norms-from-slices",
+        "substitution-rows-from-registers-zeros-right",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -265,20 +267,26 @@ def _default_bits(case_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         ({"_GATE_BK": 32}, "WIDE_K"),
         ({"_GATE_BK": 128}, "WIDE_K"),
         ({"_TRIL_LOADS": False}, "MILD"),
+        ({"_DIAG_ROWS_IN_REGS": True}, "MILD"),
+        ({"_DIAG_ROWS_IN_REGS": True, "_OFFDIAG_IN_DIAG": False}, "WIDE_K"),
     ],
     ids=[
         "state-without-prefetch-g",
         "gate-channel-blocks-of-32",
         "gate-whole-head-rows",
         "zeros-right-of-the-diagonal",
+        "substitution-rows-from-registers",
+        "substitution-rows-from-registers-off-diagonal-pass",
     ],
 )
 def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, monkeypatch) -> None:
     # Γ_C loaded when its chunk comes rather than a chunk early (the default), the gate's channels split
     # among programs differently (at K = 128, where the widths differ; 64 is the default), or P and X
     # written with zeros right of their diagonals and read whole (the default reads their lower triangles
-    # only): the same fp32 values enter the same arithmetic, so outputs and states must equal the default's
-    # bit for bit, not just be close. Mild decays keep A_ii and its inverse far from I.
+    # only), or the forward substitution's rows of A_ii taken from the registers rather than loaded back
+    # (against the default's own path for the off-diagonal blocks there): the same fp32 values enter the
+    # same arithmetic, so outputs and states must equal the default's bit for bit, not just be close. Mild
+    # decays keep A_ii and its inverse far from I.
     import kernels.kda.chunk as chunk
 
     out0, pool0 = _default_bits(case)

@@ -117,11 +117,18 @@ VARIANTS = {
     "the-off-diagonal-pass": {"_OFFDIAG_IN_DIAG": False, "_DIAG_STAGES": 3},
     "merge-in-tf32x3-at-1-warp": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
     "norms-from-slices": {"_OFFDIAG_NORMS_FROM_SLICES": True},
+    "substitution-rows-from-registers": {"_DIAG_ROWS_IN_REGS": True},
 }
 # The default (on NaN scratch, against itself on fresh scratch) and the variants that change no value any pass
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
 # they keep the bits, but on the device a scan's order follows the tile's layout, which its width changes.)
-SAME_BITS = ("default", "zeros-right-of-the-diagonal", "state-without-prefetch-g")
+# The substitution's rows of A_ii from the registers are a masked sum of one value and zeros: exact anywhere.
+SAME_BITS = (
+    "default",
+    "zeros-right-of-the-diagonal",
+    "state-without-prefetch-g",
+    "substitution-rows-from-registers",
+)
 
 
 @pytest.mark.parametrize("variant", SAME_BITS)
