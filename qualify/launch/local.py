@@ -247,14 +247,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def handoff_dir(cached: Path) -> Path:
-    """A new, empty folder beside the weights cache file (the same file system: the kept file is linked in,
-    not copied) that the engine's sandbox binds read-only where its weights file will be, before the file
-    exists. Folders of harness processes that are gone (a killed run) are removed first."""
-    for old in cached.parent.glob(f"{HANDOFF_PREFIX}*"):
+def sweep_handoffs(folder: Path) -> None:
+    """Remove the hand-off folders (handoff_dir) of harness processes that are gone (a killed run)."""
+    for old in folder.glob(f"{HANDOFF_PREFIX}*"):
         pid = old.name[len(HANDOFF_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
+
+
+def handoff_dir(cached: Path) -> Path:
+    """A new, empty folder beside the weights cache file (the same file system: the kept file is linked in,
+    not copied) that the engine's sandbox binds read-only where its weights file will be, before the file
+    exists."""
     cached.parent.mkdir(parents=True, exist_ok=True)
     made = cached.parent / f"{HANDOFF_PREFIX}{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
     made.mkdir(mode=0o755)
@@ -455,6 +459,7 @@ class LocalLauncher(Launcher):
             self.plan_weights(dtype)
         assert self._planned is not None
         cached, engine_path, serve = self._planned
+        sweep_handoffs(cached.parent)
         if cached.is_file() or self._document_wait_s() <= 0:  # cached, or the engine is not told to wait
             self.prepare_weights(timeout_s, dtype)
             return
@@ -469,7 +474,6 @@ class LocalLauncher(Launcher):
                     os.link(cached, handoff / cached.name)
             except BaseException as exc:  # noqa: BLE001 - start() turns it into the boot's reason
                 result["error"] = exc
-            result["done_at"] = time.monotonic()
 
         thread = threading.Thread(target=seed, name="weights-seed", daemon=True)
         self._seeding = _Seeding(thread, cached, engine_path, handoff, result)
@@ -504,10 +508,11 @@ class LocalLauncher(Launcher):
             self._done.wait(max(0.0, min(REFUSAL_ANSWER_WAIT_S, deadline - time.monotonic())))
             if not self._refused:
                 self._halt()
+                log = self.run_dir / "weights-step.log"
+                said = _last_line(log.read_text(errors="replace")) if log.is_file() else "(no log)"
                 raise RuntimeError(
                     "the reference engine refused this configuration when seeding its weights, and the "
-                    f"engine under test did not refuse it at construction: it has no weights to load: "
-                    f"{_last_line((self.run_dir / 'weights-step.log').read_text(errors='replace'))}"
+                    f"engine under test did not refuse it at construction: it has no weights to load: {said}"
                 )
             return
         origin = f"seeded by the reference engine (python -m {DEFAULT_ENGINE_MODULE} weights), cached"

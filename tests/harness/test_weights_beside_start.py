@@ -167,3 +167,21 @@ def test_qualify_run_on_a_cold_weights_cache_starts_the_engine_beside_the_seedin
     run_dir = Path(ran.summary()["run_dir"])
     startup = next(ln for ln in (run_dir / "engine.log").read_text().splitlines() if "engine startup" in ln)
     assert "weights_wait" in json.loads(startup.split(": ", 1)[1])
+
+
+def test_the_hand_off_folders_of_a_killed_harness_are_swept_and_live_ones_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    weights = tmp_path / "cache" / "weights"
+    dead = weights / f"{HANDOFF_PREFIX}{gone.pid}-1-1"
+    live = weights / f"{HANDOFF_PREFIX}{os.getpid()}-1-1"
+    for folder in (dead, live):
+        folder.mkdir(parents=True)
+        (folder / "seeded.safetensors").write_bytes(b"linked")
+    launcher = _launcher(tmp_path, monkeypatch, sandboxed=False)
+    monkeypatch.setattr(launcher, "_seed", lambda cached, serve, timeout_s: False)
+    launcher.begin_weights(60, dtype="float32")
+    assert not dead.exists() and live.is_dir()
+    launcher.stop()
