@@ -325,6 +325,9 @@ def _fresh_host(phases: dict, kc: dict) -> dict:
             for k in ("read", "hash", "write")
         },
         "prepare_s": phases.get("prepare"),
+        # the engine started beside the seeding (launch/local.py begin_weights): how long its start waited
+        # for the seeding to end after spawning it (None where the weights were done before it started)
+        "weights_start_waited_for_seeding_s": phases.get("prepare_weights_start_waited_for_seeding_s"),
         "engine_start_to_ready_s": phases.get("engine_start_to_ready"),
         "kernels_given_after_ready_s": phases.get("kernels_given_after_ready"),
         "warm_step_s": kc.get("warm_step_s"),

@@ -19,6 +19,7 @@ from qualify.engine.precompile import OWN_COMPILE_LINE  # noqa: E402
 
 def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines_compiled() -> None:
     phases = {"prepare": 5.9, "prepare_weights_seeding_step_s": 5.1, "kernels_given_after_ready": 1.4}
+    phases["prepare_weights_start_waited_for_seeding_s"] = 3.2
     phases["prepare_weights_stream_hash_s"] = 3.4
     kc = {
         "warm_step_s": 12.5,
@@ -58,6 +59,7 @@ def test_the_fresh_host_summary_names_the_workers_the_late_give_and_what_engines
     assert got["precompile_kernels"] == ["_attn_decode_kernel", "_gate_kernel"]
     assert got["precompile_deferred"] == ["_packed_sequential_kda_decode_kernel"]
     assert got["weights_seeding_step_s"] == 5.1 and got["kernels_given_after_ready_s"] == 1.4
+    assert got["weights_start_waited_for_seeding_s"] == 3.2
     assert got["weights_stream_hash_s"] == 3.4 and got["weights_stream_read_s"] is None
     eng, ref = got["engines"]["engine"], got["engines"]["fresh-reference"]
     assert eng["at_start"] is False and eng["late_waited_s"] == 1.2 and eng["compiled_itself"] == 2
