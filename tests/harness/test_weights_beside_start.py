@@ -67,21 +67,27 @@ def _handoffs(tmp_path: Path) -> list[Path]:
     return list((tmp_path / "cache" / "weights").glob(f"{HANDOFF_PREFIX}*"))
 
 
-def test_a_sandboxed_engine_starts_beside_the_seeding_and_loads_the_file_the_harness_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "unsandboxed"])
+def test_an_engine_starts_beside_the_seeding_and_loads_the_file_the_harness_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sandboxed: bool
 ) -> None:
-    launcher = _launcher(tmp_path, monkeypatch, sandboxed=True)
+    launcher = _launcher(tmp_path, monkeypatch, sandboxed=sandboxed)
     launcher.begin_weights(120, dtype="float32")
     assert launcher.weights is None  # the seeding runs on: start() takes its outcome
-    (folder,) = _handoffs(tmp_path)
+    folders = _handoffs(tmp_path)  # the sandbox's read-only folder; unsandboxed, the cache file's own path
+    assert len(folders) == int(sandboxed)
     try:
         url = launcher.start(120)
         handed = launcher.weights
-        assert handed is not None and handed.engine_path == f"{WEIGHTS_DIR}/{handed.path.name}"
+        assert handed is not None
         data = handed.path.read_bytes()
         assert handed.digest == "sha256:" + hashlib.sha256(data).hexdigest()
-        # the file the engine loaded is the harness's kept file, linked (not copied) into its folder
-        assert (folder / handed.path.name).stat().st_ino == handed.path.stat().st_ino
+        if sandboxed:
+            assert handed.engine_path == f"{WEIGHTS_DIR}/{handed.path.name}"
+            # the file the engine loaded is the harness's kept file, linked (not copied) into its folder
+            assert (folders[0] / handed.path.name).stat().st_ino == handed.path.stat().st_ino
+        else:
+            assert handed.engine_path == str(handed.path)
         client = EngineClient(lambda: url, netns=launcher.netns)
         assert client.describe().engine.weights_path == handed.engine_path
         assert launcher.weights_phases["start_waited_for_seeding"] >= 0
