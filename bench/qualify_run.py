@@ -149,27 +149,27 @@ def _run_logs(run_dir: str | None) -> Iterator[str]:
                 yield os.path.join(base, f)
 
 
+def _records_by_log(run_dir: str | None, prefix: str) -> dict[str, list[dict]]:
+    """Per log below the run dir that has any, its records after `prefix` (log_records)."""
+    out: dict[str, list[dict]] = {}
+    for path in _run_logs(run_dir):
+        found = log_records(path, prefix)
+        if found:
+            out[os.path.relpath(path, run_dir)] = found
+    return out
+
+
 def own_compiles(run_dir: str | None) -> dict[str, list[dict]]:
     """Per engine log below the run dir (the engine under test's engine.log, a reference's), the kernels
     that engine compiled itself, each with its specialization (qualify/engine/precompile.py,
     log_own_compiles): what the warm step's recording did not reach, and why."""
-    out: dict[str, list[dict]] = {}
-    for path in _run_logs(run_dir):
-        found = log_records(path, OWN_COMPILE_LINE)
-        if found:
-            out[os.path.relpath(path, run_dir)] = found
-    return out
+    return _records_by_log(run_dir, OWN_COMPILE_LINE)
 
 
 def engine_startup(run_dir: str | None) -> dict[str, list[dict]]:
     """Per engine log below the run dir, each boot's own account of where its start-up's seconds went
     (imports, backend, allocations, waiting for its weights, loading them: the STARTUP_LINE records)."""
-    out: dict[str, list[dict]] = {}
-    for path in _run_logs(run_dir):
-        found = log_records(path, STARTUP_LINE)
-        if found:
-            out[os.path.relpath(path, run_dir)] = found
-    return out
+    return _records_by_log(run_dir, STARTUP_LINE)
 
 
 def weights_step(run_dir: str | None) -> dict | None:
