@@ -34,7 +34,7 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_p
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["kernels"]}
     assert all(r["registers"] > 0 for r in rows.values())
     groups = {g: [r for r in rows.values() if r["group"] == g] for g in ("decode", "prefill", "fused")}
-    assert [len(v) for v in groups.values()] == [5, 16, 32], {g: len(v) for g, v in groups.items()}
+    assert [len(v) for v in groups.values()] == [5, 18, 32], {g: len(v) for g, v in groups.items()}
     for T in (1, 4):
         split = rows[f"decode T={T} split"]  # the serving path at every batch (kernels/kda/decode.py)
         assert split["spill_stores"] == 0 and split["spill_loads"] == 0, split
@@ -44,6 +44,14 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_p
     # the prefill's passes and each variant bench/kda_prefill.py times (kernels/kda/chunk.py): a variant
     # that spills is known before any device time is spent on it
     assert not [r["kernel"] for r in groups["prefill"] if r["spill_stores"] or r["spill_loads"]]
+    # each prefill pass's static SASS by family (bench/sm90.py's sass_mix); the diagonal pass's variant
+    # that takes the substitution's rows from the registers loads less from global memory than the default
+    assert all(r["sass"]["instructions"] > 0 for r in groups["prefill"])
+    diag = "prefill diagonal pass with the off-diagonal blocks, "
+    default = rows[diag + "2 warps, 2 stage(s)"]
+    in_regs = rows[diag + "the substitution's rows from the registers"]
+    assert in_regs["sass"]["global_memory"] < default["sass"]["global_memory"], (in_regs, default)
+    assert in_regs["registers"] <= default["registers"]
     # Programmatic dependent launch (kernels/fused.py, kernels/kda/decode.py): every kernel of the decode
     # step waits once and releases once, and before its wait reads through no pointer but a weight's, which
     # no kernel of a step writes (a load of anything else may see the previous kernel's output unfinished).
