@@ -205,6 +205,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_OFFDIAG_IN_DIAG": False},
         {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
         {"_OFFDIAG_NORMS_FROM_SLICES": True},
+        {"_DIAG_ROWS_IN_REGS": True},
         {"_DIAG_ROWS_IN_REGS": True, "_TRIL_LOADS": False},
     ],
     ids=[
@@ -217,6 +218,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "the-off-diagonal-pass",
         "merge-in-tf32x3",
         "norms-from-slices",
+        "substitution-rows-from-registers",
         "substitution-rows-from-registers-zeros-right",
     ],
 )
