@@ -190,7 +190,7 @@ def weight_loop(cubin: bytes) -> dict[str, int]:
 # What a prefill pass's static SASS is made of: op families by their first word's stem (static counts: a loop
 # body counts once however often it runs), a proxy for issue-bound passes' instruction mix before any GPU.
 SASS_FAMILIES = {
-    "tensor": ("HMMA",),
+    "tensor": ("HMMA", "HGMMA"),  # mma.sync, and wgmma (the sequential pass)
     "special": ("MUFU",),
     "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL"),
     "int_and_address": ("IMAD", "IADD3", "LEA", "ISETP", "SHF", "LOP3", "SEL", "IABS", "IMNMX", "PRMT"),
