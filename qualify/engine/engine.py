@@ -33,7 +33,6 @@ from .weights import (
     reload_state,
     save_streamed,
     snapshot,
-    wait_for_file,
 )
 
 ENGINE_NAME = "qualify-reference-engine"
@@ -147,10 +146,8 @@ class Engine:
         self.weights_path: Path | None = None
         self.weights_digest: str | None = None
         if self._load_weights:
-            if cfg.weights and not cfg.weights_create and cfg.weights_wait_s > 0:
-                wait_for_file(Path(cfg.weights), cfg.weights_wait_s)  # the harness still seeding it
-                self._phase("weights_wait")
-            self.weights_path = ensure_weights(self.model, cfg)
+            # (a file the harness is still seeding is waited for first: its own phase)
+            self.weights_path = ensure_weights(self.model, cfg, waited=lambda: self._phase("weights_wait"))
             self._phase("weights")
             self.weights_digest = snapshot(self.model).digest
             self._phase("weights_digest")

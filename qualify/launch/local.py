@@ -47,6 +47,8 @@ from qualify.launch.base import (
     PeerOutcome,
     RefusalOutcome,
     describe_exit,
+    harness_alive,
+    harness_identity,
 )
 from qualify.launch.kernels import (
     CACHE_SUBDIR,
@@ -86,6 +88,7 @@ WEIGHTS_WAIT_S = WEIGHTS_STEP_TIMEOUT_S
 # long the harness waits for that engine's own answer (a refusal at construction) before stopping it.
 REFUSAL_ANSWER_WAIT_S = 60.0
 HANDOFF_PREFIX = "handoff-"  # a launcher's folder in the weights cache: the file, linked in once kept
+HANDOFF_OWNER = ".owner.json"  # beside each such folder (not in it): the harness that made it
 REFERENCE_ENGINE = Path(__file__).resolve().parents[1] / "engine"
 REFERENCE_KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
@@ -237,41 +240,45 @@ def hand_over(cached: Path, engine_path: str, origin: str) -> HandedWeights:
     return HandedWeights(cached, digest, cached.stat().st_size, engine_path, origin)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _owner_file(handoff: Path) -> Path:
+    return handoff.with_name(handoff.name + HANDOFF_OWNER)
+
+
+def remove_handoff(handoff: Path) -> None:
+    """A hand-off folder (the link into it: the cache keeps the file) and its owner file."""
+    shutil.rmtree(handoff, ignore_errors=True)
+    _owner_file(handoff).unlink(missing_ok=True)
 
 
 def sweep_handoffs(folder: Path) -> None:
-    """Remove the hand-off folders (handoff_dir) of harness processes that are gone (a killed run)."""
-    for old in folder.glob(f"{HANDOFF_PREFIX}*"):
-        pid = old.name[len(HANDOFF_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    """Remove the hand-off folders (handoff_dir) of harnesses that are gone (a killed run): their owner files'
+    harness identity (launch/base.py: pid, start time and boot, so a reused pid is not taken for its owner)
+    says so; a folder made on another host is left to that host."""
+    for owner in folder.glob(f"{HANDOFF_PREFIX}*{HANDOFF_OWNER}"):
+        try:
+            ident = json.loads(owner.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(ident, dict) and harness_alive(ident) is False:
+            remove_handoff(owner.with_name(owner.name.removesuffix(HANDOFF_OWNER)))
 
 
 def handoff_dir(cached: Path) -> Path:
     """A new, empty folder beside the weights cache file (the same file system: the kept file is linked in,
     not copied) that the engine's sandbox binds read-only where its weights file will be, before the file
-    exists."""
+    exists. Its owner file (written first, beside it: nothing the engine sees) names this harness."""
     cached.parent.mkdir(parents=True, exist_ok=True)
     made = cached.parent / f"{HANDOFF_PREFIX}{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+    _owner_file(made).write_text(json.dumps(harness_identity()))
     made.mkdir(mode=0o755)
     return made
 
 
 @dataclass
 class _Seeding:
-    """A seeding step running beside the engine's start (LocalLauncher.begin_weights)."""
+    """A seeding step running beside the engine's start (LocalLauncher.begin_weights), of the planned file."""
 
     thread: threading.Thread
-    cached: Path
-    engine_path: str
     handoff: Path | None  # the sandbox's weights folder (None unsandboxed: the engine reads the cache file)
     result: dict[str, Any]
 
@@ -315,7 +322,6 @@ class LocalLauncher(Launcher):
         # Called (on a thread of its own) once the engine's first process exists: boot's Context.
         # engine_spawned, work that needs only the engine's namespaces (the layout check's peers ahead)
         self.on_spawn: Callable[[], None] | None = None
-        self._handoff: Path | None = None  # its folder in the weights cache, removed at stop
         self._steps: set[subprocess.Popen[Any]] = set()  # the reference engine's steps running now
         # The compiled kernels every engine process gets a copy of (launch/kernels.py); a reference engine
         # shares its parent's (and waits for its warm step), the first launcher starts one.
@@ -440,10 +446,16 @@ class LocalLauncher(Launcher):
         if self._planned is None:
             self.plan_weights(dtype)
         assert self._planned is not None
-        cached, engine_path, serve = self._planned
-        origin = f"seeded by the reference engine (python -m {DEFAULT_ENGINE_MODULE} weights), cached"
+        cached, _, serve = self._planned
         if not cached.is_file() and not self._seed(cached, serve, timeout_s):
             return None
+        return self._hand_planned()
+
+    def _hand_planned(self) -> HandedWeights:
+        """The planned cache file, seeded and kept, handed over (its digest through the digest cache)."""
+        assert self._planned is not None
+        cached, engine_path, _ = self._planned
+        origin = f"seeded by the reference engine (python -m {DEFAULT_ENGINE_MODULE} weights), cached"
         self.weights = hand_over(cached, engine_path, origin)
         return self.weights
 
@@ -458,13 +470,12 @@ class LocalLauncher(Launcher):
         if self._planned is None:
             self.plan_weights(dtype)
         assert self._planned is not None
-        cached, engine_path, serve = self._planned
+        cached, _, serve = self._planned
         sweep_handoffs(cached.parent)
         if cached.is_file() or self._document_wait_s() <= 0:  # cached, or the engine is not told to wait
             self.prepare_weights(timeout_s, dtype)
             return
         handoff = handoff_dir(cached) if self.sandbox is not None else None
-        self._handoff = handoff
         result: dict[str, Any] = {}
 
         def seed() -> None:
@@ -476,7 +487,7 @@ class LocalLauncher(Launcher):
                 result["error"] = exc
 
         thread = threading.Thread(target=seed, name="weights-seed", daemon=True)
-        self._seeding = _Seeding(thread, cached, engine_path, handoff, result)
+        self._seeding = _Seeding(thread, handoff, result)
         thread.start()
 
     def _document_wait_s(self) -> float:
@@ -515,16 +526,16 @@ class LocalLauncher(Launcher):
                     f"engine under test did not refuse it at construction: it has no weights to load: {said}"
                 )
             return
-        origin = f"seeded by the reference engine (python -m {DEFAULT_ENGINE_MODULE} weights), cached"
-        self.weights = hand_over(seeding.cached, seeding.engine_path, origin)
+        self._hand_planned()
 
-    def _halt(self) -> None:
-        """Stop the engine (and its supervisor's restarts) for good; stop() does the rest later."""
+    def _halt(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop the engine (and its supervisor's restarts) for good: the first part of stop(), which does
+        the rest (a failed seeding halts the engine at once and leaves the rest to the run's stop)."""
         with self._lock:
             self._stopping = True
             proc = self._proc
         if proc is not None and proc.poll() is None:
-            _terminate(proc, STOP_GRACE_S, self._pid if self.sandbox is not None else None)
+            _terminate(proc, grace_s, self._pid if self.sandbox is not None else None)
 
     def _seed(self, cached: Path, serve: list[str], timeout_s: float) -> bool:
         """The reference engine's `weights` verb in the sandbox, streaming the file through a pipe the
@@ -956,11 +967,7 @@ class LocalLauncher(Launcher):
             )
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> LaunchStatus:
-        with self._lock:
-            self._stopping = True
-            proc = self._proc
-        if proc is not None and proc.poll() is None:
-            _terminate(proc, grace_s, self._pid if self.sandbox is not None else None)
+        self._halt(grace_s)
         if self._thread is not None:
             self._thread.join(timeout=grace_s + 5)
         self._close_watch()
@@ -973,8 +980,8 @@ class LocalLauncher(Launcher):
             _terminate(step, 1.0)
         if self._seeding is not None:
             self._seeding.thread.join(5.0)  # its step was just stopped: the thread ends with it
-        if self._handoff is not None:  # the link into the sandbox's weights folder (the cache keeps the file)
-            shutil.rmtree(self._handoff, ignore_errors=True)
+            if self._seeding.handoff is not None:
+                remove_handoff(self._seeding.handoff)
         if self.sandbox is not None:
             if self.kernels is not None and self._boots:
                 with contextlib.suppress(Exception):  # evidence only: what the engine compiled itself

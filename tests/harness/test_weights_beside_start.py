@@ -18,22 +18,13 @@ import pytest
 
 from qualify.client import EngineClient
 from qualify.launch import local
-from qualify.launch.base import EngineOptions
-from qualify.launch.local import HANDOFF_PREFIX, LocalLauncher
+from qualify.launch.base import EngineOptions, harness_identity
+from qualify.launch.local import HANDOFF_OWNER, HANDOFF_PREFIX, LocalLauncher
 from qualify.launch.sandbox import WEIGHTS_DIR, Sandbox
 
 from .conftest import LAYOUT, Home, check
 
 pytestmark = pytest.mark.slow
-
-
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QUALIFY_")}
-    return {
-        **env,
-        "QUALIFY_HOME": str(tmp_path / "home"),
-        "QUALIFY_CACHE_DIR": os.environ["QUALIFY_CACHE_DIR"],
-    }
 
 
 def _launcher(
@@ -47,7 +38,7 @@ def _launcher(
     from qualify.run.request import RunRequest
 
     monkeypatch.setattr(local, "cache_dir", lambda: tmp_path / "cache")
-    env = _env(tmp_path)
+    env = Home(tmp_path / "home").env()  # the shared test cache: the sandbox's bytecode and digests
     sandbox = Sandbox.for_engine("qualify.engine", gpu=False, env=env) if sandboxed else None
     launcher = LocalLauncher(EngineOptions("tiny", "torch"), tmp_path / "run", env=env, sandbox=sandbox)
     launcher.plan_weights(dtype="float32")
@@ -64,6 +55,7 @@ def _launcher(
 
 
 def _handoffs(tmp_path: Path) -> list[Path]:
+    """The hand-off folders and their owner files in the weights cache."""
     return list((tmp_path / "cache" / "weights").glob(f"{HANDOFF_PREFIX}*"))
 
 
@@ -74,8 +66,9 @@ def test_an_engine_starts_beside_the_seeding_and_loads_the_file_the_harness_kept
     launcher = _launcher(tmp_path, monkeypatch, sandboxed=sandboxed)
     launcher.begin_weights(120, dtype="float32")
     assert launcher.weights is None  # the seeding runs on: start() takes its outcome
-    folders = _handoffs(tmp_path)  # the sandbox's read-only folder; unsandboxed, the cache file's own path
-    assert len(folders) == int(sandboxed)
+    # the sandbox's read-only folder (and its owner file beside it); unsandboxed, the cache file's own path
+    folders = [p for p in _handoffs(tmp_path) if p.is_dir()]
+    assert len(folders) == int(sandboxed) and len(_handoffs(tmp_path)) == 2 * int(sandboxed)
     try:
         url = launcher.start(120)
         handed = launcher.weights
@@ -178,16 +171,31 @@ def test_qualify_run_on_a_cold_weights_cache_starts_the_engine_beside_the_seedin
 def test_the_hand_off_folders_of_a_killed_harness_are_swept_and_live_ones_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each folder's owner file names the harness that made it (launch/base.py's harness identity): gone,
+    or its pid now another process's (another start time), the folder is swept; alive, or on another host
+    sharing the cache, it is kept."""
     gone = subprocess.Popen(["true"])
     gone.wait()
+    me = harness_identity()
+    owners = {
+        "dead": {**me, "pid": str(gone.pid)},
+        "reused": {**me, "start": "1"},  # this process's pid, another process's start
+        "live": me,
+        "elsewhere": {**me, "host": "another-host", "pid": str(gone.pid)},
+    }
     weights = tmp_path / "cache" / "weights"
-    dead = weights / f"{HANDOFF_PREFIX}{gone.pid}-1-1"
-    live = weights / f"{HANDOFF_PREFIX}{os.getpid()}-1-1"
-    for folder in (dead, live):
-        folder.mkdir(parents=True)
-        (folder / "seeded.safetensors").write_bytes(b"linked")
+    folders = {}
+    for name, ident in owners.items():
+        folders[name] = weights / f"{HANDOFF_PREFIX}{ident['pid']}-1-{name}"
+        folders[name].mkdir(parents=True)
+        (folders[name] / "seeded.safetensors").write_bytes(b"linked")
+        (weights / f"{folders[name].name}{HANDOFF_OWNER}").write_text(json.dumps(ident))
     launcher = _launcher(tmp_path, monkeypatch, sandboxed=False)
     monkeypatch.setattr(launcher, "_seed", lambda cached, serve, timeout_s: False)
     launcher.begin_weights(60, dtype="float32")
-    assert not dead.exists() and live.is_dir()
+    left = {p.name for p in _handoffs(tmp_path)}
+    for name in ("dead", "reused"):
+        assert folders[name].name not in left and f"{folders[name].name}{HANDOFF_OWNER}" not in left
+    for name in ("live", "elsewhere"):
+        assert folders[name].is_dir() and f"{folders[name].name}{HANDOFF_OWNER}" in left
     launcher.stop()
