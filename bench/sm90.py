@@ -164,9 +164,8 @@ def _sass(cubin: bytes) -> str:
         ).stdout
 
 
-def weight_loop(cubin: bytes) -> dict[str, int]:
-    """The innermost loop with tensor-core ops in the SASS of `cubin` (a projection's loop over K): its
-    instruction count and the count of each of LOOP_OPS. Loops are found as backward branches."""
+def _sass_ops(cubin: bytes) -> tuple[dict[str, int], list[str]]:
+    """The SASS of `cubin` as its instructions in order (predicates stripped) and each label's index."""
     labels: dict[str, int] = {}
     ops: list[str] = []
     for line in _sass(cubin).splitlines():
@@ -174,11 +173,22 @@ def weight_loop(cubin: bytes) -> dict[str, int]:
             labels[m.group(1)] = len(ops)
         elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
             ops.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()))
+    return labels, ops
+
+
+def _stem(op: str) -> str:
+    return op.split()[0].split(".")[0] if op else ""
+
+
+def weight_loop(cubin: bytes) -> dict[str, int]:
+    """The innermost loop with tensor-core ops in the SASS of `cubin` (a projection's loop over K): its
+    instruction count and the count of each of LOOP_OPS. Loops are found as backward branches."""
+    labels, ops = _sass_ops(cubin)
     loops = []
     for i, op in enumerate(ops):
         m = re.match(r"BRA\b.*?(\.L_x_\d+)", op)
         if m and labels.get(m.group(1), i + 1) <= i:
-            body = [o.split()[0].split(".")[0] for o in ops[labels[m.group(1)] : i + 1]]
+            body = [_stem(o) for o in ops[labels[m.group(1)] : i + 1]]
             if "HMMA" in body:
                 loops.append(body)
     if not loops:
@@ -203,11 +213,7 @@ SASS_FAMILIES = {
 
 def sass_mix(cubin: bytes) -> dict[str, int]:
     """Static instruction counts of `cubin`'s SASS: the total and each of SASS_FAMILIES."""
-    stems: list[str] = []
-    for line in _sass(cubin).splitlines():
-        if m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
-            op = re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip())
-            stems.append(op.split()[0].split(".")[0] if op else "")
+    stems = [_stem(op) for op in _sass_ops(cubin)[1]]
     out = {"instructions": len(stems)}
     for family, names in SASS_FAMILIES.items():
         out[family] = sum(stems.count(n) for n in names)
