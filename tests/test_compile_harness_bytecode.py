@@ -28,11 +28,8 @@ def _script() -> ModuleType:
 
 def test_the_packages_are_the_runs_third_party_and_own_ones_not_the_standard_librarys() -> None:
     # in a process of its own: what the run's modules import, not what this test process has imported
-    code = (
-        "import importlib.machinery as m, json, sys; "
-        f"s = m.SourceFileLoader('s', {str(ROOT / 'scripts' / 'compile-harness-bytecode')!r}).load_module(); "
-        "print(json.dumps(s.packages()))"
-    )
+    script = str(ROOT / "scripts" / "compile-harness-bytecode")
+    code = f"import json, runpy; print(json.dumps(runpy.run_path({script!r})['packages']()))"
     run = [sys.executable, "-c", code]
     out = subprocess.run(run, capture_output=True, text=True, timeout=120, check=True)
     found = {Path(p).name for p in json.loads(out.stdout)}
