@@ -33,6 +33,7 @@ from .weights import (
     reload_state,
     save_streamed,
     snapshot,
+    wait_for_file,
 )
 
 ENGINE_NAME = "qualify-reference-engine"
@@ -146,8 +147,12 @@ class Engine:
         self.weights_path: Path | None = None
         self.weights_digest: str | None = None
         if self._load_weights:
-            # (a file the harness is still seeding is waited for first: its own phase)
-            self.weights_path = ensure_weights(self.model, cfg, waited=lambda: self._phase("weights_wait"))
+            if cfg.weights and not cfg.weights_create and cfg.weights_wait_s > 0:
+                # the harness still seeding it: waited for here, for the boot phase (ensure_weights's own wait
+                # then finds the file; its (model, cfg) call is the seam engine wrappers patch)
+                wait_for_file(Path(cfg.weights), cfg.weights_wait_s)
+                self._phase("weights_wait")
+            self.weights_path = ensure_weights(self.model, cfg)
             self._phase("weights")
             self.weights_digest = snapshot(self.model).digest
             self._phase("weights_digest")

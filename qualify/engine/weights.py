@@ -281,15 +281,12 @@ def wait_for_file(path: Path, timeout_s: float) -> bool:
     return True
 
 
-def ensure_weights(model: nn.Module, cfg, waited: Callable[[], None] | None = None) -> Path:
+def ensure_weights(model: nn.Module, cfg) -> Path:
     """Load the configured weights; generate and save them first if this is the first boot. A named file the
-    harness is still seeding (cfg.weights_wait_s) is waited for, bounded; `waited`, where given, is called
-    once that wait is over (the engine's boot phases)."""
+    harness is still seeding (cfg.weights_wait_s) is waited for, bounded."""
     path = Path(cfg.weights) if cfg.weights else default_weights_path(cfg)
     if cfg.weights and not cfg.weights_create and cfg.weights_wait_s > 0:
         wait_for_file(path, cfg.weights_wait_s)
-        if waited is not None:
-            waited()
     if not path.is_file():
         if cfg.weights and not cfg.weights_create:
             waited = f" after waiting {cfg.weights_wait_s:g} s for it" if cfg.weights_wait_s > 0 else ""
