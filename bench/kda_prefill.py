@@ -76,6 +76,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     # The diagonal inverse's forward substitution with the rows of A_ii from the registers (the same bits; no
     # L2 round trip on its 14 dependent steps; not yet timed).
     "ours_rows_in_regs": {"_DIAG_ROWS_IN_REGS": True},
+    # The diagonal pass's and W/U's exponentials as `ex2.approx.ftz` (two instructions against five each;
+    # denormal results flushed to zero; not yet timed).
+    "ours_exp_ftz": {"_EXP_FTZ": True},
 }
 
 

@@ -111,6 +111,14 @@ _OFFDIAG_NORMS_FROM_SLICES = False
 # registers by a masked sum over the tile's rows (the same values exactly, so the same bits), and A_ii is
 # not stored at all. Not yet timed on a GPU; bench/kda_prefill.py times it as a variant.
 _DIAG_ROWS_IN_REGS = False
+# The exponentials of the diagonal pass and of W/U: False, tl.exp (sm_90's `ex2.approx` keeps denormal
+# results: a compare and two predicated multiplies around each MUFU.EX2); True, `ex2.approx.ftz`
+# (chunk_intra._exp), results below fp32's normal range flushed to zero, every other result the same value.
+# The diagonal pass is bound by issuing instructions (Nsight Compute: about one every second cycle per
+# scheduler); on sm_90 (bench/sm90.py) it is 3320 static instructions against 3904 (its K-slice loop 670
+# against 862) at the same 168 registers, W/U 816 against 912 at 79. Not yet timed on a GPU;
+# bench/kda_prefill.py times it as a variant. Compiled code only: the interpreter runs tl.exp either way.
+_EXP_FTZ = False
 # Measured in the same run and removed (µs at 1x8192, H = 32, against the old default's): the diagonal
 # pass in K slices of 64 / 32 / 16 (251 / 224 / 255 against 227: fewer registers did not make it faster);
 # two exponentials per element there (228); the state held V-first with transposed products (276 against
@@ -538,6 +546,7 @@ def prefill(
             BK=min(K, _INTER_BK),
             NK_SLICES=_OFFDIAG_NORMS_FROM_SLICES,
             ROWS_IN_REGS=_DIAG_ROWS_IN_REGS,
+            FTZ=_EXP_FTZ and not _INTERPRET,
             num_warps=_DIAG_WARPS,
             num_stages=_DIAG_STAGES,
         )
@@ -582,6 +591,7 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=tl.float32 if _INTERPRET else _WU_DT,
             TRIL=_TRIL_LOADS,
+            FTZ=_EXP_FTZ and not _INTERPRET,
             num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or state_bv or _state_bv(N, H, V, q.device))

@@ -42,6 +42,21 @@ def _chunk_bounds(
 
 
 @triton.jit
+def _exp(x, FTZ: tl.constexpr):
+    """e^x. FTZ: as `ex2.approx.ftz` of x·log2(e), results below fp32's normal range flushed to zero (tl.exp
+    lowers to the same multiply and `ex2.approx` without ftz, which sm_90 builds from MUFU.EX2 with a
+    compare and two predicated multiplies to keep denormal results: the same value wherever the result is
+    a normal number, in two instructions against five). Compiled code only: the interpreter has no PTX."""
+    if FTZ:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634], dtype=tl.float32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
 def _beta(b, rows, m):
     """β = sigmoid(b) for the given token rows, zero where m is false."""
     return tl.where(m, tl.sigmoid(tl.load(b + rows, mask=m, other=0.0).to(tl.float32)), 0.0)
@@ -74,6 +89,7 @@ def diag_kernel(
     BK: tl.constexpr = 64,
     NK_SLICES: tl.constexpr = False,
     ROWS_IN_REGS: tl.constexpr = False,
+    FTZ: tl.constexpr = False,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
@@ -107,13 +123,13 @@ def diag_kernel(
     kh = kk * nk[:, None]
     qh = qq * nq[:, None]
     g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
-    tl.store(q_tilde + off, (qh * tl.exp(gi)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
-    k_b = kh * tl.exp(g_end[None, :] - gi)
+    tl.store(q_tilde + off, (qh * _exp(gi, FTZ)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+    k_b = kh * _exp(g_end[None, :] - gi, FTZ)
     tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
     beta = _beta(b, rows, mb)
     g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
-    rf = tl.exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")))
-    cf = tl.exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")))
+    rf = _exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")), FTZ)
+    cf = _exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")), FTZ)
     kc = (kh * cf).to(DT)
     a = tl.dot((kh * rf).to(DT), tl.trans(kc))
     pq = tl.dot((qh * rf).to(DT), tl.trans(kc))
@@ -138,8 +154,11 @@ def diag_kernel(
         if ROWS_IN_REGS:  # row s of A (zero from column s on, and past the chunk's end: a's own zeros)
             a_s = tl.sum(tl.where((ci == s)[:, None], a, 0.0), axis=0)
         else:
+            # The whole row: A_ii was stored with its zeros from column s on, so no mask along it is needed
+            # (one that moved with s cost a 64-bit compare per element and step); rows past the chunk's end
+            # were not stored and load as zeros.
             row = x_inv + ((t0 + i * BC + s) * H + h) * BT + rb
-            a_s = tl.load(row, mask=(ci < s) & (i * BC + s < n), other=0.0)
+            a_s = tl.load(row, mask=i * BC + s < n, other=0.0)
         y_s = -a_s - tl.sum(a_s[:, None] * y, axis=0)
         y = tl.where((ci == s)[:, None], y_s[None, :], y)
     x_ii = y + eye
@@ -148,7 +167,7 @@ def diag_kernel(
     if OFFDIAG:  # noqa: SIM102 (a constexpr test, then a runtime one)
         if i > 0:
             _offdiag_blocks(
-                q, k, gcum, p, x_inv, rows, mb, t0, i, h, beta * nk, nq, H, K, BT, BC, BK, DT, NK_SLICES
+                q, k, gcum, p, x_inv, rows, mb, t0, i, h, beta * nk, nq, H, K, BT, BC, BK, DT, NK_SLICES, FTZ
             )  # fmt: skip
 
 
@@ -178,46 +197,63 @@ def _row_blocks(t0, n, h, H: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
+def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False):
     """Raw key rows of an earlier sub-chunk times e^{Γ_n − Γ_j} (≤ 1), transposed for the product."""
     off = rows[:, None] * K + dk[None, :]
     kj = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
     gj = tl.load(gcum + off, mask=m[:, None], other=0.0)
-    return tl.trans((kj * tl.exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")))).to(DT))
+    return tl.trans((kj * _exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")), FTZ)).to(DT))
 
 
 @triton.jit
-def _ktile_ss(k, gcum, rows, m, dk, gn, ss, K: tl.constexpr, DT: tl.constexpr):
+def _ktile_ss(k, gcum, rows, m, dk, gn, ss, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False):
     """_ktile, and the rows' sums of squares of this slice of the raw keys added to ss."""
     off = rows[:, None] * K + dk[None, :]
     kj = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
     gj = tl.load(gcum + off, mask=m[:, None], other=0.0)
-    kt = tl.trans((kj * tl.exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")))).to(DT))
+    kt = tl.trans((kj * _exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")), FTZ)).to(DT))
     return kt, ss + tl.sum(kj * kj, axis=1)
 
 
 @triton.jit
-def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr):
+def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False):
     """Raw query and key rows of sub-chunk i times e^{Γ_r − Γ_n} (≤ 1), n its first row."""
     off = rows[:, None] * K + dk[None, :]
     gi = tl.load(gcum + off, mask=m[:, None], other=0.0)
-    e = tl.exp(tl.where(m[:, None], gi - gn[None, :], float("-inf")))
+    e = _exp(tl.where(m[:, None], gi - gn[None, :], float("-inf")), FTZ)
     qi = tl.load(q + off, mask=m[:, None], other=0.0).to(tl.float32) * e
     ki = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32) * e
     return qi.to(DT), ki.to(DT)
 
 
 @triton.jit
-def _cross(qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, K: tl.constexpr, DT: tl.constexpr):
+def _cross(
+    qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False
+):
     """One K slice of A_ij and P_ij (unscaled) added to the accumulators a and p."""
-    kt = _ktile(k, gcum, rows_j, m_j, dk, gn, K, DT)
+    kt = _ktile(k, gcum, rows_j, m_j, dk, gn, K, DT, FTZ)
     return tl.dot(ki, kt, a), tl.dot(qi, kt, p)
 
 
 @triton.jit
-def _cross_ss(qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, ss, K: tl.constexpr, DT: tl.constexpr):
+def _cross_ss(
+    qi,
+    ki,
+    k,
+    gcum,
+    rows_j,
+    m_j,
+    dk,
+    gn,
+    a,
+    p,
+    ss,
+    K: tl.constexpr,
+    DT: tl.constexpr,
+    FTZ: tl.constexpr = False,
+):
     """_cross, and sub-chunk j's sums of squares of this K slice added to ss."""
-    kt, ss = _ktile_ss(k, gcum, rows_j, m_j, dk, gn, ss, K, DT)
+    kt, ss = _ktile_ss(k, gcum, rows_j, m_j, dk, gn, ss, K, DT, FTZ)
     return tl.dot(ki, kt, a), tl.dot(qi, kt, p), ss
 
 
@@ -259,7 +295,7 @@ def _offdiag_store(k, p, x_inv, rows, m, rows_j, j: tl.constexpr, a, pq, bk, nq,
 @triton.jit
 def _offdiag_blocks(q, k, gcum, p, x_inv, rows, m, t0, i, h, bk, nq, H: tl.constexpr, K: tl.constexpr,
                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                    NK_SLICES: tl.constexpr):  # fmt: skip
+                    NK_SLICES: tl.constexpr, FTZ: tl.constexpr = False):  # fmt: skip
     """Sub-chunk i's blocks left of the diagonal (0 < i < 4), the off-diagonal pass's arithmetic for one
     row block: A_ij and P_ij split at Γ of the row block's first row (both factors ≤ 1), accumulated over
     BK-wide slices of K, then scaled by the norms and β (bk = β_i·nk_i) and stored (_offdiag_store). The
@@ -276,19 +312,19 @@ def _offdiag_blocks(q, k, gcum, p, x_inv, rows, m, t0, i, h, bk, nq, H: tl.const
     for kb in range(K // BK):
         dk = kb * BK + tl.arange(0, BK)
         gn = tl.load(gcum + ((t0 + i * BC) * H + h) * K + dk)
-        qi, ki = _qk_rows(q, k, gcum, rows, m, dk, gn, K, DT)
+        qi, ki = _qk_rows(q, k, gcum, rows, m, dk, gn, K, DT, FTZ)
         if NK_SLICES:
-            a0, p0, s0 = _cross_ss(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, s0, K, DT)
+            a0, p0, s0 = _cross_ss(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, s0, K, DT, FTZ)
             if i > 1:
-                a1, p1, s1 = _cross_ss(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, s1, K, DT)
+                a1, p1, s1 = _cross_ss(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, s1, K, DT, FTZ)
             if i > 2:
-                a2, p2, s2 = _cross_ss(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, s2, K, DT)
+                a2, p2, s2 = _cross_ss(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, s2, K, DT, FTZ)
         else:
-            a0, p0 = _cross(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, K, DT)
+            a0, p0 = _cross(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, K, DT, FTZ)
             if i > 1:
-                a1, p1 = _cross(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, K, DT)
+                a1, p1 = _cross(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, K, DT, FTZ)
             if i > 2:
-                a2, p2 = _cross(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, K, DT)
+                a2, p2 = _cross(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, K, DT, FTZ)
     _offdiag_store(k, p, x_inv, rows, m, r0, 0, a0, p0, bk, nq, s0, K, BT, BC, NK_SLICES)
     if i > 1:
         _offdiag_store(k, p, x_inv, rows, m, r1, 1, a1, p1, bk, nq, s1, K, BT, BC, NK_SLICES)
@@ -460,6 +496,7 @@ def wu_kernel(
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
     TRIL: tl.constexpr,
+    FTZ: tl.constexpr = False,
 ):
     """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products, k normalised by
     the inverse norms the diagonal pass stored in rn. TRIL: X is read on and left of its diagonal only."""
@@ -480,7 +517,7 @@ def wu_kernel(
     offk = rows[:, None] * K + tl.arange(0, K)[None, :]
     nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
     kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
-    kt = kk * tl.exp(tl.load(gcum + offk, mask=mr, other=0.0)) * beta[:, None]
+    kt = kk * _exp(tl.load(gcum + offk, mask=mr, other=0.0), FTZ) * beta[:, None]
     tl.store(w + offk, tl.dot(x, kt.to(DT)).to(w.dtype.element_ty), mask=mr)
     offv = rows[:, None] * V + tl.arange(0, V)[None, :]
     vv = tl.load(v + offv, mask=mr, other=0.0).to(tl.float32) * beta[:, None]

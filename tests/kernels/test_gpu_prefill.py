@@ -118,16 +118,21 @@ VARIANTS = {
     "merge-in-tf32x3-at-1-warp": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
     "norms-from-slices": {"_OFFDIAG_NORMS_FROM_SLICES": True},
     "substitution-rows-from-registers": {"_DIAG_ROWS_IN_REGS": True},
+    "exponentials-flushing-denormals": {"_EXP_FTZ": True},
 }
 # The default (on NaN scratch, against itself on fresh scratch) and the variants that change no value any pass
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
 # they keep the bits, but on the device a scan's order follows the tile's layout, which its width changes.)
 # The substitution's rows of A_ii from the registers are a masked sum of one value and zeros: exact anywhere.
+# The exponentials that flush denormals give the same value wherever e^x is a normal number (the same
+# multiply by log2(e), the same MUFU.EX2); where it is not (below 1.2e-38), every sum it enters also holds a
+# term of order one (the row's own, at the factor e^0), far below whose last bit it falls.
 SAME_BITS = (
     "default",
     "zeros-right-of-the-diagonal",
     "state-without-prefetch-g",
     "substitution-rows-from-registers",
+    "exponentials-flushing-denormals",
 )
 
 
