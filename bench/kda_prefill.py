@@ -79,6 +79,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     # The diagonal pass's and W/U's exponentials as `ex2.approx.ftz` (two instructions against five each;
     # denormal results flushed to zero; not yet timed).
     "ours_exp_ftz": {"_EXP_FTZ": True},
+    # and Γ stored in log2 units, so each of those exponentials is one MUFU.EX2 (not the same bits; not yet
+    # timed).
+    "ours_exp2_ftz": {"_EXP_FTZ": True, "_GCUM_LOG2": True},
 }
 
 

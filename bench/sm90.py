@@ -282,10 +282,12 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     c = dict(c, NK_SLICES=False, ROWS_IN_REGS=True)
     name = "prefill diagonal pass with the off-diagonal blocks, the substitution's rows from the registers"
     yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
-    # _EXP_FTZ (ours_exp_ftz): the exponentials as ex2.approx.ftz, in the diagonal pass and in W/U
-    c = dict(c, ROWS_IN_REGS=False, FTZ=True)
-    name = "prefill diagonal pass with the off-diagonal blocks, exponentials flushing denormals"
-    yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
+    # _EXP_FTZ (ours_exp_ftz): the exponentials as ex2.approx.ftz, in the diagonal pass and in W/U; with
+    # _GCUM_LOG2 too (ours_exp2_ftz), of Γ stored in log2 units
+    for mode, what in (("e_ftz", "exponentials flushing denormals"), ("2_ftz", "Gamma in log2 units, ftz")):
+        c = dict(c, ROWS_IN_REGS=False, EXP=mode)
+        name = f"prefill diagonal pass with the off-diagonal blocks, {what}"
+        yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
     merge = {"x_inv": F32, **chunks}
     c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True, PREC=ch._MERGE_PRECISION)
     yield "prefill merge of the off-diagonal blocks", ci.merge_kernel, merge, c, ch._MERGE_WARPS
@@ -299,7 +301,7 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     for tril in (False, True):  # _TRIL_LOADS
         c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT, TRIL=tril)
         yield "prefill W/U" + (", X's lower triangle" if tril else ""), ci.wu_kernel, wu, c, ch._WU_WARPS
-    c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT, TRIL=True, FTZ=True)  # _EXP_FTZ
+    c = dict(H=H, K=K, V=V, BT=BT, DEVICE_COUNT=True, DT=ch._WU_DT, TRIL=True, EXP="e_ftz")  # _EXP_FTZ
     yield (
         "prefill W/U, X's lower triangle, exponentials flushing denormals",
         ci.wu_kernel,

@@ -10,7 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.chunk_intra import _chunk_bounds, diag_kernel, inter_solve_kernel, merge_kernel, wu_kernel
+from kernels.kda.chunk_intra import (
+    _chunk_bounds,
+    _exp,
+    diag_kernel,
+    inter_solve_kernel,
+    merge_kernel,
+    wu_kernel,
+)
 from kernels.kda.chunk_ref import chunk_reference
 
 __all__ = ["build_chunk_metadata", "chunk_reference", "prefill", "prefill_scratch_specs"]
@@ -119,6 +126,18 @@ _DIAG_ROWS_IN_REGS = False
 # against 862) at the same 168 registers, W/U 816 against 912 at 79. Not yet timed on a GPU;
 # bench/kda_prefill.py times it as a variant. Compiled code only: the interpreter runs tl.exp either way.
 _EXP_FTZ = False
+# Γ in log2 units: the gate pass stores Γ·log2(e) (the cumulative sum of g·log2(e)), and every decay factor
+# is 2^(Γ_r − Γ_j) (chunk_intra._exp's "2" modes), one multiply fewer per exponential in the diagonal pass,
+# W/U and the state pass. Not the same bits (Γ rounds in other units); the same tolerances against the
+# oracle. Not yet timed on a GPU; bench/kda_prefill.py times it with _EXP_FTZ as a variant.
+_GCUM_LOG2 = False
+
+
+def _exp_mode() -> str:
+    """chunk_intra._exp's mode for this launch, from _GCUM_LOG2 and _EXP_FTZ (ftz in compiled code only)."""
+    return ("2" if _GCUM_LOG2 else "e") + ("_ftz" if _EXP_FTZ and not _INTERPRET else "")
+
+
 # Measured in the same run and removed (µs at 1x8192, H = 32, against the old default's): the diagonal
 # pass in K slices of 64 / 32 / 16 (251 / 224 / 255 against 227: fewer registers did not make it faster);
 # two exponentials per element there (228); the state held V-first with transposed products (276 against
@@ -200,8 +219,10 @@ def _gate_kernel(
     BK: tl.constexpr,
     BT: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
+    LOG2: tl.constexpr = False,
 ):
-    """Per (chunk, head, K-block): bounded gate and Γ = its within-chunk cumsum (channels are independent)."""
+    """Per (chunk, head, K-block): bounded gate and Γ = its within-chunk cumsum (channels are independent);
+    LOG2: Γ in log2 units, the cumsum of g·log2(e) (_GCUM_LOG2)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kb = tl.program_id(2)
@@ -218,6 +239,8 @@ def _gate_kernel(
     )
     g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * x)
     g = tl.where(m, g, 0.0)
+    if LOG2:
+        g = g * 1.4426950408889634
     tl.store(gcum + off, tl.cumsum(g, axis=0), mask=m)
 
 
@@ -247,6 +270,7 @@ def _chunk_step(
     nc,
     PREFETCH_G: tl.constexpr,
     TRIL: tl.constexpr,
+    EXP: tl.constexpr = "e",
 ):
     """One chunk of the sequential pass: its outputs, and S carried past it. Returns S and, with
     PREFETCH_G, Γ_C of the next chunk, loaded before this chunk's products (g_pre is this chunk's, loaded
@@ -280,7 +304,7 @@ def _chunk_step(
     else:
         g_last = _g_last(gcum, cc, bos, eos, h, d, H, K, BT)
     kc = tl.load(k_bar + offk, mask=mr, other=0.0).to(DT)
-    S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), db)
+    S = S * _exp(g_last, EXP)[:, None] + tl.dot(tl.trans(kc), db)
     return S, g_next
 
 
@@ -315,6 +339,7 @@ def _state_kernel(
     VB_FIRST: tl.constexpr,
     PREFETCH_G: tl.constexpr,
     TRIL: tl.constexpr,
+    EXP: tl.constexpr = "e",
 ):
     """Per (sequence, head, V-block), chunk after chunk: Δ = U − W·S, O = Q̃·S + P·Δ,
     S ← Diag(exp(Γ_C))·S + K̄ᵀ·Δ; the state is read from and written back to the pool slot.
@@ -360,14 +385,14 @@ def _state_kernel(
         while cc < nc:
             S, gl = _chunk_step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G, TRIL,
+                gl, nc, PREFETCH_G, TRIL, EXP,
             )  # fmt: skip
             cc += 1
     else:
         for cc in range(nc):
             S, gl = _chunk_step(
                 S, cc, bos, eos, h, d, e, r, gcum, q_tilde, k_bar, w, u, p, out, H, K, V, BT, DT,
-                gl, nc, PREFETCH_G, TRIL,
+                gl, nc, PREFETCH_G, TRIL, EXP,
             )  # fmt: skip
     tl.store(s_ptr, S)
 
@@ -520,6 +545,7 @@ def prefill(
             BK=BK,
             BT=BT,
             DEVICE_COUNT=dev,
+            LOG2=_GCUM_LOG2,
             num_warps=_GATE_WARPS,
         )
         ap_dt = tl.float32 if _INTERPRET else _AP_DT
@@ -546,7 +572,7 @@ def prefill(
             BK=min(K, _INTER_BK),
             NK_SLICES=_OFFDIAG_NORMS_FROM_SLICES,
             ROWS_IN_REGS=_DIAG_ROWS_IN_REGS,
-            FTZ=_EXP_FTZ and not _INTERPRET,
+            EXP=_exp_mode(),
             num_warps=_DIAG_WARPS,
             num_stages=_DIAG_STAGES,
         )
@@ -567,6 +593,7 @@ def prefill(
                 BK=min(K, _INTER_BK),
                 DEVICE_COUNT=dev,
                 DT=ap_dt,
+                EXP=_exp_mode(),
                 num_warps=_INTER_WARPS,
             )
         else:
@@ -591,7 +618,7 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=tl.float32 if _INTERPRET else _WU_DT,
             TRIL=_TRIL_LOADS,
-            FTZ=_EXP_FTZ and not _INTERPRET,
+            EXP=_exp_mode(),
             num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or state_bv or _state_bv(N, H, V, q.device))
@@ -620,6 +647,7 @@ def prefill(
             VB_FIRST=_STATE_VB_FIRST,
             PREFETCH_G=_STATE_PREFETCH_G,
             TRIL=_TRIL_LOADS,
+            EXP=_exp_mode(),
             num_warps=_STATE_WARPS,
         )
     rows = 16

@@ -42,16 +42,22 @@ def _chunk_bounds(
 
 
 @triton.jit
-def _exp(x, FTZ: tl.constexpr):
-    """e^x. FTZ: as `ex2.approx.ftz` of x·log2(e), results below fp32's normal range flushed to zero (tl.exp
-    lowers to the same multiply and `ex2.approx` without ftz, which sm_90 builds from MUFU.EX2 with a
-    compare and two predicated multiplies to keep denormal results: the same value wherever the result is
-    a normal number, in two instructions against five). Compiled code only: the interpreter has no PTX."""
-    if FTZ:
+def _exp(x, EXP: tl.constexpr):
+    """The decay factor of a difference x of cumulative gates Γ, by how the gate pass stored Γ (EXP):
+    "e": Γ in natural units, e^x by tl.exp (a multiply by log2(e), then sm_90's `ex2.approx`, which keeps
+    denormal results with a compare and two predicated multiplies around MUFU.EX2); "e_ftz": the same
+    multiply, then `ex2.approx.ftz` (results below fp32's normal range flushed to zero, every other one the
+    same value, two instructions against five); "2": Γ stored in log2 units, 2^x by tl.exp2; "2_ftz": 2^x
+    by `ex2.approx.ftz`, one instruction. The "_ftz" modes are for compiled code (the interpreter has no
+    PTX)."""
+    if EXP == "e_ftz" or EXP == "2_ftz":
+        if EXP == "e_ftz":
+            x = x * 1.4426950408889634
         return tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634], dtype=tl.float32, is_pure=True,
-            pack=1,
-        )  # fmt: skip
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    elif EXP == "2":
+        return tl.exp2(x)
     else:
         return tl.exp(x)
 
@@ -89,7 +95,7 @@ def diag_kernel(
     BK: tl.constexpr = 64,
     NK_SLICES: tl.constexpr = False,
     ROWS_IN_REGS: tl.constexpr = False,
-    FTZ: tl.constexpr = False,
+    EXP: tl.constexpr = "e",
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
@@ -123,13 +129,13 @@ def diag_kernel(
     kh = kk * nk[:, None]
     qh = qq * nq[:, None]
     g_end = tl.load(gcum + ((t0 + n - 1) * H + h) * K + d)
-    tl.store(q_tilde + off, (qh * _exp(gi, FTZ)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
-    k_b = kh * _exp(g_end[None, :] - gi, FTZ)
+    tl.store(q_tilde + off, (qh * _exp(gi, EXP)).to(q_tilde.dtype.element_ty), mask=mb[:, None])
+    k_b = kh * _exp(g_end[None, :] - gi, EXP)
     tl.store(k_bar + off, k_b.to(k_bar.dtype.element_ty), mask=mb[:, None])
     beta = _beta(b, rows, mb)
     g_mid = tl.load(gcum + ((t0 + tl.minimum(i * BC + BC // 2, n - 1)) * H + h) * K + d)
-    rf = _exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")), FTZ)
-    cf = _exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")), FTZ)
+    rf = _exp(tl.where(mb[:, None], gi - g_mid[None, :], float("-inf")), EXP)
+    cf = _exp(tl.where(mb[:, None], g_mid[None, :] - gi, float("-inf")), EXP)
     kc = (kh * cf).to(DT)
     a = tl.dot((kh * rf).to(DT), tl.trans(kc))
     pq = tl.dot((qh * rf).to(DT), tl.trans(kc))
@@ -167,7 +173,7 @@ def diag_kernel(
     if OFFDIAG:  # noqa: SIM102 (a constexpr test, then a runtime one)
         if i > 0:
             _offdiag_blocks(
-                q, k, gcum, p, x_inv, rows, mb, t0, i, h, beta * nk, nq, H, K, BT, BC, BK, DT, NK_SLICES, FTZ
+                q, k, gcum, p, x_inv, rows, mb, t0, i, h, beta * nk, nq, H, K, BT, BC, BK, DT, NK_SLICES, EXP
             )  # fmt: skip
 
 
@@ -197,30 +203,30 @@ def _row_blocks(t0, n, h, H: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False):
+def _ktile(k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr, EXP: tl.constexpr = "e"):
     """Raw key rows of an earlier sub-chunk times e^{Γ_n − Γ_j} (≤ 1), transposed for the product."""
     off = rows[:, None] * K + dk[None, :]
     kj = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
     gj = tl.load(gcum + off, mask=m[:, None], other=0.0)
-    return tl.trans((kj * _exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")), FTZ)).to(DT))
+    return tl.trans((kj * _exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")), EXP)).to(DT))
 
 
 @triton.jit
-def _ktile_ss(k, gcum, rows, m, dk, gn, ss, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False):
+def _ktile_ss(k, gcum, rows, m, dk, gn, ss, K: tl.constexpr, DT: tl.constexpr, EXP: tl.constexpr = "e"):
     """_ktile, and the rows' sums of squares of this slice of the raw keys added to ss."""
     off = rows[:, None] * K + dk[None, :]
     kj = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
     gj = tl.load(gcum + off, mask=m[:, None], other=0.0)
-    kt = tl.trans((kj * _exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")), FTZ)).to(DT))
+    kt = tl.trans((kj * _exp(tl.where(m[:, None], gn[None, :] - gj, float("-inf")), EXP)).to(DT))
     return kt, ss + tl.sum(kj * kj, axis=1)
 
 
 @triton.jit
-def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False):
+def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr, EXP: tl.constexpr = "e"):
     """Raw query and key rows of sub-chunk i times e^{Γ_r − Γ_n} (≤ 1), n its first row."""
     off = rows[:, None] * K + dk[None, :]
     gi = tl.load(gcum + off, mask=m[:, None], other=0.0)
-    e = _exp(tl.where(m[:, None], gi - gn[None, :], float("-inf")), FTZ)
+    e = _exp(tl.where(m[:, None], gi - gn[None, :], float("-inf")), EXP)
     qi = tl.load(q + off, mask=m[:, None], other=0.0).to(tl.float32) * e
     ki = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32) * e
     return qi.to(DT), ki.to(DT)
@@ -228,10 +234,10 @@ def _qk_rows(q, k, gcum, rows, m, dk, gn, K: tl.constexpr, DT: tl.constexpr, FTZ
 
 @triton.jit
 def _cross(
-    qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, K: tl.constexpr, DT: tl.constexpr, FTZ: tl.constexpr = False
+    qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, K: tl.constexpr, DT: tl.constexpr, EXP: tl.constexpr = "e"
 ):
     """One K slice of A_ij and P_ij (unscaled) added to the accumulators a and p."""
-    kt = _ktile(k, gcum, rows_j, m_j, dk, gn, K, DT, FTZ)
+    kt = _ktile(k, gcum, rows_j, m_j, dk, gn, K, DT, EXP)
     return tl.dot(ki, kt, a), tl.dot(qi, kt, p)
 
 
@@ -250,10 +256,10 @@ def _cross_ss(
     ss,
     K: tl.constexpr,
     DT: tl.constexpr,
-    FTZ: tl.constexpr = False,
+    EXP: tl.constexpr = "e",
 ):
     """_cross, and sub-chunk j's sums of squares of this K slice added to ss."""
-    kt, ss = _ktile_ss(k, gcum, rows_j, m_j, dk, gn, ss, K, DT, FTZ)
+    kt, ss = _ktile_ss(k, gcum, rows_j, m_j, dk, gn, ss, K, DT, EXP)
     return tl.dot(ki, kt, a), tl.dot(qi, kt, p), ss
 
 
@@ -295,7 +301,7 @@ def _offdiag_store(k, p, x_inv, rows, m, rows_j, j: tl.constexpr, a, pq, bk, nq,
 @triton.jit
 def _offdiag_blocks(q, k, gcum, p, x_inv, rows, m, t0, i, h, bk, nq, H: tl.constexpr, K: tl.constexpr,
                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                    NK_SLICES: tl.constexpr, FTZ: tl.constexpr = False):  # fmt: skip
+                    NK_SLICES: tl.constexpr, EXP: tl.constexpr = "e"):  # fmt: skip
     """Sub-chunk i's blocks left of the diagonal (0 < i < 4), the off-diagonal pass's arithmetic for one
     row block: A_ij and P_ij split at Γ of the row block's first row (both factors ≤ 1), accumulated over
     BK-wide slices of K, then scaled by the norms and β (bk = β_i·nk_i) and stored (_offdiag_store). The
@@ -312,19 +318,19 @@ def _offdiag_blocks(q, k, gcum, p, x_inv, rows, m, t0, i, h, bk, nq, H: tl.const
     for kb in range(K // BK):
         dk = kb * BK + tl.arange(0, BK)
         gn = tl.load(gcum + ((t0 + i * BC) * H + h) * K + dk)
-        qi, ki = _qk_rows(q, k, gcum, rows, m, dk, gn, K, DT, FTZ)
+        qi, ki = _qk_rows(q, k, gcum, rows, m, dk, gn, K, DT, EXP)
         if NK_SLICES:
-            a0, p0, s0 = _cross_ss(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, s0, K, DT, FTZ)
+            a0, p0, s0 = _cross_ss(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, s0, K, DT, EXP)
             if i > 1:
-                a1, p1, s1 = _cross_ss(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, s1, K, DT, FTZ)
+                a1, p1, s1 = _cross_ss(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, s1, K, DT, EXP)
             if i > 2:
-                a2, p2, s2 = _cross_ss(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, s2, K, DT, FTZ)
+                a2, p2, s2 = _cross_ss(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, s2, K, DT, EXP)
         else:
-            a0, p0 = _cross(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, K, DT, FTZ)
+            a0, p0 = _cross(qi, ki, k, gcum, r0, whole, dk, gn, a0, p0, K, DT, EXP)
             if i > 1:
-                a1, p1 = _cross(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, K, DT, FTZ)
+                a1, p1 = _cross(qi, ki, k, gcum, r1, whole, dk, gn, a1, p1, K, DT, EXP)
             if i > 2:
-                a2, p2 = _cross(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, K, DT, FTZ)
+                a2, p2 = _cross(qi, ki, k, gcum, r2, whole, dk, gn, a2, p2, K, DT, EXP)
     _offdiag_store(k, p, x_inv, rows, m, r0, 0, a0, p0, bk, nq, s0, K, BT, BC, NK_SLICES)
     if i > 1:
         _offdiag_store(k, p, x_inv, rows, m, r1, 1, a1, p1, bk, nq, s1, K, BT, BC, NK_SLICES)
@@ -416,6 +422,7 @@ def inter_solve_kernel(
     BK: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
+    EXP: tl.constexpr = "e",
 ):
     """Per (chunk, head): the off-diagonal blocks A_ij and P_ij (j < i), each row block split at Γ of its
     own first row (both factors ≤ 1), accumulated over BK-wide slices of K; P_ij to p; then the blocks of
@@ -434,21 +441,21 @@ def inter_solve_kernel(
     for kb in range(K // BK):
         dk = kb * BK + tl.arange(0, BK)
         gn1 = tl.load(gcum + ((t0 + BC) * H + h) * K + dk)
-        q1, k1 = _qk_rows(q, k, gcum, r1, m1, dk, gn1, K, DT)
-        a10, p10 = _cross(q1, k1, k, gcum, r0, m0, dk, gn1, a10, p10, K, DT)
+        q1, k1 = _qk_rows(q, k, gcum, r1, m1, dk, gn1, K, DT, EXP)
+        a10, p10 = _cross(q1, k1, k, gcum, r0, m0, dk, gn1, a10, p10, K, DT, EXP)
         if NC >= 3:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if n > 2 * BC:
                 gn2 = tl.load(gcum + ((t0 + 2 * BC) * H + h) * K + dk)
-                q2, k2 = _qk_rows(q, k, gcum, r2, m2, dk, gn2, K, DT)
-                a20, p20 = _cross(q2, k2, k, gcum, r0, m0, dk, gn2, a20, p20, K, DT)
-                a21, p21 = _cross(q2, k2, k, gcum, r1, m1, dk, gn2, a21, p21, K, DT)
+                q2, k2 = _qk_rows(q, k, gcum, r2, m2, dk, gn2, K, DT, EXP)
+                a20, p20 = _cross(q2, k2, k, gcum, r0, m0, dk, gn2, a20, p20, K, DT, EXP)
+                a21, p21 = _cross(q2, k2, k, gcum, r1, m1, dk, gn2, a21, p21, K, DT, EXP)
         if NC >= 4:  # noqa: SIM102
             if n > 3 * BC:
                 gn3 = tl.load(gcum + ((t0 + 3 * BC) * H + h) * K + dk)
-                q3, k3 = _qk_rows(q, k, gcum, r3, m3, dk, gn3, K, DT)
-                a30, p30 = _cross(q3, k3, k, gcum, r0, m0, dk, gn3, a30, p30, K, DT)
-                a31, p31 = _cross(q3, k3, k, gcum, r1, m1, dk, gn3, a31, p31, K, DT)
-                a32, p32 = _cross(q3, k3, k, gcum, r2, m2, dk, gn3, a32, p32, K, DT)
+                q3, k3 = _qk_rows(q, k, gcum, r3, m3, dk, gn3, K, DT, EXP)
+                a30, p30 = _cross(q3, k3, k, gcum, r0, m0, dk, gn3, a30, p30, K, DT, EXP)
+                a31, p31 = _cross(q3, k3, k, gcum, r1, m1, dk, gn3, a31, p31, K, DT, EXP)
+                a32, p32 = _cross(q3, k3, k, gcum, r2, m2, dk, gn3, a32, p32, K, DT, EXP)
     # Norms and β: A_ij ·= β_i·nk_i·nk_jᵀ, P_ij ·= nq_i·nk_jᵀ (nq carries the scale).
     nk0 = tl.load(rn + r0 * 2, mask=m0, other=0.0)
     bk1, nk1, nq1 = _beta_nk(b, rn, r1, m1)
@@ -496,7 +503,7 @@ def wu_kernel(
     DEVICE_COUNT: tl.constexpr,
     DT: tl.constexpr,
     TRIL: tl.constexpr,
-    FTZ: tl.constexpr = False,
+    EXP: tl.constexpr = "e",
 ):
     """Per (chunk, head): W = X·(Diag(β)·K̃) and U = X·(Diag(β)·V) as whole-chunk products, k normalised by
     the inverse norms the diagonal pass stored in rn. TRIL: X is read on and left of its diagonal only."""
@@ -517,7 +524,7 @@ def wu_kernel(
     offk = rows[:, None] * K + tl.arange(0, K)[None, :]
     nk = tl.load(rn + rows * 2, mask=r < n, other=0.0)
     kk = tl.load(k + offk, mask=mr, other=0.0).to(tl.float32) * nk[:, None]
-    kt = kk * _exp(tl.load(gcum + offk, mask=mr, other=0.0), FTZ) * beta[:, None]
+    kt = kk * _exp(tl.load(gcum + offk, mask=mr, other=0.0), EXP) * beta[:, None]
     tl.store(w + offk, tl.dot(x, kt.to(DT)).to(w.dtype.element_ty), mask=mr)
     offv = rows[:, None] * V + tl.arange(0, V)[None, :]
     vv = tl.load(v + offv, mask=mr, other=0.0).to(tl.float32) * beta[:, None]

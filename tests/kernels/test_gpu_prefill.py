@@ -119,6 +119,12 @@ VARIANTS = {
     "norms-from-slices": {"_OFFDIAG_NORMS_FROM_SLICES": True},
     "substitution-rows-from-registers": {"_DIAG_ROWS_IN_REGS": True},
     "exponentials-flushing-denormals": {"_EXP_FTZ": True},
+    "gamma-in-log2-units-flushing-denormals": {"_GCUM_LOG2": True, "_EXP_FTZ": True},
+    "gamma-in-log2-units-off-diagonal-pass": {
+        "_GCUM_LOG2": True,
+        "_OFFDIAG_IN_DIAG": False,
+        "_DIAG_STAGES": 3,
+    },
 }
 # The default (on NaN scratch, against itself on fresh scratch) and the variants that change no value any pass
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
