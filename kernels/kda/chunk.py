@@ -114,22 +114,23 @@ _DIAG_STAGES = 2
 # variant.
 _OFFDIAG_NORMS_FROM_SLICES = False
 # The diagonal pass's forward substitution for (I + A_ii)^{-1}: False, each of its 14 dependent steps loads
-# row s of A_ii back from x (stored just before: an L2 round trip on the chain); True, the row from the
-# registers by a masked sum over the tile's rows (the same values exactly, so the same bits), and A_ii is
-# not stored at all. Not yet timed on a GPU; bench/kda_prefill.py times it as a variant.
+# row s of A_ii back from x, whole (stored just before with its zeros from column s on); True, the row from
+# the registers by a masked sum over the tile's rows (the same values exactly, so the same bits), and A_ii
+# is not stored at all. Not yet timed on a GPU; bench/kda_prefill.py times it as a variant.
 _DIAG_ROWS_IN_REGS = False
-# The exponentials of the diagonal pass and of W/U: False, tl.exp (sm_90's `ex2.approx` keeps denormal
-# results: a compare and two predicated multiplies around each MUFU.EX2); True, `ex2.approx.ftz`
-# (chunk_intra._exp), results below fp32's normal range flushed to zero, every other result the same value.
-# The diagonal pass is bound by issuing instructions (Nsight Compute: about one every second cycle per
-# scheduler); on sm_90 (bench/sm90.py) it is 3320 static instructions against 3904 (its K-slice loop 670
-# against 862) at the same 168 registers, W/U 816 against 912 at 79. Not yet timed on a GPU;
+# The exponentials of the diagonal pass, W/U and the sequential pass: False, tl.exp (sm_90's `ex2.approx`
+# keeps denormal results: a compare and two predicated multiplies around each MUFU.EX2); True,
+# `ex2.approx.ftz` (chunk_intra._exp), results below fp32's normal range flushed to zero, every other result
+# the same value. The diagonal pass issues about one instruction every second cycle per scheduler (Nsight
+# Compute); on sm_90 (bench/sm90.py) it is 3312 static instructions against 3888 (its K-slice loop 671
+# against 863) at the same 168 registers, W/U 816 against 912 at 79. Not yet timed on a GPU;
 # bench/kda_prefill.py times it as a variant. Compiled code only: the interpreter runs tl.exp either way.
 _EXP_FTZ = False
 # Γ in log2 units: the gate pass stores Γ·log2(e) (the cumulative sum of g·log2(e)), and every decay factor
 # is 2^(Γ_r − Γ_j) (chunk_intra._exp's "2" modes), one multiply fewer per exponential in the diagonal pass,
-# W/U and the state pass. Not the same bits (Γ rounds in other units); the same tolerances against the
-# oracle. Not yet timed on a GPU; bench/kda_prefill.py times it with _EXP_FTZ as a variant.
+# W/U and the state pass (the diagonal pass 3128 static instructions with _EXP_FTZ). Not the same bits (Γ
+# rounds in other units); the same tolerances against the oracle. Not yet timed on a GPU;
+# bench/kda_prefill.py times it with _EXP_FTZ as a variant.
 _GCUM_LOG2 = False
 
 
