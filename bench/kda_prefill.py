@@ -82,6 +82,14 @@ VARIANTS: dict[str, dict[str, object]] = {
     # and Γ stored in log2 units, so each of those exponentials is one MUFU.EX2 (not the same bits; not yet
     # timed).
     "ours_exp2_ftz": {"_EXP_FTZ": True, "_GCUM_LOG2": True},
+    # and the earlier sub-chunks' key norms from the K slices, the diagonal pass capped at 168 registers (six
+    # programs per SM; 190 uncapped; not yet timed).
+    "ours_exp2_ftz_norms_from_slices": {
+        "_EXP_FTZ": True,
+        "_GCUM_LOG2": True,
+        "_OFFDIAG_NORMS_FROM_SLICES": True,
+        "_DIAG_MAXNREG": 168,
+    },
 }
 
 

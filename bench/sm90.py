@@ -47,6 +47,7 @@ def compile_sm90(
     num_warps: int,
     num_stages: int = 3,
     aligned_ints: tuple[str, ...] = (),
+    maxnreg: int | None = None,
 ):
     """`fn` compiled for sm_90 (Triton's own pipeline through ptxas; raises on any error): the compiled
     kernel, whose .asm["ptx"] is its PTX and .metadata.shared its shared memory per program.
@@ -67,6 +68,8 @@ def compile_sm90(
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:  # ptxas's register cap, as a launch's maxnreg= sets it
+        options["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -288,6 +291,10 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         c = dict(c, ROWS_IN_REGS=False, EXP=mode)
         name = f"prefill diagonal pass with the off-diagonal blocks, {what}"
         yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
+    # ours_exp2_ftz_norms_from_slices: with the key norms from the K slices, capped at 168 registers
+    c = dict(c, NK_SLICES=True)
+    name = "prefill diagonal pass with the off-diagonal blocks, Gamma in log2 units, ftz, norms from slices"
+    yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, (), 168)
     merge = {"x_inv": F32, **chunks}
     c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True, PREC=ch._MERGE_PRECISION)
     yield "prefill merge of the off-diagonal blocks", ci.merge_kernel, merge, c, ch._MERGE_WARPS
@@ -440,9 +447,11 @@ def report(which: tuple[str, ...] = tuple(CASES)) -> list[dict]:
     rows = []
     for group in which:
         for label, fn, sig, consts, warps, *launch in CASES[group]():
-            stages, aligned = launch[0] if launch else (3, ())  # the fused cases name both
-            k = compile_sm90(fn, sig, consts, warps, stages, aligned)
+            stages, aligned, *cap = launch[0] if launch else (3, ())  # the fused cases name both
+            k = compile_sm90(fn, sig, consts, warps, stages, aligned, *cap)
             row = {"kernel": label, "group": group, "num_warps": warps, "num_stages": stages}
+            if cap:
+                row["maxnreg"] = cap[0]
             row |= {**ptxas_report(k.asm["ptx"]), "shared_bytes": int(k.metadata.shared)}
             if consts.get("PDL"):
                 pointers = {n for n, t in sig.items() if t.startswith("*")}

@@ -113,6 +113,10 @@ _DIAG_STAGES = 2
 # the same norms summed in another order). Not yet timed on a GPU; bench/kda_prefill.py times it as a
 # variant.
 _OFFDIAG_NORMS_FROM_SLICES = False
+# ptxas's register cap for the diagonal pass (Triton's maxnreg; None: ptxas's own choice). With
+# _OFFDIAG_NORMS_FROM_SLICES the pass takes 190 registers, five programs of 2 warps per SM; capped at 168 it
+# compiles without spilling (bench/sm90.py), six per SM as the default. Not yet timed on a GPU.
+_DIAG_MAXNREG: int | None = None
 # The diagonal pass's forward substitution for (I + A_ii)^{-1}: False, each of its 14 dependent steps loads
 # row s of A_ii back from x, whole (stored just before with its zeros from column s on); True, the row from
 # the registers by a masked sum over the tile's rows (the same values exactly, so the same bits), and A_ii
@@ -576,6 +580,7 @@ def prefill(
             EXP=_exp_mode(),
             num_warps=_DIAG_WARPS,
             num_stages=_DIAG_STAGES,
+            maxnreg=_DIAG_MAXNREG,
         )
         if not _OFFDIAG_IN_DIAG:
             inter_solve_kernel[(grid_chunks, H)](

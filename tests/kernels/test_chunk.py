@@ -209,6 +209,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_DIAG_ROWS_IN_REGS": True, "_TRIL_LOADS": False},
         {"_GCUM_LOG2": True},
         {"_GCUM_LOG2": True, "_OFFDIAG_IN_DIAG": False},
+        {"_GCUM_LOG2": True, "_OFFDIAG_NORMS_FROM_SLICES": True, "_DIAG_MAXNREG": 168},
     ],
     ids=[
         "default",
@@ -224,6 +225,7 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "substitution-rows-from-registers-zeros-right",
         "gamma-in-log2-units",
         "gamma-in-log2-units-off-diagonal-pass",
+        "gamma-in-log2-units-norms-from-slices-capped-registers",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:

@@ -120,6 +120,12 @@ VARIANTS = {
     "substitution-rows-from-registers": {"_DIAG_ROWS_IN_REGS": True},
     "exponentials-flushing-denormals": {"_EXP_FTZ": True},
     "gamma-in-log2-units-flushing-denormals": {"_GCUM_LOG2": True, "_EXP_FTZ": True},
+    "gamma-in-log2-units-norms-from-slices-168-registers": {
+        "_GCUM_LOG2": True,
+        "_EXP_FTZ": True,
+        "_OFFDIAG_NORMS_FROM_SLICES": True,
+        "_DIAG_MAXNREG": 168,
+    },
     "gamma-in-log2-units-off-diagonal-pass": {
         "_GCUM_LOG2": True,
         "_OFFDIAG_IN_DIAG": False,
