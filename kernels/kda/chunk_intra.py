@@ -106,7 +106,8 @@ def diag_kernel(
     sub-chunks' key norms from the squares of the K slices that loop loads anyway, not from their whole rows
     loaded again (the same norms, summed in another order). ROWS_IN_REGS: the forward substitution takes
     each row of A_ii from the registers (a masked sum over the rows: the same values, exactly) instead of
-    storing A_ii and loading it back row by row, a round trip to L2 on each of its 14 dependent steps."""
+    storing A_ii and loading it back row by row, a round trip to L2 on each of its 14 dependent steps. EXP:
+    how the gate pass stored Γ and how each decay factor is exponentiated (_exp)."""
     c = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
@@ -242,22 +243,8 @@ def _cross(
 
 
 @triton.jit
-def _cross_ss(
-    qi,
-    ki,
-    k,
-    gcum,
-    rows_j,
-    m_j,
-    dk,
-    gn,
-    a,
-    p,
-    ss,
-    K: tl.constexpr,
-    DT: tl.constexpr,
-    EXP: tl.constexpr = "e",
-):
+def _cross_ss(qi, ki, k, gcum, rows_j, m_j, dk, gn, a, p, ss, K: tl.constexpr, DT: tl.constexpr,
+              EXP: tl.constexpr = "e"):  # fmt: skip
     """_cross, and sub-chunk j's sums of squares of this K slice added to ss."""
     kt, ss = _ktile_ss(k, gcum, rows_j, m_j, dk, gn, ss, K, DT, EXP)
     return tl.dot(ki, kt, a), tl.dot(qi, kt, p), ss
