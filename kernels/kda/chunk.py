@@ -132,9 +132,10 @@ _DIAG_ROWS_IN_REGS = False
 _EXP_FTZ = False
 # Γ in log2 units: the gate pass stores Γ·log2(e) (the cumulative sum of g·log2(e)), and every decay factor
 # is 2^(Γ_r − Γ_j) (chunk_intra._exp's "2" modes), one multiply fewer per exponential in the diagonal pass,
-# W/U and the state pass (the diagonal pass 3128 static instructions with _EXP_FTZ). Not the same bits (Γ
-# rounds in other units); the same tolerances against the oracle. Not yet timed on a GPU;
-# bench/kda_prefill.py times it with _EXP_FTZ as a variant.
+# W/U and the state pass (the diagonal pass 3128 static instructions with _EXP_FTZ). With _EXP_FTZ the gate
+# pass's sigmoid is also two MUFU operations (_gate_kernel's FAST: 960 static instructions against 1216).
+# Not the same bits (Γ rounds in other units); the same tolerances against the oracle. Not yet timed on a
+# GPU; bench/kda_prefill.py times it with _EXP_FTZ as a variant.
 _GCUM_LOG2 = False
 
 
@@ -209,6 +210,14 @@ def prefill_scratch_specs(
 
 
 @triton.jit
+def _rcp_ftz(x):
+    """1/x by `rcp.approx.ftz` (one MUFU.RCP; 1/inf = 0)."""
+    return tl.inline_asm_elementwise(
+        "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
 def _gate_kernel(
     a,
     A_log,
@@ -225,9 +234,12 @@ def _gate_kernel(
     BT: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     LOG2: tl.constexpr = False,
+    FAST: tl.constexpr = False,
 ):
     """Per (chunk, head, K-block): bounded gate and Γ = its within-chunk cumsum (channels are independent);
-    LOG2: Γ in log2 units, the cumsum of g·log2(e) (_GCUM_LOG2)."""
+    LOG2: Γ in log2 units, the cumsum of g·log2(e) (_GCUM_LOG2); FAST (with LOG2, compiled code only): the
+    sigmoid as lower_bound·log2(e) / (1 + 2^(−A·log2(e)·x)) by `ex2.approx.ftz` and `rcp.approx.ftz`, two
+    MUFU operations and three fp32 ones where tl.sigmoid divides at full range."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kb = tl.program_id(2)
@@ -242,10 +254,16 @@ def _gate_kernel(
         tl.load(a + off, mask=m, other=0.0).to(tl.float32)
         + tl.load(dt_bias + h * K + d).to(tl.float32)[None, :]
     )
-    g = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + h).to(tl.float32)) * x)
-    g = tl.where(m, g, 0.0)
-    if LOG2:
-        g = g * 1.4426950408889634
+    A = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if FAST:
+        t = _exp(x * (-A * 1.4426950408889634), "2_ftz")
+        g = (lower_bound * 1.4426950408889634) * _rcp_ftz(1.0 + t)
+        g = tl.where(m, g, 0.0)
+    else:
+        g = lower_bound * tl.sigmoid(A * x)
+        g = tl.where(m, g, 0.0)
+        if LOG2:
+            g = g * 1.4426950408889634
     tl.store(gcum + off, tl.cumsum(g, axis=0), mask=m)
 
 
@@ -551,6 +569,7 @@ def prefill(
             BT=BT,
             DEVICE_COUNT=dev,
             LOG2=_GCUM_LOG2,
+            FAST=_GCUM_LOG2 and _EXP_FTZ and not _INTERPRET,
             num_warps=_GATE_WARPS,
         )
         ap_dt = tl.float32 if _INTERPRET else _AP_DT
