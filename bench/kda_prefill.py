@@ -76,11 +76,11 @@ VARIANTS: dict[str, dict[str, object]] = {
     # The diagonal inverse's forward substitution with the rows of A_ii from the registers (the same bits; no
     # L2 round trip on its 14 dependent steps; not yet timed).
     "ours_rows_in_regs": {"_DIAG_ROWS_IN_REGS": True},
-    # The diagonal pass's and W/U's exponentials as `ex2.approx.ftz` (two instructions against five each;
-    # denormal results flushed to zero; not yet timed).
+    # The exponentials of the diagonal pass, W/U and the sequential pass as `ex2.approx.ftz` (two
+    # instructions against five each; denormal results flushed to zero; not yet timed).
     "ours_exp_ftz": {"_EXP_FTZ": True},
-    # and Γ stored in log2 units, so each of those exponentials is one MUFU.EX2 (not the same bits; not yet
-    # timed).
+    # and Γ stored in log2 units, so each of those exponentials is one MUFU.EX2, and the gate's sigmoid two
+    # MUFU operations (not the same bits; not yet timed).
     "ours_exp2_ftz": {"_EXP_FTZ": True, "_GCUM_LOG2": True},
     # and the earlier sub-chunks' key norms from the K slices, the diagonal pass capped at 168 registers (six
     # programs per SM; 190 uncapped; not yet timed).
