@@ -264,7 +264,7 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         name = "prefill gate" + ("" if (bk, warps) == default else f" BK={bk} at {warps} warps")
         yield name, ch._gate_kernel, gate, c, warps
     # _GCUM_LOG2 with _EXP_FTZ (ours_exp2_ftz): Γ in log2 units, the sigmoid by ex2 and rcp (ftz)
-    c = dict(H=H, K=K, BK=default[0], BT=BT, DEVICE_COUNT=True, LOG2=True, FAST=True)
+    c = dict(H=H, K=K, BK=default[0], BT=BT, DEVICE_COUNT=True, EXP="2_ftz")
     yield "prefill gate, Gamma in log2 units, fast sigmoid", ch._gate_kernel, gate, c, default[1]
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
     diag.update({"x_inv": F32, "rn": F32, **chunks, "scale": "fp32"})

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.kda.chunk_intra import (
+    LOG2E,
     _chunk_bounds,
     _exp,
     diag_kernel,
@@ -133,7 +134,7 @@ _EXP_FTZ = False
 # Γ in log2 units: the gate pass stores Γ·log2(e) (the cumulative sum of g·log2(e)), and every decay factor
 # is 2^(Γ_r − Γ_j) (chunk_intra._exp's "2" modes), one multiply fewer per exponential in the diagonal pass,
 # W/U and the state pass (the diagonal pass 3128 static instructions with _EXP_FTZ). With _EXP_FTZ the gate
-# pass's sigmoid is also two MUFU operations (_gate_kernel's FAST: 960 static instructions against 1216).
+# pass's sigmoid is also two MUFU operations (_gate_kernel's "2_ftz": 960 static instructions against 1216).
 # Not the same bits (Γ rounds in other units); the same tolerances against the oracle. Not yet timed on a
 # GPU; bench/kda_prefill.py times it with _EXP_FTZ as a variant.
 _GCUM_LOG2 = False
@@ -233,13 +234,13 @@ def _gate_kernel(
     BK: tl.constexpr,
     BT: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
-    LOG2: tl.constexpr = False,
-    FAST: tl.constexpr = False,
+    EXP: tl.constexpr = "e",
 ):
-    """Per (chunk, head, K-block): bounded gate and Γ = its within-chunk cumsum (channels are independent);
-    LOG2: Γ in log2 units, the cumsum of g·log2(e) (_GCUM_LOG2); FAST (with LOG2, compiled code only): the
-    sigmoid as lower_bound·log2(e) / (1 + 2^(−A·log2(e)·x)) by `ex2.approx.ftz` and `rcp.approx.ftz`, two
-    MUFU operations and three fp32 ones where tl.sigmoid divides at full range."""
+    """Per (chunk, head, K-block): bounded gate and Γ = its within-chunk cumsum (channels are independent),
+    in the units its readers' mode EXP takes (chunk_intra._exp): in log2 units for "2" and "2_ftz", the cumsum
+    of g·log2(e) (_GCUM_LOG2); for "2_ftz" (compiled code only) the sigmoid as
+    lower_bound·log2(e) / (1 + 2^(−A·log2(e)·x)) by `ex2.approx.ftz` and `rcp.approx.ftz`, two MUFU
+    operations and three fp32 ones where tl.sigmoid divides at full range."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kb = tl.program_id(2)
@@ -255,16 +256,13 @@ def _gate_kernel(
         + tl.load(dt_bias + h * K + d).to(tl.float32)[None, :]
     )
     A = tl.exp(tl.load(A_log + h).to(tl.float32))
-    if FAST:
-        t = _exp(x * (-A * 1.4426950408889634), "2_ftz")
-        g = (lower_bound * 1.4426950408889634) * _rcp_ftz(1.0 + t)
-        g = tl.where(m, g, 0.0)
+    if EXP == "2_ftz":
+        g = (lower_bound * LOG2E) * _rcp_ftz(1.0 + _exp(x * (-A * LOG2E), EXP))
     else:
         g = lower_bound * tl.sigmoid(A * x)
-        g = tl.where(m, g, 0.0)
-        if LOG2:
-            g = g * 1.4426950408889634
-    tl.store(gcum + off, tl.cumsum(g, axis=0), mask=m)
+        if EXP == "2":
+            g = g * LOG2E
+    tl.store(gcum + off, tl.cumsum(tl.where(m, g, 0.0), axis=0), mask=m)
 
 
 @triton.jit
@@ -554,6 +552,7 @@ def prefill(
     has_init = (
         has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state
     )
+    exp_mode = _exp_mode()  # how the gate pass stores Γ and every later pass exponentiates it
     if grid_chunks > 0:
         BK = min(K, _GATE_BK)
         _gate_kernel[(grid_chunks, H, K // BK)](
@@ -568,8 +567,7 @@ def prefill(
             BK=BK,
             BT=BT,
             DEVICE_COUNT=dev,
-            LOG2=_GCUM_LOG2,
-            FAST=_GCUM_LOG2 and _EXP_FTZ and not _INTERPRET,
+            EXP=exp_mode,
             num_warps=_GATE_WARPS,
         )
         ap_dt = tl.float32 if _INTERPRET else _AP_DT
@@ -596,7 +594,7 @@ def prefill(
             BK=min(K, _INTER_BK),
             NK_SLICES=_OFFDIAG_NORMS_FROM_SLICES,
             ROWS_IN_REGS=_DIAG_ROWS_IN_REGS,
-            EXP=_exp_mode(),
+            EXP=exp_mode,
             num_warps=_DIAG_WARPS,
             num_stages=_DIAG_STAGES,
             maxnreg=_DIAG_MAXNREG,
@@ -618,7 +616,7 @@ def prefill(
                 BK=min(K, _INTER_BK),
                 DEVICE_COUNT=dev,
                 DT=ap_dt,
-                EXP=_exp_mode(),
+                EXP=exp_mode,
                 num_warps=_INTER_WARPS,
             )
         else:
@@ -643,7 +641,7 @@ def prefill(
             DEVICE_COUNT=dev,
             DT=tl.float32 if _INTERPRET else _WU_DT,
             TRIL=_TRIL_LOADS,
-            EXP=_exp_mode(),
+            EXP=exp_mode,
             num_warps=_WU_WARPS,
         )
     BV = min(V, _STATE_BV or state_bv or _state_bv(N, H, V, q.device))
@@ -672,7 +670,7 @@ def prefill(
             VB_FIRST=_STATE_VB_FIRST,
             PREFETCH_G=_STATE_PREFETCH_G,
             TRIL=_TRIL_LOADS,
-            EXP=_exp_mode(),
+            EXP=exp_mode,
             num_warps=_STATE_WARPS,
         )
     rows = 16

@@ -41,6 +41,9 @@ def _chunk_bounds(
     return t0, tl.where(live, tl.minimum(BT, eos - t0), 0)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e), in fp32 0x3FB8AA3B: the multiply tl.exp lowers to
+
+
 @triton.jit
 def _exp(x, EXP: tl.constexpr):
     """The decay factor of a difference x of cumulative gates Γ, by how the gate pass stored Γ (EXP):
@@ -52,7 +55,7 @@ def _exp(x, EXP: tl.constexpr):
     PTX)."""
     if EXP == "e_ftz" or EXP == "2_ftz":
         if EXP == "e_ftz":
-            x = x * 1.4426950408889634
+            x = x * LOG2E
         return tl.inline_asm_elementwise(
             "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
         )
