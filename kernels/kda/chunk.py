@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from kernels.kda.chunk_intra import (
-    LOG2E,
     _chunk_bounds,
     _exp,
     diag_kernel,
@@ -256,6 +255,7 @@ def _gate_kernel(
         + tl.load(dt_bias + h * K + d).to(tl.float32)[None, :]
     )
     A = tl.exp(tl.load(A_log + h).to(tl.float32))
+    LOG2E: tl.constexpr = 1.4426950408889634  # log2(e), declared in each @jit function that reads it (_exp)
     if EXP == "2_ftz":
         g = (lower_bound * LOG2E) * _rcp_ftz(1.0 + _exp(x * (-A * LOG2E), EXP))
     else:

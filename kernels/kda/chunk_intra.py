@@ -41,9 +41,6 @@ def _chunk_bounds(
     return t0, tl.where(live, tl.minimum(BT, eos - t0), 0)
 
 
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e), in fp32 0x3FB8AA3B: the multiply tl.exp lowers to
-
-
 @triton.jit
 def _exp(x, EXP: tl.constexpr):
     """The decay factor of a difference x of cumulative gates Γ, by how the gate pass stored Γ (EXP):
@@ -52,7 +49,9 @@ def _exp(x, EXP: tl.constexpr):
     multiply, then `ex2.approx.ftz` (results below fp32's normal range flushed to zero, every other one the
     same value, two instructions against five); "2": Γ stored in log2 units, 2^x by tl.exp2; "2_ftz": 2^x
     by `ex2.approx.ftz`, one instruction. The "_ftz" modes are for compiled code (the interpreter has no
-    PTX)."""
+    PTX). log2(e) is declared here, not as a module global: a constexpr global read by a helper entered its
+    callers' Triton keys only for callers asked for after it (tests/kernels/test_cache_keys.py)."""
+    LOG2E: tl.constexpr = 1.4426950408889634  # in fp32 0x3FB8AA3B: the multiply tl.exp lowers to
     if EXP == "e_ftz" or EXP == "2_ftz":
         if EXP == "e_ftz":
             x = x * LOG2E

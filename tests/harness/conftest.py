@@ -40,6 +40,17 @@ class Ran:
     def summary(self) -> dict[str, Any]:
         return json.loads(self.stdout)
 
+    def why(self) -> str:
+        """What a failed run says first: its checks that neither passed nor skipped, each with its reason
+        (pytest cuts a long assertion message short, so these lead it), then stderr's tail."""
+        try:
+            checks = self.summary().get("checks", [])
+        except (ValueError, AttributeError):
+            checks = []
+        failed = [f"{c.get('name')} {c.get('status')}: {c.get('reason')}" for c in checks
+                  if c.get("status") not in ("pass", "skip")]  # fmt: skip
+        return "\n".join([f"exit {self.code} after {self.seconds:.0f} s", *failed, self.stderr[-2000:]])
+
 
 @dataclass
 class Home:

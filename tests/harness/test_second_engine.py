@@ -45,7 +45,7 @@ def _installed(home: Home, tmp_path: Path, liar: str) -> dict[str, str]:
 
 def _qualified(home: Home, *args: str) -> tuple[dict, dict]:
     ran = home.qualify("run", *args, "--json", env=_env(home, "tests.second_engine"), timeout=900)
-    assert ran.code == 0, (ran.stdout[-3000:], ran.stderr[-3000:])
+    assert ran.code == 0, ran.why()
     assert ran.summary()["verdict"] == "qualified"
     (p,) = home.predicates()[-1:]
     return p, ran.summary()
@@ -201,7 +201,7 @@ def test_the_second_engine_qualifies_in_a_container_through_its_own_entry_point(
     needed in the image; the receipt names the image."""
     ran = home.qualify("run", "--launcher", "docker", "--image", second_image, "--spec", "mtp:2", "--json",
                        timeout=400)  # fmt: skip
-    assert ran.code == 0, (ran.stdout[-3000:], ran.stderr[-3000:])
+    assert ran.code == 0, ran.why()
     s = ran.summary()
     assert s["verdict"] == "qualified"
     (p,) = home.predicates()
