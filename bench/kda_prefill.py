@@ -175,6 +175,45 @@ def _modified_inputs(
     return changed
 
 
+def _variants_vs_default(
+    x: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], calls: dict[str, Callable[[], None]]
+) -> dict[str, dict]:
+    """Each variant of ours run once from the same inputs and initial states as the default: whether its
+    output and final states are the default's bits, and how far they are from them where not (outside any
+    timed region; the inputs and the state pool restored after)."""
+    pool0 = x["pool"].clone()
+
+    def once(fn: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        for n in INPUTS:
+            x[n].copy_(saved[n])
+        x["pool"].copy_(pool0)
+        fn()
+        _sync()
+        return x["out"].to(torch.float32, copy=True), x["pool"].clone()
+
+    report: dict[str, dict] = {}
+    ref_out, ref_pool = once(calls["ours"])
+    scale = float(ref_out.abs().max())
+    for name in (n for n in VARIANTS if n in calls):
+        try:
+            out, pool = once(calls[name])
+        except Exception as e:  # reported with the timing's own failure too
+            report[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+            continue
+        report[name] = {
+            "same_bits": bool(torch.equal(out, ref_out) and torch.equal(pool, ref_pool)),
+            "output_max_abs_diff": float((out - ref_out).abs().max()),
+            "output_default_max_abs": scale,
+            "state_max_abs_diff": float((pool - ref_pool).abs().max()),
+            "finite": bool(torch.isfinite(out).all() and torch.isfinite(pool).all()),
+        }
+    for n in INPUTS:
+        x[n].copy_(saved[n])
+    x["pool"].copy_(pool0)
+    _sync()
+    return report
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -281,6 +320,8 @@ def bench_shape(
         calls = {k: _restoring(x, saved, restore, fn) for k, fn in calls.items()}
         calls["restore_only"] = _restoring(x, saved, restore, lambda: None)
     row["restore_in_timed_call"] = restore
+    if "ours" in calls:
+        row["variants_vs_default"] = _variants_vs_default(x, saved, calls)
     timings, failed = time_contenders(calls, rounds=ROUNDS, singles=3, streamed=5)
     row.update({k: {"unavailable": why} for k, why in failed.items()})
     row.update(

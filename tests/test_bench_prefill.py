@@ -41,6 +41,34 @@ def test_the_restoring_call_starts_every_call_from_the_saved_inputs() -> None:
     assert seen == [float(saved["v"].sum())] * 3
 
 
+def test_each_variant_is_compared_with_the_default_from_the_same_inputs_and_states() -> None:
+    x = _inputs()
+    x["out"], x["pool"] = torch.zeros(8), torch.ones(8)
+    saved = {n: t.clone() for n, t in x.items()}
+    name, other, broken = list(kp.VARIANTS)[:3]
+
+    def default() -> None:  # output from v; the final state accumulated onto the pool it started from
+        x["out"].copy_(x["v"] * 2)
+        x["pool"].add_(x["v"])
+        x["v"].mul_(3)  # an in-place write the next call must not see
+
+    def off_by_a_bit() -> None:
+        default()
+        x["out"][5] += 0.25
+
+    def fails() -> None:
+        raise RuntimeError("no kernel")
+
+    calls = {"ours": default, name: default, other: off_by_a_bit, broken: fails, "fla+norm": fails}
+    report = kp._variants_vs_default(x, saved, calls)
+    assert set(report) == {name, other, broken}
+    assert report[name]["same_bits"] and report[name]["output_max_abs_diff"] == 0.0 and report[name]["finite"]
+    assert not report[other]["same_bits"] and report[other]["output_max_abs_diff"] == 0.25
+    assert report[other]["state_max_abs_diff"] == 0.0
+    assert report[broken] == {"error": "RuntimeError: no kernel"}
+    assert all(torch.equal(x[n], saved[n]) for n in (*kp.INPUTS, "pool"))  # restored after
+
+
 def test_io_floor_counts_inputs_outputs_and_both_states() -> None:
     f = kp._io_floor(2, 64, 4, 4.0)
     tot, h = 128, 4
