@@ -31,6 +31,17 @@ def _fail(msg: str) -> None:
     sys.exit(EXIT_REFUSED)
 
 
+def one_thread() -> None:
+    """Compute with one intra-op thread unless OMP_NUM_THREADS says otherwise: this engine's ops are far too
+    small for threads to pay, and its DCP ranks step in lockstep beside the harness's other engines, where
+    each process's idle threads spin against the others' work."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tests.second_engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(manifest()), flush=True)
         return
     fd = os.environ.pop("QUALIFY_HARNESS_FD", None)  # rank 0's watch; never a follower's
+    one_thread()
     if args.command == "follow":
         follow(args)
         return
