@@ -39,6 +39,19 @@ os.environ.pop("QUALIFY_DB_URL", None)
 os.environ["QUALIFY_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"qualify-test-cache-{os.getuid()}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    """In-process torch computes with one intra-op thread, as the engine processes the tests start do: two
+    pytest-xdist workers on the 2-core machine, each with torch's default threads, spin against each other
+    (tests/engine/test_fused_glue.py beside tests/test_bench_batch_variance.py in two workers, 2026-12-06:
+    70.2 and 68.4 s with the default threads, 63.1 and 61.1 s with one). The environment is left as it is."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)
+
+
 # Tests that share the Docker daemon's containers: one checks that it leaves no container of its label behind,
 # `qualify gc` and `qualify run --launcher docker` reap those whose harness is gone, and the engine image is
 # built once. Under pytest-xdist they run one at a time across the workers, each holding a host lock for its
