@@ -192,7 +192,10 @@ def _variants_vs_default(
         return x["out"].to(torch.float32, copy=True), x["pool"].clone()
 
     report: dict[str, dict] = {}
-    ref_out, ref_pool = once(calls["ours"])
+    try:
+        ref_out, ref_pool = once(calls["ours"])
+    except Exception as e:  # nothing to compare with; the timing reports the default's failure too
+        return {"ours": {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}}
     scale = float(ref_out.abs().max())
     for name in (n for n in VARIANTS if n in calls):
         try:

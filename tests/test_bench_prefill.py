@@ -67,6 +67,8 @@ def test_each_variant_is_compared_with_the_default_from_the_same_inputs_and_stat
     assert report[other]["state_max_abs_diff"] == 0.0
     assert report[broken] == {"error": "RuntimeError: no kernel"}
     assert all(torch.equal(x[n], saved[n]) for n in (*kp.INPUTS, "pool"))  # restored after
+    no_default = kp._variants_vs_default(x, saved, {**calls, "ours": fails})
+    assert no_default == {"ours": {"error": "RuntimeError: no kernel"}}
 
 
 def test_io_floor_counts_inputs_outputs_and_both_states() -> None:
