@@ -175,18 +175,29 @@ def _modified_inputs(
     return changed
 
 
+def _error_line(e: Exception) -> str:
+    """An exception in one line of at most 200 characters, for a result's JSON."""
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
 def _variants_vs_default(
     x: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], calls: dict[str, Callable[[], None]]
 ) -> dict[str, dict]:
     """Each variant of ours run once from the same inputs and initial states as the default: whether its
     output and final states are the default's bits, and how far they are from them where not (outside any
     timed region; the inputs and the state pool restored after)."""
+    names = [n for n in VARIANTS if n in calls]
+    if not names:
+        return {}
     pool0 = x["pool"].clone()
 
-    def once(fn: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def restore() -> None:
         for n in INPUTS:
             x[n].copy_(saved[n])
         x["pool"].copy_(pool0)
+
+    def once(fn: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        restore()
         fn()
         _sync()
         return x["out"].to(torch.float32, copy=True), x["pool"].clone()
@@ -195,13 +206,13 @@ def _variants_vs_default(
     try:
         ref_out, ref_pool = once(calls["ours"])
     except Exception as e:  # nothing to compare with; the timing reports the default's failure too
-        return {"ours": {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}}
+        return {"ours": {"error": _error_line(e)}}
     scale = float(ref_out.abs().max())
-    for name in (n for n in VARIANTS if n in calls):
+    for name in names:
         try:
             out, pool = once(calls[name])
         except Exception as e:  # reported with the timing's own failure too
-            report[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+            report[name] = {"error": _error_line(e)}
             continue
         report[name] = {
             "same_bits": bool(torch.equal(out, ref_out) and torch.equal(pool, ref_pool)),
@@ -210,9 +221,7 @@ def _variants_vs_default(
             "state_max_abs_diff": float((pool - ref_pool).abs().max()),
             "finite": bool(torch.isfinite(out).all() and torch.isfinite(pool).all()),
         }
-    for n in INPUTS:
-        x[n].copy_(saved[n])
-    x["pool"].copy_(pool0)
+    restore()
     _sync()
     return report
 
@@ -316,7 +325,7 @@ def bench_shape(
             try:
                 modified[label] = _modified_inputs(x, saved, calls[label])
             except Exception as e:  # reported with the timing's own failure below
-                modified[label] = [f"could not run: {type(e).__name__}: {e}".splitlines()[0][:200]]
+                modified[label] = [f"could not run: {_error_line(e)}"[:200]]
     row["inputs_modified"] = modified
     restore = sorted({n for names in modified.values() for n in names if n in INPUTS})
     if restore:  # equal work: every timed call starts from the same inputs
