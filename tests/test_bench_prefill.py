@@ -69,6 +69,7 @@ def test_each_variant_is_compared_with_the_default_from_the_same_inputs_and_stat
     assert all(torch.equal(x[n], saved[n]) for n in (*kp.INPUTS, "pool"))  # restored after
     no_default = kp._variants_vs_default(x, saved, {**calls, "ours": fails})
     assert no_default == {"ours": {"error": "RuntimeError: no kernel"}}
+    assert kp._variants_vs_default(x, saved, {"ours": fails, "fla+norm": fails}) == {}  # no variant: no run
 
 
 def test_io_floor_counts_inputs_outputs_and_both_states() -> None:
