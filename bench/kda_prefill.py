@@ -70,26 +70,18 @@ VARIANTS: dict[str, dict[str, object]] = {
     # warp spills: kernels/kda/chunk.py.) The merge's products on the tensor cores in three tf32 passes,
     # at 1 warp (163 registers: twelve programs per SM against four; 0.4% faster at 1x8192 in its one run).
     "ours_merge_tf32x3": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
-    # The earlier sub-chunks' key norms in the diagonal pass from the K slices' squares (no second load of
-    # their whole rows; not yet timed).
-    "ours_norms_from_slices": {"_OFFDIAG_NORMS_FROM_SLICES": True},
-    # The diagonal inverse's forward substitution with the rows of A_ii from the registers (the same bits; no
-    # L2 round trip on its 14 dependent steps; not yet timed).
-    "ours_rows_in_regs": {"_DIAG_ROWS_IN_REGS": True},
-    # The exponentials of the diagonal pass, W/U and the sequential pass as `ex2.approx.ftz` (two
-    # instructions against five each; denormal results flushed to zero; not yet timed).
-    "ours_exp_ftz": {"_EXP_FTZ": True},
-    # and Γ stored in log2 units, so each of those exponentials is one MUFU.EX2, and the gate's sigmoid two
-    # MUFU operations (not the same bits; not yet timed).
-    "ours_exp2_ftz": {"_EXP_FTZ": True, "_GCUM_LOG2": True},
-    # and the earlier sub-chunks' key norms from the K slices, the diagonal pass capped at 168 registers (six
-    # programs per SM; 190 uncapped; not yet timed).
-    "ours_exp2_ftz_norms_from_slices": {
-        "_EXP_FTZ": True,
-        "_GCUM_LOG2": True,
-        "_OFFDIAG_NORMS_FROM_SLICES": True,
-        "_DIAG_MAXNREG": 168,
-    },
+    # The defaults before 2026-12-06: tl.exp keeping denormals, the earlier sub-chunks' key norms from their
+    # whole rows loaded again, the diagonal pass uncapped (the settings that replaced them were timed in
+    # bench/results/kda-prefill-h100-2026-12-06-variants.json).
+    "ours_before_2026_12_06": {"_EXP_FTZ": False, "_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
+    # The key norms from whole rows again (exponentials as the default), and the norms from the K slices
+    # with ptxas's own register count (190: five programs per SM). (A lower cap, 160, spills 16 bytes, and
+    # the substitution's rows from the registers spill 4 beside these defaults: bench/sm90.py.)
+    "ours_norms_from_rows": {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
+    "ours_uncapped": {"_DIAG_MAXNREG": None},
+    # Γ stored in log2 units, so each exponential is one MUFU.EX2, and the gate's sigmoid two MUFU
+    # operations (not the same bits; with the norms from whole rows it ran 0.2-0.4% slower than without).
+    "ours_gcum_log2": {"_GCUM_LOG2": True},
 }
 
 

@@ -107,35 +107,38 @@ _MERGE_PRECISION = "ieee"
 # memory, 2 stages 168 and 21 KB, 1 stage 217 and 8 KB; at 4 warps 1 stage 155 and 8 KB. Without it every
 # depth compiles alike (162 registers, 8 KB).
 _DIAG_STAGES = 2
-# The diagonal pass's norms of the earlier sub-chunks' keys (_OFFDIAG_IN_DIAG): False, from their whole
-# rows loaded again after the K-slice loop (the default, the diagonal pass's own expression); True, from
-# the squares of the slices that loop loads anyway (no second load of 16 x K keys per earlier sub-chunk,
-# the same norms summed in another order). Not yet timed on a GPU; bench/kda_prefill.py times it as a
-# variant.
-_OFFDIAG_NORMS_FROM_SLICES = False
-# ptxas's register cap for the diagonal pass (Triton's maxnreg; None: ptxas's own choice). With
-# _OFFDIAG_NORMS_FROM_SLICES the pass takes 190 registers, five programs of 2 warps per SM; capped at 168 it
-# compiles without spilling (bench/sm90.py), six per SM as the default. Not yet timed on a GPU.
-_DIAG_MAXNREG: int | None = None
+# The diagonal pass's norms of the earlier sub-chunks' keys (_OFFDIAG_IN_DIAG): True, from the squares of the
+# slices its K-slice loop loads anyway (no second load of 16 x K keys per earlier sub-chunk; the same norms
+# summed in another order, so the output is the whole-row norms' to a bf16 rounding); False, from their
+# whole rows loaded again after that loop. With True the pass takes 190 registers uncapped, five programs of
+# 2 warps per SM; ptxas's cap (Triton's maxnreg) at 168 keeps six, without spilling (bench/sm90.py).
+# Measured with _EXP_FTZ below (H100, 2026-12-06, bbc0e43, one run,
+# bench/results/kda-prefill-h100-2026-12-06-variants.json, with Γ in log2 units as well): the prefill ran
+# 0.8488 / 0.8459 / 3.4260 / 1.6050 ms at 1x8192 / 8x1024 / 1x32768 (H = 32) / 1x8192 (H = 64) against
+# 0.8716 / 0.8718 / 3.5141 / 1.6586 with whole-row norms and no cap, 2.5-3.2% faster.
+_OFFDIAG_NORMS_FROM_SLICES = True
+_DIAG_MAXNREG: int | None = 168
 # The diagonal pass's forward substitution for (I + A_ii)^{-1}: False, each of its 14 dependent steps loads
 # row s of A_ii back from x, whole (stored just before with its zeros from column s on); True, the row from
 # the registers by a masked sum over the tile's rows (the same values exactly, so the same bits), and A_ii
 # is not stored at all. Not yet timed on a GPU; bench/kda_prefill.py times it as a variant.
 _DIAG_ROWS_IN_REGS = False
-# The exponentials of the diagonal pass, W/U and the sequential pass: False, tl.exp (sm_90's `ex2.approx`
-# keeps denormal results: a compare and two predicated multiplies around each MUFU.EX2); True,
-# `ex2.approx.ftz` (chunk_intra._exp), results below fp32's normal range flushed to zero, every other result
-# the same value. The diagonal pass issues about one instruction every second cycle per scheduler (Nsight
-# Compute); on sm_90 (bench/sm90.py) it is 3312 static instructions against 3888 (its K-slice loop 671
-# against 863) at the same 168 registers, W/U 816 against 912 at 79. Not yet timed on a GPU;
-# bench/kda_prefill.py times it as a variant. Compiled code only: the interpreter runs tl.exp either way.
-_EXP_FTZ = False
+# The exponentials of the diagonal pass, W/U and the sequential pass: True, `ex2.approx.ftz`
+# (chunk_intra._exp), results below fp32's normal range flushed to zero, every other result the same value;
+# False, tl.exp (sm_90's `ex2.approx` keeps denormal results: a compare and two predicated multiplies around
+# each MUFU.EX2). On sm_90 (bench/sm90.py) the diagonal pass is 3312 static instructions against 3888 (its
+# K-slice loop 671 against 863) at the same registers, W/U 816 against 912. In the run named above the
+# prefill gave the same bits as tl.exp at every shape and ran 0.8697 / 0.8697 / 3.5003 / 1.6523 ms against
+# 0.9043 / 0.9061 / 3.5792 / 1.7163 (1.378 / 1.447 / 1.310 / 1.385x fla+norm against 1.325 / 1.389 / 1.281 /
+# 1.333). Compiled code only: the interpreter runs tl.exp either way.
+_EXP_FTZ = True
 # Γ in log2 units: the gate pass stores Γ·log2(e) (the cumulative sum of g·log2(e)), and every decay factor
 # is 2^(Γ_r − Γ_j) (chunk_intra._exp's "2" modes), one multiply fewer per exponential in the diagonal pass,
 # W/U and the state pass (the diagonal pass 3128 static instructions with _EXP_FTZ). With _EXP_FTZ the gate
 # pass's sigmoid is also two MUFU operations (_gate_kernel's "2_ftz": 960 static instructions against 1216).
-# Not the same bits (Γ rounds in other units); the same tolerances against the oracle. Not yet timed on a
-# GPU; bench/kda_prefill.py times it with _EXP_FTZ as a variant.
+# Not the same bits (Γ rounds in other units); the same tolerances against the oracle. In the run named
+# above it ran 0.2-0.4% slower than _EXP_FTZ alone at every shape (0.8716 / 0.8718 / 3.5141 / 1.6586 ms):
+# bench/kda_prefill.py times it as a variant.
 _GCUM_LOG2 = False
 
 

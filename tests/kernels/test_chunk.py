@@ -204,12 +204,12 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_TRIL_LOADS": False, "_STATE_BV": 16},
         {"_OFFDIAG_IN_DIAG": False},
         {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
-        {"_OFFDIAG_NORMS_FROM_SLICES": True},
+        {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
         {"_DIAG_ROWS_IN_REGS": True},
         {"_DIAG_ROWS_IN_REGS": True, "_TRIL_LOADS": False},
         {"_GCUM_LOG2": True},
         {"_GCUM_LOG2": True, "_OFFDIAG_IN_DIAG": False},
-        {"_GCUM_LOG2": True, "_OFFDIAG_NORMS_FROM_SLICES": True, "_DIAG_MAXNREG": 168},
+        {"_GCUM_LOG2": True, "_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
     ],
     ids=[
         "default",
@@ -220,12 +220,12 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "zeros-right-of-the-diagonal-v-blocks-of-16",
         "the-off-diagonal-pass",
         "merge-in-tf32x3",
-        "norms-from-slices",
+        "norms-from-whole-rows",
         "substitution-rows-from-registers",
         "substitution-rows-from-registers-zeros-right",
         "gamma-in-log2-units",
         "gamma-in-log2-units-off-diagonal-pass",
-        "gamma-in-log2-units-norms-from-slices-capped-registers",
+        "gamma-in-log2-units-norms-from-whole-rows",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:
@@ -339,16 +339,17 @@ def test_off_diagonal_blocks_from_the_diagonal_pass_give_the_off_diagonal_pass_b
 
 
 @pytest.mark.parametrize(("K", "bk"), [(128, 64), (32, 16)])
-def test_key_norms_from_the_k_slices_give_the_defaults_output_to_a_rounding(K, bk, monkeypatch) -> None:
-    # _OFFDIAG_NORMS_FROM_SLICES: the diagonal pass takes the earlier sub-chunks' key norms from the squares
-    # of the K slices its loop loads (two slices here), not from their whole rows loaded again: the same
-    # sums in another order, so the output is the default's up to bf16 rounding. A norm from one slice
-    # alone (a sum not carried across the slices) would be off by about 1.4x.
+def test_key_norms_from_the_k_slices_give_the_whole_rows_output_to_a_rounding(K, bk, monkeypatch) -> None:
+    # _OFFDIAG_NORMS_FROM_SLICES (the default since 2026-12-06): the diagonal pass takes the earlier
+    # sub-chunks' key norms from the squares of the K slices its loop loads (two slices here), not from their
+    # whole rows loaded again: the same sums in another order, so the output is the whole rows' up to bf16
+    # rounding. A norm from one slice alone (a sum not carried across the slices) would be off by about 1.4x.
     import kernels.kda.chunk as chunk
 
     lens, slots, has_init = [1, 17, 49, 64, 130], [1, 2, 0, 3, 4], [True, False, True, False, True]
     case = dict(seed=8, K=K, chunk=64, device_count=True, nan_scratch=True)
     monkeypatch.setattr(chunk, "_INTER_BK", bk)
+    monkeypatch.setattr(chunk, "_OFFDIAG_NORMS_FROM_SLICES", False)  # whole rows
     out0, o_ref, pool0, _, _ = _run_prefill(lens, slots, has_init, **case)
     monkeypatch.setattr(chunk, "_OFFDIAG_NORMS_FROM_SLICES", True)
     out1, _, pool1, _, _ = _run_prefill(lens, slots, has_init, **case)

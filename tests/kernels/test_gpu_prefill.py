@@ -116,15 +116,14 @@ VARIANTS = {
     "zeros-right-of-the-diagonal": {"_TRIL_LOADS": False},
     "the-off-diagonal-pass": {"_OFFDIAG_IN_DIAG": False, "_DIAG_STAGES": 3},
     "merge-in-tf32x3-at-1-warp": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
-    "norms-from-slices": {"_OFFDIAG_NORMS_FROM_SLICES": True},
+    "norms-from-whole-rows": {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
     "substitution-rows-from-registers": {"_DIAG_ROWS_IN_REGS": True},
-    "exponentials-flushing-denormals": {"_EXP_FTZ": True},
-    "gamma-in-log2-units-flushing-denormals": {"_GCUM_LOG2": True, "_EXP_FTZ": True},
-    "gamma-in-log2-units-norms-from-slices-168-registers": {
+    "exponentials-keeping-denormals": {"_EXP_FTZ": False},
+    "gamma-in-log2-units": {"_GCUM_LOG2": True},
+    "gamma-in-log2-units-norms-from-whole-rows": {
         "_GCUM_LOG2": True,
-        "_EXP_FTZ": True,
-        "_OFFDIAG_NORMS_FROM_SLICES": True,
-        "_DIAG_MAXNREG": 168,
+        "_OFFDIAG_NORMS_FROM_SLICES": False,
+        "_DIAG_MAXNREG": None,
     },
     "gamma-in-log2-units-off-diagonal-pass": {
         "_GCUM_LOG2": True,
@@ -136,7 +135,8 @@ VARIANTS = {
 # computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
 # they keep the bits, but on the device a scan's order follows the tile's layout, which its width changes.)
 # The substitution's rows of A_ii from the registers are a masked sum of one value and zeros: exact anywhere.
-# The exponentials that flush denormals give the same value wherever e^x is a normal number (the same
+# The exponentials that flush denormals (the default) give the same value as those that keep them wherever
+# e^x is a normal number (the same
 # multiply by log2(e), the same MUFU.EX2); where it is not (below 1.2e-38), every sum it enters also holds a
 # term of order one (the row's own, at the factor e^0), far below whose last bit it falls.
 SAME_BITS = (
@@ -144,7 +144,7 @@ SAME_BITS = (
     "zeros-right-of-the-diagonal",
     "state-without-prefetch-g",
     "substitution-rows-from-registers",
-    "exponentials-flushing-denormals",
+    "exponentials-keeping-denormals",
 )
 
 
