@@ -70,18 +70,22 @@ VARIANTS: dict[str, dict[str, object]] = {
     # warp spills: kernels/kda/chunk.py.) The merge's products on the tensor cores in three tf32 passes,
     # at 1 warp (163 registers: twelve programs per SM against four; 0.4% faster at 1x8192 in its one run).
     "ours_merge_tf32x3": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
-    # The defaults before 2026-12-06: tl.exp keeping denormals, the earlier sub-chunks' key norms from their
-    # whole rows loaded again, the diagonal pass uncapped (the settings that replaced them were timed in
-    # bench/results/kda-prefill-h100-2026-12-06-variants.json).
-    "ours_before_2026_12_06": {"_EXP_FTZ": False, "_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
-    # The key norms from whole rows again (exponentials as the default), and the norms from the K slices
-    # with ptxas's own register count (190: five programs per SM). (A lower cap, 160, spills 16 bytes, and
-    # the substitution's rows from the registers spill 4 beside these defaults: bench/sm90.py.)
+    # The defaults before 2026-12-06: Γ in natural units, tl.exp keeping denormals, the earlier sub-chunks'
+    # key norms from their whole rows loaded again, the diagonal pass uncapped (the settings that replaced
+    # them were timed in bench/results/kda-prefill-h100-2026-12-06-variants.json and -defaults.json).
+    "ours_before_2026_12_06": {
+        "_GCUM_LOG2": False,
+        "_EXP_FTZ": False,
+        "_OFFDIAG_NORMS_FROM_SLICES": False,
+        "_DIAG_MAXNREG": None,
+    },
+    # Γ in natural units (the exponentials still flushing denormals): 1.0-1.6% slower in -defaults.json.
+    "ours_gamma_natural": {"_GCUM_LOG2": False},
+    # The key norms from whole rows again, and the norms from the K slices with ptxas's own register count
+    # (190: five programs per SM). (A lower cap, 160, spills 16 bytes, and the substitution's rows from the
+    # registers spill 4 beside these defaults: bench/sm90.py.)
     "ours_norms_from_rows": {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
     "ours_uncapped": {"_DIAG_MAXNREG": None},
-    # Γ stored in log2 units, so each exponential is one MUFU.EX2, and the gate's sigmoid two MUFU
-    # operations (not the same bits; with the norms from whole rows it ran 0.2-0.4% slower than without).
-    "ours_gcum_log2": {"_GCUM_LOG2": True},
 }
 
 

@@ -294,16 +294,17 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         c = dict(c, ROWS_IN_REGS=False, EXP=mode)
         name = f"prefill diagonal pass with the off-diagonal blocks, {what}"
         yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
-    # ours_exp2_ftz_norms_from_slices: with the key norms from the K slices, capped at 168 registers
+    # the module's defaults since 2026-12-06: Γ in log2 units, ftz, the key norms from the K slices, capped at
+    # 168 registers (six programs of 2 warps per SM)
     c = dict(c, NK_SLICES=True)
     name = "prefill diagonal pass with the off-diagonal blocks, Gamma in log2 units, ftz, norms from slices"
     yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, (), 168)
-    # the defaults since 2026-12-06: exponentials flushing denormals, the key norms from the K slices, under
-    # the module's cap (168: six programs of 2 warps per SM). At 160 the pass spills 16 bytes, and the
-    # substitution's rows from the registers beside these settings 4 (not timed for that reason).
+    # and in natural units (bench/kda_prefill.py's ours_gamma_natural). At 160 registers the pass spills 16
+    # bytes, and the substitution's rows from the registers beside these settings 4 (neither timed so).
     c = dict(c, EXP="e_ftz")
-    name = "prefill diagonal pass with the off-diagonal blocks, ftz, norms from slices (the default)"
-    yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, (), ch._DIAG_MAXNREG)
+    name = "prefill diagonal pass with the off-diagonal blocks, ftz, norms from slices, "
+    name += "Gamma in natural units"
+    yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, (), 168)
     merge = {"x_inv": F32, **chunks}
     c = dict(H=H, BT=BT, BC=BC, DEVICE_COUNT=True, PREC=ch._MERGE_PRECISION)
     yield "prefill merge of the off-diagonal blocks", ci.merge_kernel, merge, c, ch._MERGE_WARPS
@@ -331,9 +332,10 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     # pre: _STATE_PREFETCH_G, tril: _TRIL_LOADS (the defaults), and the state pass as it was before either
     for bv, (pre, tril) in itertools.product((32, 64), ((True, True), (False, False))):
         c = dict(H=H, K=K, V=V, BT=BT, BV=bv, WHILE_LOOP=False, DT=tl.bfloat16, VB_FIRST=ch._STATE_VB_FIRST)
-        c.update(PREFETCH_G=pre, TRIL=tril)
+        c.update(PREFETCH_G=pre, TRIL=tril, EXP="2_ftz" if pre else "e")  # the defaults, or as before them
         name = f"prefill state pass BV={bv}" + (", Gamma_C a chunk ahead" if pre else "")
         name += ", P's lower triangle" if tril else ""
+        name += ", Gamma in log2 units, ftz" if pre else ""
         yield name, ch._state_kernel, state, c, ch._STATE_WARPS
     norm = {"out": BF16, "z": BF16, "weight": F32, "cu_seqlens": I32, "n_seqs": "i32", "eps": "fp32"}
     norm["rows_cap"] = "i32"

@@ -115,7 +115,10 @@ _DIAG_STAGES = 2
 # Measured with _EXP_FTZ below (H100, 2026-12-06, bbc0e43, one run,
 # bench/results/kda-prefill-h100-2026-12-06-variants.json, with Γ in log2 units as well): the prefill ran
 # 0.8488 / 0.8459 / 3.4260 / 1.6050 ms at 1x8192 / 8x1024 / 1x32768 (H = 32) / 1x8192 (H = 64) against
-# 0.8716 / 0.8718 / 3.5141 / 1.6586 with whole-row norms and no cap, 2.5-3.2% faster.
+# 0.8716 / 0.8718 / 3.5141 / 1.6586 with whole-row norms and no cap, 2.5-3.2% faster. In the second run
+# named below (Γ in natural units there) whole-row norms ran 0.9-1.5% slower, and the norms from the slices
+# without the cap (five programs per SM) 3.5-6.6% slower: 0.9107 / 0.8937 / 3.6775 / 1.7205 ms against
+# 0.8590 / 0.8348 / 3.4909 / 1.6141 with it.
 _OFFDIAG_NORMS_FROM_SLICES = True
 _DIAG_MAXNREG: int | None = 168
 # The diagonal pass's forward substitution for (I + A_ii)^{-1}: False, each of its 14 dependent steps loads
@@ -136,10 +139,15 @@ _EXP_FTZ = True
 # is 2^(Γ_r − Γ_j) (chunk_intra._exp's "2" modes), one multiply fewer per exponential in the diagonal pass,
 # W/U and the state pass (the diagonal pass 3128 static instructions with _EXP_FTZ). With _EXP_FTZ the gate
 # pass's sigmoid is also two MUFU operations (_gate_kernel's "2_ftz": 960 static instructions against 1216).
-# Not the same bits (Γ rounds in other units); the same tolerances against the oracle. In the run named
-# above it ran 0.2-0.4% slower than _EXP_FTZ alone at every shape (0.8716 / 0.8718 / 3.5141 / 1.6586 ms):
-# bench/kda_prefill.py times it as a variant.
-_GCUM_LOG2 = False
+# Not the same bits (Γ rounds in other units: the output within 0.016-0.031 of natural units' where its
+# largest entry is 4.2-4.6); the same tolerances against the oracle. In the run named above, with the key
+# norms from whole rows, it ran 0.2-0.4% slower than _EXP_FTZ alone (0.8716 / 0.8718 / 3.5141 / 1.6586 ms);
+# with the norms from the K slices (ours_exp2_ftz_norms_from_slices there) it was the fastest of that run,
+# 1.412 / 1.488 / 1.339 / 1.426x fla+norm. A second run (H100, 2026-12-06, dad8687,
+# bench/results/kda-prefill-h100-2026-12-06-defaults.json), against these other settings as the default,
+# timed it 1.0-1.6% faster at every shape: 0.8504 / 0.8250 / 3.4640 / 1.5919 ms against 0.8590 / 0.8348 /
+# 3.4909 / 1.6141 (1.409 / 1.481 / 1.342 / 1.422x fla+norm against 1.395 / 1.464 / 1.331 / 1.403).
+_GCUM_LOG2 = True
 
 
 def _exp_mode() -> str:

@@ -207,9 +207,9 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
         {"_DIAG_ROWS_IN_REGS": True},
         {"_DIAG_ROWS_IN_REGS": True, "_TRIL_LOADS": False},
-        {"_GCUM_LOG2": True},
-        {"_GCUM_LOG2": True, "_OFFDIAG_IN_DIAG": False},
-        {"_GCUM_LOG2": True, "_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
+        {"_GCUM_LOG2": False},
+        {"_GCUM_LOG2": False, "_OFFDIAG_IN_DIAG": False},
+        {"_GCUM_LOG2": False, "_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
     ],
     ids=[
         "default",
@@ -223,9 +223,9 @@ def test_prefill_with_64_token_chunks_and_a_device_chunk_count() -> None:
         "norms-from-whole-rows",
         "substitution-rows-from-registers",
         "substitution-rows-from-registers-zeros-right",
-        "gamma-in-log2-units",
-        "gamma-in-log2-units-off-diagonal-pass",
-        "gamma-in-log2-units-norms-from-whole-rows",
+        "gamma-in-natural-units",
+        "gamma-in-natural-units-off-diagonal-pass",
+        "the-defaults-before-2026-12-06",
     ],
 )
 def test_prefill_on_ragged_lengths_with_strong_decays_and_the_null_slot(variant, monkeypatch) -> None:

@@ -118,43 +118,45 @@ VARIANTS = {
     "merge-in-tf32x3-at-1-warp": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
     "norms-from-whole-rows": {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
     "substitution-rows-from-registers": {"_DIAG_ROWS_IN_REGS": True},
-    "exponentials-keeping-denormals": {"_EXP_FTZ": False},
-    "gamma-in-log2-units": {"_GCUM_LOG2": True},
-    "gamma-in-log2-units-norms-from-whole-rows": {
-        "_GCUM_LOG2": True,
+    "gamma-in-natural-units": {"_GCUM_LOG2": False},
+    "gamma-in-natural-units-keeping-denormals": {"_GCUM_LOG2": False, "_EXP_FTZ": False},
+    "the-defaults-before-2026-12-06": {
+        "_GCUM_LOG2": False,
+        "_EXP_FTZ": False,
         "_OFFDIAG_NORMS_FROM_SLICES": False,
         "_DIAG_MAXNREG": None,
     },
-    "gamma-in-log2-units-off-diagonal-pass": {
-        "_GCUM_LOG2": True,
+    "gamma-in-natural-units-off-diagonal-pass": {
+        "_GCUM_LOG2": False,
         "_OFFDIAG_IN_DIAG": False,
         "_DIAG_STAGES": 3,
     },
 }
 # The default (on NaN scratch, against itself on fresh scratch) and the variants that change no value any pass
-# computes, only when or whether it is loaded or stored. (Not the gate's channel blocks: on the interpreter
-# they keep the bits, but on the device a scan's order follows the tile's layout, which its width changes.)
-# The substitution's rows of A_ii from the registers are a masked sum of one value and zeros: exact anywhere.
-# The exponentials that flush denormals (the default) give the same value as those that keep them wherever
-# e^x is a normal number (the same
-# multiply by log2(e), the same MUFU.EX2); where it is not (below 1.2e-38), every sum it enters also holds a
-# term of order one (the row's own, at the factor e^0), far below whose last bit it falls.
-SAME_BITS = (
-    "default",
-    "zeros-right-of-the-diagonal",
-    "state-without-prefetch-g",
-    "substitution-rows-from-registers",
-    "exponentials-keeping-denormals",
-)
+# computes, only when or whether it is loaded or stored, each against the settings it differs from. (Not the
+# gate's channel blocks: on the interpreter they keep the bits, but on the device a scan's order follows the
+# tile's layout, which its width changes.) The substitution's rows of A_ii from the registers are a masked
+# sum of one value and zeros: exact anywhere. The exponentials that flush denormals (the default) give the
+# same value as those that keep them wherever e^x is a normal number (the same multiply by log2(e), the same
+# MUFU.EX2); where it is not (below 1.2e-38), every sum it enters also holds a term of order one (the row's
+# own, at the factor e^0), far below whose last bit it falls. (Compared in natural units: in log2 units the
+# gate's sigmoid is computed another way with ftz, by ex2 and rcp.)
+SAME_BITS_AS = {
+    "default": {},
+    "zeros-right-of-the-diagonal": {},
+    "state-without-prefetch-g": {},
+    "substitution-rows-from-registers": {},
+    "gamma-in-natural-units-keeping-denormals": VARIANTS["gamma-in-natural-units"],
+}
 
 
-@pytest.mark.parametrize("variant", SAME_BITS)
+@pytest.mark.parametrize("variant", list(SAME_BITS_AS))
 def test_variants_that_move_loads_give_the_defaults_bits_on_nan_scratch(variant: str) -> None:
-    # The variant runs on scratch filled with NaN, the default on fresh scratch, so a pass reading an
-    # entry no pass wrote (a mask of the default's reaching right of P's or X's diagonal) shows in the bits.
+    # The variant runs on scratch filled with NaN, its base on fresh scratch, so a pass reading an entry no
+    # pass wrote (a mask of the default's reaching right of P's or X's diagonal) shows in the bits.
     lens, has_init = [1, 63, 64, 65, 1000, 4097], [True, False, True, True, False, True]
     kw = dict(device_count=True, seed=21, null=(2,), a_shift=3.0, check=False)
-    base = _case(lens, has_init, variant={}, **kw)
+    base = _case(lens, has_init, variant=SAME_BITS_AS[variant], **kw)
     got = _case(lens, has_init, variant=VARIANTS[variant], nan_scratch=True, **kw)
     assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
 
