@@ -124,7 +124,8 @@ _DIAG_MAXNREG: int | None = 168
 # The diagonal pass's forward substitution for (I + A_ii)^{-1}: False, each of its 14 dependent steps loads
 # row s of A_ii back from x, whole (stored just before with its zeros from column s on); True, the row from
 # the registers by a masked sum over the tile's rows (the same values exactly, so the same bits), and A_ii
-# is not stored at all. Beside the defaults of 2026-12-06 it spills 4 bytes on sm_90 (bench/sm90.py): not timed.
+# is not stored at all. Beside the defaults of 2026-12-06 it spills 4 bytes on sm_90 (bench/sm90.py):
+# not timed.
 _DIAG_ROWS_IN_REGS = False
 # The exponentials of the diagonal pass, W/U and the sequential pass: True, `ex2.approx.ftz`
 # (chunk_intra._exp), results below fp32's normal range flushed to zero, every other result the same value;
