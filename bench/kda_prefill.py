@@ -81,11 +81,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     },
     # Γ in natural units (the exponentials still flushing denormals): 1.0-1.6% slower in -defaults.json.
     "ours_gamma_natural": {"_GCUM_LOG2": False},
-    # The key norms from whole rows again, and the norms from the K slices with ptxas's own register count
-    # (190: five programs per SM). (A lower cap, 160, spills 16 bytes, and the substitution's rows from the
-    # registers spill 4 beside these defaults: bench/sm90.py.)
-    "ours_norms_from_rows": {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
-    "ours_uncapped": {"_DIAG_MAXNREG": None},
+    # (Timed on 2026-12-06 and removed: the key norms from whole rows again, 0.9-1.5% slower, and the norms
+    # from the K slices at ptxas's own 190 registers, 3.5-6.6% slower: kernels/kda/chunk.py.)
 }
 
 

@@ -263,7 +263,7 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         c = dict(H=H, K=K, BK=bk, BT=BT, DEVICE_COUNT=True)
         name = "prefill gate" + ("" if (bk, warps) == default else f" BK={bk} at {warps} warps")
         yield name, ch._gate_kernel, gate, c, warps
-    # _GCUM_LOG2 with _EXP_FTZ (ours_exp2_ftz): Γ in log2 units, the sigmoid by ex2 and rcp (ftz)
+    # _GCUM_LOG2 with _EXP_FTZ (the defaults): Γ in log2 units, the sigmoid by ex2 and rcp (ftz)
     c = dict(H=H, K=K, BK=default[0], BT=BT, DEVICE_COUNT=True, EXP="2_ftz")
     yield "prefill gate, Gamma in log2 units, fast sigmoid", ch._gate_kernel, gate, c, default[1]
     diag = {"q": BF16, "k": BF16, "b": BF16, "gcum": F32, "q_tilde": BF16, "k_bar": BF16, "p": BF16}
@@ -279,17 +279,18 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         c["BK"] = min(K, ch._INTER_BK)
         name = f"prefill diagonal pass with the off-diagonal blocks, {warps} warps, {stages} stage(s)"
         yield name, ci.diag_kernel, diag, c, warps, (stages, ())
-    # _OFFDIAG_NORMS_FROM_SLICES (bench/kda_prefill.py's ours_norms_from_slices), at the default launch
+    # _OFFDIAG_NORMS_FROM_SLICES alone (in natural units, uncapped), at the default launch
     c = dict(H=H, K=K, BT=BT, BC=BC, DEVICE_COUNT=True, DT=tl.bfloat16, ZERO_RIGHT=False, OFFDIAG=True)
     c.update(BK=min(K, ch._INTER_BK), NK_SLICES=True)
     name = "prefill diagonal pass with the off-diagonal blocks, their key norms from the K slices"
     yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
-    # _DIAG_ROWS_IN_REGS (ours_rows_in_regs): the substitution's rows of A_ii from the registers
+    # _DIAG_ROWS_IN_REGS: the substitution's rows of A_ii from the registers
     c = dict(c, NK_SLICES=False, ROWS_IN_REGS=True)
     name = "prefill diagonal pass with the off-diagonal blocks, the substitution's rows from the registers"
     yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
-    # _EXP_FTZ (ours_exp_ftz): the exponentials as ex2.approx.ftz, in the diagonal pass and in W/U; with
-    # _GCUM_LOG2 too (ours_exp2_ftz), of Γ stored in log2 units
+    # _EXP_FTZ: the exponentials as ex2.approx.ftz, in the diagonal pass and in W/U; with _GCUM_LOG2 too,
+    # of Γ stored in log2 units (ours_exp_ftz and ours_exp2_ftz of bench/results/kda-prefill-h100-2026-12-06-
+    # variants.json)
     for mode, what in (("e_ftz", "exponentials flushing denormals"), ("2_ftz", "Gamma in log2 units, ftz")):
         c = dict(c, ROWS_IN_REGS=False, EXP=mode)
         name = f"prefill diagonal pass with the off-diagonal blocks, {what}"
