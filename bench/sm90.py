@@ -300,6 +300,10 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     c = dict(c, NK_SLICES=True)
     name = "prefill diagonal pass with the off-diagonal blocks, Gamma in log2 units, ftz, norms from slices"
     yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, (), 168)
+    # and its grid as (sub-chunk, chunk, head) (_DIAG_SUB_FIRST, bench/kda_prefill.py's ours_diag_sub_first)
+    swapped = dict(c, SUB_FIRST=True)
+    launch = (ch._DIAG_STAGES, (), 168)
+    yield name + ", sub-chunks side by side", ci.diag_kernel, diag, swapped, ch._DIAG_WARPS, launch
     # and in natural units (bench/kda_prefill.py's ours_gamma_natural). At 160 registers the pass spills 16
     # bytes, and the substitution's rows from the registers beside these settings 4 (neither timed so).
     c = dict(c, EXP="e_ftz")

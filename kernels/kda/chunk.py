@@ -127,6 +127,16 @@ _DIAG_MAXNREG: int | None = 168
 # is not stored at all. Beside the defaults of 2026-12-06 it spills 4 bytes on sm_90 (bench/sm90.py):
 # not timed.
 _DIAG_ROWS_IN_REGS = False
+# The diagonal pass's grid order: False, (chunk, sub-chunk, head), the programs of one sub-chunk index of
+# every chunk side by side; True, (sub-chunk, chunk, head), a chunk's sub-chunks side by side, so the keys
+# and Γ of the earlier sub-chunks that each program's off-diagonal blocks read again were read moments
+# before by its neighbours. In the default order a re-read comes one to three sweeps over every chunk
+# later: a sweep is 512 programs at 1x32768 (some 10-15 MB of their reads; the H100's L2 holds 50 MB), 128
+# at 1x8192. The pass took 11% more time per token at 1x32768 than at 1x8192 on the H100 (2026-12-06,
+# bench/results/kda-prefill-h100-2026-12-06-default.json: 1344 against 303 us). The same arithmetic in
+# another order of programs: the same bits. Not yet timed on a GPU; bench/kda_prefill.py times it as a
+# variant. (Used where the chunk count fits the grid's second dimension, 65535.)
+_DIAG_SUB_FIRST = False
 # The exponentials of the diagonal pass, W/U and the sequential pass: True, `ex2.approx.ftz`
 # (chunk_intra._exp), results below fp32's normal range flushed to zero, every other result the same value;
 # False, tl.exp (sm_90's `ex2.approx` keeps denormal results: a compare and two predicated multiplies around
@@ -583,7 +593,9 @@ def prefill(
             num_warps=_GATE_WARPS,
         )
         ap_dt = tl.float32 if _INTERPRET else _AP_DT
-        diag_kernel[(grid_chunks, BT // _SUB, H)](
+        sub_first = _DIAG_SUB_FIRST and grid_chunks <= 65535
+        grid = (BT // _SUB, grid_chunks, H) if sub_first else (grid_chunks, BT // _SUB, H)
+        diag_kernel[grid](
             q,
             k,
             b,
@@ -607,6 +619,7 @@ def prefill(
             NK_SLICES=_OFFDIAG_NORMS_FROM_SLICES,
             ROWS_IN_REGS=_DIAG_ROWS_IN_REGS,
             EXP=exp_mode,
+            SUB_FIRST=sub_first,
             num_warps=_DIAG_WARPS,
             num_stages=_DIAG_STAGES,
             maxnreg=_DIAG_MAXNREG,

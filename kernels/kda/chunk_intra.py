@@ -98,6 +98,7 @@ def diag_kernel(
     NK_SLICES: tl.constexpr = False,
     ROWS_IN_REGS: tl.constexpr = False,
     EXP: tl.constexpr = "e",
+    SUB_FIRST: tl.constexpr = False,
 ):
     """Per (chunk, sub-chunk i, head): inverse norms, Q̃_i and K̄_i, the diagonal blocks P_ii and A_ii
     (reference point in the middle of the sub-chunk, so each factor is within e^{±|L|·BC/2}), with
@@ -109,9 +110,15 @@ def diag_kernel(
     loaded again (the same norms, summed in another order). ROWS_IN_REGS: the forward substitution takes
     each row of A_ii from the registers (a masked sum over the rows: the same values, exactly) instead of
     storing A_ii and loading it back row by row, a round trip to L2 on each of its 14 dependent steps. EXP:
-    how the gate pass stored Γ and how each decay factor is exponentiated (_exp)."""
-    c = tl.program_id(0)
-    i = tl.program_id(1)
+    how the gate pass stored Γ and how each decay factor is exponentiated (_exp). SUB_FIRST: the grid is
+    (sub-chunk, chunk, head) rather than (chunk, sub-chunk, head), so a chunk's sub-chunks are neighbouring
+    programs (the earlier sub-chunks' keys and Γ an OFFDIAG program reads again were just read beside it)."""
+    if SUB_FIRST:
+        i = tl.program_id(0)
+        c = tl.program_id(1)
+    else:
+        c = tl.program_id(0)
+        i = tl.program_id(1)
     h = tl.program_id(2)
     t0, n = _chunk_bounds(chunk_indices, cu_seqlens, c, n_chunks_ptr, n_chunks, BT, DEVICE_COUNT)
     if i * BC >= n:

@@ -118,6 +118,7 @@ VARIANTS = {
     "merge-in-tf32x3-at-1-warp": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
     "norms-from-whole-rows": {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
     "substitution-rows-from-registers": {"_DIAG_ROWS_IN_REGS": True},
+    "diagonal-pass-sub-chunks-side-by-side": {"_DIAG_SUB_FIRST": True},
     "gamma-in-natural-units": {"_GCUM_LOG2": False},
     "gamma-in-natural-units-keeping-denormals": {"_GCUM_LOG2": False, "_EXP_FTZ": False},
     "the-defaults-before-2026-12-06": {
@@ -136,7 +137,8 @@ VARIANTS = {
 # computes, only when or whether it is loaded or stored, each against the settings it differs from. (Not the
 # gate's channel blocks: on the interpreter they keep the bits, but on the device a scan's order follows the
 # tile's layout, which its width changes.) The substitution's rows of A_ii from the registers are a masked
-# sum of one value and zeros: exact anywhere. The exponentials that flush denormals (the default) give the
+# sum of one value and zeros: exact anywhere. The diagonal pass's programs in another order compute the same
+# values. The exponentials that flush denormals (the default) give the
 # same value as those that keep them wherever e^x is a normal number (the same multiply by log2(e), the same
 # MUFU.EX2); where it is not (below 1.2e-38), every sum it enters also holds a term of order one (the row's
 # own, at the factor e^0), far below whose last bit it falls. (Compared in natural units: in log2 units the
@@ -146,6 +148,7 @@ SAME_BITS_AS = {
     "zeros-right-of-the-diagonal": {},
     "state-without-prefetch-g": {},
     "substitution-rows-from-registers": {},
+    "diagonal-pass-sub-chunks-side-by-side": {},
     "gamma-in-natural-units-keeping-denormals": VARIANTS["gamma-in-natural-units"],
 }
 
