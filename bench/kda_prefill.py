@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -160,15 +160,19 @@ def _modified_inputs(
     x: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], fn: Callable[[], None]
 ) -> list[str]:
     """Run `fn` once on pristine inputs; the names of the inputs it wrote. The inputs are restored after."""
-    for n in INPUTS:
-        x[n].copy_(saved[n])
+    _put_back(x, saved, INPUTS)
     fn()
     _sync()
     changed = [n for n in INPUTS if not torch.equal(x[n], saved[n])]
-    for n in INPUTS:
-        x[n].copy_(saved[n])
+    _put_back(x, saved, INPUTS)
     _sync()
     return changed
+
+
+def _put_back(x: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], names: Iterable[str]) -> None:
+    """Copy the saved `names` back into x's tensors (in place: captured graphs keep their addresses)."""
+    for n in names:
+        x[n].copy_(saved[n])
 
 
 def _error_line(e: Exception) -> str:
@@ -188,8 +192,7 @@ def _variants_vs_default(
     pool0 = x["pool"].clone()
 
     def restore() -> None:
-        for n in INPUTS:
-            x[n].copy_(saved[n])
+        _put_back(x, saved, INPUTS)
         x["pool"].copy_(pool0)
 
     def once(fn: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,8 +234,7 @@ def _restoring(x: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], names
     """fn preceded by restoring `names` from their saved copies (captured with it, so timed with it)."""
 
     def call() -> None:
-        for n in names:
-            x[n].copy_(saved[n])
+        _put_back(x, saved, names)
         fn()
 
     return call
