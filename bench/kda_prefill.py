@@ -81,9 +81,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     },
     # Γ in natural units (the exponentials still flushing denormals): 1.0-1.6% slower in -defaults.json.
     "ours_gamma_natural": {"_GCUM_LOG2": False},
-    # The diagonal pass's programs of one chunk side by side (its grid as (sub-chunk, chunk, head)): the same
-    # bits; for the L2 reuse of the earlier sub-chunks' keys and Γ at 1x32768 (not yet timed).
-    "ours_diag_sub_first": {"_DIAG_SUB_FIRST": True},
+    # The diagonal pass's grid as (chunk, sub-chunk, head), the default before the sub-chunks of a chunk
+    # were launched side by side (the same bits; 1.3-5.7% slower in -sub-first.json, most at 1x32768).
+    "ours_diag_chunk_first": {"_DIAG_SUB_FIRST": False},
     # (Timed on 2026-12-06 and removed: the key norms from whole rows again, 0.9-1.5% slower, and the norms
     # from the K slices at ptxas's own 190 registers, 3.5-6.6% slower: kernels/kda/chunk.py.)
 }

@@ -130,13 +130,16 @@ _DIAG_ROWS_IN_REGS = False
 # The diagonal pass's grid order: False, (chunk, sub-chunk, head), the programs of one sub-chunk index of
 # every chunk side by side; True, (sub-chunk, chunk, head), a chunk's sub-chunks side by side, so the keys
 # and Γ of the earlier sub-chunks that each program's off-diagonal blocks read again were read moments
-# before by its neighbours. In the default order a re-read comes one to three sweeps over every chunk
+# before by its neighbours. In the chunk-first order a re-read comes one to three sweeps over every chunk
 # later: a sweep is 512 programs at 1x32768 (some 10-15 MB of their reads; the H100's L2 holds 50 MB), 128
-# at 1x8192. The pass took 11% more time per token at 1x32768 than at 1x8192 on the H100 (2026-12-06,
+# at 1x8192, and there the pass took 11% more time per token at 1x32768 than at 1x8192 (H100, 2026-12-06,
 # bench/results/kda-prefill-h100-2026-12-06-default.json: 1344 against 303 us). The same arithmetic in
-# another order of programs: the same bits. Not yet timed on a GPU; bench/kda_prefill.py times it as a
-# variant. (Used where the chunk count fits the grid's second dimension, 65535.)
-_DIAG_SUB_FIRST = False
+# another order of programs: the same bits (a CPU test, and variants_vs_default on the GPU). Sub-chunks
+# first, the prefill took 0.8337 / 0.8198 / 3.2491 / 1.5849 ms against 0.8448 / 0.8315 / 3.4459 / 1.6029
+# chunk-first at 1x8192 / 8x1024 / 1x32768 (H = 32) / 1x8192 (H = 64), 1.3-5.7% less, most at 1x32768
+# (H100, 2026-12-06, bench/results/kda-prefill-h100-2026-12-06-sub-first.json, one run). Used where the
+# chunk count fits the grid's second dimension (65535 chunks); beyond it the chunk-first order.
+_DIAG_SUB_FIRST = True
 # The exponentials of the diagonal pass, W/U and the sequential pass: True, `ex2.approx.ftz`
 # (chunk_intra._exp), results below fp32's normal range flushed to zero, every other result the same value;
 # False, tl.exp (sm_90's `ex2.approx` keeps denormal results: a compare and two predicated multiplies around

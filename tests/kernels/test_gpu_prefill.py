@@ -118,7 +118,7 @@ VARIANTS = {
     "merge-in-tf32x3-at-1-warp": {"_MERGE_PRECISION": "tf32x3", "_MERGE_WARPS": 1},
     "norms-from-whole-rows": {"_OFFDIAG_NORMS_FROM_SLICES": False, "_DIAG_MAXNREG": None},
     "substitution-rows-from-registers": {"_DIAG_ROWS_IN_REGS": True},
-    "diagonal-pass-sub-chunks-side-by-side": {"_DIAG_SUB_FIRST": True},
+    "diagonal-pass-chunks-first": {"_DIAG_SUB_FIRST": False},
     "gamma-in-natural-units": {"_GCUM_LOG2": False},
     "gamma-in-natural-units-keeping-denormals": {"_GCUM_LOG2": False, "_EXP_FTZ": False},
     "the-defaults-before-2026-12-06": {
@@ -148,7 +148,7 @@ SAME_BITS_AS = {
     "zeros-right-of-the-diagonal": {},
     "state-without-prefetch-g": {},
     "substitution-rows-from-registers": {},
-    "diagonal-pass-sub-chunks-side-by-side": {},
+    "diagonal-pass-chunks-first": {},
     "gamma-in-natural-units-keeping-denormals": VARIANTS["gamma-in-natural-units"],
 }
 
