@@ -295,12 +295,13 @@ def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         c = dict(c, ROWS_IN_REGS=False, EXP=mode)
         name = f"prefill diagonal pass with the off-diagonal blocks, {what}"
         yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, ())
-    # the module's defaults since 2026-12-06: Γ in log2 units, ftz, the key norms from the K slices, capped at
-    # 168 registers (six programs of 2 warps per SM)
+    # the module's settings since 2026-12-06: Γ in log2 units, ftz, the key norms from the K slices, capped
+    # at 168 registers (six programs of 2 warps per SM); here its grid chunk-first (bench/kda_prefill.py's
+    # ours_diag_chunk_first)
     c = dict(c, NK_SLICES=True)
     name = "prefill diagonal pass with the off-diagonal blocks, Gamma in log2 units, ftz, norms from slices"
     yield name, ci.diag_kernel, diag, c, ch._DIAG_WARPS, (ch._DIAG_STAGES, (), 168)
-    # and its grid as (sub-chunk, chunk, head) (_DIAG_SUB_FIRST, bench/kda_prefill.py's ours_diag_sub_first)
+    # and its grid as (sub-chunk, chunk, head) (_DIAG_SUB_FIRST: the module's default)
     swapped = dict(c, SUB_FIRST=True)
     launch = (ch._DIAG_STAGES, (), 168)
     yield name + ", sub-chunks side by side", ci.diag_kernel, diag, swapped, ch._DIAG_WARPS, launch
@@ -365,6 +366,7 @@ def _fused_cases() -> Iterator[tuple]:
     in_proj = 3 * hk + H + 2 * K
     # (label, N, K, kind, config[, ADD]): kinds as kernels.fused._KERNELS names them; ADD 2 is the epilogue of
     # kernels.fused.ADD_SQ_IN_REGS (else 1 for an add-and-norm launch, 0 for the others)
+    folded = [fu.launch_shape(hid, k, kind="add_norm") for k in (mlp, hk)]  # KIND_SHAPES' or the plain's
     projections = [
         ("in_proj, deferred norm", in_proj, hid, "norm", None),
         ("in_proj", in_proj, hid, "plain", None),  # the first block's, after the norm's kernel
@@ -376,7 +378,10 @@ def _fused_cases() -> Iterator[tuple]:
         ("out_proj / o_proj, add and norm", hid, hk, "add_norm", None),
         ("out_proj / o_proj, add and norm, sums in registers", hid, hk, "add_norm", None, 2),
         ("out_proj / o_proj", hid, hk, "plain", None),
-        ("out_proj / o_proj, split 4", hid, hk, "plain", (32, 256, 4, 3, 4)),
+        # the plain projection at the add-and-norm launches' own shapes (kernels.fused.KIND_SHAPES), so
+        # that their weight loops are compared at one launch shape (tests/kernels/test_sm90_compile.py)
+        ("down at add and norm's shape", hid, mlp, "plain", folded[0]),
+        ("out_proj / o_proj at add and norm's shape", hid, hk, "plain", folded[1]),
         ("LM head, add and norm", vocab, hid, "head", fu.HEAD_SHAPE),
     ]
     for label, N, Kd, kind, config, *add_mode in projections:

@@ -115,7 +115,7 @@ def test_linear_add_norm_at_proxy_shapes(K, M, sq_in_regs, monkeypatch):
 
     monkeypatch.setattr(fused, "ADD_SQ_IN_REGS", sq_in_regs)
     s, u, sq, x, w, res, nw = _add_norm(M, torch.Generator(device=CUDA).manual_seed(K + M), K)
-    check_linear_add_norm(s, u, sq, x, w, res, nw, column_tiles(4096, K))
+    check_linear_add_norm(s, u, sq, x, w, res, nw, column_tiles(4096, K, kind="add_norm"))
 
 
 @pytest.mark.parametrize("M", [1, 5, 16, 32])
