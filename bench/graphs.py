@@ -3,7 +3,9 @@
 The replayed batch-1 step is also held against its roofline (the bytes it must read at the measured copy
 bandwidth) with the profiler's per-kernel split, once with the engine's fused decode glue, once with the
 same kernels launched without programmatic dependent launch (kernels.fused.PDL off while that engine
-captures), and once with the torch glue (kernels/fused.py against the ops it replaces), in the same run.
+captures), and once with the torch glue (kernels/fused.py against the ops it replaces), in the same run;
+and beside an engine whose projections all run at the plain projection's launch shapes (kernels.fused.
+KIND_SHAPES emptied while it captures), the two steps timed in interleaved rounds.
 With PDL a kernel's programs may start while the one before it finishes, so the per-kernel times can sum
 to more than the step.
 
@@ -224,6 +226,55 @@ def roofline(engine, copy: dict, steps: int, batch: int = 1, sequence: bool = Fa
         }
 
 
+def interleaved_steps(engines: dict, steps: int, rounds: int = 7) -> dict[str, float]:
+    """Median µs of each engine's replayed one-request decode step: `steps` replays back to back (staged
+    once before) timed by GPU events, in `rounds` interleaved rounds, the order rotating."""
+    replays = {}
+    with contextlib.ExitStack() as stack:
+        for name, e in engines.items():
+            r, g = e.runner, e.runner.graphs
+            reqs = stack.enter_context(_prefilled(r, _prompts(1)))
+            n_pad = g.padded_size(1, 1)
+            r.stage_decode(reqs, n_pad)
+            replays[name] = lambda g=g, n=n_pad: g.replay(n, 1)
+        for fn in replays.values():
+            for _ in range(5):
+                fn()
+        torch.cuda.synchronize()
+        names = list(replays)
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(rounds):
+            for n in names[i % len(names) :] + names[: i % len(names)]:
+                samples[n].append(events_us(replays[n], steps))
+    return {n: round(statistics.median(v), 2) for n, v in samples.items()}
+
+
+def kind_shapes_step(engine, preset: str, steps: int) -> dict:
+    """The one-request step at the module's launch shapes against the same step with every projection kind
+    at the plain projection's shape (kernels.fused.KIND_SHAPES emptied while that engine captures its
+    graphs), timed side by side in interleaved rounds."""
+    kinds = dict(fused.KIND_SHAPES)
+    if not kinds:
+        return {"unavailable": "kernels.fused.KIND_SHAPES is empty: every kind runs at the plain shape"}
+    fused.KIND_SHAPES.clear()
+    try:
+        other, cap = _engine(preset)
+    finally:
+        fused.KIND_SHAPES.update(kinds)
+    try:
+        if not cap["captured"]:
+            return {"unavailable": cap["reason"]}
+        us = interleaved_steps({"kind_shapes": engine, "plain_shapes": other}, steps)
+    finally:
+        other.close()
+    return {
+        "kind_shapes": {f"{k} {n}x{kk}": list(v) for (k, n, kk), v in kinds.items()},
+        "replay_us": us,
+        "speedup": round(us["plain_shapes"] / us["kind_shapes"], 3),
+        "definition": f"medians of 7 interleaved rounds, each {steps} replays back to back / {steps}",
+    }
+
+
 def tokens_per_second(fn, prompts, tokens: int) -> dict:
     fn(prompts, 8)  # warm-up
     _sync()
@@ -280,6 +331,7 @@ def main() -> None:
     result["target_met"] = result["step_latency"]["1"]["speedup"] >= 3.0
     result["roofline_batch_1"] = roofline(plain, result["copy_TBps"], args.steps)
     result["roofline_batch_1"]["pdl"] = fused.PDL
+    result["kind_shapes_step_batch_1"] = kind_shapes_step(plain, args.preset, args.steps)
     # The same fused step captured with every kernel launched without PDL, beside it in this run.
     pdl, fused.PDL = fused.PDL, False
     try:
