@@ -98,17 +98,16 @@ _BN, _BK, _WARPS, _STAGES, _SPLIT = 32, 256, 4, 4, 1  # any other shape asked fo
 # A launch shape for one kind of launch (_KERNELS' names) of one weight shape, where what it folds in after
 # the weight loop wants another than SMALL_SHAPES gives the plain projection: bench/linear.py --fold-sweep
 # times each fold at every shape of the sweep and names the fastest (fastest_folded); every other kind and
-# weight shape gets the plain projection's shape. linear_add_norm of 4096 x 4096 (KDA out_proj and
-# attention o_proj, 8 launches of the step) on an H100 (2026-12-06; no H200 was lent that day): 64-column
-# tiles with K split in 4 took 10.00 us at 1 row against 12.45 at the plain projection's shape
-# (bench/results/linear-h100-2026-12-06-add-norm-fold-sweep.json), and in a second sweep 9.81 / 12.81 us at
-# 1 / 32 rows against 12.09 / 15.18. MLP down (4096 x 8192) at that shape: 27.26 / 30.81 us against 27.66 /
-# 28.83 at its plain shape, slower at 32 rows, so it keeps the plain shape. (The second sweep's file named
-# the commit before the change it timed and is not kept: bench/graphs.py's kind_shapes_step_batch_1 times
-# the step with and without this table side by side.)
-KIND_SHAPES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
-    ("add_norm", 4096, 4096): (64, 128, 4, 3, 4),
-}
+# weight shape gets the plain projection's shape. Empty: on an H100 (2026-12-06; no H200 was lent that
+# day) linear_add_norm of 4096 x 4096 (KDA out_proj and attention o_proj, 8 launches of the step) alone
+# took 10.00 us at 1 row with 64-column tiles and K split in 4 against 12.45 at the plain projection's
+# shape (bench/results/linear-h100-2026-12-06-add-norm-fold-sweep.json), and in a second sweep 9.81 / 12.81
+# us at 1 / 32 rows against 12.09 / 15.18 (MLP down at that shape: 30.81 against 28.83 us at 32 rows). In
+# the one-request step, timed beside the same step without the entry in interleaved rounds, it was 0.6%
+# slower: 1047.7 against 1041.7 us (bench/results/graphs-h100-2026-12-06-kind-shapes.json,
+# kind_shapes_step_batch_1), so what one launch alone gains does not survive its neighbours under PDL.
+# (The second sweep's file named the commit before the change it timed and is not kept.)
+KIND_SHAPES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 # linear_add_norm's epilogue with its residual and norm weight loaded before the weight loop (after the PDL
 # wait) and each row's sum of squares over the column tile taken from registers by a fixed tree of pairwise
 # adds (_square_sums), instead of storing the sum, a barrier and reading it back: two round trips fewer at the
