@@ -4,8 +4,8 @@ The replayed batch-1 step is also held against its roofline (the bytes it must r
 bandwidth) with the profiler's per-kernel split, once with the engine's fused decode glue, once with the
 same kernels launched without programmatic dependent launch (kernels.fused.PDL off while that engine
 captures), and once with the torch glue (kernels/fused.py against the ops it replaces), in the same run;
-and beside an engine whose projections all run at the plain projection's launch shapes (kernels.fused.
-KIND_SHAPES emptied while it captures), the two steps timed in interleaved rounds.
+and beside engines that captured with other settings of kernels/fused.py (ADD_SQ_IN_REGS flipped;
+KIND_SHAPES emptied where it has entries), each pair of steps timed in interleaved rounds.
 With PDL a kernel's programs may start while the one before it finishes, so the per-kernel times can sum
 to more than the step.
 
@@ -249,28 +249,29 @@ def interleaved_steps(engines: dict, steps: int, rounds: int = 7) -> dict[str, f
     return {n: round(statistics.median(v), 2) for n, v in samples.items()}
 
 
-def kind_shapes_step(engine, preset: str, steps: int) -> dict:
-    """The one-request step at the module's launch shapes against the same step with every projection kind
-    at the plain projection's shape (kernels.fused.KIND_SHAPES emptied while that engine captures its
-    graphs), timed side by side in interleaved rounds."""
-    kinds = dict(fused.KIND_SHAPES)
-    if not kinds:
-        return {"unavailable": "kernels.fused.KIND_SHAPES is empty: every kind runs at the plain shape"}
-    fused.KIND_SHAPES.clear()
+def step_beside(engine, preset: str, steps: int, changes: dict) -> dict:
+    """The one-request step at the module's settings against the same step of an engine that captured its
+    graphs with kernels.fused's `changes` in place (each name set to its value while that engine is built
+    and captures, then put back), the two timed side by side in interleaved rounds."""
+    before = {k: getattr(fused, k) for k in changes}
+    for k, v in changes.items():
+        setattr(fused, k, v)
     try:
         other, cap = _engine(preset)
     finally:
-        fused.KIND_SHAPES.update(kinds)
+        for k, v in before.items():
+            setattr(fused, k, v)
     try:
         if not cap["captured"]:
             return {"unavailable": cap["reason"]}
-        us = interleaved_steps({"kind_shapes": engine, "plain_shapes": other}, steps)
+        us = interleaved_steps({"module": engine, "changed": other}, steps)
     finally:
         other.close()
     return {
-        "kind_shapes": {f"{k} {n}x{kk}": list(v) for (k, n, kk), v in kinds.items()},
+        "module": {k: repr(v) for k, v in before.items()},
+        "changed": {k: repr(v) for k, v in changes.items()},
         "replay_us": us,
-        "speedup": round(us["plain_shapes"] / us["kind_shapes"], 3),
+        "speedup_of_changed": round(us["module"] / us["changed"], 3),
         "definition": f"medians of 7 interleaved rounds, each {steps} replays back to back / {steps}",
     }
 
@@ -331,7 +332,13 @@ def main() -> None:
     result["target_met"] = result["step_latency"]["1"]["speedup"] >= 3.0
     result["roofline_batch_1"] = roofline(plain, result["copy_TBps"], args.steps)
     result["roofline_batch_1"]["pdl"] = fused.PDL
-    result["kind_shapes_step_batch_1"] = kind_shapes_step(plain, args.preset, args.steps)
+    # Settings of kernels/fused.py measured in the step itself, beside the module's: a launch that is faster
+    # alone can be slower among its neighbours under PDL (graphs-h100-2026-12-06-kind-shapes.json)
+    ab = {"add_sq_in_regs": {"ADD_SQ_IN_REGS": not fused.ADD_SQ_IN_REGS}}
+    if fused.KIND_SHAPES:
+        ab["kind_shapes_emptied"] = {"KIND_SHAPES": {}}
+    beside = {k: step_beside(plain, args.preset, args.steps, v) for k, v in ab.items()}
+    result["steps_beside_batch_1"] = beside
     # The same fused step captured with every kernel launched without PDL, beside it in this run.
     pdl, fused.PDL = fused.PDL, False
     try:
