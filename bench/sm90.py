@@ -366,7 +366,13 @@ def _fused_cases() -> Iterator[tuple]:
     in_proj = 3 * hk + H + 2 * K
     # (label, N, K, kind, config[, ADD]): kinds as kernels.fused._KERNELS names them; ADD 2 is the epilogue of
     # kernels.fused.ADD_SQ_IN_REGS (else 1 for an add-and-norm launch, 0 for the others)
-    folded = [fu.launch_shape(hid, k, kind="add_norm") for k in (mlp, hk)]  # KIND_SHAPES' or the plain's
+    # the plain projection at an add-and-norm launch's own shape where kernels.fused.KIND_SHAPES gives it
+    # one, so that the two weight loops are compared at one launch shape (tests/kernels/test_sm90_compile.py)
+    at_kind_shapes = [
+        (f"{label} at its add and norm's shape", hid, k, "plain", fu.KIND_SHAPES[("add_norm", hid, k)])
+        for label, k in (("down", mlp), ("out_proj / o_proj", hk))
+        if ("add_norm", hid, k) in fu.KIND_SHAPES
+    ]
     projections = [
         ("in_proj, deferred norm", in_proj, hid, "norm", None),
         ("in_proj", in_proj, hid, "plain", None),  # the first block's, after the norm's kernel
@@ -378,10 +384,8 @@ def _fused_cases() -> Iterator[tuple]:
         ("out_proj / o_proj, add and norm", hid, hk, "add_norm", None),
         ("out_proj / o_proj, add and norm, sums in registers", hid, hk, "add_norm", None, 2),
         ("out_proj / o_proj", hid, hk, "plain", None),
-        # the plain projection at the add-and-norm launches' own shapes (kernels.fused.KIND_SHAPES), so
-        # that their weight loops are compared at one launch shape (tests/kernels/test_sm90_compile.py)
-        ("down at add and norm's shape", hid, mlp, "plain", folded[0]),
-        ("out_proj / o_proj at add and norm's shape", hid, hk, "plain", folded[1]),
+        ("out_proj / o_proj, split 4", hid, hk, "plain", (32, 256, 4, 3, 4)),
+        *at_kind_shapes,
         ("LM head, add and norm", vocab, hid, "head", fu.HEAD_SHAPE),
     ]
     for label, N, Kd, kind, config, *add_mode in projections:
