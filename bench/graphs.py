@@ -31,7 +31,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench._common import write_result  # noqa: E402
+from bench._common import with_settings, write_result  # noqa: E402
 from bench._gpu import (  # noqa: E402
     breakdown,
     copy_bandwidth,
@@ -80,6 +80,17 @@ def _prefilled(r, prompts):  # type: ignore[no-untyped-def]
     finally:
         for q in reqs:
             r.release(q)
+
+
+@contextlib.contextmanager
+def _staged_step(engine, batch: int):  # type: ignore[no-untyped-def]
+    """(the padded size, a replay of its captured decode step) for `batch` prefilled requests of `engine`,
+    staged once; the requests released on the way out."""
+    r, g = engine.runner, engine.runner.graphs
+    with _prefilled(r, _prompts(batch)) as reqs:
+        n_pad = g.padded_size(batch, 1)
+        r.stage_decode(reqs, n_pad)
+        yield n_pad, lambda: g.replay(n_pad, 1)
 
 
 def step_latency(engine, batch: int, steps: int) -> dict:
@@ -192,15 +203,8 @@ def roofline(engine, copy: dict, steps: int, batch: int = 1, sequence: bool = Fa
     """The replayed step of `batch` requests: its time against the bytes it must read at the measured copy
     bandwidth, and the profiler's per-kernel split of one replayed step; with `sequence`, also every launch
     of the step in order with its own time (meaningful where no launch overlaps the one before: no PDL)."""
-    r, g = engine.runner, engine.runner.graphs
     prompts = _prompts(batch)
-    with _prefilled(r, prompts) as reqs:
-        n_pad = g.padded_size(batch, 1)
-        r.stage_decode(reqs, n_pad)
-
-        def replay() -> None:
-            g.replay(n_pad, 1)
-
+    with _staged_step(engine, batch) as (n_pad, replay):
         for _ in range(5):
             replay()
         torch.cuda.synchronize()
@@ -229,14 +233,8 @@ def roofline(engine, copy: dict, steps: int, batch: int = 1, sequence: bool = Fa
 def interleaved_steps(engines: dict, steps: int, rounds: int = 7) -> dict[str, float]:
     """Median µs of each engine's replayed one-request decode step: `steps` replays back to back (staged
     once before) timed by GPU events, in `rounds` interleaved rounds, the order rotating."""
-    replays = {}
     with contextlib.ExitStack() as stack:
-        for name, e in engines.items():
-            r, g = e.runner, e.runner.graphs
-            reqs = stack.enter_context(_prefilled(r, _prompts(1)))
-            n_pad = g.padded_size(1, 1)
-            r.stage_decode(reqs, n_pad)
-            replays[name] = lambda g=g, n=n_pad: g.replay(n, 1)
+        replays = {name: stack.enter_context(_staged_step(e, 1))[1] for name, e in engines.items()}
         for fn in replays.values():
             for _ in range(5):
                 fn()
@@ -254,13 +252,7 @@ def step_beside(engine, preset: str, steps: int, changes: dict) -> dict:
     graphs with kernels.fused's `changes` in place (each name set to its value while that engine is built
     and captures, then put back), the two timed side by side in interleaved rounds."""
     before = {k: getattr(fused, k) for k in changes}
-    for k, v in changes.items():
-        setattr(fused, k, v)
-    try:
-        other, cap = _engine(preset)
-    finally:
-        for k, v in before.items():
-            setattr(fused, k, v)
+    other, cap = with_settings(fused, changes, lambda: _engine(preset))()
     try:
         if not cap["captured"]:
             return {"unavailable": cap["reason"]}

@@ -297,8 +297,8 @@ def test_variants_that_move_only_loads_give_the_defaults_bits(variant, case, mon
     # (against the default's own path for the off-diagonal blocks there), or the diagonal pass's programs
     # launched in another order (each sub-chunk index over every chunk, where the default launches a
     # chunk's sub-chunks side by side): the same fp32 values enter the same arithmetic, so outputs and
-    # states must equal the default's bit for bit, not just be close. Mild
-    # decays keep A_ii and its inverse far from I.
+    # states must equal the default's bit for bit, not just be close. Mild decays keep A_ii and its
+    # inverse far from I.
     import kernels.kda.chunk as chunk
 
     out0, pool0 = _default_bits(case)

@@ -138,11 +138,11 @@ VARIANTS = {
 # gate's channel blocks: on the interpreter they keep the bits, but on the device a scan's order follows the
 # tile's layout, which its width changes.) The substitution's rows of A_ii from the registers are a masked
 # sum of one value and zeros: exact anywhere. The diagonal pass's programs in another order compute the same
-# values. The exponentials that flush denormals (the default) give the
-# same value as those that keep them wherever e^x is a normal number (the same multiply by log2(e), the same
-# MUFU.EX2); where it is not (below 1.2e-38), every sum it enters also holds a term of order one (the row's
-# own, at the factor e^0), far below whose last bit it falls. (Compared in natural units: in log2 units the
-# gate's sigmoid is computed another way with ftz, by ex2 and rcp.)
+# values. The exponentials that flush denormals (the default) give the same value as those that keep them
+# wherever e^x is a normal number (the same multiply by log2(e), the same MUFU.EX2); where it is not (below
+# 1.2e-38), every sum it enters also holds a term of order one (the row's own, at the factor e^0), far below
+# whose last bit it falls. (Compared in natural units: in log2 units the gate's sigmoid is computed another
+# way with ftz, by ex2 and rcp.)
 SAME_BITS_AS = {
     "default": {},
     "zeros-right-of-the-diagonal": {},
