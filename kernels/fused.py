@@ -1196,6 +1196,68 @@ def conv_decode_reference(
     b_out.copy_(x[:, C : C + H])
 
 
+@triton.jit
+def _conv_prefill_kernel(
+    x, stride_x, positions, cu_seqlens, slots, weight, stride_w, out, stride_o, conv_state, stride_s0,
+    stride_s1, stride_s2, total, C, W: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Programs [0, total): one token's SiLU(conv) over BC channels, the taps before its prompt's first
+    token zero. Programs [total, total + N): prompt i's conv state after its last token (its last W-1
+    inputs, zero before its first token) into slot slots[i]."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    _pdl_enter(PDL, True)
+    if pid < total:
+        t = pid.to(tl.int64)
+        p = tl.load(positions + t).to(tl.int64)  # the token's place in its prompt
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(W):  # tap j reads token t - (W - 1 - j)
+            back = W - 1 - j
+            xv = tl.load(x + (t - back) * stride_x + c, mask=cm & (p >= back), other=0.0).to(tl.float32)
+            wv = tl.load(weight + c * stride_w + j, mask=cm, other=0.0).to(tl.float32)
+            acc += xv * wv
+        tl.store(out + t * stride_o + c, (acc * tl.sigmoid(acc)).to(out.dtype.element_ty), mask=cm)
+    else:
+        i = pid - total
+        lo = tl.load(cu_seqlens + i).to(tl.int64)
+        hi = tl.load(cu_seqlens + i + 1).to(tl.int64)
+        dst = conv_state + tl.load(slots + i).to(tl.int64) * stride_s0 + c * stride_s1
+        for k in tl.static_range(W - 1):  # state column k: token hi - (W - 1) + k
+            src = hi - (W - 1) + k
+            xv = tl.load(x + src * stride_x + c, mask=cm & (src >= lo), other=0.0)
+            tl.store(dst + k * stride_s2, xv.to(conv_state.dtype.element_ty), mask=cm)
+
+
+def conv_prefill(
+    x: Tensor,
+    positions: Tensor,
+    cu_seqlens: Tensor,
+    slots: Tensor,
+    weight: Tensor,
+    conv_state: Tensor,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The depthwise causal conv + SiLU of a varlen prefill batch, each prompt from a zero history, in
+    one launch: x [total, C] (unit column stride) holds every token's conv inputs, positions [total] each
+    token's place in its prompt, cu_seqlens [N + 1] the prompts' bounds and slots [N] their conv-state
+    slots. Returns SiLU(conv) [total, C] in out_dtype (fp32 sums, rounded once) and stores each prompt's
+    state after its last token in conv_state [slots, C, W-1]. Every program reads only its own token's
+    window (or its own prompt's tail), so a prompt's values never depend on the rest of the batch."""
+    total, C = x.shape
+    N, W = slots.shape[0], weight.shape[1]
+    assert x.stride(1) == 1 and weight.shape[0] == C and conv_state.shape[1:] == (C, W - 1)
+    out = torch.empty(total, C, dtype=out_dtype, device=x.device)
+    BC = 128
+    pdl = pdl_enabled(x)
+    _conv_prefill_kernel[(total + N, triton.cdiv(C, BC))](
+        x, x.stride(0), positions, cu_seqlens, slots, weight, weight.stride(0), out, out.stride(0),
+        conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), total, C, W, BC, pdl,
+        num_warps=1, **_pdl_launch(pdl),
+    )  # fmt: skip
+    return out
+
+
 # ------------------------------------------------------------------ RoPE + paged K/V write
 
 

@@ -134,7 +134,10 @@ def _kda_decode_kernel(
             b_z = tl.load(z + row * stride_zt + h64 * stride_zh + o_v).to(tl.float32)
             o = o * tl.rsqrt(tl.sum(o * o, 0) / V + norm_eps) * w * tl.sigmoid(b_z)
         tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
-        dst = tl.load(state_indices + r64 * stride_idx_r + t * stride_idx_c).to(tl.int64)
+        if T == 1:
+            dst = src  # the same index, loaded above: no second load before the state's store
+        else:
+            dst = tl.load(state_indices + r64 * stride_idx_r + t * stride_idx_c).to(tl.int64)
         if dst != 0:
             tl.store(state + dst * stride_slot + head_tile, S)
 

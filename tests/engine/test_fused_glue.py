@@ -638,3 +638,97 @@ def test_a_fused_engine_prefills_a_batch_in_one_row_invariant_forward(monkeypatc
         assert not norm_mod.ROWS.on  # off again outside the prefill
     finally:
         e.close()
+
+
+def test_fused_prefill_attention_equals_the_torch_loop_and_never_follows_its_batch(monkeypatch):
+    """A fused engine's prefill attention: every prompt token through the decode kernels as its own row
+    (pooled keys, selection, attention at its position) selects the groups the torch path's per-prompt loop
+    selects and gives its output; a prompt's logits are bit-identical alone and among fillers however the
+    rows are split into launches."""
+    from qualify.engine.model import attention as attn_mod
+    from qualify.engine.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    # pool 4, top 2: prompts past 8 tokens select among earlier groups (the default pool of 64 never would)
+    e = make_engine(kda_decode_backend="torch", selector_pool=4, selector_topk=2, max_model_len=128)
+    real = attn_mod.AttentionLayer.forward_prefill
+    seen = []
+
+    def both(self, x, ctx):
+        got = real(self, x, ctx)
+        rows_got = ctx.selector_rows.clone()
+        self.fused = False
+        try:
+            ref = real(self, x, ctx)
+        finally:
+            self.fused = True
+        seen.append((got, ref, rows_got, ctx.selector_rows.clone()))
+        return got
+
+    launches = []
+    real_attend = attn_mod.attention_decode
+    monkeypatch.setattr(attn_mod, "attention_decode", lambda *a: launches.append(1) or real_attend(*a))
+    try:
+        e.model.set_fused(True)
+        r = e.runner
+        prompt = tok.encode("a prompt whose later tokens choose among groups")
+        fillers = [tok.encode(t) for t in ("another prompt, of another length", "f")]
+        monkeypatch.setattr(attn_mod.AttentionLayer, "forward_prefill", both)
+        prefill_row(r, [*fillers, prompt], 2)
+        assert len(seen) == 2 and len(launches) == 2  # both attention layers of KKKAKKKA, one launch each
+        for got, ref, rows_got, rows_ref in seen:
+            assert torch.equal(rows_got, rows_ref)
+            assert (rows_got[:, 1] >= 0).any() and (rows_got[:, 1] == -1).any()  # choices were made
+            torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+        monkeypatch.setattr(attn_mod.AttentionLayer, "forward_prefill", real)
+        alone, h_alone = prefill_row(r, [prompt], 0)
+        monkeypatch.setattr(attn_mod, "PREFILL_FUSED_ROWS", 7)  # prompts split across launches
+        for at in (0, 1, 2):
+            got, h_got = prefill_row(r, [*fillers[:at], prompt, *fillers[at:]], at)
+            assert torch.equal(got, alone) and torch.equal(h_got, h_alone)
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_prefill_equals_the_torch_loop_and_never_follows_its_batch(dtype):
+    """kernels.fused.conv_prefill: each prompt's SiLU(conv) from a zero history and its conv state after
+    its last token equal KdaLayer._conv_prefill's per-prompt loop (prompts shorter than the window
+    included), and a prompt's values are the same alone and among others."""
+    from kernels.fused import conv_prefill
+    from qualify.engine.model.kda_layer import KdaLayer
+
+    gen = torch.Generator().manual_seed(5)
+    C, W, slots = 200, 4, 9  # C past one 128-channel block
+    lens = [1, 7, 2, 3, 12]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    wide = torch.randn(total, C + 30, generator=gen).to(dtype)
+    x = wide[:, 5 : 5 + C]  # a slice of the in-projection's row, as in the layer
+    positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens])
+    slot_ids = torch.tensor([3, 1, 8, 2, 6], dtype=torch.int32)
+    weight = torch.randn(C, W, generator=gen)
+
+    ref_state = torch.randn(slots, C, W - 1, generator=gen).to(dtype)
+    got_state = ref_state.clone()
+    layer = KdaLayer.__new__(KdaLayer)  # only _conv_prefill's attributes
+    nn_module_init = torch.nn.Module.__init__
+    nn_module_init(layer)
+    layer.W, layer.conv_dim, layer.conv_state = W, C, ref_state
+    layer.conv_weight = weight
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+    ref = layer._conv_prefill(x, bounds, slot_ids.tolist()).to(dtype)
+    got = conv_prefill(x, positions, cu, slot_ids, weight, got_state, dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, ref, **tol)
+    assert torch.equal(got_state, ref_state)  # inputs copied, zeros before a prompt's start
+    untouched = [s for s in range(slots) if s not in slot_ids.tolist()]
+    assert torch.equal(got_state[untouched], ref_state[untouched])
+    # the last prompt alone: the same values and state
+    alone_state = torch.zeros_like(got_state)
+    lo = int(cu[-2])
+    alone = conv_prefill(
+        x[lo:], positions[lo:], torch.tensor([0, total - lo], dtype=torch.int32), slot_ids[-1:], weight,
+        alone_state, dtype,
+    )  # fmt: skip
+    assert torch.equal(alone, got[lo:]) and torch.equal(alone_state[6], got_state[6])

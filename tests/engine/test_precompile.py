@@ -116,7 +116,7 @@ def test_a_recording_pass_runs_every_kind_of_the_warm_steps_work_on_poisoned_mem
     families = {
         "_gate_kernel", "diag_kernel", "merge_kernel", "wu_kernel", "_state_kernel",
         "_gated_norm_kernel", "_kda_decode_kernel", "_gated_rmsnorm_kernel", "_conv_gates_decode_kernel",
-        "_rope_kv_kernel",
+        "_rope_kv_kernel", "_conv_prefill_kernel",
         "_pool_kernel", "_select_kernel", "_attn_decode_kernel", "_rmsnorm_kernel", "_silu_mul_kernel",
     }  # fmt: skip
     assert families <= set(got["kernels"]), sorted(families - set(got["kernels"]))

@@ -18,6 +18,9 @@ from ..layout import group_span
 from .norm import Linear, Prenormed, apply_rope
 from .selector import pool_keys, rows_to_key_mask, select_rows
 
+# Token rows per launch of the fused prefill attention (AttentionLayer._prefill_fused).
+PREFILL_FUSED_ROWS = 256
+
 
 @dataclass
 class DcpGeometry:
@@ -217,6 +220,40 @@ class AttentionLayer(nn.Module):
         )
         return o.view(n * T, self.hq * self.d)
 
+    def _prefill_fused(self, q: Tensor, positions: Tensor, rows_of_token: Tensor, rows_out: Tensor) -> Tensor:
+        """Prefill attention of every prompt token through the decode kernels, each token its own row: its
+        prompt's block table, seq_len = its position + 1 (the keys written before this call up to itself),
+        pooled keys, selection and attention as a decode step at that position computes them. Every
+        program works on one token row, so a token's output never depends on the other prompts of the
+        batch or on how rows are split into launches; the launches are PREFILL_FUSED_ROWS rows at a time,
+        bounding the pooled keys' scratch (fp32 [rows, groups, kv heads, D]: 128 KiB a row for the proxy
+        preset). It replaces the torch path's per-prompt loop: on a GPU that was about 170 eager launches
+        per prompt and attention layer, and prefill was launch-bound (2026-12-06 qualify run on an H100,
+        bench/results/qualify-run-h100-2026-12-06-monitor.json: 7.9 s of prefill over 625 prompts)."""
+        rt = self.rt
+        geo = rt.geometry
+        total = q.shape[0]
+        seq_lens = positions + 1
+        out = torch.empty_like(q)
+        for a in range(0, total, PREFILL_FUSED_ROWS):
+            b = min(total, a + PREFILL_FUSED_ROWS)
+            tables = rows_of_token[a:b]
+            pooled = pool_keys_paged(self.k_cache, tables, seq_lens[a:b], geo, rt.pool, rt.num_groups)
+            select_groups(q[a:b], positions[a:b], pooled, rt.pool, rows_out[a:b])
+            out[a:b] = attention_decode(
+                q[a:b],
+                positions[a:b],
+                self.k_cache,
+                self.v_cache,
+                tables,
+                seq_lens[a:b],
+                rows_out[a:b],
+                geo,
+                rt.pool,
+                rt.num_groups,
+            )
+        return out
+
     def forward_decode(self, x: Tensor | Prenormed, ctx, then: Callable | None = None):
         """One decode step of the block's attention; `then(o_proj, o)`, where given, runs the output
         projection instead of o_proj(o) (Linear.add_norm: the residual add and the next norm in its
@@ -243,6 +280,9 @@ class AttentionLayer(nn.Module):
         # [total, max_blocks]; output_size given, so the device's repeat counts are not read back (no sync)
         rows_of_token = ctx.block_tables.repeat_interleave(ctx.seq_lens_q, dim=0, output_size=x.shape[0])
         self._write_kv(k, v, ctx.positions, rows_of_token)
+        if self.fused and self.rt.geometry.rank is None:
+            o = self._prefill_fused(q, ctx.positions, rows_of_token, ctx.selector_rows)
+            return self.o_proj(o.reshape(x.shape[0], self.hq * self.d))
         outs = []
         for i, (lo, hi) in enumerate(ctx.bounds):
             # Query chunks bound the [Tq, S, L] score tensor of long prompts (eager path only).

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from kernels.fused import conv_gates_decode, conv_gates_decode_reference
+from kernels.fused import conv_gates_decode, conv_gates_decode_reference, conv_prefill
 from kernels.kda import Caps, build_chunk_metadata  # noqa: F401  (metadata builder re-exported for runner)
 from kernels.kda.chunk import FIXED_STATE_BV
 
@@ -182,7 +182,12 @@ class KdaLayer(nn.Module):
         rt, H, K = self.rt, self.H, self.K
         total = x.shape[0]
         qkv, b, f_a, g_a = self._split(x)
-        conv = self._conv_prefill(qkv, ctx.bounds, ctx.slots_host).to(x.dtype)
+        if self.fused:  # one launch for the batch (the torch loop is about 14 launches per prompt)
+            conv = conv_prefill(
+                qkv, ctx.positions, ctx.cu_seqlens, ctx.slots, self.conv_weight, self.conv_state, x.dtype
+            )
+        else:
+            conv = self._conv_prefill(qkv, ctx.bounds, ctx.slots_host).to(x.dtype)
         q, k, v = (t.reshape(total, H, K).contiguous() for t in conv.split(H * K, dim=-1))
         out = torch.empty(total, H, K, dtype=x.dtype, device=x.device)
         kwargs = dict(
