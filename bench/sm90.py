@@ -438,6 +438,11 @@ def _fused_cases() -> Iterator[tuple]:
         aligned = ("stride_x", "stride_s0", "stride_o", "stride_b", "stride_a", "stride_z", "C", "HK")
         sig = _sig(fu._conv_gates_decode_kernel, c, conv_ptrs)
         yield f"conv + gates T={T}", fu._conv_gates_decode_kernel, sig, c, 4, (1, aligned)
+    c = dict(W=4, BC=128, PDL=True)
+    ptrs = {"x": BF16, "positions": I32, "cu_seqlens": I32, "slots": I32, "weight": BF16, "out": BF16}
+    ptrs["conv_state"] = BF16
+    sig = _sig(fu._conv_prefill_kernel, c, ptrs)
+    yield "conv prefill", fu._conv_prefill_kernel, sig, c, 1, (1, ("stride_x", "stride_o", "stride_s0", "C"))
     paged = ("span", "block_size")
     c = dict(D=128, PDL=True)
     ptrs = {"qkv": BF16, "positions": I32, "cos": F32, "sin": F32, "block_tables": I32, "k_cache": BF16}

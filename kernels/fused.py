@@ -1225,8 +1225,8 @@ def _conv_prefill_kernel(
         dst = conv_state + tl.load(slots + i).to(tl.int64) * stride_s0 + c * stride_s1
         for k in tl.static_range(W - 1):  # state column k: token hi - (W - 1) + k
             src = hi - (W - 1) + k
-            xv = tl.load(x + src * stride_x + c, mask=cm & (src >= lo), other=0.0)
-            tl.store(dst + k * stride_s2, xv.to(conv_state.dtype.element_ty), mask=cm)
+            tail = tl.load(x + src * stride_x + c, mask=cm & (src >= lo), other=0.0)
+            tl.store(dst + k * stride_s2, tail.to(conv_state.dtype.element_ty), mask=cm)
 
 
 def conv_prefill(

@@ -41,7 +41,7 @@ def test_every_kernel_compiles_for_sm90_and_the_decode_step_does_not_spill(tmp_p
     at_kind_shapes = 2 * sum(
         kd == "add_norm" and (n, k) in {(4096, 8192), (4096, 4096)} for kd, n, k in fused.KIND_SHAPES
     )
-    n_fused = 32 + at_kind_shapes
+    n_fused = 33 + at_kind_shapes
     assert [len(v) for v in groups.values()] == [5, 25, n_fused], {g: len(v) for g, v in groups.items()}
     for T in (1, 4):
         split = rows[f"decode T={T} split"]  # the serving path at every batch (kernels/kda/decode.py)
