@@ -111,10 +111,13 @@ KIND_SHAPES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 # linear_add_norm's epilogue with its residual and norm weight loaded before the weight loop (after the PDL
 # wait) and each row's sum of squares over the column tile taken from registers by a fixed tree of pairwise
 # adds (_square_sums), instead of storing the sum, a barrier and reading it back: two round trips fewer at the
-# end of every program. Its bits do not depend on BM by construction (elementwise adds only). Off until the
-# H200 measures it: on 2026-12-05 the 15 add-and-norm launches of the one-request step read their weights at
-# 2.96 TB/s against 3.84-3.87 for the other folds (bench/results/graphs-h200-2026-12-05.json, no PDL).
-ADD_SQ_IN_REGS = False
+# end of every program. Its bits do not depend on BM by construction (elementwise adds only). Why: on the
+# H200 (2026-12-05) the 15 add-and-norm launches of the one-request step read their weights at 2.96 TB/s
+# against 3.84-3.87 for the other folds (bench/results/graphs-h200-2026-12-05.json, no PDL). On by measure
+# in the step: on an H100 (2026-12-06, eef4c13, bench/results/graphs-h100-2026-12-06-fused-prefill.json,
+# steps_beside_batch_1, 7 interleaved rounds) the one-request step replayed in 1028.0 us with it against
+# 1039.0 without (1.011x); bench/graphs.py times the other setting beside the default in every run.
+ADD_SQ_IN_REGS = True
 # Split-K's per-tile arrival counters: one int32 per column tile, zero between launches (the last program
 # of a tile resets its own), allocated once per device and never moved (captured graphs hold the address).
 _COUNTER_SLOTS = 4096
