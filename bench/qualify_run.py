@@ -350,6 +350,11 @@ def _fresh_host(phases: dict, kc: dict) -> dict:
         "precompile_compile_cpu_s": pre.get("compile_cpu_s"),
         "precompile_launchers_built": pre.get("launchers_built"),
         "precompile_slowest": pre.get("slowest"),
+        # the step's clock: where it was when (marks), the first and last specialization recorded, and the
+        # compiles that finished last, each with when it was recorded and done
+        "precompile_marks": pre.get("marks"),
+        "precompile_recorded_at_s": pre.get("recorded_at_s"),
+        "precompile_finished_last": pre.get("finished_last"),
         "waited_before_timed_checks_s": kc.get("waited_before_timed_checks_s"),
         "engines": engines,
         "cache_files": kc.get("files"),

@@ -612,8 +612,11 @@ def warm(args: argparse.Namespace) -> None:
     try:
         if args.room_factor is not None:
             _check_room(cfg, args.room_factor)
+        pre.mark("room_checked")
         _record_b12x_conformance(cfg, pre)
+        pre.mark("b12x_conformance_recorded")
         engine = _build_engine(args, cfg, weights=False)
+        pre.mark("engine_built")
         try:
             with pre.recording():
                 try:
@@ -631,6 +634,7 @@ def warm(args: argparse.Namespace) -> None:
                     pre.record_error = f"{type(exc).__name__}: {exc}"[:400] + at
                     ran = {"error": pre.record_error}
         finally:
+            pre.mark("warm_recorded")
             boot_seconds = engine.boot_seconds
             engine.close()  # the GPU memory goes back before the compiles are waited for
         facts = pre.finish()

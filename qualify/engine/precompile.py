@@ -35,6 +35,7 @@ from typing import Any
 KERNEL_MODULES = (
     "kernels.fused", "kernels.kda.decode", "kernels.kda.chunk", "kernels.kda.chunk_intra", "kernels.census",
 )  # fmt: skip
+TIMELINE_LAST = 8  # compiles named in finish()'s finished_last
 COMPILE_WAIT_S = 300.0  # every compile is done within this (the warm step's own bound is the harness's)
 
 
@@ -240,6 +241,7 @@ class Precompiler:
         self.record_s: float | None = None
         self.record_error: str | None = None
         self.deferred: list[str] = []  # manual warmups, compiled by the workers (see _hook)
+        self.marks: dict[str, float] = {}  # where the step was, seconds since the pool started (mark())
         # spawn: a fork of a process that holds a CUDA context is unusable, and the workers need none
         self.pool = ProcessPoolExecutor(
             self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
@@ -252,7 +254,7 @@ class Precompiler:
     def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002, ARG002
         jit = fn.jit_function
         data = compile["specialization_data"]
-        record = {"module": jit.fn.__module__, "kernel": jit.fn.__qualname__}
+        record: dict[str, Any] = {"module": jit.fn.__module__, "kernel": jit.fn.__qualname__}
         with self._lock:
             if data in self._seen:
                 return True
@@ -268,6 +270,7 @@ class Precompiler:
                 from triton.runtime.driver import driver
 
                 self._target = driver.active.get_current_target()
+            record["at_s"] = self._since_start()
             try:
                 future = self.pool.submit(
                     compile_spec, record["module"], record["kernel"], data, self._target, self.launchers
@@ -275,8 +278,16 @@ class Precompiler:
             except Exception as exc:  # a broken pool (a worker died): this one is the engines' to compile
                 future = Future()
                 future.set_exception(exc)
+            future.add_done_callback(lambda _f, rec=record: rec.__setitem__("done_at_s", self._since_start()))
             self._futures.append((record, future))
         return True  # compiled by a worker: nothing compiles or launches here
+
+    def _since_start(self) -> float:
+        return round(time.perf_counter() - self.t0, 3)
+
+    def mark(self, name: str) -> None:
+        """Note that the step reached `name` now (finish() reports the marks: where the step's time went)."""
+        self.marks[name] = self._since_start()
 
     @contextlib.contextmanager
     def recording(self):  # type: ignore[no-untyped-def]
@@ -320,6 +331,7 @@ class Precompiler:
             if r is None or "error" in r
         ]
         done = [r for r in results if r is not None and "error" not in r]
+        at = [rec["at_s"] for rec, _ in futures if "at_s" in rec]
         launcher_errors = sorted({r["launcher_error"] for r in done if "launcher_error" in r})
         utils = _outcome(self._utils) if self._utils is not None else None
         slowest = sorted(done, key=lambda r: -r["seconds"])[:5]
@@ -339,6 +351,17 @@ class Precompiler:
             "wait_after_record_s": round(time.perf_counter() - t0, 3),
             "compile_cpu_s": round(sum(r["seconds"] for r in done), 3),
             "slowest": [{"kernel": r["kernel"], "seconds": r["seconds"]} for r in slowest],
+            # the step's clock (seconds since its pool started): its marks, when the first and the last
+            # specialization were recorded, and the compiles that finished last (what the step waited on)
+            "marks": dict(self.marks),
+            "recorded_at_s": [min(at), max(at)] if at else None,
+            "finished_last": [
+                {k: rec.get(k) for k in ("kernel", "at_s", "done_at_s")}
+                for rec in sorted(
+                    (rec for rec, _ in futures if rec.get("done_at_s") is not None),
+                    key=lambda rec: -rec["done_at_s"],
+                )[:TIMELINE_LAST]
+            ],
             "seconds": round(time.perf_counter() - self.t0, 3),
         }
 

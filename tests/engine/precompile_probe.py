@@ -180,6 +180,7 @@ def main() -> None:
 
         pre = Precompiler(2)
         try:
+            pre.mark("before_recording")
             with pre.recording():
                 work()
                 x, y = torch.ones(16), torch.zeros(16)

@@ -58,6 +58,13 @@ def test_recorded_specializations_compiled_by_workers_are_the_ones_the_jit_then_
     assert rec["specializations"] == rec["compiled"] >= 6
     assert {"_rmsnorm_kernel", "_attn_decode_kernel", "_rope_kv_kernel"} <= set(rec["kernels"])
     assert rec["record_s"] is not None and rec["seconds"] >= rec["wait_after_record_s"]
+    # the step's clock: its marks, when the specializations were recorded, and the compiles that ended last
+    first, last = rec["recorded_at_s"]
+    assert 0 <= rec["marks"]["before_recording"] <= first <= last <= rec["seconds"]
+    done = rec["finished_last"]
+    assert 1 <= len(done) <= min(8, rec["specializations"])
+    assert [d["done_at_s"] for d in done] == sorted((d["done_at_s"] for d in done), reverse=True)
+    assert all(first <= d["at_s"] <= d["done_at_s"] <= rec["seconds"] for d in done)
     # a manual warmup inside the pass (b12x keeps and launches what its .warmup() returns) goes to the
     # workers like any launch, and its caller gets a stand-in whose launch runs nothing
     assert rec["warmup_returned"] == "DeferredKernel" and rec["deferred"] == ["_warmup_probe_kernel"]
