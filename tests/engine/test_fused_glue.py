@@ -650,7 +650,7 @@ def test_fused_prefill_attention_equals_the_torch_loop_and_never_follows_its_bat
 
     tok = ByteTokenizer()
     # pool 4, top 2: prompts past 8 tokens select among earlier groups (the default pool of 64 never would)
-    e = make_engine(kda_decode_backend="torch", selector_pool=4, selector_topk=2, max_model_len=128)
+    e = make_engine(kda_decode_backend="torch", selector_pool=4, selector_topk=2, max_model_len=64)
     real = attn_mod.AttentionLayer.forward_prefill
     seen = []
 
@@ -683,7 +683,7 @@ def test_fused_prefill_attention_equals_the_torch_loop_and_never_follows_its_bat
         monkeypatch.setattr(attn_mod.AttentionLayer, "forward_prefill", real)
         alone, h_alone = prefill_row(r, [prompt], 0)
         monkeypatch.setattr(attn_mod, "PREFILL_FUSED_ROWS", 7)  # prompts split across launches
-        for at in (0, 1, 2):
+        for at in (0, 2):
             got, h_got = prefill_row(r, [*fillers[:at], prompt, *fillers[at:]], at)
             assert torch.equal(got, alone) and torch.equal(h_got, h_alone)
     finally:
