@@ -230,7 +230,10 @@ def roofline(engine, copy: dict, steps: int, batch: int = 1, sequence: bool = Fa
         }
 
 
-def interleaved_steps(engines: dict, steps: int, rounds: int = 7) -> dict[str, float]:
+STEP_ROUNDS = 7  # interleaved rounds of interleaved_steps
+
+
+def interleaved_steps(engines: dict, steps: int, rounds: int = STEP_ROUNDS) -> dict[str, float]:
     """Median µs of each engine's replayed one-request decode step: `steps` replays back to back (staged
     once before) timed by GPU events, in `rounds` interleaved rounds, the order rotating."""
     with contextlib.ExitStack() as stack:
@@ -264,7 +267,9 @@ def step_beside(engine, preset: str, steps: int, changes: dict) -> dict:
         "changed": {k: repr(v) for k, v in changes.items()},
         "replay_us": us,
         "speedup_of_changed": round(us["module"] / us["changed"], 3),
-        "definition": f"medians of 7 interleaved rounds, each {steps} replays back to back / {steps}",
+        "definition": (
+            f"medians of {STEP_ROUNDS} interleaved rounds, each {steps} replays back to back / {steps}"
+        ),
     }
 
 

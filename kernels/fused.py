@@ -1654,17 +1654,21 @@ def attention_decode(
     geometry,
     pool: int,
     G: int,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of q [R*Tq, hq, D] over each request's paged context, restricted to the selected
     groups rows [R*Tq, topk] (-1: none) and to positions < seq_len: one online softmax over every shard's
     keys (equal to attention.folded_attention's per-shard partials merged by log-sum-exp). A query with
-    no visible key gets zeros. Returns [R*Tq, hq, D] in q's dtype."""
+    no visible key gets zeros. Returns [R*Tq, hq, D] in q's dtype, written into `out` where given (contiguous,
+    of q's shape and dtype)."""
     assert geometry.rank is None and k_cache.is_contiguous() and v_cache.is_contiguous()
     N, HQ, D = q.shape
     R = block_tables.shape[0]
     kvh = k_cache.shape[-2]
     TOPK = rows.shape[1]
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     gq = HQ // kvh
     pdl = pdl_enabled(q)
     _attn_decode_kernel[(N, kvh)](

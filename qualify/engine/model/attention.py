@@ -240,7 +240,7 @@ class AttentionLayer(nn.Module):
             tables = rows_of_token[a:b]
             pooled = pool_keys_paged(self.k_cache, tables, seq_lens[a:b], geo, rt.pool, rt.num_groups)
             select_groups(q[a:b], positions[a:b], pooled, rt.pool, rows_out[a:b])
-            out[a:b] = attention_decode(
+            attention_decode(
                 q[a:b],
                 positions[a:b],
                 self.k_cache,
@@ -251,6 +251,7 @@ class AttentionLayer(nn.Module):
                 geo,
                 rt.pool,
                 rt.num_groups,
+                out=out[a:b],
             )
         return out
 
