@@ -64,16 +64,32 @@ def ours(
     num_warps: int | None = None,
     pdl: bool | None = None,
     norm: bool = True,
+    one_launch: bool | None = None,
 ) -> Callable[[], None]:
+    """Our decode as the engine launches it: the split path's partial words kept across calls (the
+    backend's scratch), so each call is one epoch on them, allocated here before timing."""
     from kernels.kda.backend import DECODE_TENSORS
-    from kernels.kda.decode import check_decode_args, launch_decode
+    from kernels.kda.decode import check_decode_args, default_launch, launch_decode, partials_spec
 
     args = [t[name] for name in DECODE_TENSORS]
-    check_decode_args(*args)
+    n, T, H, _, V = check_decode_args(*args)
+    bv = block_v or default_launch(n, H, V, T)[0]
+    shape = partials_spec(n * T, H, V, bv)
+    partials = None if shape is None else torch.zeros(shape, dtype=torch.int64, device="cuda")
     return lambda: launch_decode(
         *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps, pdl=pdl,
-        norm=norm,
+        norm=norm, partials=partials, one_launch=one_launch,
     )  # fmt: skip
+
+
+def one_launch_default(t: dict[str, torch.Tensor]) -> bool:
+    """Whether our default launch normalizes in the decode launch itself for these inputs."""
+    from kernels.kda.decode import default_launch, one_launch_limit
+
+    n, T = t["state_indices"].shape
+    H, V = t["q"].shape[1], t["v"].shape[2]
+    bv, nw = default_launch(n, H, V, T)
+    return T == 1 and bv < V and n * H * (V // bv) <= one_launch_limit(t["q"], nw)
 
 
 def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:
@@ -185,6 +201,9 @@ def bench_decode(
         builders["ours_no_pdl"] = lambda t=t: ours(t, pdl=False)
         # the decode kernel alone, its output left unnormalized: the same work as fla's kernel (NO_NORM)
         builders["ours_no_norm"] = lambda t=t: ours(t, norm=False)
+        if one_launch_default(t):
+            # the same kernels with the norm in a second launch, as larger grids run it (ONE_LAUNCH)
+            builders["ours_two_launches"] = lambda t=t: ours(t, one_launch=False)
         if sweep is True or (isinstance(sweep, tuple) and n in sweep):
             for bv, nw in SWEEP:
                 builders[f"ours_bv{bv}_w{nw}"] = lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw)
@@ -285,6 +304,10 @@ def main() -> None:
         "pdl": "ours launches the decode kernel and its norm with programmatic dependent launch on sm_90 "
         "(kernels.fused.PDL) where the grid has at most kernels.kda.decode.PDL_MAX_PROGRAMS programs; "
         "ours_no_pdl: the same launches without it",
+        "one_launch": "at T = 1, on grids the SMs hold at once (kernels.kda.decode.one_launch_limit), "
+        "ours normalizes in the decode launch, each program waiting for its (row, head)'s other V tiles' "
+        "partial sums of squares; ours_two_launches: the same kernels with the norm in a second launch, "
+        "as larger grids and verify run it (the same bits, tests/kernels/test_gpu_decode.py)",
         "copy_TBps": copy_bandwidth(),
     }
     result["sweep"] = {"launches": [list(x) for x in SWEEP], "batches": "all" if sweep is True else sweep}

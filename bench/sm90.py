@@ -230,9 +230,9 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
 
     names = [
         "q", "k", "v", "a", "b", "A_log", "dt_bias", "z", "norm_weight", "state", "state_indices",
-        "num_accepted", "num_live", "out",
+        "num_accepted", "num_live", "out", "partials",
     ]  # fmt: skip
-    types = [BF16] * 5 + [F32, F32, BF16, F32, F32, I32, I32, I32, BF16]
+    types = [BF16] * 5 + [F32, F32, BF16, F32, F32, I32, I32, I32, BF16, "*i64"]
     sig = dict(zip(names, types, strict=True))
     for s in ("qt", "qh", "kt", "kh", "vt", "vh", "at", "ah", "bt", "bh", "zt", "zh", "ot", "oh"):
         sig[f"stride_{s}"] = "i32"
@@ -240,13 +240,16 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     sig.update(scale="fp32", lower_bound="fp32", norm_eps="fp32")
     bv, warps = dm.default_launch(1, H, V)
     for T in (1, 4):
-        c = dict(H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=bv == V, PDL=True)
+        # the norm as a batch-1 decode (one launch) and a verify (a second launch) take it
+        mode = dm.ONE_LAUNCH if T == 1 else dm.TWO_LAUNCHES
+        c = dict(H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=bv == V, NORM=mode, PDL=True)
         yield f"decode T={T} split", dm._kda_decode_kernel, sig, c, warps
-        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, PDL=True)
+        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, NORM=dm.NO_NORM, PDL=True)
         yield f"decode T={T} fused row", dm._kda_decode_kernel, sig, c, 4
-    norm = {"out": BF16, "z": BF16, "norm_weight": F32, "stride_ot": "i32", "stride_oh": "i32"}
-    norm.update(stride_zt="i32", stride_zh="i32", norm_eps="fp32")
-    yield "decode gated norm", dm._gated_rmsnorm_kernel, norm, dict(H=H, V=V, PDL=True), 1
+    norm = {"out": BF16, "z": BF16, "norm_weight": F32, "partials": "*i64", "stride_ot": "i32"}
+    norm.update(stride_oh="i32", stride_zt="i32", stride_zh="i32", norm_eps="fp32")
+    c = dict(H=H, V=V, NV=V // bv, PDL=True)
+    yield "decode gated norm", dm._gated_rmsnorm_kernel, norm, c, 1
 
 
 def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:

@@ -11,7 +11,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .decode import DEFAULT_LAUNCH_WHY, check_decode_args, default_launch, describe_launch, launch_decode
+from .decode import (
+    DEFAULT_LAUNCH_WHY,
+    check_decode_args,
+    default_launch,
+    describe_launch,
+    launch_decode,
+    partials_spec,
+)
 from .naive import bounded_gate, gated_rmsnorm, naive_recurrent
 
 BACKENDS = ("auto", "b12x", "triton", "torch")
@@ -263,10 +270,23 @@ def decode_reference(
                 state[idx[r][j]] = S[0]
 
 
-class TritonBackend(_NoScratch):
-    """Our Triton decode/verify (kernels.kda.decode) and chunked prefill (kernels.kda.chunk)."""
+class TritonBackend:
+    """Our Triton decode/verify (kernels.kda.decode) and chunked prefill (kernels.kda.chunk). Its one
+    scratch tensor, norm_partials, holds the split launch's partial sums of squares (decode.partials_spec):
+    zeroed at bind, then written only by these launches, which keep its words' epochs in step."""
 
     name = "triton"
+
+    def scratch_specs(self, plan: DecodePlan) -> dict[str, TensorSpec]:
+        c = plan.caps
+        shape = partials_spec(c.max_requests * c.tokens_per_request, c.num_heads, c.head_v_dim, plan.block_v)
+        return {} if shape is None else {"norm_partials": TensorSpec(shape, torch.int64)}
+
+    def bind(self, plan: DecodePlan, *, scratch: dict[str, Tensor], **tensors: Tensor) -> Binding:
+        check_binding(plan, scratch, self.scratch_specs(plan), **tensors)
+        for t in scratch.values():
+            t.zero_()
+        return Binding(plan=plan, tensors=dict(tensors), scratch=dict(scratch))
 
     def plan(self, caps: Caps) -> DecodePlan:
         check_caps(caps)
@@ -285,7 +305,7 @@ class TritonBackend(_NoScratch):
         launch_decode(
             *(t[name] for name in DECODE_TENSORS),
             lower_bound=p.caps.lower_bound, norm_eps=p.caps.norm_eps, scale=None,
-            block_v=p.block_v, num_warps=p.num_warps,
+            block_v=p.block_v, num_warps=p.num_warps, partials=binding.scratch.get("norm_partials"),
         )  # fmt: skip
 
     def prefill(self, **kwargs) -> None:

@@ -13,6 +13,8 @@ at most PDL_MAX_PROGRAMS programs (one wave of one-warp programs on an H200) do:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,21 @@ L2_EPS = 1e-6
 # programs, one wave at 32 per SM) in 9.63 against 9.86, but batch 64 in 72.8 against 72.6, 256 in 276.1
 # against 272.5 and 1024 in 1088.8 against 1070.5, and verify (T = 4) at 256 in 742.9 against 723.9.
 PDL_MAX_PROGRAMS = 4096
+
+# The split path's norm (the kernel's NORM): none (a benchmark's like-for-like with fla's kernel), a second
+# launch that reads the tiles' partial sums of squares, or in the decode launch itself, each program
+# waiting for the other tiles of its (row, head) to publish theirs. The one-launch wait needs every program
+# of the grid resident at once: only T = 1 grids of at most one_launch_limit() programs take it, and never
+# under the interpreter (which runs programs one after another).
+NO_NORM = tl.constexpr(0)
+TWO_LAUNCHES = tl.constexpr(1)
+ONE_LAUNCH = tl.constexpr(2)
+# Polls of the partial words before a one-launch program gives up and writes NaN (a wait that cannot end,
+# e.g. a program that was never made resident, shows in the output rather than holding the GPU).
+SPIN_LIMIT = tl.constexpr(1 << 20)
+# Resident programs per SM guaranteed for a one-warp program whatever its registers: at 255 registers a
+# thread, a warp holds 8160 of an SM's 65536 (sm_80 to sm_90).
+_RESIDENT_WARPS_PER_SM = 8
 
 
 @triton.jit
@@ -44,6 +61,7 @@ def _kda_decode_kernel(
     num_accepted,
     num_live,
     out,
+    partials,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -70,8 +88,12 @@ def _kda_decode_kernel(
     T: tl.constexpr,
     BV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # NORM (split path only): NO_NORM leaves the output unnormalized; TWO_LAUNCHES writes it rounded to
+    # out's dtype and this tile's sum of squares (a partial word) for _gated_rmsnorm_kernel to finish;
+    # ONE_LAUNCH writes the partial word, waits for the other tiles of its (row, head) and normalizes here.
     NV: tl.constexpr = V // BV
     pid = tl.program_id(0)
     i_v = pid % NV
@@ -87,6 +109,8 @@ def _kda_decode_kernel(
         # whole-row program: there, held across the wait, they made its verify launch spill on sm_90.)
         A = tl.exp(tl.load(A_log + h).to(tl.float32))
         bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
+        if NORM == ONE_LAUNCH:
+            wn = tl.load(norm_weight + o_v).to(tl.float32)
     _pdl_enter(PDL, True)
 
     live = tl.load(num_live)
@@ -100,13 +124,17 @@ def _kda_decode_kernel(
         col = tl.minimum(tl.maximum(tl.load(num_accepted + r64) - 1, 0), T - 1)
         src = tl.load(state_indices + r64 * stride_idx_r + col.to(tl.int64) * stride_idx_c).to(tl.int64)
     if (r >= live) | (src == 0):
-        # Padding row or null slot: output zero, no state read or written.
+        # Padding row or null slot: output zero, no state read or written; a zero partial word, so the
+        # norm of the two-launch path leaves the row zero.
         for t in tl.static_range(T):
             row = r64 * T + t
             tl.store(
                 out + row * stride_ot + h64 * stride_oh + o_v,
                 tl.zeros([BV], tl.float32).to(out.dtype.element_ty),
             )
+            if (not FUSE_NORM) and (NORM != NO_NORM):
+                word = partials + (row * H + h64) * NV + i_v
+                _put_partial(word, tl.load(word, volatile=True), tl.zeros([], tl.float32))
         return
 
     head_tile = h64 * (V * K) + o_v[:, None].to(tl.int64) * K + o_k[None, :]
@@ -118,6 +146,12 @@ def _kda_decode_kernel(
 
     for t in tl.static_range(T):
         row = r64 * T + t
+        if (not FUSE_NORM) and (NORM != NO_NORM):
+            # this tile's partial word and (one launch) the norm's inputs, loaded with the token's
+            word = partials + (row * H + h64) * NV + i_v
+            last = tl.load(word, volatile=True)
+            if NORM == ONE_LAUNCH:
+                b_z = tl.load(z + row * stride_zt + h64 * stride_zh + o_v).to(tl.float32)
         b_q = tl.load(q + row * stride_qt + h64 * stride_qh + o_k).to(tl.float32)
         b_k = tl.load(k + row * stride_kt + h64 * stride_kh + o_k).to(tl.float32)
         b_v = tl.load(v + row * stride_vt + h64 * stride_vh + o_v).to(tl.float32)
@@ -130,16 +164,89 @@ def _kda_decode_kernel(
         u = tl.sigmoid(b_b) * (b_v - tl.sum(S * b_k[None, :], 1))
         S = S + u[:, None] * b_k[None, :]
         o = tl.sum(S * b_q[None, :], 1)
-        if FUSE_NORM:
-            b_z = tl.load(z + row * stride_zt + h64 * stride_zh + o_v).to(tl.float32)
-            o = o * tl.rsqrt(tl.sum(o * o, 0) / V + norm_eps) * w * tl.sigmoid(b_z)
-        tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
         if T == 1:
             dst = src  # the same index, loaded above: no second load before the state's store
         else:
             dst = tl.load(state_indices + r64 * stride_idx_r + t * stride_idx_c).to(tl.int64)
-        if dst != 0:
-            tl.store(state + dst * stride_slot + head_tile, S)
+        if FUSE_NORM:
+            b_z = tl.load(z + row * stride_zt + h64 * stride_zh + o_v).to(tl.float32)
+            o = o * tl.rsqrt(tl.sum(o * o, 0) / V + norm_eps) * w * tl.sigmoid(b_z)
+            tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
+        elif NORM == ONE_LAUNCH:
+            # The norm's input is the core output rounded to out's dtype, as the two-launch path reads it
+            # back from out: both give the same bits.
+            o = o.to(out.dtype.element_ty).to(tl.float32)
+            epoch = _put_partial(word, last, tl.sum(o * o, 0))
+            if dst != 0:
+                tl.store(state + dst * stride_slot + head_tile, S)  # its latency under the wait below
+            total = _await_partials(partials + (row * H + h64) * NV, epoch, NV)
+            o = _gated(o, total, wn, b_z, V, norm_eps)
+            tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
+        else:
+            o = o.to(out.dtype.element_ty)
+            tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o)
+            if NORM == TWO_LAUNCHES:
+                o = o.to(tl.float32)
+                _put_partial(word, last, tl.sum(o * o, 0))
+        if FUSE_NORM or NORM != ONE_LAUNCH:  # noqa: SIM102 (a constexpr test, then a runtime one)
+            if dst != 0:
+                tl.store(state + dst * stride_slot + head_tile, S)
+
+
+@triton.jit
+def _gated(o, total, w, b_z, V: tl.constexpr, norm_eps):
+    """The gated RMSNorm of o given its row's sum of squares: one expression for both paths' bits."""
+    return o * tl.rsqrt(total / V + norm_eps) * w * tl.sigmoid(b_z)
+
+
+@triton.jit
+def _partial_value(word):
+    """The fp32 sum of squares held in a partial word's low 32 bits."""
+    return (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _put_partial(word_ptr, last, part):
+    """Publish one tile's sum of squares: the word's next epoch in its high 32 bits, the fp32 bits in its low.
+
+    Every launch writes all NV words of a (row, head) together, so they always share one epoch: a tile's
+    own word as it was (`last`, loaded early) says which epoch the others' words will carry once written.
+    One relaxed 64-bit exchange carries the value and its epoch at once, so no fence (and no wait for the
+    state's stores) is needed before it. Returns the epoch written."""
+    epoch = ((last >> 32) + 1) & 0x7FFFFFFF
+    bits = part.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    tl.atomic_xchg(word_ptr, (epoch << 32) | bits, sem="relaxed")
+    return epoch
+
+
+@triton.jit
+def _sum_partials(words, NV: tl.constexpr):
+    """The NV partial words' sum, added in tile order: the same bits in both paths."""
+    total = _partial_value(tl.load(words, volatile=True))
+    for j in tl.static_range(1, NV):
+        total += _partial_value(tl.load(words + j, volatile=True))
+    return total
+
+
+@triton.jit
+def _await_partials(words, epoch, NV: tl.constexpr):
+    """Spin until all NV words of this (row, head) carry `epoch`, then their sum (as _sum_partials adds it).
+    Bounded: after SPIN_LIMIT polls the sum is NaN, so a wait that could not finish shows in the output
+    instead of holding the GPU."""
+    ready = tl.zeros([], tl.int32)
+    polls = tl.zeros([], tl.int32)
+    total = tl.zeros([], tl.float32)
+    while (ready == 0) & (polls < SPIN_LIMIT):
+        ready = tl.full([], 1, tl.int32)
+        word = tl.load(words, volatile=True)
+        ready = ready & (((word >> 32) == epoch).to(tl.int32))
+        total = _partial_value(word)
+        for j in tl.static_range(1, NV):
+            word = tl.load(words + j, volatile=True)
+            ready = ready & (((word >> 32) == epoch).to(tl.int32))
+            total += _partial_value(word)
+        polls += 1
+    return tl.where(ready == 1, total, float("nan"))
 
 
 @triton.jit
@@ -147,6 +254,7 @@ def _gated_rmsnorm_kernel(
     out,
     z,
     norm_weight,
+    partials,
     stride_ot,
     stride_oh,
     stride_zt,
@@ -154,9 +262,11 @@ def _gated_rmsnorm_kernel(
     norm_eps,
     H: tl.constexpr,
     V: tl.constexpr,
+    NV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # In-place on the bf16 core output of the split-V path; zero rows stay zero.
+    # In-place on the core output of the split-V path, its sum of squares from the tiles' partial words
+    # (NV > 0), or from out itself (NV == 0: a peer's output, bench/kda.py's fla+norm); zero rows stay zero.
     pid = tl.program_id(0)
     row = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
@@ -166,8 +276,11 @@ def _gated_rmsnorm_kernel(
     p_o = out + row * stride_ot + h * stride_oh + o_v
     o = tl.load(p_o).to(tl.float32)
     b_z = tl.load(z + row * stride_zt + h * stride_zh + o_v).to(tl.float32)
-    o = o * tl.rsqrt(tl.sum(o * o, 0) / V + norm_eps) * w * tl.sigmoid(b_z)
-    tl.store(p_o, o.to(out.dtype.element_ty))
+    if NV > 0:
+        total = _sum_partials(partials + (row * H + h) * NV, NV)
+    else:
+        total = tl.sum(o * o, 0)
+    tl.store(p_o, _gated(o, total, w, b_z, V, norm_eps).to(out.dtype.element_ty))
 
 
 # Tried and removed (H200, 2026-12-04, bench/results/kda-h200-2026-12-04-rejected-one-launch-norm.json):
@@ -272,6 +385,28 @@ def check_decode_args(
     return n, T, H, K, V
 
 
+def one_launch_limit(t: Tensor, num_warps: int) -> int:
+    """The largest grid of `num_warps`-warp programs that takes the one-launch norm on t's device: the
+    programs every SM holds resident whatever their registers, times its SMs; 0 off CUDA or under the
+    interpreter (which runs one program after another, so none could wait for another)."""
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET", "") == "1" or num_warps > _RESIDENT_WARPS_PER_SM:
+        return 0
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(idx)
+    if sms is None:
+        sms = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return sms * (_RESIDENT_WARPS_PER_SM // num_warps)
+
+
+_SMS: dict[int, int] = {}
+
+
+def partials_spec(rows: int, num_heads: int, head_v_dim: int, block_v: int) -> tuple[int, int, int] | None:
+    """The shape of the int64 partial words a split launch of block_v rows writes (None for the whole-row
+    launch, which needs none): one per (token row, head, V tile)."""
+    return None if block_v >= head_v_dim else (rows, num_heads, head_v_dim // block_v)
+
+
 def launch_decode(
     q: Tensor,
     k: Tensor,
@@ -295,12 +430,20 @@ def launch_decode(
     num_warps: int | None = None,
     pdl: bool | None = None,
     norm: bool = True,
+    partials: Tensor | None = None,
+    one_launch: bool | None = None,
 ) -> None:
-    """Launch without validation (the caller has run check_decode_args). Allocates nothing. pdl: None
+    """Launch without validation of the step's tensors (the caller has run check_decode_args). pdl: None
     launches with programmatic dependent launch where kernels.fused.pdl_enabled says so (sm_90 and later,
     the switch on) and the grid has at most PDL_MAX_PROGRAMS programs; a benchmark may force it off to time
     the difference. norm=False leaves the split path's output unnormalized, its norm kernel not launched
-    (a benchmark's like-for-like with a peer that has no norm); the whole-row path refuses it."""
+    (a benchmark's like-for-like with a peer that has no norm); the whole-row path refuses it.
+
+    The split path's norm needs `partials`, int64 words of partials_spec's shape that only these launches
+    write (zeroed once before the first; the caller's scratch, kept across calls). Without them it
+    allocates zeroed words for this call. one_launch: None normalizes in the decode launch where the grid
+    allows it (T = 1, at most one_launch_limit programs), else in a second launch; a benchmark may force
+    either. Both give the same bits."""
     n, T = state_indices.shape
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     bv, nw = default_launch(n, H, V, T)
@@ -310,24 +453,45 @@ def launch_decode(
         raise ValueError("the whole-row decode applies the norm in-kernel: norm=False needs block_v < V")
     programs = n * H * (V // bv)
     pdl = (programs <= PDL_MAX_PROGRAMS if pdl is None else pdl) and pdl_enabled(q)
+    mode = NO_NORM
+    if norm and not fuse:
+        fits = T == 1 and programs <= one_launch_limit(q, nw)
+        if one_launch and not fits:
+            raise ValueError(
+                f"the one-launch norm needs T = 1 and at most {one_launch_limit(q, nw)} programs resident "
+                f"on this device, got T = {T} and {programs}"
+            )
+        mode = ONE_LAUNCH if (fits if one_launch is None else one_launch) else TWO_LAUNCHES
+        shape = partials_spec(n * T, H, V, bv)
+        if partials is None:
+            partials = torch.zeros(shape, dtype=torch.int64, device=q.device)
+        elif tuple(partials.shape) != shape or partials.dtype != torch.int64 or not partials.is_contiguous():
+            got = f"{partials.dtype} {tuple(partials.shape)}"
+            raise ValueError(f"partials must be a contiguous int64 {shape}, got {got}")
     _kda_decode_kernel[(programs,)](
         q, k, v, a, b, A_log, dt_bias, z, norm_weight, state, state_indices, num_accepted, num_live, out,
+        out if partials is None else partials,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), z.stride(0), z.stride(1),
         out.stride(0), out.stride(1), state.stride(0), state_indices.stride(0), state_indices.stride(1),
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
-        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, PDL=pdl, num_warps=nw, **_pdl_launch(pdl),
+        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, NORM=mode, PDL=pdl, num_warps=nw, **_pdl_launch(pdl),
     )  # fmt: skip
-    if not fuse and norm:
-        launch_gated_norm(out, z, norm_weight, norm_eps, pdl)
+    if mode == TWO_LAUNCHES:
+        launch_gated_norm(out, z, norm_weight, norm_eps, pdl, partials)
 
 
-def launch_gated_norm(out: Tensor, z: Tensor, norm_weight: Tensor, norm_eps: float, pdl: bool) -> None:
-    """The split path's gated RMSNorm, in place on out [rows, H, V]: one one-warp program per (row, head)."""
+def launch_gated_norm(
+    out: Tensor, z: Tensor, norm_weight: Tensor, norm_eps: float, pdl: bool, partials: Tensor | None = None
+) -> None:
+    """The split path's gated RMSNorm, in place on out [rows, H, V]: one one-warp program per (row, head),
+    its sum of squares from the decode launch's partial words, or from out (partials None: a peer's)."""
     rows, H, V = out.shape
+    nv = 0 if partials is None else partials.shape[2]
     _gated_rmsnorm_kernel[(rows * H,)](
-        out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
-        H=H, V=V, PDL=pdl, num_warps=1, **_pdl_launch(pdl),
+        out, z, norm_weight, out if partials is None else partials,
+        out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
+        H=H, V=V, NV=nv, PDL=pdl, num_warps=1, **_pdl_launch(pdl),
     )  # fmt: skip
 
 

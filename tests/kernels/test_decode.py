@@ -23,8 +23,15 @@ def run(backend: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     H, K, V = t["q"].shape[1], t["q"].shape[2], t["v"].shape[2]
     be = get_backend(backend)
     plan = be.plan(Caps(H, K, V, n, T, t["state"].shape[0], device=DEVICE))
-    be.run(be.bind(plan, scratch={}, **t))
+    be.run(be.bind(plan, scratch=scratch_for(be, plan), **t))
     return t
+
+
+def scratch_for(be, plan) -> dict[str, torch.Tensor]:
+    """The backend's scratch for `plan`, uninitialized (bind must zero what needs it)."""
+    return {
+        m: torch.full(s.shape, -1, dtype=s.dtype, device=DEVICE) for m, s in be.scratch_specs(plan).items()
+    }
 
 
 def assert_same_step(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -186,10 +193,10 @@ def test_bind_refuses_tensors_that_disagree_with_the_plan():
     be = get_backend("triton")
     plan = be.plan(Caps(2, 16, 32, 3, 2, t["state"].shape[0], device=DEVICE))
     with pytest.raises(ValueError, match="max_requests=2 but the plan was made for 3"):
-        be.bind(plan, scratch={}, **t)
+        be.bind(plan, scratch=scratch_for(be, plan), **t)
     plan = be.plan(Caps(2, 16, 32, 2, 2, t["state"].shape[0], device=DEVICE))
     with pytest.raises(ValueError, match="missing tensors"):
-        be.bind(plan, scratch={}, **{k: x for k, x in t.items() if k != "z"})
+        be.bind(plan, scratch=scratch_for(be, plan), **{k: x for k, x in t.items() if k != "z"})
     with pytest.raises(ValueError, match="scratch must hold exactly"):
         be.bind(plan, scratch={"x": t["b"]}, **t)
 
@@ -204,8 +211,8 @@ def test_triton_plan_records_its_launch_and_run_honours_a_fused_plan():
     fused_plan = dataclasses.replace(plan, block_v=32, num_warps=2)
     assert describe_launch(32, 2, 32).startswith("fused")
     split, fused = ({k: x.clone() for k, x in t.items()} for _ in range(2))
-    be.run(be.bind(plan, scratch={}, **split))
-    be.run(be.bind(fused_plan, scratch={}, **fused))
+    be.run(be.bind(plan, scratch=scratch_for(be, plan), **split))
+    be.run(be.bind(fused_plan, scratch=scratch_for(be, fused_plan), **fused))
     assert_same_step(fused, split)
     assert_same_step(fused, run("torch", t))
     # The fused path rounds to bf16 once, the split path twice: different bits prove the plan was honoured.
@@ -262,3 +269,44 @@ def test_the_split_decode_without_its_norm_writes_the_core_output_and_the_same_s
     args = [t[name] for name in DECODE_TENSORS]
     with pytest.raises(ValueError, match="needs block_v < V"):
         launch_decode(*args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=32, num_warps=1, norm=False)
+
+
+def test_the_split_norm_sums_partial_words_that_advance_one_epoch_a_call_and_bind_zeroes_them():
+    """The split path's norm reads one partial word per (row, head, V tile): the tile's fp32 sum of squares
+    in its low 32 bits, the call count (epoch) in its high. Kept across calls (the backend's scratch,
+    zeroed at bind), every word of a (row, head) advances together, a dead row's words carry zero, and the
+    normed output is the torch backend's. The one-launch wait is never taken here: the interpreter runs one
+    program after another, so one_launch_limit is 0 and forcing it is refused."""
+    from kernels.kda.decode import one_launch_limit
+
+    t = decode_step(3, 1, seed=21)
+    be = get_backend("triton")
+    plan = be.plan(Caps(2, 16, 32, 3, 1, t["state"].shape[0], device=DEVICE))
+    scratch = scratch_for(be, plan)
+    assert set(scratch) == {"norm_partials"} and scratch["norm_partials"].shape == (3, 2, 4)
+    d = {k: x.clone() for k, x in t.items()}
+    binding = be.bind(plan, scratch=scratch, **d)
+    assert not scratch["norm_partials"].any()
+    d["num_live"].fill_(2)
+    for _ in range(2):
+        d["state"].copy_(t["state"])
+        be.run(binding)
+    words = scratch["norm_partials"]
+    assert (words >> 32).eq(2).all()
+    values = (words & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    assert values[2].eq(0).all() and values[:2].gt(0).all()
+    core = {k: x.clone() for k, x in t.items()}
+    core["num_live"].fill_(2)
+    launch_decode(
+        *(core[x] for x in DECODE_TENSORS), lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=8, norm=False
+    )  # fmt: skip
+    sums = core["out"].float().view(3, 2, 4, 8).square().sum(-1)
+    torch.testing.assert_close(values[:2], sums[:2], rtol=1e-6, atol=0)
+    ref = {k: x.clone() for k, x in t.items()}
+    ref["num_live"].fill_(2)
+    assert_same_step(d, run("torch", ref))
+    assert one_launch_limit(t["q"], 1) == 0
+    with pytest.raises(ValueError, match="the one-launch norm needs T = 1 and at most 0 programs"):
+        launch_decode(
+            *(t[x] for x in DECODE_TENSORS), lower_bound=-5.0, norm_eps=1e-5, scale=None, one_launch=True
+        )  # fmt: skip

@@ -189,3 +189,106 @@ def test_decode_in_a_chain_of_pdl_launches_replayed_in_a_graph_equals_it_launche
         t["state"].copy_(initial)
 
     assert_replay_with_pdl_equals_serial(chain, new_inputs, lambda: t["state"].copy_(initial))
+
+
+def _launch(t: dict[str, torch.Tensor], partials: torch.Tensor | None, **kw) -> None:
+    from kernels.kda.backend import DECODE_TENSORS
+    from kernels.kda.decode import launch_decode
+
+    launch_decode(
+        *(t[x] for x in DECODE_TENSORS), lower_bound=-5.0, norm_eps=1e-5, scale=None, partials=partials, **kw
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_one_launch_norm_gives_the_two_launch_bits_call_after_call(n):
+    """kernels/kda/decode.py's ONE_LAUNCH (each program waits for its (row, head)'s other V tiles' partial
+    sums of squares) against TWO_LAUNCHES (a second kernel adds the same words): the same output and state
+    bits, on words kept across three calls whose epochs advance together; with a dead row among them."""
+    from kernels.kda.decode import one_launch_limit
+
+    t = decode_step(n, 1, seed=11, **REAL)
+    assert n * 32 * 16 <= one_launch_limit(t["q"], 1)
+    got = {}
+    for one in (True, False):
+        d = {k: x.clone() for k, x in t.items()}
+        partials = torch.zeros(n, 32, 16, dtype=torch.int64, device="cuda")
+        for live in (n, max(n - 1, 1), n):
+            d["state"].copy_(t["state"])
+            d["num_live"].fill_(live)
+            _launch(d, partials, one_launch=one)
+        torch.cuda.synchronize()
+        epochs = partials >> 32
+        assert int(epochs.min()) == int(epochs.max()) == 3, epochs.unique()
+        got[one] = d
+    assert torch.equal(got[True]["out"], got[False]["out"])
+    assert torch.equal(got[True]["state"], got[False]["state"])
+    assert_close_step(got[True], run("torch", t))
+
+
+def test_a_request_gets_the_same_bits_alone_in_one_launch_as_among_fifteen_in_two():
+    """Batch 1 normalizes in the decode launch; 16 requests (8192 programs, past one_launch_limit) in a
+    second launch. A request's output and state must not depend on which its batch took."""
+    from kernels.kda.decode import one_launch_limit
+
+    n = 16
+    t = decode_step(n, 1, seed=12, **REAL)
+    assert n * 32 * 16 > one_launch_limit(t["q"], 1) >= 32 * 16
+    many = run("triton", t)
+    alone = {k: t[k] for k in ("A_log", "dt_bias", "norm_weight")}
+    for k in ("q", "k", "v", "a", "b", "z"):
+        alone[k] = t[k][:1].clone()
+    alone.update(
+        state=t["state"].clone(), state_indices=t["state_indices"][:1].clone(),
+        num_accepted=t["num_accepted"][:1].clone(), num_live=torch.ones(1, dtype=torch.int32, device="cuda"),
+        out=torch.empty_like(t["out"][:1]),
+    )  # fmt: skip
+    alone = run("triton", alone)
+    assert torch.equal(alone["out"][0], many["out"][0])
+    slot = int(t["state_indices"][0, 0])
+    assert torch.equal(alone["state"][slot], many["state"][slot])
+
+
+def test_a_one_launch_wait_that_cannot_end_gives_up_and_writes_nan():
+    """Partial words out of step (one tile's epoch ahead of its siblings') mean no program's wait can end:
+    each gives up after SPIN_LIMIT polls and writes NaN, the kernel returns, the state still written."""
+    t = decode_step(1, 1, seed=13, **REAL)
+    partials = torch.zeros(1, 32, 16, dtype=torch.int64, device="cuda")
+    partials[:, :, 0] = 5 << 32
+    _launch(t, partials, one_launch=True)
+    torch.cuda.synchronize()
+    assert torch.isnan(t["out"].float()).all()
+    ref = run("torch", decode_step(1, 1, seed=13, **REAL))
+    torch.testing.assert_close(t["state"], ref["state"], atol=STATE_ATOL, rtol=0)
+
+
+def test_one_launch_graph_replays_keep_their_words_in_step_and_equal_eager_launches():
+    """The engine's path at batch 1: the backend's bound scratch, captured once, replayed on new inputs."""
+    n = 1
+    t = decode_step(n, 1, seed=14, **REAL)
+    eager = {k: x.clone() for k, x in t.items()}
+    captured = {k: x.clone() for k, x in t.items()}
+    be_e, b_e = bound("triton", eager)
+    be_c, b_c = bound("triton", captured)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        be_c.run(b_c)
+    torch.cuda.current_stream().wait_stream(stream)
+    be_e.run(b_e)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be_c.run(b_c)
+    g = torch.Generator(device="cuda").manual_seed(15)
+    for _ in range(4):
+        for k in ("q", "k", "v", "z"):
+            x = torch.randn(t[k].shape, generator=g, device="cuda").to(t[k].dtype)
+            captured[k].copy_(x)
+            eager[k].copy_(x)
+        graph.replay()
+        be_e.run(b_e)
+        torch.cuda.synchronize()
+        assert torch.equal(captured["out"], eager["out"]) and not torch.isnan(captured["out"].float()).any()
+        assert torch.equal(captured["state"], eager["state"])
+    words = b_c.scratch["norm_partials"] >> 32
+    assert int(words.min()) == int(words.max()) == 5  # the warm-up and four replays (capture runs nothing)
