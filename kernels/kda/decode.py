@@ -39,7 +39,9 @@ TWO_LAUNCHES = tl.constexpr(1)
 ONE_LAUNCH = tl.constexpr(2)
 # Polls of the partial words before a one-launch program gives up and writes NaN (a wait that cannot end,
 # e.g. a program that was never made resident, shows in the output rather than holding the GPU).
-SPIN_LIMIT = tl.constexpr(1 << 20)
+# _await_partials declares it itself: a constexpr global read by a helper enters its callers' Triton keys
+# in the order processes ask for them (kernels/fused.py's RB_ROWS, tests/kernels/test_cache_keys.py).
+SPIN_LIMIT = 1 << 20
 # Resident programs per SM guaranteed for a one-warp program whatever its registers: at 255 registers a
 # thread, a warp holds 8160 of an SM's 65536 (sm_80 to sm_90).
 _RESIDENT_WARPS_PER_SM = 8
@@ -220,33 +222,32 @@ def _put_partial(word_ptr, last, part):
 
 
 @triton.jit
-def _sum_partials(words, NV: tl.constexpr):
-    """The NV partial words' sum, added in tile order: the same bits in both paths."""
-    total = _partial_value(tl.load(words, volatile=True))
-    for j in tl.static_range(1, NV):
-        total += _partial_value(tl.load(words + j, volatile=True))
-    return total
+def _load_words(words, NV: tl.constexpr):
+    """The NV partial words of one (row, head), one vector load (one 128-byte request at NV = 16)."""
+    return tl.load(words + tl.arange(0, NV), volatile=True)
+
+
+@triton.jit
+def _sum_words(word):
+    """The sum of the partial words' values: one reduction, the same in both paths' one-warp programs."""
+    return tl.sum(_partial_value(word), 0)
 
 
 @triton.jit
 def _await_partials(words, epoch, NV: tl.constexpr):
-    """Spin until all NV words of this (row, head) carry `epoch`, then their sum (as _sum_partials adds it).
-    Bounded: after SPIN_LIMIT polls the sum is NaN, so a wait that could not finish shows in the output
-    instead of holding the GPU."""
-    ready = tl.zeros([], tl.int32)
+    """Poll until all NV words of this (row, head) carry `epoch`, then their sum (as the two-launch norm
+    adds them). One request per poll per program: 16 programs poll each 128-byte line, so the last tile's
+    exchange does not queue behind a crowd of loads of its line. Bounded: after SPIN_LIMIT polls the sum
+    is NaN, so a wait that could not finish shows in the output instead of holding the GPU."""
+    SPIN: tl.constexpr = 1 << 20  # SPIN_LIMIT
+    word = _load_words(words, NV)
+    ready = tl.min(((word >> 32) == epoch).to(tl.int32), 0)
     polls = tl.zeros([], tl.int32)
-    total = tl.zeros([], tl.float32)
-    while (ready == 0) & (polls < SPIN_LIMIT):
-        ready = tl.full([], 1, tl.int32)
-        word = tl.load(words, volatile=True)
-        ready = ready & (((word >> 32) == epoch).to(tl.int32))
-        total = _partial_value(word)
-        for j in tl.static_range(1, NV):
-            word = tl.load(words + j, volatile=True)
-            ready = ready & (((word >> 32) == epoch).to(tl.int32))
-            total += _partial_value(word)
+    while (ready == 0) & (polls < SPIN):
+        word = _load_words(words, NV)
+        ready = tl.min(((word >> 32) == epoch).to(tl.int32), 0)
         polls += 1
-    return tl.where(ready == 1, total, float("nan"))
+    return tl.where(ready == 1, _sum_words(word), float("nan"))
 
 
 @triton.jit
@@ -277,7 +278,7 @@ def _gated_rmsnorm_kernel(
     o = tl.load(p_o).to(tl.float32)
     b_z = tl.load(z + row * stride_zt + h * stride_zh + o_v).to(tl.float32)
     if NV > 0:
-        total = _sum_partials(partials + (row * H + h) * NV, NV)
+        total = _sum_words(_load_words(partials + (row * H + h) * NV, NV))
     else:
         total = tl.sum(o * o, 0)
     tl.store(p_o, _gated(o, total, w, b_z, V, norm_eps).to(out.dtype.element_ty))
