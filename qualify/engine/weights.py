@@ -262,71 +262,9 @@ def load_into(model: nn.Module, path: str | Path) -> None:
             want = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[p.dtype]
             if dtype != want:
                 raise WeightsError(f"weights file {path}: {name} is {dtype}, the model wants {want}")
-        cuda = [p.device for p in params.values() if p.is_cuda]
-        streamed = {n: p for n, p in params.items() if cuda and _streams(p, cuda[0])}
         with torch.no_grad():
             for name, p in params.items():
-                if name not in streamed:
-                    p.data.copy_(f.get_tensor(name))
-    if streamed:
-        _stream_into(path, streamed)
-
-
-def _streams(p: torch.Tensor, device: torch.device) -> bool:
-    """Whether load_into copies this parameter from the file through pinned buffers (_stream_into): a
-    contiguous one on the engine's CUDA device (any other is copied from its own host tensor)."""
-    return p.device == device and p.data.is_contiguous()
-
-
-def _file_spans(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """A safetensors file's data start and each tensor's [begin, end) within its data (its header)."""
-    with path.open("rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return 8 + n, {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
-
-
-def _stream_into(path: Path, params: dict[str, torch.Tensor]) -> None:
-    """Each parameter's bytes read from the file straight into one of two pinned buffers (CUDA: plain
-    buffers otherwise) and copied into the parameter while the next chunk is read: one host copy (the
-    read) overlapping the transfer, where `get_tensor` and a pageable `copy_` made two host copies in
-    turn. Returns once every copy is done, as `copy_` did. The file was checked against the model before
-    (load_into): names, shapes and dtypes; a file shorter than its header says raises WeightsError."""
-    base, spans = _file_spans(path)
-    device = next(iter(params.values())).device
-    on_cuda = device.type == "cuda"
-    bufs = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=on_cuda) for _ in range(2)]
-    done: list[torch.cuda.Event | None] = [None, None]
-    k = 0
-    on_device = torch.cuda.device(device) if on_cuda else contextlib.nullcontext()
-    with path.open("rb", buffering=0) as f, on_device:
-        for name in sorted(params, key=lambda n: spans[n][0]):  # the file in order
-            begin, end = spans[name]
-            dst = params[name].data.reshape(-1).view(torch.uint8)
-            if dst.numel() != end - begin:
-                held = f"{end - begin} bytes, not {dst.numel()}"
-                raise WeightsError(f"weights file {path}: {name} holds {held}")
-            for o in range(0, end - begin, CHUNK_BYTES):
-                n = min(CHUNK_BYTES, end - begin - o)
-                b = k % 2
-                if done[b] is not None:
-                    done[b].synchronize()  # the buffer's previous chunk has reached its parameter
-                f.seek(base + begin + o)
-                view = memoryview(bufs[b].numpy())[:n]
-                got = 0
-                while got < n:
-                    r = f.readinto(view[got:])
-                    if not r:
-                        raise WeightsError(f"weights file {path} ends inside {name}; pass a whole file")
-                    got += r
-                dst[o : o + n].copy_(bufs[b][:n], non_blocking=on_cuda)
-                if on_cuda:
-                    done[b] = torch.cuda.Event()
-                    done[b].record()
-                k += 1
-    for ev in done:
-        if ev is not None:
-            ev.synchronize()
+                p.data.copy_(f.get_tensor(name))
 
 
 # How often an engine told to wait for its weights file (the launch document's weights.wait_s) looks again.

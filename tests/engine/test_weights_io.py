@@ -277,26 +277,3 @@ def test_an_engine_told_to_wait_loads_a_file_that_appears_later_and_refuses_one_
                         weights_wait_s=0.3)  # fmt: skip
     with pytest.raises(WeightsError, match="does not exist after waiting 0.3 s"):
         ensure_weights(model, gone)
-
-
-def test_a_file_streamed_into_parameters_through_two_buffers_gives_them_its_bytes(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """weights._stream_into (a CUDA engine's load: each chunk read into one of two pinned buffers and copied
-    while the next is read), here on CPU tensors with chunks of 10 bytes: tensors split across chunks and
-    buffers reused, every parameter holds the file's bytes after; a file cut short is refused by name."""
-    from qualify.engine import weights as w
-
-    state = _state()
-    path = tmp_path / "w.safetensors"
-    save(state, path, {"seed": "1"})
-    monkeypatch.setattr(w, "CHUNK_BYTES", 10)
-    params = {n: torch.full_like(t, 7) for n, t in state.items()}
-    w._stream_into(path, params)
-    for n, t in load_file(str(path)).items():
-        assert torch.equal(params[n], t), n
-    data = path.read_bytes()
-    cut = tmp_path / "cut.safetensors"
-    cut.write_bytes(data[:-20])
-    with pytest.raises(w.WeightsError, match="ends inside"):
-        w._stream_into(cut, {n: torch.zeros_like(t) for n, t in state.items()})
