@@ -65,7 +65,6 @@ def ours(
     pdl: bool | None = None,
     norm: bool = True,
     one_launch: bool | None = None,
-    polls_in_flight: int | None = None,
 ) -> Callable[[], None]:
     """Our decode as the engine launches it: the split path's partial words kept across calls (the
     backend's scratch), so each call is one epoch on them, allocated here before timing."""
@@ -77,10 +76,9 @@ def ours(
     bv = block_v or default_launch(n, H, V, T)[0]
     shape = partials_spec(n * T, H, V, bv)
     partials = None if shape is None else torch.zeros(shape, dtype=torch.int64, device="cuda")
-    polls = {} if polls_in_flight is None else {"polls_in_flight": polls_in_flight}
     return lambda: launch_decode(
         *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps, pdl=pdl,
-        norm=norm, partials=partials, one_launch=one_launch, **polls,
+        norm=norm, partials=partials, one_launch=one_launch,
     )  # fmt: skip
 
 
@@ -206,8 +204,6 @@ def bench_decode(
         if one_launch_default(t):
             # the same kernels with the norm in a second launch, as larger grids run it (ONE_LAUNCH)
             builders["ours_two_launches"] = lambda t=t: ours(t, one_launch=False)
-            # the one-launch wait with one poll of the partial words in flight at a time, not four
-            builders["ours_one_poll"] = lambda t=t: ours(t, polls_in_flight=1)
         if sweep is True or (isinstance(sweep, tuple) and n in sweep):
             for bv, nw in SWEEP:
                 builders[f"ours_bv{bv}_w{nw}"] = lambda t=t, bv=bv, nw=nw: ours(t, block_v=bv, num_warps=nw)
@@ -311,8 +307,7 @@ def main() -> None:
         "one_launch": "at T = 1, on grids the SMs hold at once (kernels.kda.decode.one_launch_limit), "
         "ours normalizes in the decode launch, each program waiting for its (row, head)'s other V tiles' "
         "partial sums of squares; ours_two_launches: the same kernels with the norm in a second launch, "
-        "as larger grids and verify run it (the same bits, tests/kernels/test_gpu_decode.py); "
-        "ours_one_poll: the one launch with one poll of the partial words in flight, not four",
+        "as larger grids and verify run it (the same bits, tests/kernels/test_gpu_decode.py)",
         "copy_TBps": copy_bandwidth(),
     }
     result["sweep"] = {"launches": [list(x) for x in SWEEP], "batches": "all" if sweep is True else sweep}

@@ -243,9 +243,8 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         # the norm as a batch-1 decode (one launch) and a verify (a second launch) take it
         mode = dm.ONE_LAUNCH if T == 1 else dm.TWO_LAUNCHES
         c = dict(H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=bv == V, NORM=mode, PDL=True)
-        c["IN_FLIGHT"] = dm.POLLS_IN_FLIGHT
         yield f"decode T={T} split", dm._kda_decode_kernel, sig, c, warps
-        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, NORM=dm.NO_NORM, IN_FLIGHT=1, PDL=True)
+        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, NORM=dm.NO_NORM, PDL=True)
         yield f"decode T={T} fused row", dm._kda_decode_kernel, sig, c, 4
     norm = {"out": BF16, "z": BF16, "norm_weight": F32, "partials": "*i64", "stride_ot": "i32"}
     norm.update(stride_oh="i32", stride_zt="i32", stride_zh="i32", norm_eps="fp32")

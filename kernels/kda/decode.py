@@ -42,8 +42,6 @@ ONE_LAUNCH = tl.constexpr(2)
 # _await_partials declares it itself: a constexpr global read by a helper enters its callers' Triton keys
 # in the order processes ask for them (kernels/fused.py's RB_ROWS, tests/kernels/test_cache_keys.py).
 SPIN_LIMIT = 1 << 20
-# Polls of the partial words a one-launch program keeps in flight while it waits (_await_partials).
-POLLS_IN_FLIGHT = 4
 # Resident programs per SM guaranteed for a one-warp program whatever its registers: at 255 registers a
 # thread, a warp holds 8160 of an SM's 65536 (sm_80 to sm_90).
 _RESIDENT_WARPS_PER_SM = 8
@@ -93,7 +91,6 @@ def _kda_decode_kernel(
     BV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
     NORM: tl.constexpr,
-    IN_FLIGHT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # NORM (split path only): NO_NORM leaves the output unnormalized; TWO_LAUNCHES writes it rounded to
@@ -116,8 +113,10 @@ def _kda_decode_kernel(
         bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
         if NORM == ONE_LAUNCH:
             wn = tl.load(norm_weight + o_v).to(tl.float32)
-    _pdl_enter(PDL, True)
-
+    # The step's metadata before the wait too: the host stages num_live, state_indices and num_accepted
+    # (qualify/engine/runner.py, arena.stage) and copies them in before the step's graph is launched, and
+    # no kernel of a step writes them, so the state tile's load is issued as soon as the wait returns, not
+    # one dependent load after it.
     live = tl.load(num_live)
     if T == 1:
         # A decode step reads column 0 whatever num_accepted says (the clamp below gives 0): one dependent
@@ -128,6 +127,7 @@ def _kda_decode_kernel(
         # Clamp the read column so a dead row's stale num_accepted never indexes outside its row.
         col = tl.minimum(tl.maximum(tl.load(num_accepted + r64) - 1, 0), T - 1)
         src = tl.load(state_indices + r64 * stride_idx_r + col.to(tl.int64) * stride_idx_c).to(tl.int64)
+    _pdl_enter(PDL, True)
     if (r >= live) | (src == 0):
         # Padding row or null slot: output zero, no state read or written; a zero partial word, so the
         # norm of the two-launch path leaves the row zero.
@@ -184,7 +184,7 @@ def _kda_decode_kernel(
             epoch = _put_partial(word, last, tl.sum(o * o, 0))
             if dst != 0:
                 tl.store(state + dst * stride_slot + head_tile, S)  # its latency under the wait below
-            total = _await_partials(partials + (row * H + h64) * NV, epoch, NV, IN_FLIGHT)
+            total = _await_partials(partials + (row * H + h64) * NV, epoch, NV)
             o = _gated(o, total, wn, b_z, V, norm_eps)
             tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
         else:
@@ -237,46 +237,20 @@ def _sum_words(word):
 
 
 @triton.jit
-def _sleep_ns(after):
-    """Suspend the warp for about 64 ns (PTX nanosleep; `after` only orders it after that value)."""
-    return tl.inline_asm_elementwise(
-        "nanosleep.u32 64;\n\tmov.u32 $0, $1;", "=r,r", [after], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _at_epoch(word, epoch):
-    return tl.min(((word >> 32) == epoch).to(tl.int32), 0)
-
-
-@triton.jit
-def _await_partials(words, epoch, NV: tl.constexpr, IN_FLIGHT: tl.constexpr):
+def _await_partials(words, epoch, NV: tl.constexpr):
     """Poll until all NV words of this (row, head) carry `epoch`, then their sum (as the two-launch norm
     adds them). One request per poll per program: 16 programs poll each 128-byte line, so the last tile's
-    exchange does not queue behind a crowd of loads of its line. IN_FLIGHT = 4 keeps four polls in flight,
-    issued about 64 ns apart at first, each replaced as the oldest returns short: the wait ends about one
-    return trip after the last word lands, not up to two. Bounded: after SPIN_LIMIT polls the sum is NaN,
-    so a wait that could not finish shows in the output instead of holding the GPU."""
+    exchange does not queue behind a crowd of loads of its line. Bounded: after SPIN_LIMIT polls the sum
+    is NaN, so a wait that could not finish shows in the output instead of holding the GPU."""
     SPIN: tl.constexpr = 1 << 20  # SPIN_LIMIT
+    word = _load_words(words, NV)
+    ready = tl.min(((word >> 32) == epoch).to(tl.int32), 0)
     polls = tl.zeros([], tl.int32)
-    w0 = _load_words(words, NV)
-    if IN_FLIGHT == 4:
-        polls = _sleep_ns(polls)
-        w1 = _load_words(words, NV)
-        polls = _sleep_ns(polls)
-        w2 = _load_words(words, NV)
-        polls = _sleep_ns(polls)
-        w3 = _load_words(words, NV)
-    ready = _at_epoch(w0, epoch)
     while (ready == 0) & (polls < SPIN):
-        if IN_FLIGHT == 4:
-            w0, w1, w2 = w1, w2, w3
-            w3 = _load_words(words, NV)
-        else:
-            w0 = _load_words(words, NV)
-        ready = _at_epoch(w0, epoch)
+        word = _load_words(words, NV)
+        ready = tl.min(((word >> 32) == epoch).to(tl.int32), 0)
         polls += 1
-    return tl.where(ready == 1, _sum_words(w0), float("nan"))
+    return tl.where(ready == 1, _sum_words(word), float("nan"))
 
 
 @triton.jit
@@ -462,7 +436,6 @@ def launch_decode(
     norm: bool = True,
     partials: Tensor | None = None,
     one_launch: bool | None = None,
-    polls_in_flight: int = POLLS_IN_FLIGHT,
 ) -> None:
     """Launch without validation of the step's tensors (the caller has run check_decode_args). pdl: None
     launches with programmatic dependent launch where kernels.fused.pdl_enabled says so (sm_90 and later,
@@ -474,10 +447,7 @@ def launch_decode(
     write (zeroed once before the first; the caller's scratch, kept across calls). Without them it
     allocates zeroed words for this call. one_launch: None normalizes in the decode launch where the grid
     allows it (T = 1, at most one_launch_limit programs), else in a second launch; a benchmark may force
-    either. Both give the same bits. polls_in_flight (1 or 4): how many polls of the partial words a
-    one-launch program keeps in flight while it waits (bench/kda.py times 1 beside the default)."""
-    if polls_in_flight not in (1, 4):
-        raise ValueError(f"polls_in_flight must be 1 or 4, got {polls_in_flight}")
+    either. Both give the same bits."""
     n, T = state_indices.shape
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     bv, nw = default_launch(n, H, V, T)
@@ -509,8 +479,7 @@ def launch_decode(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), z.stride(0), z.stride(1),
         out.stride(0), out.stride(1), state.stride(0), state_indices.stride(0), state_indices.stride(1),
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
-        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, NORM=mode, IN_FLIGHT=polls_in_flight, PDL=pdl,
-        num_warps=nw, **_pdl_launch(pdl),
+        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, NORM=mode, PDL=pdl, num_warps=nw, **_pdl_launch(pdl),
     )  # fmt: skip
     if mode == TWO_LAUNCHES:
         launch_gated_norm(out, z, norm_weight, norm_eps, pdl, partials)
