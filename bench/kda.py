@@ -84,12 +84,11 @@ def ours(
 
 def one_launch_default(t: dict[str, torch.Tensor]) -> bool:
     """Whether our default launch normalizes in the decode launch itself for these inputs."""
-    from kernels.kda.decode import default_launch, one_launch_limit
+    from kernels.kda.decode import default_launch, norm_in_decode_launch
 
     n, T = t["state_indices"].shape
     H, V = t["q"].shape[1], t["v"].shape[2]
-    bv, nw = default_launch(n, H, V, T)
-    return T == 1 and bv < V and n * H * (V // bv) <= one_launch_limit(t["q"], nw)
+    return norm_in_decode_launch(t["q"], n, T, V, *default_launch(n, H, V, T))
 
 
 def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:

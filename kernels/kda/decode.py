@@ -137,7 +137,7 @@ def _kda_decode_kernel(
                 tl.zeros([BV], tl.float32).to(out.dtype.element_ty),
             )
             if (not FUSE_NORM) and (NORM != NO_NORM):
-                word = partials + (row * H + h64) * NV + i_v
+                word = _words(partials, row, h64, H, NV) + i_v
                 _put_partial(word, tl.load(word, volatile=True), tl.zeros([], tl.float32))
         return
 
@@ -152,7 +152,8 @@ def _kda_decode_kernel(
         row = r64 * T + t
         if (not FUSE_NORM) and (NORM != NO_NORM):
             # this tile's partial word and (one launch) the norm's inputs, loaded with the token's
-            word = partials + (row * H + h64) * NV + i_v
+            words = _words(partials, row, h64, H, NV)
+            word = words + i_v
             last = tl.load(word, volatile=True)
             if NORM == ONE_LAUNCH:
                 b_z = tl.load(z + row * stride_zt + h64 * stride_zh + o_v).to(tl.float32)
@@ -183,7 +184,7 @@ def _kda_decode_kernel(
             epoch = _put_partial(word, last, tl.sum(o * o, 0))
             if dst != 0:
                 tl.store(state + dst * stride_slot + head_tile, S)  # its latency under the wait below
-            total = _await_partials(partials + (row * H + h64) * NV, epoch, NV)
+            total = _await_partials(words, epoch, NV)
             o = _gated(o, total, wn, b_z, V, norm_eps)
             tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
         else:
@@ -221,6 +222,12 @@ def _put_partial(word_ptr, last, part):
     bits = part.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     tl.atomic_xchg(word_ptr, (epoch << 32) | bits, sem="relaxed")
     return epoch
+
+
+@triton.jit
+def _words(partials, row, h, H: tl.constexpr, NV: tl.constexpr):
+    """The first of the NV partial words of (token row, head) in partials [rows, H, NV]."""
+    return partials + (row * H + h) * NV
 
 
 @triton.jit
@@ -283,7 +290,7 @@ def _gated_rmsnorm_kernel(
     o = tl.load(p_o).to(tl.float32)
     b_z = tl.load(z + row * stride_zt + h * stride_zh + o_v).to(tl.float32)
     if NV > 0:
-        total = _sum_words(_load_words(partials + (row * H + h) * NV, NV))
+        total = _sum_words(_load_words(_words(partials, row, h, H, NV), NV))
     else:
         total = tl.sum(o * o, 0)
     tl.store(p_o, _gated(o, total, w, b_z, V, norm_eps).to(out.dtype.element_ty))
@@ -407,6 +414,13 @@ def one_launch_limit(t: Tensor, num_warps: int) -> int:
 _SMS: dict[int, int] = {}
 
 
+def norm_in_decode_launch(q: Tensor, n: int, T: int, V: int, block_v: int, num_warps: int) -> bool:
+    """Whether launch_decode, left to choose, normalizes n requests of T tokens (q [n*T, H, K]) in the
+    decode launch itself: the split path (block_v < V), T = 1 and a grid of at most one_launch_limit."""
+    programs = n * q.shape[1] * (V // block_v)
+    return block_v < V and T == 1 and programs <= one_launch_limit(q, num_warps)
+
+
 def partials_spec(rows: int, num_heads: int, head_v_dim: int, block_v: int) -> tuple[int, int, int] | None:
     """The shape of the int64 partial words a split launch of block_v rows writes (None for the whole-row
     launch, which needs none): one per (token row, head, V tile)."""
@@ -461,7 +475,7 @@ def launch_decode(
     pdl = (programs <= PDL_MAX_PROGRAMS if pdl is None else pdl) and pdl_enabled(q)
     mode = NO_NORM
     if norm and not fuse:
-        fits = T == 1 and programs <= one_launch_limit(q, nw)
+        fits = norm_in_decode_launch(q, n, T, V, bv, nw)
         if one_launch and not fits:
             raise ValueError(
                 f"the one-launch norm needs T = 1 and at most {one_launch_limit(q, nw)} programs resident "
