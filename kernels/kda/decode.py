@@ -320,8 +320,8 @@ def describe_launch(block_v: int, num_warps: int, head_v_dim: int) -> str:
         return f"fused: one program per (request, head) over the whole V row, {num_warps} warp(s), norm fused"
     tiles = head_v_dim // block_v
     return (
-        f"split: {tiles} programs of {block_v} V rows per (request, head), {num_warps} warp(s), "
-        "then the gated-norm kernel (2 launches)"
+        f"split: {tiles} programs of {block_v} V rows per (request, head), {num_warps} warp(s); the gated "
+        "norm in the same launch at T = 1 where the grid fits one_launch_limit, else a second kernel"
     )
 
 

@@ -207,6 +207,7 @@ def test_triton_plan_records_its_launch_and_run_honours_a_fused_plan():
     plan = be.plan(Caps(2, 16, 32, 3, 2, t["state"].shape[0], device=DEVICE))
     extra = dict(plan.extra)
     assert (plan.block_v, plan.num_warps) == (8, 1) and extra["launch"].startswith("split: 4 programs")
+    assert "one_launch_limit" in extra["launch"]  # the plan says where the norm runs
     assert "sweep" in extra["why"]
     fused_plan = dataclasses.replace(plan, block_v=32, num_warps=2)
     assert describe_launch(32, 2, 32).startswith("fused")
