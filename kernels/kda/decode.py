@@ -115,8 +115,10 @@ def _kda_decode_kernel(
         bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
         if NORM == ONE_LAUNCH:
             wn = tl.load(norm_weight + o_v).to(tl.float32)
-    _pdl_enter(PDL, True)
-
+    # The step's metadata before the wait too: the host stages num_live, state_indices and num_accepted
+    # (qualify/engine/runner.py, arena.stage) and copies them in before the step's graph is launched, and
+    # no kernel of a step writes them, so the state tile's load is issued as soon as the wait returns, not
+    # one dependent load after it.
     live = tl.load(num_live)
     if T == 1:
         # A decode step reads column 0 whatever num_accepted says (the clamp below gives 0): one dependent
@@ -127,6 +129,7 @@ def _kda_decode_kernel(
         # Clamp the read column so a dead row's stale num_accepted never indexes outside its row.
         col = tl.minimum(tl.maximum(tl.load(num_accepted + r64) - 1, 0), T - 1)
         src = tl.load(state_indices + r64 * stride_idx_r + col.to(tl.int64) * stride_idx_c).to(tl.int64)
+    _pdl_enter(PDL, True)
     if (r >= live) | (src == 0):
         # Padding row or null slot: output zero, no state read or written; a zero partial word, so the
         # norm of the two-launch path leaves the row zero.
