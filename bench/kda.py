@@ -19,13 +19,19 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench._common import write_result  # noqa: E402
+from bench._common import with_settings, write_result  # noqa: E402
 from bench._gpu import TIMING, copy_bandwidth, time_contenders, warm_up_clocks  # noqa: E402
 
 H, K, V = 32, 128, 128
 DECODE_BATCHES = (1, 8, 64, 256, 1024)
 VERIFY_BATCHES = (1, 64, 256)
 VERIFY_T = 4
+# Our decode with one of kernels.kda.decode's launch-time switches turned off, timed beside the default at
+# every batch (the reasons are beside the switches).
+DECODE_VARIANTS: dict[str, dict[str, object]] = {
+    "ours_metadata_after_wait": {"_METADATA_BEFORE_WAIT": False},
+    "ours_out_after_update": {"_OUT_FROM_DECAYED": False},
+}
 
 
 def make_inputs(n: int, T: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -80,6 +86,12 @@ def ours(
         *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps, pdl=pdl,
         norm=norm, partials=partials, one_launch=one_launch,
     )  # fmt: skip
+
+
+def decode_module() -> object:
+    import importlib
+
+    return importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
 
 
 def one_launch_default(t: dict[str, torch.Tensor]) -> bool:
@@ -200,6 +212,8 @@ def bench_decode(
         builders["ours_no_pdl"] = lambda t=t: ours(t, pdl=False)
         # the decode kernel alone, its output left unnormalized: the same work as fla's kernel (NO_NORM)
         builders["ours_no_norm"] = lambda t=t: ours(t, norm=False)
+        for name, settings in DECODE_VARIANTS.items():
+            builders[name] = lambda t=t, settings=settings: with_settings(decode_module(), settings, ours(t))
         if one_launch_default(t):
             # the same kernels with the norm in a second launch, as larger grids run it (ONE_LAUNCH)
             builders["ours_two_launches"] = lambda t=t: ours(t, one_launch=False)
@@ -307,6 +321,7 @@ def main() -> None:
         "ours normalizes in the decode launch, each program waiting for its (row, head)'s other V tiles' "
         "partial sums of squares; ours_two_launches: the same kernels with the norm in a second launch, "
         "as larger grids and verify run it (the same bits, tests/kernels/test_gpu_decode.py)",
+        "variants": {k: {n: str(v) for n, v in s.items()} for k, s in DECODE_VARIANTS.items()},
         "copy_TBps": copy_bandwidth(),
     }
     result["sweep"] = {"launches": [list(x) for x in SWEEP], "batches": "all" if sweep is True else sweep}

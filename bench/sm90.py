@@ -239,12 +239,13 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     sig.update(stride_slot="i32", stride_idx_r="i32", stride_idx_c="i32")
     sig.update(scale="fp32", lower_bound="fp32", norm_eps="fp32")
     bv, warps = dm.default_launch(1, H, V)
+    switches = dict(META_EARLY=dm._METADATA_BEFORE_WAIT, O_PARALLEL=dm._OUT_FROM_DECAYED)
     for T in (1, 4):
         # the norm as a batch-1 decode (one launch) and a verify (a second launch) take it
         mode = dm.ONE_LAUNCH if T == 1 else dm.TWO_LAUNCHES
-        c = dict(H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=bv == V, NORM=mode, PDL=True)
+        c = dict(H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=bv == V, NORM=mode, PDL=True, **switches)
         yield f"decode T={T} split", dm._kda_decode_kernel, sig, c, warps
-        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, NORM=dm.NO_NORM, PDL=True)
+        c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, NORM=dm.NO_NORM, PDL=True, **switches)
         yield f"decode T={T} fused row", dm._kda_decode_kernel, sig, c, 4
     norm = {"out": BF16, "z": BF16, "norm_weight": F32, "partials": "*i64", "stride_ot": "i32"}
     norm.update(stride_oh="i32", stride_zt="i32", stride_zh="i32", norm_eps="fp32")

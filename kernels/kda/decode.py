@@ -47,6 +47,16 @@ SPIN_LIMIT = 1 << 20
 # Resident programs per SM guaranteed for a one-warp program whatever its registers: at 255 registers a
 # thread, a warp holds 8160 of an SM's 65536 (sm_80 to sm_90).
 _RESIDENT_WARPS_PER_SM = 8
+# Launch-time switches, passed to the kernel as constexprs; bench/kda.py times each turned off beside the
+# default (DECODE_VARIANTS, through bench._common.with_settings) so a choice rests on one run:
+# _METADATA_BEFORE_WAIT: read the step's metadata (num_live, state_indices, num_accepted) before the PDL
+#   wait. The host stages it (qualify/engine/runner.py, arena.stage) and copies it in before the step's
+#   graph is launched, and no kernel of a step writes it, so the state tile's load is issued as soon as the
+#   wait returns, not one dependent load after it.
+# _OUT_FROM_DECAYED: o = (S + u k^T) q taken as S q + u (k . q) on the decayed S, so the two reductions
+#   over K (S k for u, S q for o) run side by side rather than one after the other.
+_METADATA_BEFORE_WAIT = True
+_OUT_FROM_DECAYED = True
 
 
 @triton.jit
@@ -94,6 +104,8 @@ def _kda_decode_kernel(
     FUSE_NORM: tl.constexpr,
     NORM: tl.constexpr,
     PDL: tl.constexpr,
+    META_EARLY: tl.constexpr,
+    O_PARALLEL: tl.constexpr,
 ):
     # NORM (split path only): NO_NORM leaves the output unnormalized; TWO_LAUNCHES writes it rounded to
     # out's dtype and this tile's sum of squares (a partial word) for _gated_rmsnorm_kernel to finish;
@@ -115,21 +127,11 @@ def _kda_decode_kernel(
         bias = tl.load(dt_bias + h64 * K + o_k).to(tl.float32)
         if NORM == ONE_LAUNCH:
             wn = tl.load(norm_weight + o_v).to(tl.float32)
-    # The step's metadata before the wait too: the host stages num_live, state_indices and num_accepted
-    # (qualify/engine/runner.py, arena.stage) and copies them in before the step's graph is launched, and
-    # no kernel of a step writes them, so the state tile's load is issued as soon as the wait returns, not
-    # one dependent load after it.
-    live = tl.load(num_live)
-    if T == 1:
-        # A decode step reads column 0 whatever num_accepted says (the clamp below gives 0): one dependent
-        # load fewer before the state tile's (batch 1 on the H200, 2026-12-04: 5.60 µs streamed against
-        # 5.65 the run before, within run-to-run noise).
-        src = tl.load(state_indices + r64 * stride_idx_r).to(tl.int64)
-    else:
-        # Clamp the read column so a dead row's stale num_accepted never indexes outside its row.
-        col = tl.minimum(tl.maximum(tl.load(num_accepted + r64) - 1, 0), T - 1)
-        src = tl.load(state_indices + r64 * stride_idx_r + col.to(tl.int64) * stride_idx_c).to(tl.int64)
+    if META_EARLY:  # _METADATA_BEFORE_WAIT
+        live, src = _row_source(num_live, state_indices, num_accepted, r64, stride_idx_r, stride_idx_c, T)
     _pdl_enter(PDL, True)
+    if not META_EARLY:
+        live, src = _row_source(num_live, state_indices, num_accepted, r64, stride_idx_r, stride_idx_c, T)
     if (r >= live) | (src == 0):
         # Padding row or null slot: output zero, no state read or written; a zero partial word, so the
         # norm of the two-launch path leaves the row zero.
@@ -170,8 +172,12 @@ def _kda_decode_kernel(
         g = lower_bound * tl.sigmoid(A * (b_a + bias))
         S = S * tl.exp(g)[None, :]
         u = tl.sigmoid(b_b) * (b_v - tl.sum(S * b_k[None, :], 1))
-        S = S + u[:, None] * b_k[None, :]
-        o = tl.sum(S * b_q[None, :], 1)
+        if O_PARALLEL:  # _OUT_FROM_DECAYED
+            o = tl.sum(S * b_q[None, :], 1) + u * tl.sum(b_k * b_q, 0)
+            S = S + u[:, None] * b_k[None, :]
+        else:
+            S = S + u[:, None] * b_k[None, :]
+            o = tl.sum(S * b_q[None, :], 1)
         if T == 1:
             dst = src  # the same index, loaded above: no second load before the state's store
         else:
@@ -199,6 +205,22 @@ def _kda_decode_kernel(
         if FUSE_NORM or NORM != ONE_LAUNCH:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if dst != 0:
                 tl.store(state + dst * stride_slot + head_tile, S)
+
+
+@triton.jit
+def _row_source(num_live, state_indices, num_accepted, r64, stride_idx_r, stride_idx_c, T: tl.constexpr):
+    """(live rows, the state slot row r64 reads): num_live and the slot its accepted column names."""
+    live = tl.load(num_live)
+    if T == 1:
+        # A decode step reads column 0 whatever num_accepted says (the clamp below gives 0): one dependent
+        # load fewer before the state tile's (batch 1 on the H200, 2026-12-04: 5.60 µs streamed against
+        # 5.65 the run before, within run-to-run noise).
+        src = tl.load(state_indices + r64 * stride_idx_r).to(tl.int64)
+    else:
+        # Clamp the read column so a dead row's stale num_accepted never indexes outside its row.
+        col = tl.minimum(tl.maximum(tl.load(num_accepted + r64) - 1, 0), T - 1)
+        src = tl.load(state_indices + r64 * stride_idx_r + col.to(tl.int64) * stride_idx_c).to(tl.int64)
+    return live, src
 
 
 @triton.jit
@@ -498,7 +520,8 @@ def launch_decode(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), z.stride(0), z.stride(1),
         out.stride(0), out.stride(1), state.stride(0), state_indices.stride(0), state_indices.stride(1),
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
-        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, NORM=mode, PDL=pdl, num_warps=nw, **_pdl_launch(pdl),
+        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, NORM=mode, PDL=pdl,
+        META_EARLY=_METADATA_BEFORE_WAIT, O_PARALLEL=_OUT_FROM_DECAYED, num_warps=nw, **_pdl_launch(pdl),
     )  # fmt: skip
     if mode == TWO_LAUNCHES:
         launch_gated_norm(out, z, norm_weight, norm_eps, pdl, partials)
