@@ -31,6 +31,12 @@ VERIFY_T = 4
 DECODE_VARIANTS: dict[str, dict[str, object]] = {
     "ours_metadata_after_wait": {"_METADATA_BEFORE_WAIT": False},
     "ours_out_after_update": {"_OUT_FROM_DECAYED": False},
+    "ours_norms_before_dots": {"_NORMS_AFTER_DOTS": False},
+    "ours_before_2026_12_06": {
+        "_METADATA_BEFORE_WAIT": False,
+        "_OUT_FROM_DECAYED": False,
+        "_NORMS_AFTER_DOTS": False,
+    },
 }
 
 

@@ -55,8 +55,12 @@ _RESIDENT_WARPS_PER_SM = 8
 #   wait returns, not one dependent load after it.
 # _OUT_FROM_DECAYED: o = (S + u k^T) q taken as S q + u (k . q) on the decayed S, so the two reductions
 #   over K (S k for u, S q for o) run side by side rather than one after the other.
+# _NORMS_AFTER_DOTS: q and k enter the dots raw and their L2 norms' reciprocals scale the dots' results, so
+#   the norms' reductions run beside the dots' rather than before them. (Off, the scales are 1.0: x * 1.0
+#   is x, so the off setting gives the bits the kernel gave before the switch.)
 _METADATA_BEFORE_WAIT = True
 _OUT_FROM_DECAYED = True
+_NORMS_AFTER_DOTS = True
 
 
 @triton.jit
@@ -106,6 +110,7 @@ def _kda_decode_kernel(
     PDL: tl.constexpr,
     META_EARLY: tl.constexpr,
     O_PARALLEL: tl.constexpr,
+    NORMS_LATE: tl.constexpr,
 ):
     # NORM (split path only): NO_NORM leaves the output unnormalized; TWO_LAUNCHES writes it rounded to
     # out's dtype and this tile's sum of squares (a partial word) for _gated_rmsnorm_kernel to finish;
@@ -167,17 +172,25 @@ def _kda_decode_kernel(
         b_v = tl.load(v + row * stride_vt + h64 * stride_vh + o_v).to(tl.float32)
         b_a = tl.load(a + row * stride_at + h64 * stride_ah + o_k).to(tl.float32)
         b_b = tl.load(b + row * stride_bt + h64 * stride_bh).to(tl.float32)
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+        if NORMS_LATE:  # _NORMS_AFTER_DOTS: q, k stay raw; their 1/norms scale the dots' results
+            rq = tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale
+            rk = tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+            k_n = b_k * rk
+        else:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+            rq = 1.0
+            rk = 1.0
+            k_n = b_k
         g = lower_bound * tl.sigmoid(A * (b_a + bias))
         S = S * tl.exp(g)[None, :]
-        u = tl.sigmoid(b_b) * (b_v - tl.sum(S * b_k[None, :], 1))
+        u = tl.sigmoid(b_b) * (b_v - tl.sum(S * b_k[None, :], 1) * rk)
         if O_PARALLEL:  # _OUT_FROM_DECAYED
-            o = tl.sum(S * b_q[None, :], 1) + u * tl.sum(b_k * b_q, 0)
-            S = S + u[:, None] * b_k[None, :]
+            o = tl.sum(S * b_q[None, :], 1) * rq + u * (tl.sum(k_n * b_q, 0) * rq)
+            S = S + u[:, None] * k_n[None, :]
         else:
-            S = S + u[:, None] * b_k[None, :]
-            o = tl.sum(S * b_q[None, :], 1)
+            S = S + u[:, None] * k_n[None, :]
+            o = tl.sum(S * b_q[None, :], 1) * rq
         if T == 1:
             dst = src  # the same index, loaded above: no second load before the state's store
         else:
@@ -521,7 +534,8 @@ def launch_decode(
         out.stride(0), out.stride(1), state.stride(0), state_indices.stride(0), state_indices.stride(1),
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
         H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, NORM=mode, PDL=pdl,
-        META_EARLY=_METADATA_BEFORE_WAIT, O_PARALLEL=_OUT_FROM_DECAYED, num_warps=nw, **_pdl_launch(pdl),
+        META_EARLY=_METADATA_BEFORE_WAIT, O_PARALLEL=_OUT_FROM_DECAYED,
+        NORMS_LATE=_NORMS_AFTER_DOTS, num_warps=nw, **_pdl_launch(pdl),
     )  # fmt: skip
     if mode == TWO_LAUNCHES:
         launch_gated_norm(out, z, norm_weight, norm_eps, pdl, partials)

@@ -311,3 +311,23 @@ def test_the_split_norm_sums_partial_words_that_advance_one_epoch_a_call_and_bin
         launch_decode(
             *(t[x] for x in DECODE_TENSORS), lower_bound=-5.0, norm_eps=1e-5, scale=None, one_launch=True
         )  # fmt: skip
+
+
+SWITCHES = ("_METADATA_BEFORE_WAIT", "_OUT_FROM_DECAYED", "_NORMS_AFTER_DOTS")
+
+
+@pytest.mark.parametrize(
+    "off", [(), *((s,) for s in SWITCHES), SWITCHES], ids=lambda o: "+".join(o) or "none"
+)
+def test_every_setting_of_the_launch_switches_matches_the_torch_backend(monkeypatch, off):
+    # bench/kda.py times each switch turned off beside the default: each setting must compute the step.
+    import importlib
+
+    dm = importlib.import_module("kernels.kda.decode")
+    for name in off:
+        monkeypatch.setattr(dm, name, False)
+    for n, T, seed in ((3, 1, 11), (2, 4, 12)):
+        t = decode_step(n, T, seed=seed)
+        if T > 1:
+            t["num_accepted"] = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
+        assert_same_step(run("triton", t), run("torch", t))
