@@ -5,7 +5,8 @@ bandwidth) with the profiler's per-kernel split, once with the engine's fused de
 same kernels launched without programmatic dependent launch (kernels.fused.PDL off while that engine
 captures), and once with the torch glue (kernels/fused.py against the ops it replaces), in the same run;
 and beside engines that captured with other settings of kernels/fused.py (ADD_SQ_IN_REGS flipped;
-KIND_SHAPES emptied where it has entries), each pair of steps timed in interleaved rounds.
+KIND_SHAPES emptied where it has entries) or of kernels/kda/decode.py (its launch switches all off; its
+launches without PDL), each pair of steps timed in interleaved rounds.
 With PDL a kernel's programs may start while the one before it finishes, so the per-kernel times can sum
 to more than the step.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import statistics
 import sys
@@ -250,12 +252,12 @@ def interleaved_steps(engines: dict, steps: int, rounds: int = STEP_ROUNDS) -> d
     return {n: round(statistics.median(v), 2) for n, v in samples.items()}
 
 
-def step_beside(engine, preset: str, steps: int, changes: dict) -> dict:
+def step_beside(engine, preset: str, steps: int, changes: dict, module=fused) -> dict:
     """The one-request step at the module's settings against the same step of an engine that captured its
-    graphs with kernels.fused's `changes` in place (each name set to its value while that engine is built
-    and captures, then put back), the two timed side by side in interleaved rounds."""
-    before = {k: getattr(fused, k) for k in changes}
-    other, cap = with_settings(fused, changes, lambda: _engine(preset))()
+    graphs with `module`'s `changes` in place (kernels.fused by default; each name set to its value while
+    that engine is built and captures, then put back), the two timed side by side in interleaved rounds."""
+    before = {k: getattr(module, k) for k in changes}
+    other, cap = with_settings(module, changes, lambda: _engine(preset))()
     try:
         if not cap["captured"]:
             return {"unavailable": cap["reason"]}
@@ -263,6 +265,7 @@ def step_beside(engine, preset: str, steps: int, changes: dict) -> dict:
     finally:
         other.close()
     return {
+        "settings_of": module.__name__,
         "module": {k: repr(v) for k, v in before.items()},
         "changed": {k: repr(v) for k, v in changes.items()},
         "replay_us": us,
@@ -335,6 +338,15 @@ def main() -> None:
     if fused.KIND_SHAPES:
         ab["kind_shapes_emptied"] = {"KIND_SHAPES": {}}
     beside = {k: step_beside(plain, args.preset, args.steps, v) for k, v in ab.items()}
+    # The KDA decode's launch-time switches all off (kernels/kda/decode.py; bench/kda.py times each alone),
+    # and its launches without PDL (alone, at batch 1, the one-launch decode was faster without it).
+    dm = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
+    if plain.resolution.name == "triton":
+        for name, changes in (
+            ("decode_switches_off", dict.fromkeys(dm.LAUNCH_SWITCHES, False)),
+            ("decode_without_pdl", {"PDL_MAX_PROGRAMS": 0}),
+        ):
+            beside[name] = step_beside(plain, args.preset, args.steps, changes, dm)
     result["steps_beside_batch_1"] = beside
     # The same fused step captured with every kernel launched without PDL, beside it in this run.
     pdl, fused.PDL = fused.PDL, False

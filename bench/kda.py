@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from bench._common import with_settings, write_result  # noqa: E402
 from bench._gpu import TIMING, copy_bandwidth, time_contenders, warm_up_clocks  # noqa: E402
+from kernels.kda.decode import LAUNCH_SWITCHES  # noqa: E402
 
 H, K, V = 32, 128, 128
 DECODE_BATCHES = (1, 8, 64, 256, 1024)
@@ -32,11 +33,7 @@ DECODE_VARIANTS: dict[str, dict[str, object]] = {
     "ours_metadata_after_wait": {"_METADATA_BEFORE_WAIT": False},
     "ours_out_after_update": {"_OUT_FROM_DECAYED": False},
     "ours_norms_before_dots": {"_NORMS_AFTER_DOTS": False},
-    "ours_before_2026_12_06": {
-        "_METADATA_BEFORE_WAIT": False,
-        "_OUT_FROM_DECAYED": False,
-        "_NORMS_AFTER_DOTS": False,
-    },
+    "ours_switches_off": dict.fromkeys(LAUNCH_SWITCHES, False),
 }
 
 

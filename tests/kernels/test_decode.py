@@ -9,7 +9,7 @@ import torch
 
 from kernels.kda import Caps, bounded_gate, gated_rmsnorm, get_backend, naive_recurrent
 from kernels.kda.backend import DECODE_TENSORS, refuse_capture
-from kernels.kda.decode import decode, describe_launch, launch_decode
+from kernels.kda.decode import LAUNCH_SWITCHES, decode, describe_launch, launch_decode
 
 from .conftest import DEVICE, decode_step
 
@@ -313,7 +313,7 @@ def test_the_split_norm_sums_partial_words_that_advance_one_epoch_a_call_and_bin
         )  # fmt: skip
 
 
-SWITCHES = ("_METADATA_BEFORE_WAIT", "_OUT_FROM_DECAYED", "_NORMS_AFTER_DOTS")
+SWITCHES = LAUNCH_SWITCHES
 
 
 @pytest.mark.parametrize(
