@@ -9,6 +9,7 @@ autotuner on. Prints JSON and writes it to --out. A peer that cannot run is reco
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -21,19 +22,20 @@ import torch  # noqa: E402
 
 from bench._common import with_settings, write_result  # noqa: E402
 from bench._gpu import TIMING, copy_bandwidth, time_contenders, warm_up_clocks  # noqa: E402
-from kernels.kda.decode import LAUNCH_SWITCHES  # noqa: E402
+
+DM = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
+# The decode's launch-time switches at their defaults.
+DECODE_SWITCHES = {name: getattr(DM, name) for name in DM.LAUNCH_SWITCHES}
 
 H, K, V = 32, 128, 128
 DECODE_BATCHES = (1, 8, 64, 256, 1024)
 VERIFY_BATCHES = (1, 64, 256)
 VERIFY_T = 4
-# Our decode with one of kernels.kda.decode's launch-time switches turned off, timed beside the default at
-# every batch (the reasons are beside the switches).
+# Our decode with one of kernels.kda.decode's launch-time switches flipped (ours_<switch>_on / _off), and with
+# all of them off, timed beside the default at every batch (the reasons are beside the switches).
 DECODE_VARIANTS: dict[str, dict[str, object]] = {
-    "ours_metadata_after_wait": {"_METADATA_BEFORE_WAIT": False},
-    "ours_out_after_update": {"_OUT_FROM_DECAYED": False},
-    "ours_norms_before_dots": {"_NORMS_AFTER_DOTS": False},
-    "ours_switches_off": dict.fromkeys(LAUNCH_SWITCHES, False),
+    **{f"ours{name.lower()}_{'off' if on else 'on'}": {name: not on} for name, on in DECODE_SWITCHES.items()},
+    "ours_switches_off": dict.fromkeys(DECODE_SWITCHES, False),
 }
 
 
@@ -89,12 +91,6 @@ def ours(
         *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps, pdl=pdl,
         norm=norm, partials=partials, one_launch=one_launch,
     )  # fmt: skip
-
-
-def decode_module() -> object:
-    import importlib
-
-    return importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
 
 
 def one_launch_default(t: dict[str, torch.Tensor]) -> bool:
@@ -216,7 +212,7 @@ def bench_decode(
         # the decode kernel alone, its output left unnormalized: the same work as fla's kernel (NO_NORM)
         builders["ours_no_norm"] = lambda t=t: ours(t, norm=False)
         for name, settings in DECODE_VARIANTS.items():
-            builders[name] = lambda t=t, settings=settings: with_settings(decode_module(), settings, ours(t))
+            builders[name] = lambda t=t, settings=settings: with_settings(DM, settings, ours(t))
         if one_launch_default(t):
             # the same kernels with the norm in a second launch, as larger grids run it (ONE_LAUNCH)
             builders["ours_two_launches"] = lambda t=t: ours(t, one_launch=False)

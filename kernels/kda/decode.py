@@ -47,19 +47,23 @@ SPIN_LIMIT = 1 << 20
 # Resident programs per SM guaranteed for a one-warp program whatever its registers: at 255 registers a
 # thread, a warp holds 8160 of an SM's 65536 (sm_80 to sm_90).
 _RESIDENT_WARPS_PER_SM = 8
-# Launch-time switches, passed to the kernel as constexprs; bench/kda.py times each turned off beside the
-# default (DECODE_VARIANTS, through bench._common.with_settings) so a choice rests on one run:
+# Launch-time switches, passed to the kernel as constexprs; bench/kda.py times each flipped beside the
+# default (DECODE_VARIANTS, through bench._common.with_settings) and bench/graphs.py the step with all of
+# them off, so a choice rests on one run. All three were timed on an H100 on 2026-12-06 (commit cc82bc1,
+# bench/results/kda-h100-2026-12-06-decode-switches.json; batch 1 streamed, µs):
 # _METADATA_BEFORE_WAIT: read the step's metadata (num_live, state_indices, num_accepted) before the PDL
 #   wait. The host stages it (qualify/engine/runner.py, arena.stage) and copies it in before the step's
 #   graph is launched, and no kernel of a step writes it, so the state tile's load is issued as soon as the
-#   wait returns, not one dependent load after it.
+#   wait returns, not one dependent load after it. Off: 4.62 against 4.65 on (within noise); kept on.
 # _OUT_FROM_DECAYED: o = (S + u k^T) q taken as S q + u (k . q) on the decayed S, so the two reductions
-#   over K (S k for u, S q for o) run side by side rather than one after the other.
+#   over K (S k for u, S q for o) run side by side rather than one after the other. Off: 4.48 against
+#   4.65 on, and verify at 1 x 4 9.18 against 10.19: off.
 # _NORMS_AFTER_DOTS: q and k enter the dots raw and their L2 norms' reciprocals scale the dots' results, so
 #   the norms' reductions run beside the dots' rather than before them. (Off, the scales are 1.0: x * 1.0
-#   is x, so the off setting gives the bits the kernel gave before the switch.)
+#   is x, so the off setting gives the bits the kernel gave before the switch.) Off (the others on): 4.52
+#   against 4.65; all three off, 4.85. Kept on until it is timed beside _OUT_FROM_DECAYED off.
 _METADATA_BEFORE_WAIT = True
-_OUT_FROM_DECAYED = True
+_OUT_FROM_DECAYED = False
 _NORMS_AFTER_DOTS = True
 LAUNCH_SWITCHES = ("_METADATA_BEFORE_WAIT", "_OUT_FROM_DECAYED", "_NORMS_AFTER_DOTS")
 
