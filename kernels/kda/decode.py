@@ -54,14 +54,17 @@ _RESIDENT_WARPS_PER_SM = 8
 # _METADATA_BEFORE_WAIT: read the step's metadata (num_live, state_indices, num_accepted) before the PDL
 #   wait. The host stages it (qualify/engine/runner.py, arena.stage) and copies it in before the step's
 #   graph is launched, and no kernel of a step writes it, so the state tile's load is issued as soon as the
-#   wait returns, not one dependent load after it. Off: 4.62 against 4.65 on (within noise); kept on.
+#   wait returns, not one dependent load after it. Off: 4.62 against 4.65 on, and 4.66 against 4.74 in a
+#   second run (within noise); on, for the step: with the three on it replayed 0.7-1.1% faster.
 # _OUT_FROM_DECAYED: o = (S + u k^T) q taken as S q + u (k . q) on the decayed S, so the two reductions
 #   over K (S k for u, S q for o) run side by side rather than one after the other. Off: 4.48 against
 #   4.65 on, and verify at 1 x 4 9.18 against 10.19: off.
 # _NORMS_AFTER_DOTS: q and k enter the dots raw and their L2 norms' reciprocals scale the dots' results, so
 #   the norms' reductions run beside the dots' rather than before them. (Off, the scales are 1.0: x * 1.0
 #   is x, so the off setting gives the bits the kernel gave before the switch.) Off (the others on): 4.52
-#   against 4.65; all three off, 4.85. Kept on until it is timed beside _OUT_FROM_DECAYED off.
+#   against 4.65; all three off, 4.85. With _OUT_FROM_DECAYED off (2842c49, -decode-switches-out-off.json)
+#   verify 1 x 4 took 9.38 on against 10.23 off; batch 1, 4.74 against 4.86 (the run-to-run spread at batch
+#   1 is about 0.15). On.
 _METADATA_BEFORE_WAIT = True
 _OUT_FROM_DECAYED = False
 _NORMS_AFTER_DOTS = True
