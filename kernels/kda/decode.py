@@ -7,8 +7,9 @@ partial word; at T = 1 on a grid the SMs hold at once the programs wait for thei
 normalize in the same launch, elsewhere a second small kernel sums the same words and normalizes in place.
 
 On sm_90 both launch with programmatic dependent launch, as the step's other kernels do (kernels.fused's
-PDL switch and its reasons): each reads only weights (A_log, dt_bias, the norm's weight), or nothing,
-before its griddepcontrol.wait, and lets the next kernel launch right after it. Between the two launches
+PDL switch and its reasons): each reads only weights (A_log, dt_bias, the norm's weight) and, the decode
+kernel, the step's host-staged metadata (_METADATA_BEFORE_WAIT), or nothing, before its
+griddepcontrol.wait, and lets the next kernel launch right after it. Between the two launches
 of the split path this hides the norm kernel's launch behind the decode kernel's tail. Only launches of
 at most PDL_MAX_PROGRAMS programs (one wave of one-warp programs on an H200) do: past that PDL cost time.
 """
