@@ -239,9 +239,7 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
     sig.update(stride_slot="i32", stride_idx_r="i32", stride_idx_c="i32")
     sig.update(scale="fp32", lower_bound="fp32", norm_eps="fp32")
     bv, warps = dm.default_launch(1, H, V)
-    switches = dict(
-        META_EARLY=dm._METADATA_BEFORE_WAIT, O_PARALLEL=dm._OUT_FROM_DECAYED, NORMS_LATE=dm._NORMS_AFTER_DOTS
-    )
+    switches = dm.switch_constexprs()
     for T in (1, 4):
         # the norm as a batch-1 decode (one launch) and a verify (a second launch) take it
         mode = dm.ONE_LAUNCH if T == 1 else dm.TWO_LAUNCHES

@@ -69,7 +69,19 @@ _RESIDENT_WARPS_PER_SM = 8
 _METADATA_BEFORE_WAIT = True
 _OUT_FROM_DECAYED = False
 _NORMS_AFTER_DOTS = True
-LAUNCH_SWITCHES = ("_METADATA_BEFORE_WAIT", "_OUT_FROM_DECAYED", "_NORMS_AFTER_DOTS")
+# Each switch and the kernel's constexpr it sets.
+_SWITCH_CONSTEXPRS = {
+    "_METADATA_BEFORE_WAIT": "META_EARLY",
+    "_OUT_FROM_DECAYED": "O_PARALLEL",
+    "_NORMS_AFTER_DOTS": "NORMS_LATE",
+}
+LAUNCH_SWITCHES = tuple(_SWITCH_CONSTEXPRS)
+
+
+def switch_constexprs() -> dict[str, bool]:
+    """The decode kernel's switch constexprs at the module's settings now (read at each launch, so a
+    benchmark's with_settings reaches a captured graph)."""
+    return {kernel: globals()[name] for name, kernel in _SWITCH_CONSTEXPRS.items()}
 
 
 @triton.jit
@@ -206,7 +218,7 @@ def _kda_decode_kernel(
             dst = tl.load(state_indices + r64 * stride_idx_r + t * stride_idx_c).to(tl.int64)
         if FUSE_NORM:
             b_z = tl.load(z + row * stride_zt + h64 * stride_zh + o_v).to(tl.float32)
-            o = o * tl.rsqrt(tl.sum(o * o, 0) / V + norm_eps) * w * tl.sigmoid(b_z)
+            o = _gated(o, tl.sum(o * o, 0), w, b_z, V, norm_eps)
             tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
         elif NORM == ONE_LAUNCH:
             # The norm's input is the core output rounded to out's dtype, as the two-launch path reads it
@@ -542,9 +554,8 @@ def launch_decode(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), z.stride(0), z.stride(1),
         out.stride(0), out.stride(1), state.stride(0), state_indices.stride(0), state_indices.stride(1),
         K**-0.5 if scale is None else float(scale), float(lower_bound), float(norm_eps),
-        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, NORM=mode, PDL=pdl,
-        META_EARLY=_METADATA_BEFORE_WAIT, O_PARALLEL=_OUT_FROM_DECAYED,
-        NORMS_LATE=_NORMS_AFTER_DOTS, num_warps=nw, **_pdl_launch(pdl),
+        H=H, K=K, V=V, T=T, BV=bv, FUSE_NORM=fuse, NORM=mode, PDL=pdl, **switch_constexprs(),
+        num_warps=nw, **_pdl_launch(pdl),
     )  # fmt: skip
     if mode == TWO_LAUNCHES:
         launch_gated_norm(out, z, norm_weight, norm_eps, pdl, partials)
