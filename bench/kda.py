@@ -80,14 +80,13 @@ def ours(
     """Our decode as the engine launches it: the split path's partial words kept across calls (the
     backend's scratch), so each call is one epoch on them, allocated here before timing."""
     from kernels.kda.backend import DECODE_TENSORS
-    from kernels.kda.decode import check_decode_args, default_launch, launch_decode, partials_spec
 
     args = [t[name] for name in DECODE_TENSORS]
-    n, T, H, _, V = check_decode_args(*args)
-    bv = block_v or default_launch(n, H, V, T)[0]
-    shape = partials_spec(n * T, H, V, bv)
+    n, T, H, _, V = DM.check_decode_args(*args)
+    bv = block_v or DM.default_launch(n, H, V, T)[0]
+    shape = DM.partials_spec(n * T, H, V, bv)
     partials = None if shape is None else torch.zeros(shape, dtype=torch.int64, device="cuda")
-    return lambda: launch_decode(
+    return lambda: DM.launch_decode(
         *args, lower_bound=-5.0, norm_eps=1e-5, scale=None, block_v=block_v, num_warps=num_warps, pdl=pdl,
         norm=norm, partials=partials, one_launch=one_launch,
     )  # fmt: skip
@@ -95,11 +94,9 @@ def ours(
 
 def one_launch_default(t: dict[str, torch.Tensor]) -> bool:
     """Whether our default launch normalizes in the decode launch itself for these inputs."""
-    from kernels.kda.decode import default_launch, norm_in_decode_launch
-
     n, T = t["state_indices"].shape
     H, V = t["q"].shape[1], t["v"].shape[2]
-    return norm_in_decode_launch(t["q"], n, T, V, *default_launch(n, H, V, T))
+    return DM.norm_in_decode_launch(t["q"], n, T, V, *DM.default_launch(n, H, V, T))
 
 
 def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:
@@ -107,11 +104,10 @@ def gated_norm(t: dict[str, torch.Tensor]) -> Callable[[], None]:
     as ours launches it (with programmatic dependent launch where the device has it: behind a kernel that
     never signals, as fla's, its launch still overlaps that kernel's end)."""
     from kernels.fused import pdl_enabled
-    from kernels.kda.decode import launch_gated_norm
 
     out, z, w = t["out"], t["z"], t["norm_weight"]
     pdl = pdl_enabled(out)
-    return lambda: launch_gated_norm(out, z, w, 1e-5, pdl)
+    return lambda: DM.launch_gated_norm(out, z, w, 1e-5, pdl)
 
 
 def fla(t: dict[str, torch.Tensor], n: int, T: int) -> Callable[[], None]:
