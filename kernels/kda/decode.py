@@ -16,6 +16,7 @@ at most PDL_MAX_PROGRAMS programs (one wave of one-warp programs on an H200) do:
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -504,18 +505,55 @@ def check_decode_args(
 
 def one_launch_limit(t: Tensor, num_warps: int) -> int:
     """The largest grid of `num_warps`-warp programs that takes the one-launch norm on t's device: the
-    programs every SM holds resident whatever their registers, times its SMs; 0 off CUDA or under the
-    interpreter (which runs one program after another, so none could wait for another)."""
+    programs every SM holds resident whatever their registers, times the SMs this process's context may
+    use (usable_sms); 0 off CUDA or under the interpreter (which runs one program after another, so none
+    could wait for another)."""
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET", "") == "1" or num_warps > _RESIDENT_WARPS_PER_SM:
         return 0
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     sms = _SMS.get(idx)
     if sms is None:
-        sms = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        with torch.cuda.device(idx):
+            sms = _SMS[idx] = usable_sms(
+                torch.cuda.get_device_properties(idx).multi_processor_count, context_sms()
+            )
     return sms * (_RESIDENT_WARPS_PER_SM // num_warps)
 
 
 _SMS: dict[int, int] = {}
+
+
+def usable_sms(device_sms: int, context_sms: int | None) -> int:
+    """The SMs a grid's programs may be placed on: the device's, or fewer where the context is limited to
+    fewer (an MPS client under an active-thread percentage, a context with an SM-count affinity). Only
+    what is resident at once can wait for each other: sized by the device's count, a capped client's
+    one-launch programs would wait for programs not yet placed until their bound, and write NaN."""
+    return device_sms if context_sms is None else max(0, min(device_sms, context_sms))
+
+
+class _ExecAffinityParam(ctypes.Structure):
+    # cuda.h's CUexecAffinityParam: the affinity's type, then a union whose one member (CUexecAffinitySmCount)
+    # is an unsigned int
+    _fields_ = (("type", ctypes.c_int), ("sm_count", ctypes.c_uint))
+
+
+_CU_EXEC_AFFINITY_TYPE_SM_COUNT = 0
+
+
+def context_sms() -> int | None:
+    """The SMs the current CUDA context may use, as the driver reports it (cuCtxGetExecAffinity, CUDA 11.4
+    and later), or None where it does not say (no such entry point, or an error such as an affinity the
+    device does not support). The caller makes its device's context current first."""
+    try:
+        get = ctypes.CDLL("libcuda.so.1").cuCtxGetExecAffinity
+    except (OSError, AttributeError):
+        return None
+    get.argtypes = (ctypes.POINTER(_ExecAffinityParam), ctypes.c_int)
+    get.restype = ctypes.c_int
+    param = _ExecAffinityParam()
+    if get(ctypes.byref(param), _CU_EXEC_AFFINITY_TYPE_SM_COUNT) != 0 or param.sm_count == 0:
+        return None
+    return int(param.sm_count)
 
 
 def norm_in_decode_launch(q: Tensor, n: int, T: int, V: int, block_v: int, num_warps: int) -> bool:

@@ -331,3 +331,59 @@ def test_every_setting_of_the_launch_switches_matches_the_torch_backend(monkeypa
         if T > 1:
             t["num_accepted"] = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
         assert_same_step(run("triton", t), run("torch", t))
+
+
+def test_the_one_launch_limit_counts_the_sms_the_context_may_use(monkeypatch):
+    """one_launch_limit sizes the grid by the SMs this process's CUDA context may use: fewer than the
+    device's under an MPS active-thread percentage, where programs past them would never be resident and
+    the wait would end in NaN. The count comes from the driver (cuCtxGetExecAffinity's SM count), read
+    through cuda.h's struct; a driver that does not say leaves the device's count."""
+    import ctypes
+    import importlib
+
+    dm = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
+
+    assert dm.usable_sms(132, None) == 132
+    assert dm.usable_sms(132, 66) == 66 and dm.usable_sms(132, 200) == 132
+
+    calls = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(dm._ExecAffinityParam), ctypes.c_int)
+    def get(param, kind):
+        calls.append(kind)
+        param.contents.type = kind
+        param.contents.sm_count = 66
+        return 0
+
+    class Driver:
+        cuCtxGetExecAffinity = get
+
+    monkeypatch.setattr(dm.ctypes, "CDLL", lambda name: Driver())
+    assert dm.context_sms() == 66 and calls == [0]  # CU_EXEC_AFFINITY_TYPE_SM_COUNT
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(dm._ExecAffinityParam), ctypes.c_int)
+    def unsupported(param, kind):
+        return 224  # CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY
+
+    Driver.cuCtxGetExecAffinity = unsupported
+    assert dm.context_sms() is None
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(dm.ctypes, "CDLL", no_driver)
+    assert dm.context_sms() is None
+
+    # one_launch_limit on a (stand-in) CUDA tensor of a 132-SM device whose context may use 66
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(dm, "_SMS", {})
+    monkeypatch.setattr(dm, "context_sms", lambda: 66)
+    monkeypatch.setattr(dm.torch.cuda, "device", lambda idx: nullcontext())
+    monkeypatch.setattr(
+        dm.torch.cuda, "get_device_properties", lambda idx: SimpleNamespace(multi_processor_count=132)
+    )
+    t = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    assert dm.one_launch_limit(t, 1) == 8 * 66 and dm.one_launch_limit(t, 2) == 4 * 66

@@ -241,6 +241,22 @@ def test_the_one_launch_norm_gives_the_two_launch_bits_call_after_call(n, on, mo
     assert_close_step(got[True], run("torch", t))
 
 
+def test_the_driver_reports_the_sms_the_context_may_use_and_the_one_launch_limit_counts_them():
+    """cuCtxGetExecAffinity's SM count for the process's context (no MPS here: every SM of the device, or
+    no count where the driver reports the affinity unsupported outside MPS), and one_launch_limit sized by
+    it: 8 resident one-warp programs per SM."""
+    import importlib
+
+    dm = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with torch.cuda.device(0):
+        reported = dm.context_sms()
+    print(f"context_sms: {reported} of {sms}")
+    assert reported in (None, sms)
+    assert dm.one_launch_limit(torch.empty(1, device="cuda:0"), 1) == 8 * sms
+
+
 def test_a_request_gets_the_same_bits_alone_in_one_launch_as_among_fifteen_in_two():
     """Batch 1 normalizes in the decode launch; 16 requests (8192 programs, past one_launch_limit) in a
     second launch. A request's output and state must not depend on which its batch took."""
