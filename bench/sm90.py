@@ -247,10 +247,6 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         yield f"decode T={T} split", dm._kda_decode_kernel, sig, c, warps
         c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, NORM=dm.NO_NORM, PDL=True, **switches)
         yield f"decode T={T} fused row", dm._kda_decode_kernel, sig, c, 4
-    # the one-launch wait's switches on (bench/kda.py times them; kernels/kda/decode.py says what each does)
-    wait = dict(switches, PUT_STORE=True, STATE_LATE=True, RELEASE_LATE=True)
-    c = dict(H=H, K=K, V=V, T=1, BV=bv, FUSE_NORM=bv == V, NORM=dm.ONE_LAUNCH, PDL=True, **wait)
-    yield "decode T=1 split, the wait's switches on", dm._kda_decode_kernel, sig, c, warps
     norm = {"out": BF16, "z": BF16, "norm_weight": F32, "partials": "*i64", "stride_ot": "i32"}
     norm.update(stride_oh="i32", stride_zt="i32", stride_zh="i32", norm_eps="fp32")
     c = dict(H=H, V=V, NV=V // bv, PDL=True)

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.fused import _pdl_enter, _pdl_launch, pdl_enabled
 
@@ -68,31 +67,24 @@ _RESIDENT_WARPS_PER_SM = 8
 #   against 4.65; all three off, 4.85. With _OUT_FROM_DECAYED off (2842c49, -decode-switches-out-off.json)
 #   verify 1 x 4 took 9.38 on against 10.23 off; batch 1, 4.74 against 4.86 (the run-to-run spread at batch
 #   1 is about 0.15). On.
-# Three more, each on the one-launch norm's wait at batch 1 (off: the kernel as before them; not yet timed):
-# _PUBLISH_BY_STORE: publish a tile's partial word with a relaxed 64-bit store rather than an atomic
-#   exchange (the word's epoch comes from its value loaded early, so nothing needs the exchange's read):
-#   the 16 tiles of a (row, head) write one 128-byte line, and plain stores need no trip through L2's
-#   atomic unit.
-# _STATE_AFTER_WAIT: store the updated state tile after the wait rather than before it, so the tile's 4 KB
-#   of stores do not sit between the SM and L2 ahead of the poll's loads (the kernel without the norm ends
-#   on those stores anyway).
-# _RELEASE_LATE: let the next kernel launch (griddepcontrol.launch_dependents) at the end of the program
-#   rather than right after its wait, so the next grid's programs are not resident beside this one's
-#   while it waits (the same launch without PDL ran batch 1 0.13-0.17 µs faster in two H100 runs).
+# _STATE_AFTER_WAIT (the one-launch norm only): store the updated state tile after the wait for the other
+#   tiles' partial words rather than before it, so the tile's 4 KB of stores do not sit between the SM and
+#   L2 ahead of the poll's loads (the kernel without the norm ends on those stores anyway). On an H100
+#   (2026-12-06, commit 9f44202, bench/results/kda-h100-2026-12-06-wait-switches.json) batch 1 took 4.39 µs
+#   streamed with it against 4.74 without (the default launch timed again in the same run: 4.60), the
+#   kernel without its norm 3.94. On. Timed beside it and rejected in that run: the partial word
+#   published by a relaxed store rather than the exchange (4.77) and the next kernel released at the
+#   program's end rather than after its wait (4.70).
 _METADATA_BEFORE_WAIT = True
 _OUT_FROM_DECAYED = False
 _NORMS_AFTER_DOTS = True
-_PUBLISH_BY_STORE = False
-_STATE_AFTER_WAIT = False
-_RELEASE_LATE = False
+_STATE_AFTER_WAIT = True
 # Each switch and the kernel's constexpr it sets.
 _SWITCH_CONSTEXPRS = {
     "_METADATA_BEFORE_WAIT": "META_EARLY",
     "_OUT_FROM_DECAYED": "O_PARALLEL",
     "_NORMS_AFTER_DOTS": "NORMS_LATE",
-    "_PUBLISH_BY_STORE": "PUT_STORE",
     "_STATE_AFTER_WAIT": "STATE_LATE",
-    "_RELEASE_LATE": "RELEASE_LATE",
 }
 LAUNCH_SWITCHES = tuple(_SWITCH_CONSTEXPRS)
 
@@ -151,9 +143,7 @@ def _kda_decode_kernel(
     META_EARLY: tl.constexpr,
     O_PARALLEL: tl.constexpr,
     NORMS_LATE: tl.constexpr,
-    PUT_STORE: tl.constexpr,
     STATE_LATE: tl.constexpr,
-    RELEASE_LATE: tl.constexpr,
 ):
     # NORM (split path only): NO_NORM leaves the output unnormalized; TWO_LAUNCHES writes it rounded to
     # out's dtype and this tile's sum of squares (a partial word) for _gated_rmsnorm_kernel to finish;
@@ -177,7 +167,7 @@ def _kda_decode_kernel(
             wn = tl.load(norm_weight + o_v).to(tl.float32)
     if META_EARLY:  # _METADATA_BEFORE_WAIT
         live, src = _row_source(num_live, state_indices, num_accepted, r64, stride_idx_r, stride_idx_c, T)
-    _pdl_enter(PDL, not RELEASE_LATE)
+    _pdl_enter(PDL, True)
     if not META_EARLY:
         live, src = _row_source(num_live, state_indices, num_accepted, r64, stride_idx_r, stride_idx_c, T)
     if (r >= live) | (src == 0):
@@ -191,7 +181,7 @@ def _kda_decode_kernel(
             )
             if (not FUSE_NORM) and (NORM != NO_NORM):
                 word = _words(partials, row, h64, H, NV) + i_v
-                _put_partial(word, tl.load(word, volatile=True), tl.zeros([], tl.float32), PUT_STORE, NORM)
+                _put_partial(word, tl.load(word, volatile=True), tl.zeros([], tl.float32))
         return
 
     head_tile = h64 * (V * K) + o_v[:, None].to(tl.int64) * K + o_k[None, :]
@@ -246,10 +236,10 @@ def _kda_decode_kernel(
             # The norm's input is the core output rounded to out's dtype, as the two-launch path reads it
             # back from out: both give the same bits.
             o = o.to(out.dtype.element_ty).to(tl.float32)
-            epoch = _put_partial(word, last, tl.sum(o * o, 0), PUT_STORE, NORM)
+            epoch = _put_partial(word, last, tl.sum(o * o, 0))
             if not STATE_LATE:  # noqa: SIM102 (a constexpr test, then a runtime one)
                 if dst != 0:
-                    tl.store(state + dst * stride_slot + head_tile, S)  # its latency under the wait below
+                    tl.store(state + dst * stride_slot + head_tile, S)
             total = _await_partials(words, epoch, NV)
             o = _gated(o, total, wn, b_z, V, norm_eps)
             tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
@@ -261,12 +251,10 @@ def _kda_decode_kernel(
             tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o)
             if NORM == TWO_LAUNCHES:
                 o = o.to(tl.float32)
-                _put_partial(word, last, tl.sum(o * o, 0), PUT_STORE, NORM)
+                _put_partial(word, last, tl.sum(o * o, 0))
         if FUSE_NORM or NORM != ONE_LAUNCH:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if dst != 0:
                 tl.store(state + dst * stride_slot + head_tile, S)
-    if PDL and RELEASE_LATE:  # _RELEASE_LATE (a padding row's program releases by exiting)
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -298,35 +286,18 @@ def _partial_value(word):
 
 
 @triton.jit
-def _put_partial(word_ptr, last, part, PUT_STORE: tl.constexpr, NORM: tl.constexpr):
+def _put_partial(word_ptr, last, part):
     """Publish one tile's sum of squares: the word's next epoch in its high 32 bits, the fp32 bits in its low.
 
     Every launch writes all NV words of a (row, head) together, so they always share one epoch: a tile's
     own word as it was (`last`, loaded early) says which epoch the others' words will carry once written.
-    One relaxed 64-bit write carries the value and its epoch at once, so no fence (and no wait for the
-    state's stores) is needed before it: an atomic exchange, or with PUT_STORE (_PUBLISH_BY_STORE) in the
-    one-launch norm, which the interpreter never runs, a relaxed store. Returns the epoch written."""
+    One relaxed 64-bit exchange carries the value and its epoch at once, so no fence (and no wait for the
+    state's stores) is needed before it. (A relaxed store instead, inline PTX, measured no faster:
+    _STATE_AFTER_WAIT's note.) Returns the epoch written."""
     epoch = ((last >> 32) + 1) & 0x7FFFFFFF
     bits = part.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    if PUT_STORE and NORM == ONE_LAUNCH:
-        _store_relaxed(word_ptr, (epoch << 32) | bits)
-    else:
-        tl.atomic_xchg(word_ptr, (epoch << 32) | bits, sem="relaxed")
+    tl.atomic_xchg(word_ptr, (epoch << 32) | bits, sem="relaxed")
     return epoch
-
-
-@triton.jit
-def _store_relaxed(ptr, word):
-    """A relaxed, GPU-scope 64-bit store (tl.store has no memory-order argument): morally strong, so the
-    other programs' volatile polls observe it."""
-    tl.inline_asm_elementwise(
-        "st.relaxed.gpu.global.b64 [$1], $2; // $0",
-        "=r,l,l",
-        [ptr, word],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
