@@ -248,9 +248,9 @@ def _decode_cases() -> Iterator[tuple[str, object, dict, dict, int]]:
         c = dict(H=H, K=K, V=V, T=T, BV=V, FUSE_NORM=True, NORM=dm.NO_NORM, PDL=True, **switches)
         yield f"decode T={T} fused row", dm._kda_decode_kernel, sig, c, 4
     norm = {"out": BF16, "z": BF16, "norm_weight": F32, "partials": "*i64", "stride_ot": "i32"}
-    norm.update(stride_oh="i32", stride_zt="i32", stride_zh="i32", norm_eps="fp32")
-    c = dict(H=H, V=V, NV=V // bv, PDL=True)
-    yield "decode gated norm", dm._gated_rmsnorm_kernel, norm, c, 1
+    norm.update(stride_oh="i32", stride_zt="i32", stride_zh="i32", norm_eps="fp32", n_rh="i32")
+    c = dict(H=H, V=V, NV=V // bv, RH=dm._NORM_PAIRS, PDL=True)
+    yield "decode gated norm", dm._gated_rmsnorm_kernel, norm, c, dm._NORM_WARPS
 
 
 def _prefill_cases() -> Iterator[tuple[str, object, dict, dict, int]]:

@@ -79,6 +79,12 @@ _METADATA_BEFORE_WAIT = True
 _OUT_FROM_DECAYED = False
 _NORMS_AFTER_DOTS = True
 _STATE_AFTER_WAIT = True
+# The two-launch norm's program: (row, head) pairs and warps. One pair per one-warp program made the
+# norm's launch of 1024 requests 32768 programs of 256 bytes each, and cost 35 us over the decode kernel
+# alone on an H100 (2026-12-06, e19f609, bench/results/kda-h100-2026-12-06-state-after-wait.json: 1474.4
+# against 1439.3), where b12x, its norm fused, took 1462.2.
+_NORM_PAIRS = 8
+_NORM_WARPS = 4
 # Each switch and the kernel's constexpr it sets.
 _SWITCH_CONSTEXPRS = {
     "_METADATA_BEFORE_WAIT": "META_EARLY",
@@ -349,27 +355,37 @@ def _gated_rmsnorm_kernel(
     stride_zt,
     stride_zh,
     norm_eps,
+    n_rh,
     H: tl.constexpr,
     V: tl.constexpr,
     NV: tl.constexpr,
+    RH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # In-place on the core output of the split-V path, its sum of squares from the tiles' partial words
-    # (NV > 0), or from out itself (NV == 0: a peer's output, bench/kda.py's fla+norm); zero rows stay zero.
+    # In-place on the core output of the split-V path, RH (row, head) pairs of the n_rh per program, their
+    # sums of squares from the tiles' partial words (NV > 0), or from out itself (NV == 0: a peer's output,
+    # bench/kda.py's fla+norm); zero rows stay zero. Each pair's words are summed by the one-launch wait's
+    # own load and reduction (one [NV] vector each), so both paths give the same bits.
     pid = tl.program_id(0)
-    row = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
     o_v = tl.arange(0, V)
     w = tl.load(norm_weight + o_v).to(tl.float32)  # a weight: before the wait
     _pdl_enter(PDL, True)
-    p_o = out + row * stride_ot + h * stride_oh + o_v
-    o = tl.load(p_o).to(tl.float32)
-    b_z = tl.load(z + row * stride_zt + h * stride_zh + o_v).to(tl.float32)
+    i_rh = tl.arange(0, RH)
+    rh = pid * RH + i_rh
+    live = (rh < n_rh)[:, None]
+    row = (rh // H).to(tl.int64)[:, None]
+    h = (rh % H).to(tl.int64)[:, None]
+    p_o = out + row * stride_ot + h * stride_oh + o_v[None, :]
+    o = tl.load(p_o, mask=live, other=0.0).to(tl.float32)
+    b_z = tl.load(z + row * stride_zt + h * stride_zh + o_v[None, :], mask=live, other=0.0).to(tl.float32)
     if NV > 0:
-        total = _sum_words(_load_words(_words(partials, row, h, H, NV), NV))
+        total = tl.zeros([RH], tl.float32)
+        for i in tl.static_range(RH):
+            pair = tl.minimum(pid * RH + i, n_rh - 1).to(tl.int64)  # past n_rh: a live pair's, not stored
+            total = tl.where(i_rh == i, _sum_words(_load_words(partials + pair * NV, NV)), total)
     else:
-        total = tl.sum(o * o, 0)
-    tl.store(p_o, _gated(o, total, w, b_z, V, norm_eps).to(out.dtype.element_ty))
+        total = tl.sum(o * o, 1)
+    tl.store(p_o, _gated(o, total[:, None], w[None, :], b_z, V, norm_eps).to(out.dtype.element_ty), mask=live)
 
 
 # Tried and removed (H200, 2026-12-04, bench/results/kda-h200-2026-12-04-rejected-one-launch-norm.json):
@@ -618,14 +634,15 @@ def launch_decode(
 def launch_gated_norm(
     out: Tensor, z: Tensor, norm_weight: Tensor, norm_eps: float, pdl: bool, partials: Tensor | None = None
 ) -> None:
-    """The split path's gated RMSNorm, in place on out [rows, H, V]: one one-warp program per (row, head),
-    its sum of squares from the decode launch's partial words, or from out (partials None: a peer's)."""
+    """The split path's gated RMSNorm, in place on out [rows, H, V]: _NORM_PAIRS (row, head) pairs per
+    program of _NORM_WARPS warps, their sums of squares from the decode launch's partial words, or from
+    out (partials None: a peer's)."""
     rows, H, V = out.shape
     nv = 0 if partials is None else partials.shape[2]
-    _gated_rmsnorm_kernel[(rows * H,)](
+    _gated_rmsnorm_kernel[(triton.cdiv(rows * H, _NORM_PAIRS),)](
         out, z, norm_weight, out if partials is None else partials,
-        out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps),
-        H=H, V=V, NV=nv, PDL=pdl, num_warps=1, **_pdl_launch(pdl),
+        out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps), rows * H,
+        H=H, V=V, NV=nv, RH=_NORM_PAIRS, PDL=pdl, num_warps=_NORM_WARPS, **_pdl_launch(pdl),
     )  # fmt: skip
 
 
