@@ -36,7 +36,8 @@ VERIFY_T = 4
 DECODE_VARIANTS: dict[str, dict[str, object]] = {
     **{f"ours{name.lower()}_{'off' if on else 'on'}": {name: not on} for name, on in DECODE_SWITCHES.items()},
     "ours_switches_off": dict.fromkeys(DECODE_SWITCHES, False),
-    # the two-launch norm one (row, head) per one-warp program, as before 2026-12-06 (decode.py's _NORM_PAIRS)
+    # the two-launch norm one (row, head) pair per one-warp program at every size, as before 2026-12-06
+    # (kernels/kda/decode.py's _NORM_PAIRS_FROM)
     "ours_norm_one_pair": {"_NORM_PAIRS": 1, "_NORM_WARPS": 1},
 }
 

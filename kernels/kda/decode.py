@@ -79,12 +79,19 @@ _METADATA_BEFORE_WAIT = True
 _OUT_FROM_DECAYED = False
 _NORMS_AFTER_DOTS = True
 _STATE_AFTER_WAIT = True
-# The two-launch norm's program: (row, head) pairs and warps. One pair per one-warp program made the
-# norm's launch of 1024 requests 32768 programs of 256 bytes each, and cost 35 us over the decode kernel
-# alone on an H100 (2026-12-06, e19f609, bench/results/kda-h100-2026-12-06-state-after-wait.json: 1474.4
-# against 1439.3), where b12x, its norm fused, took 1462.2.
+# The two-launch norm's program at launches of at least _NORM_PAIRS_FROM (row, head) pairs: _NORM_PAIRS
+# pairs per program of _NORM_WARPS warps; below it one pair per one-warp program. One pair per program at
+# every size made the norm's launch at 1024 requests 32768 programs of 256 bytes each, and it cost 35 us
+# over the decode kernel alone on an H100 (2026-12-06, e19f609, bench/results/kda-h100-2026-12-06-state-
+# after-wait.json: 1474.4 against 1439.3; b12x, its norm fused, 1462.2). In one H100 run of both shapes
+# (a900d6c, kda-h100-2026-12-06-norm-pairs.json, streamed, us; ours_norm_one_pair the old shape) 8 pairs
+# at 4 warps took 1477.0 against 1485.9 at 1024 requests, 374.2 against 376.1 at 256, and in verify 988
+# against 996 at 256 x 4 and 252.0 against 253.7 at 64 x 4 (8192 pairs and more); 98.4 against 98.5 at
+# 64 requests (2048 pairs); but 11.49 against 11.18 at 8 requests and 9.58 against 9.24 in verify at 1 x 4
+# (256 and 128 pairs: fewer, longer programs where the launch is latency-bound).
 _NORM_PAIRS = 8
 _NORM_WARPS = 4
+_NORM_PAIRS_FROM = 4096
 # Each switch and the kernel's constexpr it sets.
 _SWITCH_CONSTEXPRS = {
     "_METADATA_BEFORE_WAIT": "META_EARLY",
@@ -634,16 +641,21 @@ def launch_decode(
 def launch_gated_norm(
     out: Tensor, z: Tensor, norm_weight: Tensor, norm_eps: float, pdl: bool, partials: Tensor | None = None
 ) -> None:
-    """The split path's gated RMSNorm, in place on out [rows, H, V]: _NORM_PAIRS (row, head) pairs per
-    program of _NORM_WARPS warps, their sums of squares from the decode launch's partial words, or from
-    out (partials None: a peer's)."""
+    """The split path's gated RMSNorm, in place on out [rows, H, V], the sums of squares from the decode
+    launch's partial words, or from out (partials None: a peer's). Its program: norm_program_shape."""
     rows, H, V = out.shape
     nv = 0 if partials is None else partials.shape[2]
-    _gated_rmsnorm_kernel[(triton.cdiv(rows * H, _NORM_PAIRS),)](
+    pairs, warps = norm_program_shape(rows * H)
+    _gated_rmsnorm_kernel[(triton.cdiv(rows * H, pairs),)](
         out, z, norm_weight, out if partials is None else partials,
         out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(norm_eps), rows * H,
-        H=H, V=V, NV=nv, RH=_NORM_PAIRS, PDL=pdl, num_warps=_NORM_WARPS, **_pdl_launch(pdl),
+        H=H, V=V, NV=nv, RH=pairs, PDL=pdl, num_warps=warps, **_pdl_launch(pdl),
     )  # fmt: skip
+
+
+def norm_program_shape(pairs: int) -> tuple[int, int]:
+    """((row, head) pairs per program, warps) of the two-launch norm over `pairs` pairs (_NORM_PAIRS_FROM)."""
+    return (_NORM_PAIRS, _NORM_WARPS) if pairs >= _NORM_PAIRS_FROM else (1, 1)
 
 
 def decode(

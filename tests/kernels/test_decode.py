@@ -387,3 +387,22 @@ def test_the_one_launch_limit_counts_the_sms_the_context_may_use(monkeypatch):
     )
     t = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
     assert dm.one_launch_limit(t, 1) == 8 * 66 and dm.one_launch_limit(t, 2) == 4 * 66
+
+
+def test_the_two_launch_norm_gives_the_same_bits_at_either_program_shape(monkeypatch):
+    """The second launch's gated norm runs one (row, head) pair per one-warp program on small launches and
+    _NORM_PAIRS per program on large ones (kernels/kda/decode.py's _NORM_PAIRS_FROM): both shapes give the
+    same bits and the torch backend's step, a last program's pairs past the end masked."""
+    import importlib
+
+    dm = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
+    assert dm.norm_program_shape(dm._NORM_PAIRS_FROM - 1) == (1, 1)
+    assert dm.norm_program_shape(dm._NORM_PAIRS_FROM) == (dm._NORM_PAIRS, dm._NORM_WARPS)
+    t = decode_step(3, 1, seed=31)  # 3 rows x 2 heads: 6 pairs, one 8-pair program with 2 past the end
+    t["num_live"].fill_(2)
+    got = {}
+    for pairs_from in (1, 10**9):
+        monkeypatch.setattr(dm, "_NORM_PAIRS_FROM", pairs_from)
+        got[pairs_from] = run("triton", t)
+    assert torch.equal(got[1]["out"], got[10**9]["out"]) and torch.equal(got[1]["state"], got[10**9]["state"])
+    assert_same_step(got[1], run("torch", t))
