@@ -389,7 +389,8 @@ def _gated_rmsnorm_kernel(
         total = tl.zeros([RH], tl.float32)
         for i in tl.static_range(RH):
             pair = tl.minimum(pid * RH + i, n_rh - 1).to(tl.int64)  # past n_rh: a live pair's, not stored
-            total = tl.where(i_rh == i, _sum_words(_load_words(partials + pair * NV, NV)), total)
+            words = partials + pair * NV  # _words' address: pair = row * H + h, without the division
+            total = tl.where(i_rh == i, _sum_words(_load_words(words, NV)), total)
     else:
         total = tl.sum(o * o, 1)
     tl.store(p_o, _gated(o, total[:, None], w[None, :], b_z, V, norm_eps).to(out.dtype.element_ty), mask=live)
