@@ -256,16 +256,14 @@ def _kda_decode_kernel(
             total = _await_partials(words, epoch, NV)
             o = _gated(o, total, wn, b_z, V, norm_eps)
             tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o.to(out.dtype.element_ty))
-            if STATE_LATE:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                if dst != 0:
-                    tl.store(state + dst * stride_slot + head_tile, S)
         else:
             o = o.to(out.dtype.element_ty)
             tl.store(out + row * stride_ot + h64 * stride_oh + o_v, o)
             if NORM == TWO_LAUNCHES:
                 o = o.to(tl.float32)
                 _put_partial(word, last, tl.sum(o * o, 0))
-        if FUSE_NORM or NORM != ONE_LAUNCH:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        # after the output (the one-launch norm: after its wait, _STATE_AFTER_WAIT), unless stored above
+        if FUSE_NORM or NORM != ONE_LAUNCH or STATE_LATE:  # noqa: SIM102 (a constexpr test, then a runtime one)
             if dst != 0:
                 tl.store(state + dst * stride_slot + head_tile, S)
 
