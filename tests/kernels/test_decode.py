@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from kernels.kda.backend import DECODE_TENSORS, refuse_capture
 from kernels.kda.decode import LAUNCH_SWITCHES, decode, describe_launch, launch_decode
 
 from .conftest import DEVICE, decode_step
+
+# the module (the package's `decode` is the function), for the settings the tests flip
+dm = importlib.import_module("kernels.kda.decode")
 
 OUT_ATOL = 2e-2  # bf16 output (one rounding of the core output, one of the normed output)
 STATE_ATOL = 1e-5
@@ -313,17 +317,11 @@ def test_the_split_norm_sums_partial_words_that_advance_one_epoch_a_call_and_bin
         )  # fmt: skip
 
 
-SWITCHES = LAUNCH_SWITCHES
-
-
 @pytest.mark.parametrize(
-    "off", [(), *((s,) for s in SWITCHES), SWITCHES], ids=lambda o: "+".join(o) or "none"
+    "off", [(), *((s,) for s in LAUNCH_SWITCHES), LAUNCH_SWITCHES], ids=lambda o: "+".join(o) or "none"
 )
 def test_every_setting_of_the_launch_switches_matches_the_torch_backend(monkeypatch, off):
     # bench/kda.py times each switch turned off beside the default: each setting must compute the step.
-    import importlib
-
-    dm = importlib.import_module("kernels.kda.decode")
     for name in off:
         monkeypatch.setattr(dm, name, False)
     for n, T, seed in ((3, 1, 11), (2, 4, 12)):
@@ -339,9 +337,6 @@ def test_the_one_launch_limit_counts_the_sms_the_context_may_use(monkeypatch):
     the wait would end in NaN. The count comes from the driver (cuCtxGetExecAffinity's SM count), read
     through cuda.h's struct; a driver that does not say leaves the device's count."""
     import ctypes
-    import importlib
-
-    dm = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
 
     assert dm.usable_sms(132, None) == 132
     assert dm.usable_sms(132, 66) == 66 and dm.usable_sms(132, 200) == 132
@@ -393,9 +388,6 @@ def test_the_two_launch_norm_gives_the_same_bits_at_either_program_shape(monkeyp
     """The second launch's gated norm runs one (row, head) pair per one-warp program on small launches and
     _NORM_PAIRS per program on large ones (kernels/kda/decode.py's _NORM_PAIRS_FROM): both shapes give the
     same bits and the torch backend's step, a last program's pairs past the end masked."""
-    import importlib
-
-    dm = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
     assert dm.norm_program_shape(dm._NORM_PAIRS_FROM - 1) == (1, 1)
     assert dm.norm_program_shape(dm._NORM_PAIRS_FROM) == (dm._NORM_PAIRS, dm._NORM_WARPS)
     t = decode_step(3, 1, seed=31)  # 3 rows x 2 heads: 6 pairs, one 8-pair program with 2 past the end

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -10,6 +12,9 @@ from kernels.kda.b12x import packed_qkv_view
 from tests.pdl_chain import assert_replay_with_pdl_equals_serial
 
 from .conftest import decode_step
+
+# the module (the package's `decode` is the function), for the settings the tests flip
+dm = importlib.import_module("kernels.kda.decode")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -207,11 +212,8 @@ def test_the_one_launch_norm_gives_the_two_launch_bits_call_after_call(n, state_
     sums of squares) against TWO_LAUNCHES (a second kernel adds the same words): the same output and state
     bits, on words kept across three calls whose epochs advance together; with a dead row among them. The
     one-launch program stores its state after the wait or before it (_STATE_AFTER_WAIT): both."""
-    import importlib
-
     from kernels.kda.decode import one_launch_limit
 
-    dm = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
     monkeypatch.setattr(dm, "_STATE_AFTER_WAIT", state_after_wait)
     t = decode_step(n, 1, seed=11, **REAL)
     assert n * 32 * 16 <= one_launch_limit(t["q"], 1)
@@ -236,10 +238,6 @@ def test_the_driver_reports_the_sms_the_context_may_use_and_the_one_launch_limit
     """cuCtxGetExecAffinity's SM count for the process's context (no MPS here: every SM of the device, or
     no count where the driver reports the affinity unsupported outside MPS), and one_launch_limit sized by
     it: 8 resident one-warp programs per SM."""
-    import importlib
-
-    dm = importlib.import_module("kernels.kda.decode")  # the package's `decode` is the function
-
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with torch.cuda.device(0):
         reported = dm.context_sms()
