@@ -106,6 +106,10 @@ class Runner:
         # since boot: a diagnostic the server logs per request (what a request's time went to).
         self.prefill_seconds = 0.0
         self.prefill_prompts = 0
+        # A request ends at EOS. An engine whose weights were never loaded (the warm step's recording pass,
+        # Engine(weights=False)) sets this False: its tokens come from whatever memory held, and one that
+        # happened to pick EOS after prefill would skip the decode steps whose kernels the pass records.
+        self.stop_at_eos = True
 
     # ------------------------------------------------------------------ admission
 
@@ -360,7 +364,7 @@ class Runner:
         req.gaps.append(gap)
         req.top2.append([token, second])
         self.counters.tokens_generated += 1
-        if token == EOS:
+        if token == EOS and self.stop_at_eos:
             req.finish_reason = "stop"
         elif len(req.output) >= req.max_tokens:
             req.finish_reason = "length"

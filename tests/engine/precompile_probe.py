@@ -94,9 +94,9 @@ def _probe_kernel():  # noqa: ANN202
     return precompile_probe._warmup_probe_kernel
 
 
-def work() -> None:
+def work() -> list[list[int]]:
     """The decode step's glue of the tiny reference engine, fused (kernels/fused.py), at two batch sizes:
-    what Engine.warm reaches for these kernels, in a few steps."""
+    what Engine.warm reaches for these kernels, in a few steps. The tokens each request generated."""
     from qualify.engine.config import EngineConfig
     from qualify.engine.engine import Engine
     from qualify.engine.tokenizer import BOS
@@ -104,11 +104,16 @@ def work() -> None:
     cfg = EngineConfig(preset="tiny", device="cpu", kda_decode_backend="torch", cudagraph_mode="none")
     engine = Engine(cfg, weights=False)
     engine.model.set_fused(True)
+    tokens = []
     try:
         for b in (1, 3):
-            engine.generate([[BOS, *[65 + (i + j) % 26 for j in range(5)]] for i in range(b)], 2, "eager")
+            gens, _ = engine.generate(
+                [[BOS, *[65 + (i + j) % 26 for j in range(5)]] for i in range(b)], 2, "eager"
+            )
+            tokens += [g.token_ids for g in gens]
     finally:
         engine.close()
+    return tokens
 
 
 def _poisoned_empty() -> None:
@@ -182,7 +187,7 @@ def main() -> None:
         try:
             pre.mark("before_recording")
             with pre.recording():
-                work()
+                tokens = work()
                 x, y = torch.ones(16), torch.zeros(16)
                 warmed = _probe_kernel().warmup(x, y, N=16, grid=(1,))
                 warmed[(1,)](x, y)  # as b12x launches what its warmup returned: runs nothing here
@@ -190,6 +195,7 @@ def main() -> None:
         except BaseException:
             pre.close()
             raise
+        facts["tokens"] = tokens  # an unloaded engine's: whatever its memory held (runs to max_tokens)
         facts["warmup_returned"] = type(warmed).__name__
         facts["launch_wrote"] = bool(y.any())
         print(json.dumps(facts), flush=True)

@@ -178,3 +178,39 @@ def test_requests_that_cannot_be_served_are_refused_before_anything_is_admitted(
     with pytest.raises(ValueError, match=needle):
         tiny_engine.generate(prompts, max_tokens)
     assert len(tiny_engine.runner.pool.groups) == tiny_engine.cfg.max_num_seqs
+
+
+def test_an_engine_without_its_weights_decodes_past_eos_and_a_loaded_one_stops_there(
+    tiny_engine, monkeypatch
+):
+    """The warm step's recording pass runs an engine whose weights were never loaded (Engine(weights=False):
+    its tokens come from whatever memory held) and must reach every decode step whose kernels it records.
+    A token that happens to be EOS after prefill ended the request there, and the decode kernels went
+    unrecorded (tests/engine/test_precompile.py failed so, now and then, under load). Such an engine runs
+    every request to max_tokens; one with its weights stops at EOS as before."""
+    from qualify.engine.config import EngineConfig
+    from qualify.engine.engine import Engine
+    from qualify.engine.runner import Runner
+    from qualify.engine.tokenizer import EOS
+
+    def always_eos(logits):
+        rows = logits.shape[0]
+        return [EOS] * rows, [1.0] * rows, [0] * rows
+
+    monkeypatch.setattr(Runner, "pick_top2", staticmethod(always_eos))
+    steps = []
+    decode_step = Runner.decode_step
+    monkeypatch.setattr(
+        Runner, "decode_step", lambda self, *a: steps.append(len(a[0])) or decode_step(self, *a)
+    )
+
+    gens, _ = tiny_engine.generate(PROMPTS, 3)
+    assert [(g.token_ids, g.finish_reason) for g in gens] == [([EOS], "stop")] * len(PROMPTS) and steps == []
+
+    unloaded = Engine(EngineConfig(preset="tiny", device="cpu"), weights=False)
+    try:
+        gens, _ = unloaded.generate(PROMPTS, 3)
+    finally:
+        unloaded.close()
+    assert [(g.token_ids, g.finish_reason) for g in gens] == [([EOS] * 3, "length")] * len(PROMPTS)
+    assert steps == [len(PROMPTS)] * 2  # both decode steps ran, for every request

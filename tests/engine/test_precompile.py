@@ -56,6 +56,8 @@ def test_recorded_specializations_compiled_by_workers_are_the_ones_the_jit_then_
     rec = _probe("record", cache, tmp_path, libcuda)
     assert rec["jobs"] == 2 and rec["failed"] == [] and rec["record_error"] is None
     assert rec["specializations"] == rec["compiled"] >= 6
+    # every request decoded (an unloaded engine runs to max_tokens: an EOS after prefill once skipped it)
+    assert [len(t) for t in rec["tokens"]] == [2] * 4, rec["tokens"]
     assert {"_rmsnorm_kernel", "_attn_decode_kernel", "_rope_kv_kernel"} <= set(rec["kernels"])
     assert rec["record_s"] is not None and rec["seconds"] >= rec["wait_after_record_s"]
     # the step's clock: its marks, when the specializations were recorded, and the compiles that ended last
