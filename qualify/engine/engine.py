@@ -157,9 +157,10 @@ class Engine:
             self.weights_digest = snapshot(self.model).digest
             self._phase("weights_digest")
         self.counters = Counters()
-        self.runner = Runner(cfg, self.model, self.arena, self.device, self.counters)
         # weights never loaded: every request runs to max_tokens (Runner.stop_at_eos says why)
-        self.runner.stop_at_eos = self._load_weights
+        self.runner = Runner(
+            cfg, self.model, self.arena, self.device, self.counters, stop_at_eos=self._load_weights
+        )
         self._phase("runner")
 
     # ------------------------------------------------------------------ verbs

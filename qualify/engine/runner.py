@@ -90,7 +90,9 @@ class StaticOutputs:
 
 
 class Runner:
-    def __init__(self, cfg, model: HybridModel, arena: Arena, device: torch.device, counters):
+    def __init__(
+        self, cfg, model: HybridModel, arena: Arena, device: torch.device, counters, stop_at_eos: bool = True
+    ):
         self.cfg, self.model, self.arena, self.device, self.counters = cfg, model, arena, device, counters
         self.pool = SlotPool(cfg)
         rows = cfg.plan_rows * cfg.tokens_per_request
@@ -107,9 +109,9 @@ class Runner:
         self.prefill_seconds = 0.0
         self.prefill_prompts = 0
         # A request ends at EOS. An engine whose weights were never loaded (the warm step's recording pass,
-        # Engine(weights=False)) sets this False: its tokens come from whatever memory held, and one that
+        # Engine(weights=False)) passes False: its tokens come from whatever memory held, and one that
         # happened to pick EOS after prefill would skip the decode steps whose kernels the pass records.
-        self.stop_at_eos = True
+        self.stop_at_eos = stop_at_eos
 
     # ------------------------------------------------------------------ admission
 
